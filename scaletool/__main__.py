@@ -1,0 +1,3 @@
+from scaletool.cli import main
+
+main()

@@ -1,0 +1,343 @@
+"""The analytic model: closed forms, config in, numbers out. No model is instantiated here.
+
+Conventions, stated once:
+- FLOPs are floating-point operations, a multiply-add counts as 2.
+- "causal" attention FLOPs count the T²/2 scores a causal mask leaves (PaLM, Chowdhery et al. 2022,
+  appendix B); "full" counts all T² (what FlopCounterMode and fvcore measure, since SDPA computes
+  the masked tiles' cost away only inside fused kernels).
+- Matmul parameters are the weights of every Linear layer, the LM head included (tied or not); the
+  token-embedding lookup is a gather, no matmul; norms and biases are element-wise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletool.config import DTYPE_BYTES, ModelConfig, Recipe
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _norm_params(cfg: ModelConfig, dim: int) -> int:
+    return dim if cfg.norm == "rmsnorm" else 2 * dim
+
+
+def attention_params(cfg: ModelConfig) -> dict[str, int]:
+    """Per-layer attention parameters by projection.
+
+    MHA/GQA/MQA (Llama layout): wq d·H·hd, wk and wv d·KV·hd each, wo H·hd·d (+ (H+2·KV)·hd
+    biases with ``qkv_bias``, as Qwen2).
+    MLA (DeepSeek-V2 §2.1, V3 inference code): wq d·H·(nope+rope) or wq_a d·q_lora + q_norm q_lora +
+    wq_b q_lora·H·(nope+rope); wkv_a d·(kv_lora+rope); kv_norm kv_lora; wkv_b kv_lora·H·(nope+v);
+    wo H·v·d.
+    """
+    d, H = cfg.d_model, cfg.n_heads
+    if cfg.attention != "mla":
+        hd, KV = cfg.head_dim, cfg.n_kv_heads
+        out = {"wq": d * H * hd, "wk": d * KV * hd, "wv": d * KV * hd, "wo": H * hd * d}
+        if cfg.qkv_bias:
+            out["qkv_bias"] = (H + 2 * KV) * hd
+        return out
+    qk, c, r = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    out = {}
+    if cfg.q_lora_rank == 0:
+        out["wq"] = d * H * qk
+    else:
+        q = cfg.q_lora_rank
+        out.update(wq_a=d * q, q_norm=q, wq_b=q * H * qk)
+    out.update(wkv_a=d * (c + r), kv_norm=c, wkv_b=c * H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+               wo=H * cfg.v_head_dim * d)
+    return out
+
+
+def ffn_params(cfg: ModelConfig) -> int:
+    """SwiGLU: 3·d·i (gate, up, down); GELU/ReLU: 2·d·i. No biases."""
+    mats = 3 if cfg.ffn == "swiglu" else 2
+    return mats * cfg.d_model * cfg.intermediate_size
+
+
+def param_counts(cfg: ModelConfig) -> dict:
+    """Exact parameter count by component; equals ``sum(p.numel())`` of the built model."""
+    d, L = cfg.d_model, cfg.n_layers
+    attn = attention_params(cfg)
+    attn_layer = sum(attn.values())
+    ffn_layer = ffn_params(cfg)
+    norms_layer = 2 * _norm_params(cfg, d)
+    if cfg.task == "lm":
+        embedding = cfg.vocab_size * d
+        head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    else:  # grouped feature Linear layers (with bias) + BatchNorm1d weight and bias
+        embedding = sum(s * w + w for s, w in zip(cfg.feature_groups, cfg.group_widths)) + 2 * d
+        head = d * cfg.horizon + cfg.horizon
+    final_norm = _norm_params(cfg, d)
+    layers = L * (attn_layer + ffn_layer + norms_layer)
+    total = embedding + layers + final_norm + head
+    non_embedding = total - (embedding if cfg.task == "lm" else 0)
+    rule = 12 * d * d * L
+    return {
+        "total": total,
+        "non_embedding": non_embedding,
+        "embedding": embedding,
+        "head": head,
+        "final_norm": final_norm,
+        "attention": L * attn_layer,
+        "ffn": L * ffn_layer,
+        "norms": L * norms_layer + final_norm,
+        "per_layer": {"attention": attn_layer, "ffn": ffn_layer, "norms": norms_layer,
+                      "attention_by_projection": attn},
+        "matmul": matmul_params(cfg),
+        "rule_of_thumb_12d2L": rule,
+        # The rule ignores embeddings, so it is compared with the non-embedding count.
+        "rule_of_thumb_rel_error": (rule - non_embedding) / non_embedding,
+    }
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul per token: every Linear, the LM head included."""
+    attn = attention_params(cfg)
+    attn_mm = sum(v for k, v in attn.items() if not k.endswith(("norm", "bias")))
+    n = cfg.n_layers * (attn_mm + ffn_params(cfg))
+    if cfg.task == "lm":
+        n += cfg.vocab_size * cfg.d_model  # LM head, tied or not: still a (d × vocab) matmul
+    else:
+        n += sum(s * w for s, w in zip(cfg.feature_groups, cfg.group_widths)) + cfg.d_model * cfg.horizon
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool) -> float:
+    """Forward attention-score FLOPs per token, all layers: QKᵀ (2·H·T·d_qk) plus AV (2·H·T·d_v).
+
+    Full: 2·L·H·T·(d_qk + d_v). Causal halves it (PaLM appendix B counts T/2 keys on average).
+    """
+    full = 2 * cfg.n_layers * cfg.n_heads * seq_len * (cfg.qk_head_dim + cfg.v_dim)
+    return full / 2 if causal else float(full)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+    """Forward and training FLOPs per token (training = 3 × forward: backward is twice forward).
+
+    train = 6·N_matmul + 6·L·H·T·(d_qk + d_v)/2 (causal, the MFU convention used here), with the
+    full-attention figure beside it. For the non-causal regression model the two coincide in
+    ``train``: it uses the full figure.
+    """
+    n = matmul_params(cfg)
+    dense_fwd = 2 * n
+    if cfg.task == "regression":  # the head reads only the last time step: once per sequence
+        dense_fwd -= 2 * cfg.d_model * cfg.horizon * (1 - 1 / seq_len)
+    out = {}
+    for conv in ("causal", "full"):
+        att = attention_flops_per_token(cfg, seq_len, causal=(conv == "causal"))
+        out[f"forward_{conv}"] = dense_fwd + att
+        out[f"train_{conv}"] = 3 * (dense_fwd + att)
+        out[f"attention_forward_{conv}"] = att
+    native = "causal" if cfg.task == "lm" else "full"
+    out["train"] = out[f"train_{native}"]
+    out["forward"] = out[f"forward_{native}"]
+    out["dense_6N"] = 6 * n
+    out["convention"] = native
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+def kv_cache(cfg: ModelConfig) -> dict:
+    """KV-cache bytes per token at the recipe dtype (DeepSeek-V2, Table 1).
+
+    MHA/GQA/MQA: 2·n_kv_heads·head_dim per layer. MLA caches the normalised latent and the shared
+    RoPE key: kv_lora_rank + qk_rope_head_dim per layer (what absorbed decoding reads). MLA's naive
+    form caches full per-head keys and values: n_heads·(qk_head_dim + v_head_dim) per layer, which is
+    also the MHA with the same heads and head dims that the compression ratio is taken against.
+    """
+    b, L, H = cfg.dtype_bytes, cfg.n_layers, cfg.n_heads
+    if cfg.attention == "mla":
+        elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        mha_equiv = H * (cfg.qk_head_dim + cfg.v_dim)
+    else:
+        elems = 2 * cfg.n_kv_heads * cfg.head_dim
+        mha_equiv = 2 * H * cfg.head_dim
+    out = {
+        "elements_per_token_per_layer": elems,
+        "bytes_per_token_per_layer": elems * b,
+        "bytes_per_token": elems * b * L,
+        "mha_equivalent_bytes_per_token": mha_equiv * b * L,
+        "compression_ratio": mha_equiv / elems,
+        "dtype": cfg.dtype,
+    }
+    if cfg.attention == "mla":
+        out["naive_bytes_per_token"] = mha_equiv * b * L
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Training memory
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    micro_batch_size: int
+    seq_len: int
+    activation_checkpointing: str = "none"  # none | full | selective
+    selective_every: int = 2
+
+
+def _activation_bytes_per_token_per_layer(cfg: ModelConfig) -> float:
+    """Bytes autograd keeps per token in one block, eager mode, mixed precision (bf16/fp16 autocast).
+
+    Counted tensor by tensor (fp32 residual stream, 16-bit matmul inputs): each norm keeps its fp32
+    input (4d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
+    (no T×T scores) plus an fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and their
+    product (4 tensors of i), GELU/ReLU the pre-activation and activation (2 of i).
+    """
+    d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
+    res = 4  # residual stream dtype: fp32 master weights under autocast
+    norms = 2 * (res * d + a * d)
+    if cfg.attention == "mla":
+        c, r, qk, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim, cfg.v_dim
+        attn = a * (H * qk + H * qk + H * v + H * v)  # q, k, v, out
+        attn += a * (2 * c + r)  # latent split + kv_norm output (wkv_b input)
+        if cfg.q_lora_rank:
+            attn += a * 2 * cfg.q_lora_rank
+    else:
+        hd, KV = cfg.head_dim, cfg.n_kv_heads
+        attn = a * (2 * H * hd + 2 * KV * hd)  # q, out; k, v
+    attn += 4 * H  # log-sum-exp
+    ffn = a * cfg.intermediate_size * (4 if cfg.ffn == "swiglu" else 2)
+    return norms + attn + ffn
+
+
+def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs, *,
+                    zero_stage: int = 1, reshard_after_forward: bool = True) -> dict:
+    """Peak bytes per GPU: weights + gradients + optimizer state + activations (+ transient buffers).
+
+    Model states follow ZeRO (Rajbhandari et al. 2020, §3): with 16-bit training DeepSpeed keeps
+    16-bit params (2Ψ) and grads (2Ψ) plus fp32 master weights, Adam m and v (12Ψ); ZeRO-1 shards
+    the 12Ψ, ZeRO-2 also the grads, ZeRO-3 also the params. Torch-native engines (single, DDP,
+    FSDP2) keep fp32 params (4Ψ) and grads (4Ψ) and Adam m, v (8Ψ) and cast under autocast or the
+    FSDP2 mixed-precision policy; FSDP2 shards all three and all-gathers 16-bit blocks on demand.
+    """
+    psi = param_counts(cfg)["total"]
+    N = world_size
+    p16 = cfg.dtype_bytes
+    mixed = cfg.dtype != "fp32"
+    block_params = param_counts(cfg)["per_layer"]
+    block_psi = block_params["attention"] + block_params["ffn"] + block_params["norms"]
+    transient = 0.0
+    if engine in ("single", "ddp"):
+        weights, grads, optim = 4 * psi, 4 * psi, 8 * psi
+    elif engine == "fsdp":
+        weights, grads, optim = 4 * psi / N, 4 * psi / N, 8 * psi / N
+        # unsharded 16-bit params of the running and the prefetched block, and one block's
+        # unsharded gradients before reduce-scatter (16-bit, cast to fp32 for the reduction)
+        if N > 1:
+            transient = 2 * block_psi * p16 + block_psi * (p16 + 4)
+    elif engine == "deepspeed":
+        s = zero_stage
+        master = 12 if mixed else 8  # fp32 master + m + v; fp32 training needs no separate master
+        weights = (p16 if mixed else 4) * psi / (N if s >= 3 else 1)
+        grads = (p16 if mixed else 4) * psi / (N if s >= 2 else 1)
+        optim = master * psi / (N if s >= 1 else 1)
+        if s >= 3 and N > 1:
+            transient = 2 * block_psi * p16
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    per_layer = _activation_bytes_per_token_per_layer(cfg)
+    L = cfg.n_layers
+    res = 4
+    if inputs.activation_checkpointing == "full":
+        # block inputs kept, one block's activations live again during its recomputation
+        act_layers = tokens * (L * res * cfg.d_model + per_layer)
+    elif inputs.activation_checkpointing == "selective":
+        ck = L // inputs.selective_every
+        act_layers = tokens * ((L - ck) * per_layer + ck * res * cfg.d_model + (per_layer if ck else 0))
+    else:
+        act_layers = tokens * L * per_layer
+    if cfg.task == "lm":
+        # embedding output, final norm, 16-bit logits, their fp32 copy and log-softmax kept for CE
+        a = 2 if mixed else 4
+        head_act = tokens * (res * cfg.d_model * 2 + cfg.vocab_size * (a + 4 + 4))
+    else:
+        head_act = tokens * (res * cfg.d_model * 3)
+    activations = act_layers + head_act
+    total = weights + grads + optim + transient + activations
+    return {
+        "engine": engine, "world_size": N, "zero_stage": zero_stage if engine == "deepspeed" else None,
+        "weights_bytes": int(weights), "gradients_bytes": int(grads), "optimizer_bytes": int(optim),
+        "transient_bytes": int(transient), "activations_bytes": int(activations),
+        "activations_per_token_per_layer_bytes": int(per_layer),
+        "total_bytes": int(total),
+    }
+
+
+def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
+    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing."""
+    N = world_size or recipe.parallel.world_size
+    t = recipe.train
+    rows = []
+    for ac in ("none", "full"):
+        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
+        for engine, stage in [("single", None), ("ddp", None), ("fsdp", None),
+                              ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]:
+            if engine == "single" and N > 1:
+                continue
+            row = training_memory(recipe.model, engine, 1 if engine == "single" else N, inp,
+                                  zero_stage=stage or 0)
+            row["activation_checkpointing"] = ac
+            row["label"] = f"zero{stage}" if engine == "deepspeed" else engine
+            rows.append(row)
+    return rows
+
+
+def recipe_memory(recipe: Recipe, world_size: int) -> dict:
+    """Memory estimate for the engine and settings the recipe itself selects."""
+    t, p = recipe.train, recipe.parallel
+    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    return training_memory(recipe.model, p.engine, world_size, inp, zero_stage=p.zero_stage,
+                           reshard_after_forward=p.reshard_after_forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything at once
+
+
+def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | None = None) -> dict:
+    """The full analytic picture of a recipe as one JSON-ready dict."""
+    cfg = recipe.model
+    T = recipe.seq_len
+    params = param_counts(cfg)
+    flops = flops_per_token(cfg, T)
+    N = world_size or recipe.parallel.world_size
+    train_tokens = tokens if tokens is not None else (
+        recipe.train.steps * recipe.train.micro_batch_size * recipe.train.grad_accum_steps * T * N)
+    kv = kv_cache(cfg)
+    b = cfg.dtype_bytes
+    return {
+        "model": {"attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+                  "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "task": cfg.task},
+        "seq_len": T,
+        "params": params,
+        "flops": {
+            "per_token": flops,
+            "train_tokens": train_tokens,
+            "train_total_6NT": 6 * params["matmul"] * train_tokens,
+            "train_total": flops["train"] * train_tokens,
+        },
+        "kv_cache": {
+            **kv,
+            "bytes_per_sequence_at_seq_len": kv["bytes_per_token"] * T,
+        },
+        "attention_scores": {
+            # What a naive attention materialises per sequence and layer: the H×T×T score matrix.
+            # Fused SDPA never stores it; it is here to set against the KV cache, not to add to it.
+            "elements_per_layer": cfg.n_heads * T * T,
+            "bytes_per_layer": cfg.n_heads * T * T * b,
+        },
+        "memory": {"world_size": N, "recipe": recipe_memory(recipe, N), "engines": memory_table(recipe, N)},
+    }

@@ -1,0 +1,83 @@
+"""``scaletool estimate``: the analytic model of a recipe, no model instantiated."""
+from __future__ import annotations
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from scaletool import analytic
+from scaletool.cli.fmt import gib, pct, si
+from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.config import load_recipe
+
+
+@click.command()
+@recipe_argument
+@set_option
+@click.option("--tokens", type=click.IntRange(min=1), help="Training tokens for the total-FLOPs line "
+              "(default: steps × global batch × seq_len of the recipe).")
+@click.option("--world-size", type=click.IntRange(min=1), help="Ranks for the memory table (default parallel.world_size).")
+@json_option
+def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None, as_json: bool) -> None:
+    """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
+
+    \b
+    Parameters: exact count by component, and the rule of thumb 12·d²·L with its error.
+    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
+    KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
+    Memory/GPU: weights, grads, AdamW state, activations for DDP, FSDP, ZeRO-1/2/3.
+    """
+    r = load_recipe(recipe, overrides)
+    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    if as_json:
+        emit_json(est)
+        return
+    print_estimate(r, est, Console())
+
+
+def print_estimate(r, est: dict, console: Console) -> None:
+    m, p, f, kv = r.model, est["params"], est["flops"], est["kv_cache"]
+    console.print(f"[bold]{m.attention.upper()}[/] d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
+                  f"n_kv_heads={m.n_kv_heads} ffn={m.ffn}×{m.intermediate_size} seq_len={est['seq_len']} dtype={m.dtype}")
+    t = Table(title="Parameters", title_justify="left")
+    t.add_column("component"), t.add_column("count", justify="right"), t.add_column("share", justify="right")
+    for key in ("embedding", "attention", "ffn", "norms", "head"):
+        t.add_row(key, f"{p[key]:,}", f"{100 * p[key] / p['total']:.1f}%")
+    t.add_row("[bold]total", f"[bold]{p['total']:,}", "")
+    t.add_row("non-embedding", f"{p['non_embedding']:,}", "")
+    t.add_row("12·d²·L", f"{p['rule_of_thumb_12d2L']:,}", pct(p["rule_of_thumb_rel_error"]) + " vs non-emb.")
+    console.print(t)
+
+    pt = f["per_token"]
+    t = Table(title=f"FLOPs per token (T={est['seq_len']})", title_justify="left")
+    t.add_column(""), t.add_column("causal", justify="right"), t.add_column("full T²", justify="right")
+    t.add_row("training (6N + attention)", si(pt["train_causal"], "FLOP"), si(pt["train_full"], "FLOP"))
+    t.add_row("forward (inference)", si(pt["forward_causal"], "FLOP"), si(pt["forward_full"], "FLOP"))
+    t.add_row("attention, forward", si(pt["attention_forward_causal"], "FLOP"), si(pt["attention_forward_full"], "FLOP"))
+    t.add_row("6·N only", si(pt["dense_6N"], "FLOP"), "")
+    console.print(t)
+    console.print(f"Training {si(f['train_tokens'])} tokens: 6·N·T = {si(f['train_total_6NT'], 'FLOP')}, "
+                  f"with attention ({pt['convention']}) = {si(f['train_total'], 'FLOP')}")
+
+    t = Table(title="KV cache", title_justify="left")
+    t.add_column(""), t.add_column("value", justify="right")
+    t.add_row("elements / token / layer", f"{kv['elements_per_token_per_layer']:,}")
+    t.add_row(f"bytes / token (all layers, {kv['dtype']})", f"{kv['bytes_per_token']:,}")
+    if "naive_bytes_per_token" in kv:
+        t.add_row("MLA naive (per-head K,V) bytes / token", f"{kv['naive_bytes_per_token']:,}")
+    t.add_row("MHA-equivalent bytes / token", f"{kv['mha_equivalent_bytes_per_token']:,}")
+    t.add_row("compression vs MHA", f"{kv['compression_ratio']:.2f}×")
+    t.add_row(f"per sequence at T={est['seq_len']}", gib(kv["bytes_per_sequence_at_seq_len"]))
+    t.add_row("naive score matrix / layer / sequence", gib(est["attention_scores"]["bytes_per_layer"]) + " (fused SDPA: 0)")
+    console.print(t)
+
+    mem = est["memory"]
+    tr = r.train
+    t = Table(title=f"Training memory per GPU (world size {mem['world_size']}, micro-batch {tr.micro_batch_size}, "
+              f"AdamW, {m.dtype})", title_justify="left")
+    for c in ("engine", "ckpt", "weights", "grads", "optimizer", "activations", "total"):
+        t.add_column(c, justify="right" if c not in ("engine", "ckpt") else "left")
+    for row in mem["engines"]:
+        t.add_row(row["label"], row["activation_checkpointing"], gib(row["weights_bytes"]), gib(row["gradients_bytes"]),
+                  gib(row["optimizer_bytes"]), gib(row["activations_bytes"]), gib(row["total_bytes"]))
+    console.print(t)

@@ -1,0 +1,183 @@
+"""Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA.
+
+Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
+also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
+tests check SDPA against it and the training-dynamics monitors read entropies from it.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from scaletool.config import ModelConfig
+from scaletool.model.layers import apply_rope
+
+_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
+
+def sdpa_backends(choice: str, qk_dim: int, v_dim: int) -> list[SDPBackend] | None:
+    """Backend priority for SDPA; None leaves PyTorch's default dispatch.
+
+    'auto' matters for MLA: with q/k head dim != v head dim there is no flash kernel and the default
+    dispatch falls to the memory-efficient kernel (~47 TFLOP/s on H100 for 192/128), while cuDNN's
+    fused attention runs the same shapes at ~268 TFLOP/s. So auto puts cuDNN first there and keeps
+    flash first when the dims match. A chosen backend is tried first, the rest stay as fallbacks.
+    """
+    order = ["flash", "cudnn", "efficient", "math"]
+    if choice == "auto":
+        if qk_dim == v_dim:
+            return None
+        choice = "cudnn"
+    order.remove(choice)
+    return [_BACKENDS[b] for b in [choice] + order]
+
+
+def _sdpa(q, k, v, *, causal: bool, scale: float, dropout: float, enable_gqa: bool, backends):
+    ctx = sdpa_kernel(backends, set_priority=True) if backends is not None and q.is_cuda else nullcontext()
+    with ctx:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
+def _reference_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """softmax(q kᵀ · scale) with the causal mask; q (B,H,T,D), k (B,H,S,D) -> (B,H,T,S) in fp32."""
+    s = torch.einsum("bhtd,bhsd->bhts", q.float(), k.float()) * scale
+    if causal:
+        T, S = s.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=s.device).tril(S - T)
+        s = s.masked_fill(~mask, float("-inf"))
+    return s.softmax(-1)
+
+
+class Attention(nn.Module):
+    """MHA (n_kv_heads = n_heads), GQA (1 < n_kv_heads < n_heads) and MQA (n_kv_heads = 1).
+
+    Parameters: wq d×(H·hd), wk and wv d×(KV·hd), wo (H·hd)×d, without bias (Llama layout) unless
+    ``qkv_bias`` (Qwen2) adds biases to wq, wk, wv.
+    RoPE rotates the first ``qk_rope_head_dim`` channels of every q and k head.
+    """
+
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+        super().__init__()
+        d, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = H, KV, hd
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.scale = 1.0 / math.sqrt(hd)
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(d, H * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(d, KV * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(d, KV * hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(H * hd, d, bias=False)
+        self.backends = sdpa_backends(sdpa_backend, hd, hd)
+
+    def _rope(self, x, cos, sin):
+        r = self.rope_dim
+        if r == self.head_dim:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Projected, rotated q (B,T,H,hd), k and v (B,T,KV,hd)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        y = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=self.scale,
+                  dropout=self.dropout if self.training else 0.0,
+                  enable_gqa=self.n_kv_heads != self.n_heads, backends=self.backends)  # (B, H, T, hd)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    @torch.no_grad()
+    def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        """Attention weights (B, H, T, T), computed the plain way."""
+        q, k, _ = self.qkv(x, cos, sin)
+        k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
+        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal)
+
+
+class MLA(nn.Module):
+    """Multi-head Latent Attention as in DeepSeek-V2/V3 (parameter layout and names of V3's inference code).
+
+    q: full rank ``wq`` d×H·(nope+rope), or low rank ``wq_a`` d×q_lora → RMSNorm ``q_norm`` → ``wq_b``.
+    kv: ``wkv_a`` d×(kv_lora_rank + rope) gives the latent c_kv and one RoPE key k_pe shared by all
+    heads; ``kv_norm`` (RMSNorm) on c_kv; ``wkv_b`` kv_lora_rank×H·(nope+v) up-projects to per-head
+    no-RoPE keys and values; ``wo`` H·v×d. Softmax scale 1/sqrt(nope + rope). What a decoder caches
+    is c_kv and k_pe: kv_lora_rank + qk_rope_head_dim numbers per token and layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+        super().__init__()
+        d, H = cfg.d_model, cfg.n_heads
+        self.n_heads = H
+        self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_dim = self.nope + self.rope_dim
+        self.scale = 1.0 / math.sqrt(self.qk_dim)
+        self.dropout = cfg.dropout
+        if self.q_lora_rank == 0:
+            self.wq = nn.Linear(d, H * self.qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(self.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, H * self.qk_dim, bias=False)
+        self.wkv_a = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(self.kv_lora_rank, eps=cfg.norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_dim, d, bias=False)
+        self.backends = sdpa_backends(sdpa_backend, self.qk_dim, self.v_dim)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope)."""
+        B, T, _ = x.shape
+        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_nope, q_pe = q.view(B, T, self.n_heads, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
+        return q_nope, apply_rope(q_pe, cos, sin)
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """What the cache holds: normalised c_kv (B,T,kv_lora_rank) and rotated k_pe (B,T,rope)."""
+        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)
+        return self.kv_norm(c_kv), k_pe
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Full per-head q, k (B,T,H,nope+rope) and v (B,T,H,v): the naive (uncompressed) form."""
+        B, T, _ = x.shape
+        q_nope, q_pe = self.query(x, cos, sin)
+        c_kv, k_pe = self.latent(x, cos, sin)
+        k_nope, v = self.wkv_b(c_kv).view(B, T, self.n_heads, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)], dim=-1)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        y = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=self.scale,
+                  dropout=self.dropout if self.training else 0.0, enable_gqa=False,
+                  backends=self.backends)  # (B, H, T, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    @torch.no_grad()
+    def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        q, k, _ = self.qkv(x, cos, sin)
+        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal)
+
+
+def make_attention(cfg: ModelConfig, sdpa_backend: str = "auto") -> nn.Module:
+    return MLA(cfg, sdpa_backend) if cfg.attention == "mla" else Attention(cfg, sdpa_backend)

@@ -1,0 +1,162 @@
+"""The decoder-only family and the sequence-regression model.
+
+Pre-norm blocks: x + attn(norm(x)), then x + ffn(norm(x)). ``task=lm`` embeds tokens and ends in a
+(optionally tied) LM head with next-token cross-entropy; ``task=regression`` embeds groups of
+continuous features, batch-normalises them, runs the same blocks without the causal mask and maps
+the last time step to ``horizon`` outputs (MSE loss).
+
+Build on ``meta`` to count without memory; ``build_model`` materialises and initialises.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scaletool.config import ModelConfig
+from scaletool.model.attention import make_attention
+from scaletool.model.layers import FeedForward, RotaryEmbedding, make_norm
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+        super().__init__()
+        self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.attn = make_attention(cfg, sdpa_backend)
+        self.ffn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, causal))
+        return x + self.drop(self.ffn(self.ffn_norm(x)))
+
+
+class FeatureEmbedding(nn.Module):
+    """Embed groups of related features separately, concatenate to d_model, batch-normalise.
+
+    Group g of ``feature_groups[g]`` features gets its own Linear to ``group_widths[g]`` channels
+    (with bias); no positional encoding here, RoPE acts inside attention.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.sizes = list(cfg.feature_groups)
+        self.proj = nn.ModuleList(nn.Linear(s, w) for s, w in zip(self.sizes, cfg.group_widths))
+        self.bn = nn.BatchNorm1d(cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, n_features)
+        parts = [p(chunk) for p, chunk in zip(self.proj, x.split(self.sizes, dim=-1))]
+        h = torch.cat(parts, dim=-1)  # (B, T, d)
+        return self.bn(h.transpose(1, 2)).transpose(1, 2)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.causal = cfg.task == "lm"
+        if cfg.task == "lm":
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        else:
+            self.feature_embed = FeatureEmbedding(cfg)
+        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(Block(cfg, sdpa_backend) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        if cfg.task == "lm":
+            self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        else:
+            self.head = nn.Linear(cfg.d_model, cfg.horizon)
+
+    # -- parameters -----------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once each (a tied head shares the embedding).
+
+        ``non_embedding=True`` drops the token-embedding table, as nanoGPT does; a tied head is then
+        dropped too, since it is the same tensor.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.cfg.task == "lm":
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Normal(0, 0.02) for matrices and embeddings, output projections scaled by 1/sqrt(2L)
+        (GPT-2), norms to one, biases to zero; RoPE tables recomputed (needed after ``to_empty``)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                s = out_std if name.endswith(("attn.wo", "ffn.w2")) else std
+                nn.init.normal_(mod.weight, 0.0, s, generator=gen)
+                if getattr(mod, "bias", None) is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, (nn.RMSNorm, nn.LayerNorm, nn.BatchNorm1d)):
+                mod.reset_parameters()
+                if isinstance(mod, nn.BatchNorm1d):
+                    mod.reset_running_stats()
+        self.rope.reset_parameters()
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Tokens (B, T) or features (B, T, n_features) -> hidden states (B, T, d)."""
+        h = self.tok_embeddings(inputs) if self.cfg.task == "lm" else self.feature_embed(inputs)
+        return self.drop(h)
+
+    def hidden_states(self, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """Input of every block and the final normed output; for monitors and tests."""
+        h = self.embed(inputs)
+        cos, sin = self.rope(0, h.shape[1])
+        states = []
+        for layer in self.layers:
+            states.append(h)
+            h = layer(h, cos, sin, self.causal)
+        states.append(self.norm(h))
+        return states
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None,
+                return_features: bool = False):
+        """lm: logits (B, T, vocab), or the mean next-token cross-entropy when ``targets`` (B, T) is given.
+
+        regression: predictions (B, horizon) (with the pooled last-step features (B, d) when
+        ``return_features``), or the MSE when ``targets`` (B, horizon) is given.
+        """
+        h = self.embed(inputs)
+        cos, sin = self.rope(0, h.shape[1])
+        for layer in self.layers:
+            h = layer(h, cos, sin, self.causal)
+        h = self.norm(h)
+        if self.cfg.task == "lm":
+            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+            logits = F.linear(h, weight)
+            if targets is None:
+                return logits
+            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        feats = h[:, -1]  # (B, d): the last time step
+        preds = self.head(feats)
+        if targets is not None:
+            return F.mse_loss(preds.float(), targets.float())
+        return (preds, feats) if return_features else preds
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", *, seed: int | None = 0,
+                sdpa_backend: str = "auto") -> Transformer:
+    """Construct on ``meta`` (no memory), then materialise on ``device`` and initialise.
+
+    ``device='meta'`` returns the shapes only, which is all counting needs.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg, sdpa_backend)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
