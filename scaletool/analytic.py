@@ -72,7 +72,9 @@ def param_counts(cfg: ModelConfig) -> dict:
     final_norm = _norm_params(cfg, d)
     layers = L * (attn_layer + ffn_layer + norms_layer)
     total = embedding + layers + final_norm + head
-    non_embedding = total - (embedding if cfg.task == "lm" else 0)
+    # "Non-embedding" (Kaplan et al. 2020) leaves out the vocabulary matrices: the input embedding
+    # and an untied LM head. The regression model's feature embedding and head are kept: they are small.
+    non_embedding = total - (embedding + head if cfg.task == "lm" else 0)
     rule = 12 * d * d * L
     return {
         "total": total,

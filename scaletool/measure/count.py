@@ -14,7 +14,6 @@ convention; the output says how far the causal figure (the MFU convention) sits 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
 from typing import Any
@@ -73,14 +72,13 @@ def flop_counter_flops(model, recipe: Recipe, batch: int = 1, device="meta") -> 
     from torch.utils.flop_counter import FlopCounterMode
 
     x, y = _example_inputs(recipe, batch, device)
-    fwd = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
-    with fwd:
-        model(x)
-    train = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
-    with train:
-        model(x, y).backward()
+    counter = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
+    with counter:  # one pass: read the total after the forward, then again after the backward
+        loss = model(x, y)
+        forward = counter.get_total_flops()
+        loss.backward()
     model.zero_grad(set_to_none=True)
-    return {"forward": fwd.get_total_flops(), "train": train.get_total_flops()}
+    return {"forward": forward, "train": counter.get_total_flops()}
 
 
 def _fvcore_sdpa_handle(inputs: list, outputs: list) -> int:
@@ -180,9 +178,3 @@ def _params_by_module(model) -> dict[str, int]:
         out[key] = out.get(key, 0) + p.numel()
     return out
 
-
-@contextlib.contextmanager
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield

@@ -76,12 +76,14 @@ class Transformer(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once each (a tied head shares the embedding).
 
-        ``non_embedding=True`` drops the token-embedding table, as nanoGPT does; a tied head is then
-        dropped too, since it is the same tensor.
+        ``non_embedding=True`` drops the vocabulary matrices (token embedding and an untied LM head),
+        as Kaplan et al. count N; it is what 12·d²·L approximates.
         """
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and self.cfg.task == "lm":
             n -= self.tok_embeddings.weight.numel()
+            if self.output is not None:
+                n -= self.output.weight.numel()
         return n
 
     @torch.no_grad()

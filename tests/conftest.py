@@ -1,0 +1,30 @@
+"""Shared test helpers: paths, a recipe writer, and a subprocess runner for the real CLI."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    """Write a recipe mapping (or raw text) to a YAML file and return its path."""
+    def _write(content, name: str = "recipe.yaml") -> Path:
+        p = tmp_path / name
+        p.write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+        return p
+    return _write
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m scaletool ARGS`` as a real subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "scaletool", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd or ROOT)

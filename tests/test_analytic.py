@@ -1,0 +1,145 @@
+"""Closed forms against the built model and against published figures."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from scaletool import analytic
+from scaletool.config import RecipeError, recipe_from_dict
+from scaletool.model import build_model
+
+
+def random_model(rng: random.Random) -> dict:
+    attention = rng.choice(["mha", "gqa", "mqa", "mla"])
+    n_heads = rng.choice([1, 2, 4, 6, 8])
+    head_dim = rng.choice([8, 16, 24, 32])
+    m = {"attention": attention, "n_heads": n_heads, "head_dim": head_dim,
+         "d_model": rng.choice([32, 48, 64, 96, 130]), "n_layers": rng.randint(1, 4),
+         "intermediate_size": rng.randint(1, 300), "vocab_size": rng.randint(2, 500),
+         "ffn": rng.choice(["swiglu", "gelu", "relu"]), "norm": rng.choice(["rmsnorm", "layernorm"]),
+         "tie_embeddings": rng.random() < 0.3, "max_seq_len": 16}
+    if attention == "gqa":
+        m["n_kv_heads"] = rng.choice([d for d in range(1, n_heads + 1) if n_heads % d == 0])
+    if attention in ("mha", "gqa", "mqa"):
+        m["qkv_bias"] = rng.random() < 0.3
+    if attention == "mla":
+        m.update(kv_lora_rank=rng.randint(1, 64), q_lora_rank=rng.choice([0, 0, rng.randint(1, 48)]),
+                 qk_nope_head_dim=rng.randint(1, 40), qk_rope_head_dim=2 * rng.randint(1, 16),
+                 v_head_dim=rng.randint(1, 40))
+    if rng.random() < 0.25:
+        m.update(task="regression", n_features=rng.randint(1, 30), horizon=rng.randint(1, 12))
+        m["max_seq_len"] = 16
+    return m
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_param_count_equals_closed_form(seed):
+    cfg = recipe_from_dict({"model": random_model(random.Random(seed))}).model
+    model = build_model(cfg, "meta")
+    counts = analytic.param_counts(cfg)
+    assert model.num_params() == counts["total"]
+    attn = model.layers[0].attn
+    by_proj = counts["per_layer"]["attention_by_projection"]
+    assert sum(p.numel() for p in attn.parameters()) == sum(by_proj.values())
+    for name, n in by_proj.items():
+        if name == "qkv_bias":
+            assert sum(getattr(attn, w).bias.numel() for w in ("wq", "wk", "wv")) == n
+        else:
+            assert sum(p.numel() for p in getattr(attn, name).parameters(recurse=False) if p.ndim > 1 or name.endswith("norm")) == n
+    assert sum(p.numel() for p in model.layers[0].ffn.parameters()) == counts["per_layer"]["ffn"]
+
+
+def test_deepseek_v3_attention_layout():
+    """DeepSeek-V3's MLA (d 7168, 128 heads, q_lora 1536, kv_lora 512, 128/64/128): 187,107,328 per layer,
+    projection by projection as in its inference code."""
+    cfg = recipe_from_dict({"model": {"attention": "mla", "d_model": 7168, "n_heads": 128, "q_lora_rank": 1536,
+                                      "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                      "v_head_dim": 128, "n_layers": 1}}).model
+    p = analytic.attention_params(cfg)
+    assert p == {"wq_a": 7168 * 1536, "q_norm": 1536, "wq_b": 1536 * 128 * 192, "wkv_a": 7168 * 576,
+                 "kv_norm": 512, "wkv_b": 512 * 128 * 256, "wo": 128 * 128 * 7168}
+    assert sum(p.values()) == 187_107_328
+    names = {n for n, _ in build_model(cfg, "meta").layers[0].attn.named_parameters()}
+    assert names == {"wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv_a.weight", "kv_norm.weight",
+                     "wkv_b.weight", "wo.weight"}
+
+
+def test_llama3_8b_total():
+    cfg = recipe_from_dict({"model": {"attention": "gqa", "d_model": 4096, "n_layers": 32, "n_heads": 32,
+                                      "n_kv_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}}).model
+    assert analytic.param_counts(cfg)["total"] == 8_030_261_248  # Meta's published count
+
+
+def test_rule_of_thumb_is_exact_for_the_classic_block():
+    """12·d²·L is exact for MHA with a 4d two-matrix FFN and no norms; norms make it slightly low."""
+    cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "ffn": "gelu", "intermediate_size": 1024,
+                                      "n_layers": 3}}).model
+    p = analytic.param_counts(cfg)
+    assert p["rule_of_thumb_12d2L"] == 12 * 256 * 256 * 3
+    assert p["non_embedding"] - p["rule_of_thumb_12d2L"] == p["norms"]
+    assert build_model(cfg, "meta").num_params(non_embedding=True) == p["non_embedding"]
+
+
+@pytest.mark.parametrize("model, per_layer_elems", [
+    ({"attention": "mha", "d_model": 512, "n_heads": 8}, 2 * 8 * 64),
+    ({"attention": "gqa", "d_model": 512, "n_heads": 8, "n_kv_heads": 2}, 2 * 2 * 64),
+    ({"attention": "mqa", "d_model": 512, "n_heads": 8}, 2 * 64),
+    ({"attention": "mla", "d_model": 512, "n_heads": 8, "kv_lora_rank": 256, "qk_rope_head_dim": 32}, 256 + 32),
+])
+def test_kv_cache_bytes(model, per_layer_elems):
+    for dtype, b in (("bf16", 2), ("fp32", 4)):
+        cfg = recipe_from_dict({"model": {**model, "n_layers": 8, "dtype": dtype}}).model
+        kv = analytic.kv_cache(cfg)
+        assert kv["bytes_per_token"] == per_layer_elems * 8 * b
+        assert isinstance(kv["bytes_per_token"], int)
+
+
+def test_mla_compression_against_the_same_heads():
+    cfg = recipe_from_dict({"model": {"attention": "mla", "d_model": 2048, "n_heads": 16, "kv_lora_rank": 512,
+                                      "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}}).model
+    kv = analytic.kv_cache(cfg)
+    assert kv["naive_bytes_per_token"] == 16 * (192 + 128) * 2 * cfg.n_layers
+    assert kv["compression_ratio"] == pytest.approx(16 * 320 / 576)
+
+
+def test_flops_conventions():
+    cfg = recipe_from_dict({"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 1000}}).model
+    T = 256
+    f = analytic.flops_per_token(cfg, T)
+    n = analytic.matmul_params(cfg)
+    att_full = 2 * 2 * 4 * T * (32 + 32)
+    assert f["forward_full"] == 2 * n + att_full
+    assert f["train_causal"] == 6 * n + 3 * att_full / 2
+    assert f["train"] == f["train_causal"] and f["dense_6N"] == 6 * n
+
+
+def test_training_memory_zero_stages_shrink():
+    cfg = recipe_from_dict({"model": {"d_model": 512, "n_heads": 8, "n_layers": 4}}).model
+    inp = analytic.MemoryInputs(2, 128)
+    psi = analytic.param_counts(cfg)["total"]
+    states = {}
+    for stage in range(4):
+        m = analytic.training_memory(cfg, "deepspeed", 8, inp, zero_stage=stage)
+        states[stage] = m["weights_bytes"] + m["gradients_bytes"] + m["optimizer_bytes"]
+    # ZeRO paper, K=12: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
+    assert states[0] == pytest.approx(16 * psi, rel=1e-6)
+    assert states[1] == pytest.approx(4 * psi + 12 * psi / 8, rel=1e-6)
+    assert states[2] == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
+    assert states[3] == pytest.approx(16 * psi / 8, rel=1e-6)
+    full = analytic.training_memory(cfg, "single", 1, analytic.MemoryInputs(2, 128, "full"))
+    none = analytic.training_memory(cfg, "single", 1, inp)
+    assert full["activations_bytes"] < none["activations_bytes"]
+
+
+def test_estimate_json_contract():
+    r = recipe_from_dict({"model": {"attention": "mla", "kv_lora_rank": 64}})
+    est = analytic.estimate(r)
+    assert isinstance(est["params"]["total"], int)
+    assert isinstance(est["flops"]["per_token"]["train"], float | int)
+    assert isinstance(est["kv_cache"]["bytes_per_token"], int)
+
+
+def test_invalid_config_never_reaches_the_formulas():
+    with pytest.raises(RecipeError):
+        recipe_from_dict({"model": {"attention": "mla"}})
