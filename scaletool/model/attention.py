@@ -3,6 +3,10 @@
 Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
 also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
 tests check SDPA against it and the training-dynamics monitors read entropies from it.
+
+``decode(x, cos, sin, cache, start_pos)`` is the inference path: it appends the new tokens' keys
+(or MLA latents) to a preallocated cache (``scaletool.decode.cache``, any object with ``update``)
+and attends over everything cached so far. The training ``forward`` does not touch it.
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from scaletool.config import ModelConfig
+from scaletool.decode.kernels import latent_attention
 from scaletool.model.layers import apply_rope
 
 _BACKENDS = {
@@ -42,11 +48,24 @@ def sdpa_backends(choice: str, qk_dim: int, v_dim: int) -> list[SDPBackend] | No
     return [_BACKENDS[b] for b in [choice] + order]
 
 
-def _sdpa(q, k, v, *, causal: bool, scale: float, dropout: float, enable_gqa: bool, backends):
+def _sdpa(q, k, v, *, causal: bool, scale: float, dropout: float, enable_gqa: bool, backends, attn_mask=None):
     ctx = sdpa_kernel(backends, set_priority=True) if backends is not None and q.is_cuda else nullcontext()
     with ctx:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, scale=scale,
-                                              enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
+                                              scale=scale, enable_gqa=enable_gqa)
+
+
+def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends):
+    """T new queries (B,H,T,D) over the S = start_pos + T cached keys (B,KV,S,D) and values.
+
+    One query sees every cached key, so a decode step needs no mask. A prompt chunk after a cached
+    prefix needs the causal mask aligned bottom-right (query t sees keys up to S - T + t); SDPA's
+    ``is_causal`` aligns top-left, ``causal_lower_right`` keeps the fused kernels with the right mask.
+    """
+    T, S = q.shape[2], k.shape[2]
+    mask = causal_lower_right(T, S) if 1 < T < S else None
+    return _sdpa(q, k, v, causal=T == S and T > 1, scale=scale, dropout=0.0, enable_gqa=enable_gqa,
+                 backends=backends, attn_mask=mask)
 
 
 def _reference_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -102,6 +121,15 @@ class Attention(nn.Module):
                   enable_gqa=self.n_kv_heads != self.n_heads, backends=self.backends)  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions start_pos.. over the cache, after appending its k, v."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
+        k, v = cache.update(start_pos, k, v)  # (B, KV, start_pos+T, hd)
+        y = _cached_sdpa(q.transpose(1, 2), k, v, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
+                         backends=self.backends)  # (B, H, T, hd)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
     @torch.no_grad()
     def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
         """Attention weights (B, H, T, T), computed the plain way."""
@@ -154,16 +182,19 @@ class MLA(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)
         return self.kv_norm(c_kv), k_pe
 
+    def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor):
+        """Up-project latents c_kv (B,S,c) and k_pe (B,S,rope) to per-head k (B,S,H,nope+rope), v (B,S,H,v)."""
+        B, S, _ = c_kv.shape
+        k_nope, v = self.wkv_b(c_kv).view(B, S, self.n_heads, self.nope + self.v_dim).split(
+            [self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)], dim=-1)
+        return k, v
+
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Full per-head q, k (B,T,H,nope+rope) and v (B,T,H,v): the naive (uncompressed) form."""
-        B, T, _ = x.shape
         q_nope, q_pe = self.query(x, cos, sin)
-        c_kv, k_pe = self.latent(x, cos, sin)
-        k_nope, v = self.wkv_b(c_kv).view(B, T, self.n_heads, self.nope + self.v_dim).split(
-            [self.nope, self.v_dim], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)], dim=-1)
-        return q, k, v
+        k, v = self.expand(*self.latent(x, cos, sin))
+        return torch.cat([q_nope, q_pe], dim=-1), k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
@@ -172,6 +203,38 @@ class MLA(nn.Module):
                   dropout=self.dropout if self.training else 0.0, enable_gqa=False,
                   backends=self.backends)  # (B, H, T, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions start_pos.. over the cache, after appending to it.
+
+        A ``kv`` cache (mla-naive) holds up-projected per-head k and v: plain cached SDPA. A
+        ``latent`` cache holds c_kv and k_pe only. Decode steps (T = 1) then run absorbed, as
+        DeepSeek-V3's inference code does: W_UK (wkv_b's key rows) folds into the query,
+        q_nope·W_UK scores against c_kv directly, and W_UV maps the latent-weighted sum to values
+        afterwards, so the step reads (kv_lora_rank + rope) numbers per cached token instead of
+        H·(nope+rope+v). Prompt chunks (T > 1) are compute-bound, where absorption costs FLOPs
+        (scores over kv_lora_rank instead of nope per head), so they up-project the cached latents
+        and run fused SDPA, as DeepSeek's serving stacks prefill.
+        """
+        B, T, _ = x.shape
+        q_nope, q_pe = self.query(x, cos, sin)  # (B,T,H,nope), (B,T,H,rope)
+        latent = self.latent(x, cos, sin)  # c_kv (B,T,c), k_pe (B,T,rope)
+        if cache.layout == "latent" and T == 1:
+            c_kv, k_pe = cache.update(start_pos, *latent)  # (B,S,c), (B,S,rope)
+            w_uk, w_uv = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).split(
+                [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
+            q_lat = torch.einsum("bhn,hnc->bhc", q_nope[:, 0], w_uk)
+            y_lat = latent_attention(q_lat, q_pe[:, 0], c_kv, k_pe, self.scale, kernel=cache.kernel)  # (B,H,c)
+            y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
+        else:
+            if cache.layout == "kv":
+                k, v = cache.update(start_pos, *self.expand(*latent))  # (B,H,S,qk), (B,H,S,v)
+            else:
+                k, v = (t.transpose(1, 2) for t in self.expand(*cache.update(start_pos, *latent)))
+            q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
+            y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False,
+                             backends=self.backends).transpose(1, 2)  # (B,T,H,v)
+        return self.wo(y.reshape(B, T, self.n_heads * self.v_dim))
 
     @torch.no_grad()
     def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:

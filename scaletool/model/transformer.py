@@ -33,6 +33,11 @@ class Block(nn.Module):
         x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, causal))
         return x + self.drop(self.ffn(self.ffn_norm(x)))
 
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
+        """Inference: causal attention over ``cache`` (appended to), no dropout."""
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, start_pos)
+        return x + self.ffn(self.ffn_norm(x))
+
 
 class FeatureEmbedding(nn.Module):
     """Embed groups of related features separately, concatenate to d_model, batch-normalise.
@@ -137,8 +142,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, self.causal)
         h = self.norm(h)
         if self.cfg.task == "lm":
-            weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-            logits = F.linear(h, weight)
+            logits = self.lm_head(h)
             if targets is None:
                 return logits
             return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
@@ -147,6 +151,40 @@ class Transformer(nn.Module):
         if targets is not None:
             return F.mse_loss(preds.float(), targets.float())
         return (preds, feats) if return_features else preds
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states (..., d) -> logits (..., vocab), through the tied or untied head."""
+        return F.linear(h, self.tok_embeddings.weight if self.output is None else self.output.weight)
+
+    # -- incremental decoding (task=lm) ----------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, start_pos: int, caches, all_logits: bool = False) -> torch.Tensor:
+        """Run tokens (B, T) at positions start_pos.. against per-layer ``caches`` (appending to them).
+
+        Returns logits (B, vocab) of the last position, or (B, T, vocab) with ``all_logits``. The
+        caches come from ``scaletool.decode.cache.make_caches``; positions must fit the RoPE table
+        (see :meth:`extend_rope`).
+        """
+        T = tokens.shape[1]
+        if start_pos + T > self.rope.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + T} exceed the RoPE table ({self.rope.max_seq_len}); "
+                             "call extend_rope first")
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope(start_pos, T)
+        for layer, cache in zip(self.layers, caches):
+            h = layer.step(h, cos, sin, cache, start_pos)
+        return self.lm_head(self.norm(h if all_logits else h[:, -1]))
+
+    def extend_rope(self, max_len: int) -> None:
+        """Grow the RoPE tables to ``max_len`` positions (plain extrapolation, no frequency scaling).
+
+        The tables are computed, not learned, so longer ones cost nothing but memory; a model trained
+        at max_seq_len is not known to generalise past it, but the cost of decoding is the same.
+        """
+        if max_len > self.rope.max_seq_len:
+            with torch.device(self.rope.cos.device):
+                self.rope = RotaryEmbedding(self.rope.dim, max_len, self.rope.theta)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", *, seed: int | None = 0,

@@ -1,0 +1,99 @@
+"""Preallocated static KV caches, one small module per layer (gpt-fast's layout).
+
+Buffers are allocated once to ``max_batch × max_len`` and registered non-persistent, so they follow
+``.to()`` but never enter a checkpoint. ``update(start_pos, ...)`` writes the new tokens' entries in
+place and returns views of everything cached up to them; rows ``[:b]`` are used when a call brings
+``b <= max_batch`` sequences.
+
+- :class:`KVCache` (``layout = "kv"``): k (B, KV, S, d_k) and v (B, KV, S, d_v) per KV head, for
+  MHA/GQA/MQA and for MLA's naive mode (H heads of up-projected nope+rope keys and v values).
+- :class:`LatentCache` (``layout = "latent"``): MLA's normalised latent c_kv (B, S, kv_lora_rank)
+  and the shared rotated RoPE key k_pe (B, S, qk_rope_head_dim), read by the absorbed decode step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from scaletool.config import ModelConfig
+from scaletool.decode.kernels import KERNELS
+
+MLA_MODES = ("absorbed", "naive")
+
+
+class KVCache(nn.Module):
+    layout = "kv"
+
+    def __init__(self, max_batch: int, max_len: int, n_kv_heads: int, k_dim: int, v_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(max_batch, n_kv_heads, max_len, k_dim, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.zeros(max_batch, n_kv_heads, max_len, v_dim, dtype=dtype, device=device),
+                             persistent=False)
+
+    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k (b,T,KV,d_k), v (b,T,KV,d_v) at positions start_pos..; return (b,KV,start_pos+T,·) views."""
+        b, T = k.shape[:2]
+        end = start_pos + T
+        self.k[:b, :, start_pos:end] = k.transpose(1, 2)
+        self.v[:b, :, start_pos:end] = v.transpose(1, 2)
+        return self.k[:b, :, :end], self.v[:b, :, :end]
+
+
+class LatentCache(nn.Module):
+    """MLA latent cache; ``kernel`` (auto | triton | torch) picks how the absorbed step reads it."""
+
+    layout = "latent"
+
+    def __init__(self, max_batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, kernel: str = "auto"):
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        self.kernel = kernel
+        self.register_buffer("c_kv", torch.zeros(max_batch, max_len, kv_lora_rank, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("k_pe", torch.zeros(max_batch, max_len, rope_dim, dtype=dtype, device=device),
+                             persistent=False)
+
+    def update(self, start_pos: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write c_kv (b,T,c), k_pe (b,T,rope) at positions start_pos..; return (b,start_pos+T,·) views."""
+        b, T = c_kv.shape[:2]
+        end = start_pos + T
+        self.c_kv[:b, start_pos:end] = c_kv
+        self.k_pe[:b, start_pos:end] = k_pe
+        return self.c_kv[:b, :end], self.k_pe[:b, :end]
+
+
+def make_caches(cfg: ModelConfig, max_batch: int, max_len: int, *, dtype: torch.dtype,
+                device: torch.device | str, mla_mode: str = "absorbed", kernel: str = "auto") -> nn.ModuleList:
+    """One cache per layer for ``cfg``'s attention type; ``mla_mode`` is ignored for non-MLA models."""
+    if mla_mode not in MLA_MODES:
+        raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
+
+    def one() -> nn.Module:
+        if cfg.attention != "mla":
+            return KVCache(max_batch, max_len, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, dtype, device)
+        if mla_mode == "naive":
+            return KVCache(max_batch, max_len, cfg.n_heads, cfg.qk_head_dim, cfg.v_head_dim, dtype, device)
+        return LatentCache(max_batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, kernel)
+
+    return nn.ModuleList(one() for _ in range(cfg.n_layers))
+
+
+def cache_bytes(caches: nn.Module) -> int:
+    """Bytes held by the cache tensors themselves."""
+    return sum(b.numel() * b.element_size() for b in caches.buffers())
+
+
+def replicate_first_row(caches: nn.Module, length: int, batch: int) -> None:
+    """Copy sequence 0's first ``length`` cached positions to rows 1..batch-1 (identical prompts).
+
+    Lets a benchmark prefill one prompt and decode a full batch from it: the decode step reads the
+    same bytes as after a full-batch prefill, without its minutes of compute at long context.
+    """
+    for buf in caches.buffers():
+        seq_dim = 2 if buf.dim() == 4 else 1  # kv: (B, KV, S, d); latent: (B, S, c)
+        dst = buf[1:batch].narrow(seq_dim, 0, length)
+        dst.copy_(buf[:1].narrow(seq_dim, 0, length).expand_as(dst))
