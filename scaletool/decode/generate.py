@@ -10,15 +10,15 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scaletool.config import RecipeError
+from scaletool.config import ModelConfig, RecipeError
 from scaletool.decode.cache import make_caches
 from scaletool.model.transformer import Transformer
 
 
-def require_lm(model: Transformer) -> None:
+def require_lm(cfg: ModelConfig) -> None:
     """Decoding generates tokens: refuse the regression model with one clear line."""
-    if model.cfg.task != "lm":
-        raise RecipeError(f"decode is for task=lm; this recipe has task={model.cfg.task} "
+    if cfg.task != "lm":
+        raise RecipeError(f"decode is for task=lm; this recipe has task={cfg.task} "
                           "(a regression model predicts values, it has no tokens to generate)")
 
 
@@ -81,7 +81,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, *, t
     max_seq_len), prefills the prompt, samples the first new token from its logits and decodes the
     rest; ``seed`` makes sampling reproducible.
     """
-    require_lm(model)
+    require_lm(model.cfg)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     B, T = prompt.shape

@@ -46,15 +46,15 @@ def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: to
     return torch.einsum("bhs,bsc->bhc", p, c_kv)
 
 
-def triton_supports(q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> str | None:
-    """None when the fused kernel can run these tensors, else the reason it cannot."""
+def triton_supports(device: torch.device, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int) -> str | None:
+    """None when the fused kernel can read such a latent cache, else the reason it cannot."""
     if not triton_available():
         return "Triton or CUDA is not available"
-    if not c_kv.is_cuda:
+    if torch.device(device).type != "cuda":
         return "the cache is not on a CUDA device"
-    if c_kv.dtype not in (torch.bfloat16, torch.float16):
-        return f"the kernel is written for 16-bit caches, got {c_kv.dtype}"
-    for name, n in (("kv_lora_rank", c_kv.shape[-1]), ("qk_rope_head_dim", k_pe.shape[-1])):
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the kernel is written for 16-bit caches, got {dtype}"
+    for name, n in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", rope_dim)):
         if n < 16 or n & (n - 1):
             return f"{name}={n} is not a power of two >= 16"
     return None
@@ -63,7 +63,8 @@ def triton_supports(q_lat: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor)
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                      scale: float, kernel: str = "auto") -> torch.Tensor:
     """Dispatch to the fused Triton kernel or the torch reference (see the module docstring)."""
-    if kernel == "torch" or (kernel == "auto" and triton_supports(q_lat, c_kv, k_pe) is not None):
+    unsupported = kernel == "auto" and triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1])
+    if kernel == "torch" or unsupported:
         return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale)
     return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale)
 
@@ -113,7 +114,8 @@ if triton is not None:
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-        b, sp, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
+        sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)

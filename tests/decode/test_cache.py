@@ -1,0 +1,66 @@
+"""Static caches: layout, sizes against the analytic model, non-persistence, row replication."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scaletool.decode.bench import cache_bytes_per_token
+from scaletool.decode.cache import KVCache, LatentCache, cache_bytes, make_caches, replicate_first_row
+
+from tiny_variants import VARIANTS, tiny_cfg
+
+
+@pytest.mark.parametrize("label", list(VARIANTS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_allocated_bytes_equal_the_analytic_bytes_per_token(label, dtype):
+    cfg = tiny_cfg(label, **{"model.dtype": dtype})
+    mode = VARIANTS[label][1]
+    caches = make_caches(cfg, 3, 50, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device="cpu",
+                         mla_mode=mode)
+    assert cache_bytes(caches) == cache_bytes_per_token(cfg, mode) * 3 * 50
+    kind = LatentCache if label == "mla" else KVCache
+    assert all(isinstance(c, kind) for c in caches) and len(caches) == cfg.n_layers
+
+
+def test_mla_latent_cache_holds_only_c_kv_and_the_shared_rope_key():
+    cfg = tiny_cfg("mla")
+    (c,) = make_caches(cfg, 2, 10, dtype=torch.float32, device="cpu")[:1]
+    assert c.c_kv.shape == (2, 10, cfg.kv_lora_rank) and c.k_pe.shape == (2, 10, cfg.qk_rope_head_dim)
+    naive = make_caches(cfg, 2, 10, dtype=torch.float32, device="cpu", mla_mode="naive")[0]
+    assert naive.k.shape == (2, cfg.n_heads, 10, cfg.qk_head_dim) and naive.v.shape == (2, cfg.n_heads, 10, cfg.v_dim)
+
+
+def test_update_writes_in_place_and_returns_the_prefix():
+    c = KVCache(2, 8, 1, 4, 4, torch.float32, "cpu")
+    k1, v1 = torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4)
+    k, v = c.update(0, k1, v1)
+    assert k.shape == (1, 1, 3, 4) and torch.equal(k[0, 0], k1[0, :, 0])
+    k2 = torch.randn(1, 1, 1, 4)
+    k, _ = c.update(3, k2, k2)
+    assert k.shape == (1, 1, 4, 4) and torch.equal(k[0, 0, 3], k2[0, 0, 0]) and torch.equal(k[0, 0, :3], k1[0, :, 0])
+    assert not c.k[1].any()  # row 1 untouched
+
+
+def test_caches_stay_out_of_state_dicts_and_follow_to():
+    caches = make_caches(tiny_cfg("mla"), 1, 4, dtype=torch.float32, device="cpu")
+    assert caches.state_dict() == {}
+    assert caches.to(torch.bfloat16)[0].c_kv.dtype == torch.bfloat16
+
+
+def test_replicate_first_row_copies_the_prompt_prefix_only():
+    for label in ("mha", "mla"):
+        caches = make_caches(tiny_cfg(label), 3, 6, dtype=torch.float32, device="cpu")
+        for b in caches.buffers():
+            b[0].normal_()
+        replicate_first_row(caches, 4, 3)
+        for b in caches.buffers():
+            s = b[:, :, :4] if b.dim() == 4 else b[:, :4]
+            rest = b[1:, :, 4:] if b.dim() == 4 else b[1:, 4:]
+            assert torch.equal(s[1], s[0]) and torch.equal(s[2], s[0]) and not rest.any()
+
+
+def test_bad_modes_are_rejected():
+    with pytest.raises(ValueError, match="mla_mode"):
+        make_caches(tiny_cfg("mla"), 1, 4, dtype=torch.float32, device="cpu", mla_mode="latent")
+    with pytest.raises(ValueError, match="kernel"):
+        LatentCache(1, 4, 16, 8, torch.float32, "cpu", kernel="cuda")
