@@ -7,9 +7,15 @@ Conventions, stated once:
   the masked tiles' cost away only inside fused kernels).
 - Matmul parameters are the weights of every Linear layer, the LM head included (tied or not); the
   token-embedding lookup is a gather, no matmul; norms and biases are element-wise.
+- Mixture of experts (ffn=moe): "active" parameters are those one token multiplies (dense parts,
+  router, shared experts, its top-k routed experts); ``matmul_params`` and the FLOPs count those.
+  The capacity-based dispatch computes every expert's full capacity buffer, so FLOPs *computed*
+  (what a FLOP counter sees, the ``*_computed`` keys) count E·C/N ≈ capacity_factor·k routed experts
+  per token, while *useful* FLOPs (the MFU convention, the plain keys) count k.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from scaletool.config import DTYPE_BYTES, ModelConfig, Recipe
@@ -51,9 +57,31 @@ def attention_params(cfg: ModelConfig) -> dict[str, int]:
 
 
 def ffn_params(cfg: ModelConfig) -> int:
-    """SwiGLU: 3·d·i (gate, up, down); GELU/ReLU: 2·d·i. No biases."""
-    mats = 3 if cfg.ffn == "swiglu" else 2
+    """Dense FFN per layer. SwiGLU: 3·d·i (gate, up, down); GELU/ReLU: 2·d·i. No biases.
+
+    ffn=moe: the dense SwiGLU of the first ``first_k_dense_replace`` layers."""
+    mats = 3 if cfg.ffn in ("swiglu", "moe") else 2
     return mats * cfg.d_model * cfg.intermediate_size
+
+
+def moe_params(cfg: ModelConfig) -> dict[str, int]:
+    """One MoE layer (DeepSeekMoE): router d·E (no bias), routed experts E·3·d·i_moe, shared experts
+    one SwiGLU of n_shared·i_moe, i.e. n_shared·3·d·i_moe; a token uses k routed experts, k·3·d·i_moe.
+
+    V3's selection bias (E per layer) is a buffer, not a parameter, and is not counted here (HF's
+    checkpoint stores it as ``e_score_correction_bias``: 14,848 more numbers for V3).
+    """
+    expert = 3 * cfg.d_model * cfg.moe_intermediate_size
+    E = cfg.n_routed_experts
+    return {"gate": cfg.d_model * E, "routed": E * expert, "shared": cfg.n_shared_experts * expert,
+            "routed_active": cfg.num_experts_per_tok * expert, "per_expert": expert}
+
+
+def expert_capacity(cfg: ModelConfig, tokens: int) -> int:
+    """Slots per expert for one dispatch of ``tokens`` tokens: ceil(capacity_factor·tokens·k/E), at
+    most ``tokens`` (an expert sees each token at most once). GShard §2.2 / Switch Transformer §2.2."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return min(tokens, math.ceil(cfg.capacity_factor * tokens * k / E))
 
 
 def param_counts(cfg: ModelConfig) -> dict:
@@ -61,7 +89,12 @@ def param_counts(cfg: ModelConfig) -> dict:
     d, L = cfg.d_model, cfg.n_layers
     attn = attention_params(cfg)
     attn_layer = sum(attn.values())
-    ffn_layer = ffn_params(cfg)
+    n_moe = cfg.n_moe_layers
+    moe = moe_params(cfg) if n_moe else None
+    moe_layer = moe["gate"] + moe["routed"] + moe["shared"] if moe else 0
+    ffn_total = (L - n_moe) * ffn_params(cfg) + n_moe * moe_layer
+    # the largest block's FFN: what FSDP / ZeRO-3 gather at once
+    ffn_layer = moe_layer if n_moe else ffn_params(cfg)
     norms_layer = 2 * _norm_params(cfg, d)
     if cfg.task == "lm":
         embedding = cfg.vocab_size * d
@@ -70,20 +103,22 @@ def param_counts(cfg: ModelConfig) -> dict:
         embedding = sum(s * w + w for s, w in zip(cfg.feature_groups, cfg.group_widths)) + 2 * d
         head = d * cfg.horizon + cfg.horizon
     final_norm = _norm_params(cfg, d)
-    layers = L * (attn_layer + ffn_layer + norms_layer)
+    layers = L * (attn_layer + norms_layer) + ffn_total
     total = embedding + layers + final_norm + head
     # "Non-embedding" (Kaplan et al. 2020) leaves out the vocabulary matrices: the input embedding
     # and an untied LM head. The regression model's feature embedding and head are kept: they are small.
     non_embedding = total - (embedding + head if cfg.task == "lm" else 0)
     rule = 12 * d * d * L
-    return {
+    inactive = n_moe * (moe["routed"] - moe["routed_active"]) if moe else 0
+    out = {
         "total": total,
+        "active": total - inactive,
         "non_embedding": non_embedding,
         "embedding": embedding,
         "head": head,
         "final_norm": final_norm,
         "attention": L * attn_layer,
-        "ffn": L * ffn_layer,
+        "ffn": ffn_total,
         "norms": L * norms_layer + final_norm,
         "per_layer": {"attention": attn_layer, "ffn": ffn_layer, "norms": norms_layer,
                       "attention_by_projection": attn},
@@ -92,18 +127,39 @@ def param_counts(cfg: ModelConfig) -> dict:
         # The rule ignores embeddings, so it is compared with the non-embedding count.
         "rule_of_thumb_rel_error": (rule - non_embedding) / non_embedding,
     }
+    if moe:
+        out["moe"] = {"layers": n_moe, "dense_layers": L - n_moe, "per_layer": moe,
+                      "routed_total": n_moe * moe["routed"], "routed_active": n_moe * moe["routed_active"],
+                      "active_fraction": out["active"] / total,
+                      # DeepSeek's "activated parameters" leave out the token embedding (a lookup)
+                      "active_excl_embedding": out["active"] - embedding}
+    return out
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: every Linear, the LM head included."""
+    """Weights that take part in a matmul per token: every Linear, the LM head included; for MoE
+    only the active experts (``matmul_split``)."""
+    split = matmul_split(cfg)
+    return split["dense"] + split["routed_active"]
+
+
+def matmul_split(cfg: ModelConfig) -> dict[str, int]:
+    """Matmul weights per token split into ``dense`` (attention, dense FFNs, router, shared experts,
+    head) and routed experts: ``routed_active`` (k per MoE layer) of ``routed_total`` (E per layer)."""
     attn = attention_params(cfg)
     attn_mm = sum(v for k, v in attn.items() if not k.endswith(("norm", "bias")))
-    n = cfg.n_layers * (attn_mm + ffn_params(cfg))
+    n_moe = cfg.n_moe_layers
+    n = cfg.n_layers * attn_mm + (cfg.n_layers - n_moe) * ffn_params(cfg)
+    routed = {"routed_active": 0, "routed_total": 0}
+    if n_moe:
+        moe = moe_params(cfg)
+        n += n_moe * (moe["gate"] + moe["shared"])
+        routed = {"routed_active": n_moe * moe["routed_active"], "routed_total": n_moe * moe["routed"]}
     if cfg.task == "lm":
         n += cfg.vocab_size * cfg.d_model  # LM head, tied or not: still a (d × vocab) matmul
     else:
         n += sum(s * w for s, w in zip(cfg.feature_groups, cfg.group_widths)) + cfg.d_model * cfg.horizon
-    return n
+    return {"dense": n, **routed}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,15 +175,30 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool) -> f
     return full / 2 if causal else float(full)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+def routed_experts_computed(cfg: ModelConfig, tokens: int | None = None) -> float:
+    """Routed experts the capacity dispatch computes per token: E·C/N for a dispatch of N = ``tokens``
+    tokens (exact, C from :func:`expert_capacity`), or min(capacity_factor·k, E) when N is not given."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if tokens is None:
+        return min(cfg.capacity_factor * k, E)
+    return E * expert_capacity(cfg, tokens) / tokens
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, tokens: int | None = None) -> dict:
     """Forward and training FLOPs per token (training = 3 × forward: backward is twice forward).
 
     train = 6·N_matmul + 6·L·H·T·(d_qk + d_v)/2 (causal, the MFU convention used here), with the
     full-attention figure beside it. For the non-causal regression model the two coincide in
-    ``train``: it uses the full figure.
+    ``train``: it uses the full figure. N_matmul counts active parameters (k routed experts per MoE
+    layer); ``*_computed`` adds the capacity padding the dispatch computes (``tokens`` per dispatch,
+    see :func:`routed_experts_computed`), equal to the plain keys for dense models.
     """
     n = matmul_params(cfg)
     dense_fwd = 2 * n
+    padding_fwd = 0.0
+    if cfg.n_moe_layers:
+        extra = routed_experts_computed(cfg, tokens) - cfg.num_experts_per_tok
+        padding_fwd = 2 * cfg.n_moe_layers * moe_params(cfg)["per_expert"] * extra
     if cfg.task == "regression":  # the head reads only the last time step: once per sequence
         dense_fwd -= 2 * cfg.d_model * cfg.horizon * (1 - 1 / seq_len)
     out = {}
@@ -135,12 +206,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
         att = attention_flops_per_token(cfg, seq_len, causal=(conv == "causal"))
         out[f"forward_{conv}"] = dense_fwd + att
         out[f"train_{conv}"] = 3 * (dense_fwd + att)
+        out[f"forward_{conv}_computed"] = dense_fwd + padding_fwd + att
+        out[f"train_{conv}_computed"] = 3 * (dense_fwd + padding_fwd + att)
         out[f"attention_forward_{conv}"] = att
     native = "causal" if cfg.task == "lm" else "full"
     out["train"] = out[f"train_{native}"]
     out["forward"] = out[f"forward_{native}"]
     out["dense_6N"] = 6 * n
     out["convention"] = native
+    if cfg.n_moe_layers:
+        out["moe"] = {"routed_experts_per_token_useful": cfg.num_experts_per_tok,
+                      "routed_experts_per_token_computed": routed_experts_computed(cfg, tokens),
+                      "tokens_per_dispatch": tokens}
     return out
 
 
@@ -188,13 +265,16 @@ class MemoryInputs:
     selective_every: int = 2
 
 
-def _activation_bytes_per_token_per_layer(cfg: ModelConfig) -> float:
+def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False) -> float:
     """Bytes autograd keeps per token in one block, eager mode, mixed precision (bf16/fp16 autocast).
 
     Counted tensor by tensor (fp32 residual stream, 16-bit matmul inputs): each norm keeps its fp32
     input (4d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
     (no T×T scores) plus an fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and their
     product (4 tensors of i), GELU/ReLU the pre-activation and activation (2 of i).
+    A MoE block (``moe``) keeps the router's fp32 logits and scores (2·E), the dispatch buffer
+    (d per computed slot, E·C/N ≈ capacity_factor·k slots per token) and each slot's SwiGLU
+    (4·i_moe), the k gathered expert outputs (k·d), and the shared experts' SwiGLU (4·n_shared·i_moe).
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     res = 4  # residual stream dtype: fp32 master weights under autocast
@@ -209,7 +289,12 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig) -> float:
         hd, KV = cfg.head_dim, cfg.n_kv_heads
         attn = a * (2 * H * hd + 2 * KV * hd)  # q, out; k, v
     attn += 4 * H  # log-sum-exp
-    ffn = a * cfg.intermediate_size * (4 if cfg.ffn == "swiglu" else 2)
+    if moe:
+        slots, i = routed_experts_computed(cfg), cfg.moe_intermediate_size
+        ffn = (4 * 2 * cfg.n_routed_experts + a * slots * (d + 4 * i) + a * cfg.num_experts_per_tok * d
+               + a * 4 * cfg.n_shared_experts * i)
+    else:
+        ffn = a * cfg.intermediate_size * (4 if cfg.ffn in ("swiglu", "moe") else 2)
     return norms + attn + ffn
 
 
@@ -250,17 +335,17 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
         raise ValueError(f"unknown engine {engine!r}")
 
     tokens = inputs.micro_batch_size * inputs.seq_len
-    per_layer = _activation_bytes_per_token_per_layer(cfg)
     L = cfg.n_layers
+    dense_layers = L - cfg.n_moe_layers
+    layer_bytes = [_activation_bytes_per_token_per_layer(cfg, moe=i >= dense_layers) for i in range(L)]
+    per_layer = sum(layer_bytes) / L
     res = 4
-    if inputs.activation_checkpointing == "full":
-        # block inputs kept, one block's activations live again during its recomputation
-        act_layers = tokens * (L * res * cfg.d_model + per_layer)
-    elif inputs.activation_checkpointing == "selective":
-        ck = L // inputs.selective_every
-        act_layers = tokens * ((L - ck) * per_layer + ck * res * cfg.d_model + (per_layer if ck else 0))
-    else:
-        act_layers = tokens * L * per_layer
+    ac = inputs.activation_checkpointing
+    # checkpointed blocks keep only their input; one of them lives again during its recomputation
+    ckpt = [ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0) for i in range(L)]
+    kept = sum(res * cfg.d_model if c else b for c, b in zip(ckpt, layer_bytes))
+    recompute = max((b for c, b in zip(ckpt, layer_bytes) if c), default=0)
+    act_layers = tokens * (kept + recompute)
     if cfg.task == "lm":
         # embedding output, final norm, 16-bit logits, their fp32 copy and log-softmax kept for CE
         a = 2 if mixed else 4

@@ -38,6 +38,11 @@ class _Section(BaseModel):
 NonNeg = Field(ge=0)
 
 
+MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "first_k_dense_replace", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
+              "topk_group", "aux_loss_alpha", "bias_update_speed", "capacity_factor")
+
+
 class ModelConfig(_Section):
     """The network. Names match DeepSeek-V2/V3 and Llama configs where they overlap."""
 
@@ -55,8 +60,24 @@ class ModelConfig(_Section):
         "others: rotated part of each head (default head_dim)")
     v_head_dim: Optional[int] = Field(None, gt=0, description="MLA: value head dim; default head_dim")
     qkv_bias: bool = Field(False, description="mha/gqa/mqa: bias on the q, k, v projections (Qwen2)")
-    ffn: Literal["swiglu", "gelu", "relu"] = "swiglu"
-    intermediate_size: int = Field(2048, gt=0)
+    ffn: Literal["swiglu", "gelu", "relu", "moe"] = "swiglu"
+    intermediate_size: int = Field(2048, gt=0, description="dense FFN width (moe: of the first_k_dense_replace layers)")
+    # Mixture of experts (ffn=moe), DeepSeek-V2/V3 names; see scaletool/model/moe.py.
+    n_routed_experts: int = Field(0, ge=0, description="moe: routed experts per MoE layer")
+    n_shared_experts: int = Field(0, ge=0, description="moe: always-active experts, one SwiGLU of n·moe_intermediate_size")
+    num_experts_per_tok: int = Field(0, ge=0, description="moe: routed experts per token (top-k)")
+    moe_intermediate_size: int = Field(0, ge=0, description="moe: width of one expert's SwiGLU")
+    first_k_dense_replace: int = Field(0, ge=0, description="moe: leading layers with the dense FFN instead")
+    scoring_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="moe: router scores; sigmoid adds V3's selection bias (a buffer, no gradient)")
+    norm_topk_prob: bool = Field(False, description="moe: renormalise the top-k gate weights to sum to 1")
+    routed_scaling_factor: float = Field(1.0, gt=0, description="moe: multiplies the routed experts' gate weights")
+    n_group: int = Field(1, gt=0, description="moe: expert groups for group-limited routing (1 = off)")
+    topk_group: int = Field(1, gt=0, description="moe: groups a token may route to")
+    aux_loss_alpha: float = Field(0.0, ge=0, description="moe: weight of the sequence-wise expert balance loss")
+    bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
+    capacity_factor: float = Field(
+        1.25, gt=0, description="moe: expert capacity = ceil(factor·tokens·top-k / experts); >= experts/top-k never drops")
     vocab_size: int = Field(32000, gt=0)
     max_seq_len: int = Field(2048, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
@@ -125,6 +146,7 @@ class ModelConfig(_Section):
                 self.qk_rope_head_dim = max(2, hd // 2 // 2 * 2)
         if self.qk_rope_head_dim % 2:
             problems.append(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; RoPE rotates pairs of dims")
+        problems += self._moe_problems()
         if self.task == "regression":
             if self.feature_groups is None:
                 n, g = self.n_features, min(4, self.n_features)
@@ -139,6 +161,37 @@ class ModelConfig(_Section):
         if problems:
             raise RecipeError(problems)
         return self
+
+    def _moe_problems(self) -> list[str]:
+        if self.ffn != "moe":
+            defaults = type(self).model_fields
+            return [f"model.{k}: only used by ffn=moe (ffn={self.ffn})" for k in MOE_FIELDS
+                    if getattr(self, k) != defaults[k].default]
+        E, k, G = self.n_routed_experts, self.num_experts_per_tok, self.n_group
+        problems = [f"model.{key}: must be > 0 for ffn=moe" for key in
+                    ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not getattr(self, key)]
+        if E and k > E:
+            problems.append(f"model.num_experts_per_tok: top-{k} of {E} routed experts is impossible")
+        if self.first_k_dense_replace >= self.n_layers:
+            problems.append(f"model.first_k_dense_replace: {self.first_k_dense_replace} leaves no MoE layer "
+                            f"(n_layers={self.n_layers})")
+        if E and E % G:
+            problems.append(f"model.n_group: {E} routed experts do not split into {G} groups")
+        elif self.topk_group > G:
+            problems.append(f"model.topk_group: {self.topk_group} is more than n_group={G}")
+        elif E and k > self.topk_group * (E // G):
+            problems.append(f"model.num_experts_per_tok: top-{k} does not fit in topk_group={self.topk_group} "
+                            f"groups of {E // G} experts")
+        elif G > 1 and self.scoring_func == "sigmoid" and E // G < 2:
+            problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
+        if self.bias_update_speed and self.scoring_func != "sigmoid":
+            problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
+        return problems
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers with a mixture-of-experts FFN (the rest use the dense FFN)."""
+        return self.n_layers - self.first_k_dense_replace if self.ffn == "moe" else 0
 
     # Derived sizes, computed from the resolved fields (never stored).
     @property

@@ -1,8 +1,11 @@
 """Hugging Face ``config.json`` -> recipe ``model`` section.
 
-Llama, Mistral, Qwen2/Qwen3-style dense models and DeepSeek-V2/V3. A setting the model family does not
-implement (mixture-of-experts layers, RoPE scaling, sliding windows...) is an error that names it;
-``drop`` lists the features the user accepts to lose, and the result records what was dropped.
+Llama, Mistral, Qwen2/Qwen3-style dense models and DeepSeek-V2/V3, the latter with their
+mixture-of-experts FFNs (routing: V2's softmax with greedy or group-limited top-k, V3's sigmoid with
+the selection bias and group-limited ``noaux_tc``). A setting the model family does not implement
+(RoPE scaling, sliding windows, V3's multi-token-prediction module, FP8 weights...) is an error that
+names it; ``drop`` lists the features the user accepts to lose, and the result records what was
+dropped. ``--drop moe`` on a DeepSeek config imports its dense twin (every layer the dense FFN).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ _ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "gelu", "gelu_new": "gelu"
 # feature name -> (predicate on the config, what it is)
 _UNSUPPORTED = {
     "moe": (lambda c: bool(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts")),
-            "mixture-of-experts FFN layers"),
+            "mixture-of-experts FFN layers"),  # supported for DeepSeek types (_MOE_KEYS)
     "rope_scaling": (lambda c: bool(c.get("rope_scaling")), "RoPE scaling (YaRN / llama3 / linear)"),
     "sliding_window": (lambda c: bool(c.get("sliding_window")) and c.get("use_sliding_window", True),
                        "sliding-window attention"),
@@ -28,7 +31,18 @@ _UNSUPPORTED = {
                        "biases on every attention projection (o_proj included)"),
     "mlp_bias": (lambda c: bool(c.get("mlp_bias")), "biases in the MLP"),
     "mtp": (lambda c: bool(c.get("num_nextn_predict_layers")), "multi-token-prediction modules"),
+    "quantization": (lambda c: bool(c.get("quantization_config")),
+                     "quantized weights (e.g. V3's FP8 blocks); the recipe models its dtype's weights"),
+    "batch_aux_loss": (lambda c: c.get("seq_aux") is False and bool(c.get("aux_loss_alpha")),
+                       "batch-wise balance loss (seq_aux: false); scaletool's is sequence-wise"),
 }
+# DeepSeek config key -> recipe key, copied as they are
+_MOE_KEYS = {"n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
+             "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
+             "first_k_dense_replace": "first_k_dense_replace", "norm_topk_prob": "norm_topk_prob",
+             "routed_scaling_factor": "routed_scaling_factor", "aux_loss_alpha": "aux_loss_alpha"}
+# topk_method -> the router scoring its group scores assume (see scaletool.model.moe)
+_TOPK_METHODS = {"greedy": None, "group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
 def _get(cfg: dict, key: str, *alts: str, default: Any = None):
@@ -49,7 +63,8 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
         raise RecipeError(f"--drop {', '.join(sorted(unknown_drop))}: unknown feature "
                           f"(droppable: {', '.join(_UNSUPPORTED)})")
     present = [name for name, (pred, _) in _UNSUPPORTED.items() if pred(cfg)]
-    missing = [n for n in present if n not in drop]
+    supported = {"moe"} if mtype in DEEPSEEK_TYPES else set()
+    missing = [n for n in present if n not in drop and n not in supported]
     if missing:
         raise RecipeError([f"{n}: {_UNSUPPORTED[n][1]} not supported by scaletool's model family "
                            f"(pass --drop {n} to import without it)" for n in missing])
@@ -73,6 +88,8 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
         m.update(attention="mla", kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank") or 0,
                  qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                  v_head_dim=cfg["v_head_dim"])
+        if "moe" in present and "moe" not in drop:
+            m.update(_deepseek_moe(cfg))
     else:
         kv = _get(cfg, "num_key_value_heads", default=m["n_heads"])
         m["attention"] = "mha" if kv == m["n_heads"] else ("mqa" if kv == 1 else "gqa")
@@ -88,6 +105,27 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
             m["qkv_bias"] = True
     dropped = [n for n in present if n in drop]
     return m, dropped
+
+
+def _deepseek_moe(cfg: dict) -> dict:
+    """The MoE keys of a DeepSeek-V2/V3 config as recipe keys; routing it cannot express is an error."""
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise RecipeError(f"moe_layer_freq {cfg['moe_layer_freq']}: MoE in every n-th layer is not supported "
+                          "(scaletool: every layer after first_k_dense_replace)")
+    method = cfg.get("topk_method", "greedy")
+    scoring = cfg.get("scoring_func", "softmax")
+    if method not in _TOPK_METHODS:
+        raise RecipeError(f"topk_method {method!r} not supported (known: {', '.join(_TOPK_METHODS)})")
+    if scoring not in ("softmax", "sigmoid"):
+        raise RecipeError(f"scoring_func {scoring!r} not supported (known: softmax, sigmoid)")
+    if _TOPK_METHODS[method] not in (None, scoring):
+        raise RecipeError(f"topk_method {method} with scoring_func {scoring}: scaletool scores groups as "
+                          f"{method} does only with scoring_func {_TOPK_METHODS[method]}")
+    m = {ours: cfg[theirs] for theirs, ours in _MOE_KEYS.items() if cfg.get(theirs) is not None}
+    m.update(ffn="moe", scoring_func=scoring)
+    if method != "greedy":  # greedy ignores n_group / topk_group
+        m.update(n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1)
+    return m
 
 
 def recipe_from_hf(path: str | Path, drop: tuple[str, ...] = ()) -> tuple[dict, list[str]]:

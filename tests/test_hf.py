@@ -54,14 +54,13 @@ def test_qwen2_has_qkv_bias_and_tied_head(tmp_path):
     assert analytic.param_counts(recipe_from_dict(raw).model)["total"] == 494_032_768
 
 
-def test_moe_is_named_not_dropped(tmp_path):
+def test_unsupported_features_are_named_not_dropped(tmp_path):
     p = write(tmp_path, DEEPSEEK_V2_LITE)
     with pytest.raises(RecipeError) as e:
         recipe_from_hf(p)
-    assert any("moe: mixture-of-experts" in line for line in e.value.problems)
-    assert any("rope_scaling" in line for line in e.value.problems)
+    assert [line.split(":")[0] for line in e.value.problems] == ["rope_scaling"]  # MoE is imported (issue 8)
     res = CliRunner().invoke(main, ["recipe", "from-hf", str(p)])
-    assert res.exit_code == 2 and "--drop moe" in res.output
+    assert res.exit_code == 2 and "--drop rope_scaling" in res.output
 
 
 def test_deepseek_with_drops_records_them(tmp_path):
@@ -72,6 +71,7 @@ def test_deepseek_with_drops_records_them(tmp_path):
     assert "# Dropped (not modelled): moe, rope_scaling" in out.read_text()
     m = load_recipe(out).model
     assert (m.attention, m.kv_lora_rank, m.q_lora_rank, m.qk_rope_head_dim, m.v_head_dim) == ("mla", 512, 0, 64, 128)
+    assert m.ffn == "swiglu"  # --drop moe: the dense twin
 
 
 def test_bad_inputs(tmp_path):

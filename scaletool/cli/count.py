@@ -43,6 +43,8 @@ def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_f
     for c in ("", "measured", "analytic", "rel. error"):
         t.add_column(c, justify="left" if not c else "right")
     t.add_row("total", f"{p['measured']:,}", f"{p['analytic']:,}", pct(p["rel_error"], 4))
+    if p["active"] != p["analytic"]:
+        t.add_row("active per token (MoE)", "", f"{p['active']:,}", "")
     t.add_row("12·d²·L vs non-embedding", f"{p['non_embedding']:,}", f"{p['rule_of_thumb_12d2L']:,}",
               pct(p["rule_of_thumb_rel_error"]))
     con.print(t)

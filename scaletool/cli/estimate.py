@@ -24,6 +24,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     \b
     Parameters: exact count by component, and the rule of thumb 12·d²·L with its error.
     FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
+    MoE: N counts the active parameters (top-k routed experts); total vs active is shown.
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
     Memory/GPU: weights, grads, AdamW state, activations for DDP, FSDP, ZeRO-1/2/3.
     """
@@ -37,13 +38,22 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
 
 def print_estimate(r, est: dict, console: Console) -> None:
     m, p, f, kv = r.model, est["params"], est["flops"], est["kv_cache"]
+    ffn = f"{m.ffn}×{m.intermediate_size}"
+    if m.ffn == "moe":
+        ffn = (f"moe(top-{m.num_experts_per_tok} of {m.n_routed_experts} routed + {m.n_shared_experts} shared, "
+               f"×{m.moe_intermediate_size}; {m.first_k_dense_replace} dense ×{m.intermediate_size})")
     console.print(f"[bold]{m.attention.upper()}[/] d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
-                  f"n_kv_heads={m.n_kv_heads} ffn={m.ffn}×{m.intermediate_size} seq_len={est['seq_len']} dtype={m.dtype}")
+                  f"n_kv_heads={m.n_kv_heads} ffn={ffn} seq_len={est['seq_len']} dtype={m.dtype}")
     t = Table(title="Parameters", title_justify="left")
     t.add_column("component"), t.add_column("count", justify="right"), t.add_column("share", justify="right")
     for key in ("embedding", "attention", "ffn", "norms", "head"):
         t.add_row(key, f"{p[key]:,}", f"{100 * p[key] / p['total']:.1f}%")
+    if "moe" in p:
+        t.add_row("  of which routed experts", f"{p['moe']['routed_total']:,}",
+                  f"{100 * p['moe']['routed_total'] / p['total']:.1f}%")
     t.add_row("[bold]total", f"[bold]{p['total']:,}", "")
+    if "moe" in p:
+        t.add_row("[bold]active per token", f"[bold]{p['active']:,}", f"{100 * p['active'] / p['total']:.1f}%")
     t.add_row("non-embedding", f"{p['non_embedding']:,}", "")
     t.add_row("12·d²·L", f"{p['rule_of_thumb_12d2L']:,}", pct(p["rule_of_thumb_rel_error"]) + " vs non-emb.")
     console.print(t)
@@ -55,6 +65,10 @@ def print_estimate(r, est: dict, console: Console) -> None:
     t.add_row("forward (inference)", si(pt["forward_causal"], "FLOP"), si(pt["forward_full"], "FLOP"))
     t.add_row("attention, forward", si(pt["attention_forward_causal"], "FLOP"), si(pt["attention_forward_full"], "FLOP"))
     t.add_row("6·N only", si(pt["dense_6N"], "FLOP"), "")
+    if "moe" in pt:
+        t.add_row(f"training as computed ({pt['moe']['routed_experts_per_token_computed']:.3g} experts/token "
+                  f"at capacity_factor {m.capacity_factor})", si(pt["train_causal_computed"], "FLOP"),
+                  si(pt["train_full_computed"], "FLOP"))
     console.print(t)
     console.print(f"Training {si(f['train_tokens'])} tokens: 6·N·T = {si(f['train_total_6NT'], 'FLOP')}, "
                   f"with attention ({pt['convention']}) = {si(f['train_total'], 'FLOP')}")

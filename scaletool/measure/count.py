@@ -11,6 +11,8 @@ Two independent FLOP counters:
 
 Both count every T² score position (no causal discount): compare them with the analytic "full"
 convention; the output says how far the causal figure (the MFU convention) sits from them.
+MoE models are compared with the FLOPs the capacity dispatch computes (every expert's full
+capacity buffer); the useful figure (top-k experts per token) is given beside it.
 """
 from __future__ import annotations
 
@@ -118,8 +120,8 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
     model.train(device == "meta")
     n_measured = model.num_params()
     exact = analytic.param_counts(cfg)
-    per_tok = analytic.flops_per_token(cfg, T)
     tokens = batch * T
+    per_tok = analytic.flops_per_token(cfg, T, tokens=tokens)  # one MoE dispatch per forward: batch·T tokens
 
     out: dict[str, Any] = {
         "device": device, "batch": batch, "seq_len": T,
@@ -129,12 +131,13 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
             "rule_of_thumb_12d2L": exact["rule_of_thumb_12d2L"],
             "rule_of_thumb_rel_error": exact["rule_of_thumb_rel_error"],
             "non_embedding": exact["non_embedding"],
+            "active": exact["active"],
             "by_module": _params_by_module(model),
         },
     }
     fc = flop_counter_flops(model, recipe, batch, device)
-    analytic_fwd_full = per_tok["forward_full"] * tokens
-    analytic_train_full = per_tok["train_full"] * tokens
+    analytic_fwd_full = per_tok["forward_full_computed"] * tokens
+    analytic_train_full = per_tok["train_full_computed"] * tokens
     flops: dict[str, Any] = {
         "tokens": tokens,
         "analytic": {
@@ -162,6 +165,14 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
         f"6·N·T alone (no attention term) is {100 * rel_error(per_tok['dense_6N'], per_tok['train_full']):+.2f}% "
         "off the full training count.",
     ]
+    if "moe" in per_tok:
+        mo = per_tok["moe"]
+        flops["analytic"]["train_full_useful"] = per_tok["train_full"] * tokens
+        flops["notes"].append(
+            f"MoE: the capacity dispatch computes {mo['routed_experts_per_token_computed']:.3g} routed experts per "
+            f"token (capacity_factor {cfg.capacity_factor}, {tokens} tokens per dispatch); {cfg.num_experts_per_tok} "
+            f"are useful. The useful training FLOPs (the MFU convention) are "
+            f"{100 * rel_error(per_tok['train_full'], per_tok['train_full_computed']):+.2f}% off the computed ones.")
     if cfg.task == "regression":
         flops["notes"].append("regression: the first feature Linear needs no input gradient, so measured "
                               "training FLOPs sit slightly under 3 × forward.")

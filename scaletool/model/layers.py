@@ -60,15 +60,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x), 3·d·i params) or the classic GELU/ReLU MLP (2·d·i params)."""
+    """SwiGLU (w2(silu(w1 x) * w3 x), 3·d·i params) or the classic GELU/ReLU MLP (2·d·i params).
 
-    def __init__(self, cfg: ModelConfig):
+    ``intermediate_size`` overrides the recipe's width (MoE shared experts); ffn=moe models use
+    SwiGLU for their dense layers and shared experts, as DeepSeek does.
+    """
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        d, i = cfg.d_model, cfg.intermediate_size
-        self.kind = cfg.ffn
+        d, i = cfg.d_model, intermediate_size or cfg.intermediate_size
+        self.kind = "swiglu" if cfg.ffn == "moe" else cfg.ffn
         self.w1 = nn.Linear(d, i, bias=False)
         self.w2 = nn.Linear(i, d, bias=False)
-        self.w3 = nn.Linear(d, i, bias=False) if cfg.ffn == "swiglu" else None
+        self.w3 = nn.Linear(d, i, bias=False) if self.kind == "swiglu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "swiglu":

@@ -17,16 +17,17 @@ import torch.nn.functional as F
 
 from scaletool.config import ModelConfig
 from scaletool.model.attention import make_attention
-from scaletool.model.layers import FeedForward, RotaryEmbedding, make_norm
+from scaletool.model.layers import RotaryEmbedding, make_norm
+from scaletool.model.moe import MoE, aux_loss, make_ffn
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto", layer_id: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = make_attention(cfg, sdpa_backend)
         self.ffn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = make_ffn(cfg, layer_id)  # dense FeedForward, or MoE (ffn=moe past first_k_dense_replace)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -69,7 +70,7 @@ class Transformer(nn.Module):
             self.feature_embed = FeatureEmbedding(cfg)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg, sdpa_backend) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, sdpa_backend, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         if cfg.task == "lm":
             self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -101,10 +102,12 @@ class Transformer(nn.Module):
         std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, mod in self.named_modules():
             if isinstance(mod, (nn.Linear, nn.Embedding)):
-                s = out_std if name.endswith(("attn.wo", "ffn.w2")) else std
+                s = out_std if name.endswith(("attn.wo", "ffn.w2", "shared.w2")) else std
                 nn.init.normal_(mod.weight, 0.0, s, generator=gen)
                 if getattr(mod, "bias", None) is not None:
                     nn.init.zeros_(mod.bias)
+            elif isinstance(mod, MoE):  # stacked expert weights, same stds as the dense FFN
+                mod.init_weights(std, out_std, gen)
             elif isinstance(mod, (nn.RMSNorm, nn.LayerNorm, nn.BatchNorm1d)):
                 mod.reset_parameters()
                 if isinstance(mod, nn.BatchNorm1d):
@@ -145,12 +148,18 @@ class Transformer(nn.Module):
             logits = self.lm_head(h)
             if targets is None:
                 return logits
-            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            return self._with_aux_loss(F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)))
         feats = h[:, -1]  # (B, d): the last time step
         preds = self.head(feats)
         if targets is not None:
-            return F.mse_loss(preds.float(), targets.float())
+            return self._with_aux_loss(F.mse_loss(preds.float(), targets.float()))
         return (preds, feats) if return_features else preds
+
+    def _with_aux_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The training loss plus the MoE balance losses of this forward (α·Σ over MoE layers; each MoE
+        module keeps its last one). Dense models and α = 0 add nothing."""
+        aux = aux_loss(self)
+        return loss if aux is None else loss + aux
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Normed hidden states (..., d) -> logits (..., vocab), through the tied or untied head."""

@@ -1,0 +1,232 @@
+"""DeepSeek-style mixture-of-experts FFN: shared experts, routed experts, a top-k router.
+
+y = shared(x) + Σ_{j ≤ k} g_j · expert_{e_j}(x)   (DeepSeekMoE; DeepSeek-V2 §2.2, V3 §2.1.2)
+
+Routing (:meth:`MoE.route`): scores s = softmax(x·Wᵍ) (V2) or sigmoid(x·Wᵍ) (V3). V3 selects the
+top-k by s + b, where b is a per-expert bias *buffer* (no gradient) moved by the aux-loss-free
+rule, and weights the experts by s alone. Group-limited routing (``n_group``/``topk_group``)
+first keeps the best ``topk_group`` groups per token: a group scores its best expert under
+softmax (V2's group_limited_greedy) and the sum of its best two under sigmoid (V3's noaux_tc).
+The k weights are renormalised to 1 with ``norm_topk_prob`` and scaled by
+``routed_scaling_factor``.
+
+Dispatch (:meth:`MoE.forward`) is capacity-based with static shapes, as GShard / Switch /
+DeepSpeed's MoE layer: each expert takes at most C = ceil(capacity_factor·N·k/E) of the N·k
+(token, choice) assignments (capped at N), first choices before second choices; a token's place
+in its expert comes from a cumulative sum over one-hot rows, the tokens are gathered into an
+[E, C, d] buffer, three ``torch.bmm`` against the stacked expert weights run every expert at
+once, and the results are gathered back and weighted. Assignments past capacity are dropped (the
+token keeps its other experts and the residual) and counted. No loop over tokens, no host
+synchronisation, the same code on meta, CPU and CUDA. :meth:`MoE.reference` is the plain
+per-expert loop with boolean masks (dropless); the tests check the two agree when nothing drops.
+
+Training signals, kept on the module after each forward (detached except the loss):
+- ``aux_loss``: the sequence-wise expert balance loss α·Σ_i f_i·P_i averaged over sequences, with
+  f_i = E/(k·T)·#{t: token t picks i} and P_i the mean normalised score (DeepSeek-V2 eq. 12-14 with
+  the released code's ``seq_aux``; V3 eq. 17-20 for sigmoid). Per sequence, so data-parallel
+  shards average to the same loss as one process. :meth:`Transformer.forward` adds the sum over
+  layers when targets are given.
+- ``tokens_per_expert`` (E,), ``dropped`` (scalar) and ``assignments`` (int): the load
+  statistics; :func:`expert_load_metrics` turns them into metrics at log time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scaletool.analytic import expert_capacity
+from scaletool.config import ModelConfig
+from scaletool.model.layers import FeedForward
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: w1, w3 (E, d, i) and w2 (E, i, d).
+
+    ``forward`` takes the dispatch buffer (E, C, d) and runs every expert with one bmm per
+    projection. Expert parallelism (``scaletool.engines.expert_parallel``) keeps a slice of the
+    experts per rank and wraps this module; the model never knows.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, d_model, intermediate_size))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d_model, intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(n_experts, intermediate_size, d_model))
+
+    def forward(self, buf: torch.Tensor) -> torch.Tensor:  # buf (E, C, d)
+        h = F.silu(torch.bmm(buf, self.w1)) * torch.bmm(buf, self.w3)  # (E, C, i)
+        return torch.bmm(h, self.w2)  # (E, C, d)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` alone on tokens (n, d): the reference path."""
+        return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float, generator: torch.Generator | None) -> None:
+        for w, s in ((self.w1, std), (self.w3, std), (self.w2, out_std)):
+            nn.init.normal_(w, 0.0, s, generator=generator)
+
+
+class MoE(nn.Module):
+    """Shared experts + routed experts behind a top-k router (DeepSeekMoE)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+        super().__init__()
+        self.cfg, self.layer_id = cfg, layer_id
+        E, d = cfg.n_routed_experts, cfg.d_model
+        self.n_experts, self.top_k = E, cfg.num_experts_per_tok
+        self.gate = nn.Linear(d, E, bias=False)
+        self.experts = GroupedExperts(E, d, cfg.moe_intermediate_size)
+        self.shared = (FeedForward(cfg, cfg.n_shared_experts * cfg.moe_intermediate_size)
+                       if cfg.n_shared_experts else None)
+        # V3's selection bias: checkpointed state, moved by a sign rule, never by a gradient
+        self.register_buffer("router_bias", torch.zeros(E) if cfg.scoring_func == "sigmoid" else None)
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+        self.assignments = 0
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens (N, d) -> expert ids (N, k), gate weights (N, k) fp32, scores (N, E) fp32."""
+        cfg, E, k = self.cfg, self.n_experts, self.top_k
+        logits = self.gate(x).float()  # (N, E)
+        scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+        choice = scores.detach() if self.router_bias is None else scores.detach() + self.router_bias
+        if cfg.n_group > 1:
+            groups = choice.view(-1, cfg.n_group, E // cfg.n_group)  # (N, G, E/G)
+            group_score = groups.amax(-1) if cfg.scoring_func == "softmax" else groups.topk(2, -1).values.sum(-1)
+            best = group_score.topk(cfg.topk_group, -1).indices  # (N, topk_group)
+            keep = torch.zeros_like(group_score).scatter(1, best, torch.ones_like(group_score)) > 0  # (N, G)
+            choice = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(-1, E)
+        idx = choice.topk(k, -1).indices  # (N, k)
+        weights = scores.gather(1, idx)  # (N, k): scores without the bias
+        if cfg.norm_topk_prob and k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return idx, weights * cfg.routed_scaling_factor, scores
+
+    def balance_loss(self, idx: torch.Tensor, scores: torch.Tensor, batch: int) -> torch.Tensor:
+        """α·mean over sequences of Σ_i f_i·P_i (see the module docstring); idx (N, k), scores (N, E)."""
+        E, k = self.n_experts, self.top_k
+        T = idx.shape[0] // batch
+        probs = scores / scores.sum(-1, keepdim=True)  # softmax: unchanged; sigmoid: V3's s'
+        counts = torch.zeros(batch, E, device=idx.device).scatter_add_(
+            1, idx.view(batch, T * k), torch.ones(batch, T * k, device=idx.device))  # (B, E)
+        f = counts * (E / (k * T))
+        P = probs.view(batch, T, E).mean(1)  # (B, E)
+        return self.cfg.aux_loss_alpha * (f * P).sum(-1).mean()
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, d)
+        B, T, d = x.shape
+        flat = x.reshape(-1, d)  # (N, d)
+        idx, weights, scores = self.route(flat)
+        routed = self.dispatch(flat, idx, weights)
+        self.aux_loss = (self.balance_loss(idx, scores, B)
+                         if self.training and self.cfg.aux_loss_alpha > 0 else None)
+        out = routed if self.shared is None else routed + self.shared(flat)
+        return out.view(B, T, d)
+
+    def dispatch(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Capacity-based batched expert computation; tokens (N, d) -> routed output (N, d)."""
+        N, d = flat.shape
+        E, k = self.n_experts, self.top_k
+        C = expert_capacity(self.cfg, N)
+        expert = idx.t().reshape(-1)  # (k·N,) choice-major: every first choice before any second
+        one_hot = F.one_hot(expert, E)  # (k·N, E)
+        pos = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # place of each assignment in its expert's queue
+        kept = pos < C
+        slot = torch.where(kept, expert * C + pos, E * C)  # (k·N,); E·C: the bin of dropped assignments
+        token = torch.arange(N, device=flat.device).repeat(k)  # (k·N,)
+        # slot -> token map; empty slots point at row N, a zero row appended to the tokens
+        slot_token = torch.full((E * C + 1,), N, device=flat.device, dtype=torch.long)
+        slot_token = slot_token.scatter(0, slot, token)[:E * C]
+        padded = torch.cat([flat, flat.new_zeros(1, d)])  # (N+1, d)
+        buf = padded[slot_token].view(E, C, d)
+        out = self.experts(buf)  # (E, C, d)
+        out = torch.cat([out.reshape(E * C, d), out.new_zeros(1, d)])  # (E·C+1, d): dropped read zeros
+        picked = out[slot].view(k, N, d)
+        routed = (picked * weights.t().unsqueeze(-1).to(picked.dtype)).sum(0)  # (N, d)
+        tokens_per_expert = one_hot.sum(0)
+        self.tokens_per_expert = tokens_per_expert.detach()
+        self.dropped = (~kept).sum().detach()
+        self.assignments = k * N
+        return routed.to(flat.dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same layer as a plain loop over experts with boolean masks, never dropping a token."""
+        B, T, d = x.shape
+        flat = x.reshape(-1, d)
+        idx, weights, _ = self.route(flat)
+        routed = torch.zeros_like(flat)
+        for e in range(self.n_experts):
+            hit = idx == e  # (N, k)
+            rows = hit.any(-1)
+            if rows.any():
+                w = (weights * hit).sum(-1)[rows].unsqueeze(-1)  # (n, 1)
+                routed[rows] += (w * self.experts.expert(e, flat[rows])).to(flat.dtype)
+        out = routed if self.shared is None else routed + self.shared(flat)
+        return out.view(B, T, d)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor, speed: float) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3 §2.1.2): b_i += speed·sign(mean load − load_i)."""
+        load = tokens_per_expert.float()
+        self.router_bias += speed * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float, generator: torch.Generator | None) -> None:
+        """Experts only: the gate and the shared SwiGLU are Linears that Transformer.init_weights covers."""
+        self.experts.init_weights(std, out_std, generator)
+        if self.router_bias is not None:
+            self.router_bias.zero_()
+
+
+def make_ffn(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    """The FFN of block ``layer_id``: MoE past ``first_k_dense_replace`` when ffn=moe, else dense."""
+    if cfg.ffn == "moe" and layer_id >= cfg.first_k_dense_replace:
+        return MoE(cfg, layer_id)
+    return FeedForward(cfg)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' balance losses from the last forward (None when there are none)."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def expert_load_metrics(model: nn.Module, reduce=None) -> dict[str, float]:
+    """Expert load of the last forward as metrics, one host sync for all of them.
+
+    Per MoE layer i: ``moe/layer{i}/imbalance_ratio`` (busiest expert's assignments over the mean,
+    1 = perfectly balanced) and ``moe/layer{i}/dropped_fraction`` (assignments past capacity);
+    over layers: ``moe/imbalance_ratio_mean``, ``moe/imbalance_ratio_max``, ``moe/dropped_fraction``.
+    ``reduce`` (e.g. an all-reduce sum over data-parallel ranks) is applied to the stacked counts
+    first, so every rank reports the global load.
+    """
+    layers = [m for m in moe_layers(model) if m.tokens_per_expert is not None]
+    if not layers:
+        return {}
+    load = torch.stack([m.tokens_per_expert.float() for m in layers])  # (L, E)
+    dropped = torch.stack([m.dropped.float() for m in layers])  # (L,)
+    assigned = torch.tensor([float(m.assignments) for m in layers], device=load.device)
+    stacked = torch.cat([load, dropped[:, None], assigned[:, None]], dim=1)
+    if reduce is not None:
+        reduce(stacked)
+    load, dropped, assigned = stacked[:, :-2], stacked[:, -2], stacked[:, -1]
+    imbalance = load.amax(-1) / load.mean(-1).clamp_min(1e-9)
+    frac = dropped / assigned.clamp_min(1)
+    summary = torch.stack([imbalance.mean(), imbalance.amax(), dropped.sum() / assigned.sum().clamp_min(1)])
+    imb, fr, s = imbalance.tolist(), frac.tolist(), summary.tolist()
+    out = {"moe/imbalance_ratio_mean": s[0], "moe/imbalance_ratio_max": s[1], "moe/dropped_fraction": s[2]}
+    for m, a, b in zip(layers, imb, fr):
+        out[f"moe/layer{m.layer_id}/imbalance_ratio"] = a
+        out[f"moe/layer{m.layer_id}/dropped_fraction"] = b
+    return out
