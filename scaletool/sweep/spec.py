@@ -1,0 +1,240 @@
+"""Sweep files: a base recipe, the keys to vary, the modes to run. Validated once, like recipes.
+
+A sweep file is YAML::
+
+    recipe: ../mha-1b.yaml            # base recipe, relative to this file
+    name: mla-compression             # default: the file's stem; names the default results dir
+    label: H100 bf16                  # how reports name this results dir (default: the dir name)
+    set: {train.steps: 12}            # overrides applied to every point
+    grid:                             # cartesian product over dotted recipe keys
+      model.intermediate_size: [2048, 4096]
+    zip:                              # varied together: equal-length lists ...
+      model.attention: [mha, mla]
+      model.kv_lora_rank: [0, 256]
+    # ... or a list of point dicts: [{model.attention: mha}, {model.attention: gqa, model.n_kv_heads: 4}]
+    modes: [estimate, count, train, decode]
+    args: {decode: [--contexts, "512,1024"]}   # extra CLI arguments per mode
+    timeout_s: 900                    # per point and mode; or {train: 1800, count: 300}
+    nproc_per_node: 1                 # > 1: train points are launched distributed
+    match_params: {key: model.intermediate_size, target: ../mla-1b.yaml, multiple_of: 64}
+
+Every problem becomes one line of a :class:`~scaletool.config.RecipeError` (the CLI exits with 2).
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from scaletool.config import Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
+
+MODES = ("estimate", "count", "train", "decode")
+Mode = Literal["estimate", "count", "train", "decode"]
+# Arguments the runner passes itself; a sweep file setting them would produce a second, conflicting copy.
+RESERVED_ARGS = {"--json", "--out", "--set", "--nproc-per-node"}
+MATCHABLE_KEYS = ("model.intermediate_size", "model.n_layers")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MatchParams(_Strict):
+    """Equal-budget adjustment: per point, solve ``key`` so the parameter count meets ``target``."""
+
+    key: Literal["model.intermediate_size", "model.n_layers"]
+    target: Union[int, str, dict[str, Any]] = Field(
+        description="a parameter count, a recipe path (relative to the sweep file) whose count is the "
+        "target, or a mapping of dotted overrides naming a reference point on the base recipe")
+    multiple_of: Optional[int] = Field(None, gt=0, description="default 64 for intermediate_size, 1 for n_layers")
+    params: Literal["total", "non_embedding"] = "total"
+
+
+class SweepFile(_Strict):
+    recipe: str
+    name: Optional[str] = None
+    label: Optional[str] = None
+    description: Optional[str] = None
+    set: dict[str, Any] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    zip: Union[dict[str, list[Any]], list[dict[str, Any]], None] = None
+    modes: list[Mode] = Field(min_length=1)
+    args: dict[Mode, list[str]] = Field(default_factory=dict)
+    timeout_s: Union[float, dict[Mode, float]] = 1800.0
+    nproc_per_node: int = Field(1, gt=0)
+    match_params: Optional[MatchParams] = None
+
+
+class Sweep:
+    """A validated sweep file with its base recipe loaded (as a raw mapping, ``set`` applied)."""
+
+    def __init__(self, path: Path, spec: SweepFile, base_raw: dict, target_params: int | None,
+                 target_source: str | None):
+        self.path = path
+        self.spec = spec
+        self.base_raw = base_raw
+        self.target_params = target_params
+        self.target_source = target_source
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.path.stem
+
+    @property
+    def base_recipe_path(self) -> Path:
+        return (self.path.parent / self.spec.recipe).resolve()
+
+    def timeout(self, mode: str) -> float:
+        t = self.spec.timeout_s
+        return t.get(mode, 1800.0) if isinstance(t, dict) else t
+
+    def mode_args(self, mode: str) -> list[str]:
+        args = list(self.spec.args.get(mode, []))
+        if mode == "train" and self.spec.nproc_per_node > 1:
+            args += ["--nproc-per-node", str(self.spec.nproc_per_node)]
+        return args
+
+    def point_values(self) -> list[dict[str, Any]]:
+        """The grid's cartesian product times the zipped points, as {dotted key: value} dicts."""
+        keys = list(self.spec.grid)
+        grid = [dict(zip(keys, combo)) for combo in itertools.product(*(self.spec.grid[k] for k in keys))]
+        return [{**z, **g} for z in zipped_points(self.spec.zip) for g in grid]
+
+
+def zipped_points(z) -> list[dict[str, Any]]:
+    if z is None:
+        return [{}]
+    if isinstance(z, list):
+        return [dict(p) for p in z]
+    keys = list(z)
+    return [dict(zip(keys, vals)) for vals in zip(*(z[k] for k in keys))]
+
+
+def check_key(key: str) -> str | None:
+    """A problem with dotted recipe key ``key`` (unknown section or field, with a did-you-mean), or None."""
+    parts = key.split(".")
+    cls: Any = Recipe
+    for i, part in enumerate(parts):
+        fields = cls.model_fields
+        if part not in fields:
+            hint = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+            where = ".".join(parts[:i]) or "a recipe"
+            tip = f"; did you mean '{hint[0]}'?" if hint else f"; {where} has {', '.join(fields)}"
+            return f"{key}: unknown key '{part}'{tip}"
+        ann = fields[part].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        elif i < len(parts) - 1:
+            if typing.get_origin(ann) is dict:  # free-form mapping (parallel.deepspeed): any sub-key
+                return None
+            return f"{key}: '{'.'.join(parts[:i + 1])}' is a value, not a section"
+    return None
+
+
+def _pydantic_lines(exc: ValidationError, source: str) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "sweep"
+        if err["type"] == "extra_forbidden":
+            known = list(SweepFile.model_fields) if len(err["loc"]) == 1 else list(MatchParams.model_fields)
+            hint = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
+            tip = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
+            lines.append(f"{source}: {loc}: unknown key{tip}")
+        else:
+            got = err.get("input")
+            got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"{source}: {loc}: {err['msg']}{got_s}")
+    return lines
+
+
+def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep:
+    """Read and validate a sweep file; ``overrides`` (from ``--set``) apply to every point after ``set``."""
+    path = Path(path)
+    src = str(path)
+    raw = read_yaml(path)
+    try:
+        spec = SweepFile.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_pydantic_lines(e, src)) from None
+
+    problems: list[str] = []
+    varied: dict[str, str] = {}
+    for section, keys in (("set", list(spec.set) + [k for k, _ in overrides]), ("grid", list(spec.grid)),
+                          ("zip", sorted({k for p in zipped_points(spec.zip) for k in p}))):
+        for key in keys:
+            p = check_key(key)
+            if p:
+                problems.append(f"{src}: {section}: {p}")
+            if section != "set":
+                if key in varied and varied[key] != section:
+                    problems.append(f"{src}: {key}: varied by both {varied[key]} and {section}")
+                varied[key] = section
+    for key, vals in spec.grid.items():
+        if not vals:
+            problems.append(f"{src}: grid.{key}: empty list of values")
+    if isinstance(spec.zip, dict):
+        lengths = {k: len(v) for k, v in spec.zip.items()}
+        if len(set(lengths.values())) > 1:
+            problems.append(f"{src}: zip: lists must have equal lengths, got "
+                            + ", ".join(f"{k}={n}" for k, n in lengths.items()))
+        if any(n == 0 for n in lengths.values()):
+            problems.append(f"{src}: zip: empty list of values")
+    elif isinstance(spec.zip, list) and not spec.zip:
+        problems.append(f"{src}: zip: empty list of points")
+    if len(set(spec.modes)) != len(spec.modes):
+        problems.append(f"{src}: modes: listed twice: {', '.join(m for m in MODES if spec.modes.count(m) > 1)}")
+    for mode, args in spec.args.items():
+        if mode not in spec.modes:
+            problems.append(f"{src}: args.{mode}: mode {mode} is not in modes {spec.modes}")
+        clash = sorted({a.split("=")[0] for a in args} & RESERVED_ARGS)
+        if clash:
+            problems.append(f"{src}: args.{mode}: {', '.join(clash)} is set by the sweep itself "
+                            "(use set: for recipe keys, nproc_per_node: for launching)")
+    mp = spec.match_params
+    if mp and mp.key in varied:
+        problems.append(f"{src}: match_params.key: {mp.key} is also varied by the {varied[mp.key]}; "
+                        "the solver sets it per point")
+    if mp and mp.key in spec.set:
+        problems.append(f"{src}: match_params.key: {mp.key} is also fixed by set; the solver sets it per point")
+
+    base_path = (path.parent / spec.recipe)
+    base_raw: dict = {}
+    try:
+        base_raw = apply_overrides(read_yaml(base_path), list(spec.set.items()) + list(overrides))
+        recipe_from_dict(base_raw, str(base_path))
+    except RecipeError as e:
+        problems.extend(f"{src}: recipe: {p}" for p in e.problems)
+
+    target = source = None
+    if mp and not problems:
+        try:
+            target, source = _resolve_target(mp, path, base_raw)
+        except RecipeError as e:
+            problems.extend(f"{src}: match_params.target: {p}" for p in e.problems)
+    if problems:
+        raise RecipeError(problems)
+    return Sweep(path, spec, base_raw, target, source)
+
+
+def _resolve_target(mp: MatchParams, path: Path, base_raw: dict) -> tuple[int, str]:
+    from scaletool.analytic import param_counts
+
+    t = mp.target
+    if isinstance(t, bool):
+        raise RecipeError(f"expected a parameter count, a recipe path or a mapping of overrides, got {t!r}")
+    if isinstance(t, int):
+        if t <= 0:
+            raise RecipeError(f"must be a positive parameter count, got {t}")
+        return t, f"{t:,} parameters"
+    if isinstance(t, str):
+        ref = recipe_from_dict(read_yaml(path.parent / t), str(path.parent / t))
+        return param_counts(ref.model)[mp.params], t
+    bad = [p for p in (check_key(k) for k in t) if p]
+    if bad:
+        raise RecipeError(bad)
+    ref = recipe_from_dict(apply_overrides(base_raw, list(t.items())), "reference point")
+    return param_counts(ref.model)[mp.params], "base recipe with " + " ".join(f"{k}={v}" for k, v in t.items())
