@@ -266,23 +266,25 @@ class DataConfig(_Section):
 
 class MonitorConfig(_Section):
     enabled: bool = False
-    every: int = Field(10, gt=0)
-    entropy_threshold: float = Field(0.5, ge=0, description="warn when mean attention entropy (nats) falls below")
-    rank_threshold: float = Field(0.1, ge=0, le=1, description="warn when effective rank / width falls below")
+    every: int = Field(10, gt=0, description="measure after every n-th step (and after the last)")
+    batch_size: int = Field(2, gt=0, description="sequences in the probe micro-batch (at most train.micro_batch_size)")
+    entropy_threshold: float = Field(0.5, ge=0, description="warn when a layer's mean attention entropy (nats) falls below")
+    rank_threshold: float = Field(0.1, ge=0, le=1, description="warn when a layer's effective rank / min(seq_len, "
+                                  "d_model) falls below")
 
 
 class ProfileConfig(_Section):
-    enabled: bool = False
-    wait: int = Field(1, ge=0)
-    warmup: int = Field(1, ge=0)
-    active: int = Field(2, gt=0)
-    repeat: int = Field(1, ge=0)
-    ranks: list[int] | Literal["all"] = "all"
+    enabled: bool = Field(False, description="run torch.profiler and write traces and the operator breakdown")
+    wait: int = Field(1, ge=0, description="schedule: steps skipped first")
+    warmup: int = Field(1, ge=0, description="schedule: steps traced but discarded")
+    active: int = Field(2, gt=0, description="schedule: steps recorded per cycle")
+    repeat: int = Field(1, ge=0, description="schedule: cycles (0 = until training ends)")
+    ranks: list[int] | Literal["all"] = Field("all", description="ranks that profile")
     record_shapes: bool = False
     with_stack: bool = False
     with_flops: bool = False
-    profile_memory: bool = False
-    memory_snapshot: bool = False
+    profile_memory: bool = Field(False, description="allocation events in the trace")
+    memory_snapshot: bool = Field(False, description="CUDA: a memory snapshot for pytorch.org/memory_viz")
     monitors: MonitorConfig = Field(default_factory=MonitorConfig)
 
 
@@ -305,6 +307,12 @@ class Recipe(_Section):
             problems.append(f"data.path: required for data.source={d.source}")
         if self.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        pr = self.profile
+        if pr.enabled and pr.wait + pr.warmup + pr.active > self.train.steps:
+            problems.append(f"profile: the schedule needs wait + warmup + active = {pr.wait + pr.warmup + pr.active} "
+                            f"steps, but train.steps is {self.train.steps}")
+        if pr.ranks != "all" and (not pr.ranks or min(pr.ranks) < 0):
+            problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {pr.ranks}")
         if problems:
             raise RecipeError(problems)
         return self

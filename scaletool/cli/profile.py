@@ -1,0 +1,151 @@
+"""``scaletool profile``: train with ``torch.profiler`` on, then print the operator breakdown."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.config import RecipeError, load_recipe
+from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
+from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir
+
+
+def parse_ranks(text: str) -> str:
+    """``all`` or ``0,2,3`` -> the YAML value of ``profile.ranks``."""
+    if text.strip() == "all":
+        return "all"
+    try:
+        ranks = sorted({int(r) for r in text.split(",") if r.strip()})
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected 'all' or comma-separated ranks such as 0,1",
+                                 param_hint="--ranks") from None
+    if not ranks or ranks[0] < 0:
+        raise click.BadParameter(f"{text!r}: expected 'all' or comma-separated ranks >= 0", param_hint="--ranks")
+    return "[" + ",".join(map(str, ranks)) + "]"
+
+
+@contextmanager
+def stdout_to_stderr():
+    """Send file descriptor 1 to stderr (ranks started by torchrun inherit it), so --json owns stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@click.command(context_settings={"show_default": True})
+@recipe_argument
+@set_option
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Run directory [default: runs/<recipe>-<timestamp>]; traces go to <out>/profile/traces, the "
+                   "breakdown to <out>/profile/breakdown.json.")
+@click.option("--ranks", default=None, metavar="all|R[,R...]",
+              help="Ranks that profile (profile.ranks) [default: the recipe's, normally all].")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), help="Start this many local ranks with torchrun, "
+              "as `scaletool train --nproc-per-node` does.")
+@click.option("--monitors/--no-monitors", default=None, help="Training-dynamics monitors (profile.monitors.enabled) "
+              "[default: the recipe's].")
+@json_option
+@click.pass_context
+def profile(ctx: click.Context, recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: str | None,
+            nproc_per_node: int | None, monitors: bool | None, as_json: bool) -> None:
+    """Train RECIPE with torch.profiler on, then break each step's time down by operator.
+
+    \b
+    The schedule is profile.wait, .warmup, .active, .repeat (steps); each profiled rank writes
+      <out>/profile/traces/rank<R>.<ts>.pt.trace.json.gz
+    which `tensorboard --logdir <out>` shows with the torch-tb-profiler plugin (pip install
+    'scaletool[profile]'; deprecated upstream), and which Perfetto (ui.perfetto.dev) and
+    chrome://tracing open as they are. profile.memory_snapshot adds a CUDA memory snapshot.
+
+    \b
+    The breakdown (printed, and saved as <out>/profile/breakdown.json) gives the share of the
+    step spent in attention (SDPA kernels/ops), FFN matmuls, other matmuls, norms, the optimizer,
+    exposed communication (NCCL/gloo collectives) and idle, which add up to the step time; the
+    top operators or kernels by self time; and how much communication overlapped compute.
+
+    \b
+    Examples:
+      scaletool profile recipes/tiny.yaml
+      scaletool profile recipes/tiny.yaml --nproc-per-node 2 --set parallel.engine=fsdp --ranks 0,1
+      scaletool profile recipes/mla-1b.yaml --set profile.wait=5 --set train.steps=10 --json
+    """
+    from scaletool.cli.train import default_out, train
+    from scaletool.engines import launcher_env
+
+    extra = ["profile.enabled=true"]
+    if ranks is not None:
+        extra.append(f"profile.ranks={parse_ranks(ranks)}")
+    if monitors is not None:
+        extra.append(f"profile.monitors.enabled={str(monitors).lower()}")
+    overrides = tuple(overrides) + tuple(extra)
+    r = load_recipe(recipe, overrides)  # bad recipes fail here, once, before anything starts
+    world = nproc_per_node or launcher_env()["world_size"]
+    if r.profile.ranks != "all" and max(r.profile.ranks) >= world:
+        raise RecipeError(f"profile.ranks: {r.profile.ranks} names ranks beyond the world size {world}")
+    out = out or default_out(recipe)
+    with stdout_to_stderr() if as_json else nullcontext():
+        ctx.invoke(train, recipe=recipe, overrides=overrides, out=out, as_json=False, resume=False,
+                   nproc_per_node=nproc_per_node, peak_tflops=None, measure=True, local_rank=None)
+    if launcher_env()["rank"] != 0:
+        return
+    path = profile_dir(out) / BREAKDOWN_FILE
+    if not path.is_file():
+        raise RecipeError(f"{path}: no breakdown was written (see {out / 'train.log'})")
+    report = json.loads(path.read_text())
+    if as_json:
+        emit_json(report)
+    else:
+        print_breakdown(report, Console(), path)
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{1e3 * s:.3f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def print_breakdown(report: dict, console: Console, path: Path | None = None) -> None:
+    """The breakdown as rich tables: categories, modules, top operators, communication overlap."""
+    rec = report.get("recipe", {})
+    console.print(f"[bold]{rec.get('attention', '?').upper()}[/] d_model={rec.get('d_model')} "
+                  f"n_layers={rec.get('n_layers')} ffn={rec.get('ffn')}×{rec.get('intermediate_size')} "
+                  f"engine={rec.get('engine')} on {report['device']}, ranks {report['ranks']}, "
+                  f"{report['n_steps']} profiled steps")
+    console.print(f"step time {_ms(report['step_time_s'])} ms from the trace, {_ms(report.get('loop_step_time_s'))} "
+                  "ms by the loop's clock (both with the profiler's overhead)")
+    for key, title, labels in (("categories", "By operator", ALL_CATEGORIES), ("modules", "By module", ALL_MODULES)):
+        t = Table(title=f"{title} (ms per step)", title_justify="left")
+        t.add_column(""), t.add_column("ms", justify="right"), t.add_column("share", justify="right")
+        for name in labels:
+            v = report[key][name]
+            t.add_row(name, _ms(v["time_s"]), _pct(v["share"]))
+        console.print(t)
+    t = Table(title="Top operators / kernels by self time", title_justify="left")
+    for c in ("name", "category", "calls/step", "ms", "share"):
+        t.add_column(c, justify="left" if c in ("name", "category") else "right")
+    for op in report["top_ops"][:12]:
+        t.add_row(op["name"][:70], op["category"], f"{op['calls']:g}", _ms(op["time_s"]), _pct(op["share"]))
+    console.print(t)
+    c = report["communication_overlap"]
+    if c["communication_s"]:
+        console.print(f"communication {_ms(c['communication_s'])} ms/step, {_pct(c['overlap_ratio'])} overlapped "
+                      f"with compute, {_ms(c['exposed_s'])} ms exposed")
+    for note in report.get("notes", []):
+        console.print(f"note: {note}", style="yellow")
+    if path is not None:
+        console.print(f"saved {path}; traces in {path.parent / 'traces'}")

@@ -1,0 +1,15 @@
+"""Profiling: ``torch.profiler`` traces and operator breakdowns (:mod:`.trace`, :mod:`.breakdown`) and
+training-dynamics monitors (:mod:`.monitors`), all plugged into the training loop as callbacks."""
+from __future__ import annotations
+
+from scaletool.config import Recipe
+
+
+def recipe_callbacks(recipe: Recipe) -> list:
+    """The callbacks a recipe's ``profile`` section asks for (none by default). The profiler goes first:
+    its ``prof.step()`` closes the step before a monitor runs."""
+    from scaletool.profile.monitors import DynamicsMonitor
+    from scaletool.profile.trace import ProfilerCallback
+
+    p = recipe.profile
+    return ([ProfilerCallback(p)] if p.enabled else []) + ([DynamicsMonitor(p.monitors)] if p.monitors.enabled else [])

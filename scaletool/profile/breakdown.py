@@ -1,0 +1,379 @@
+"""Operator breakdown of a profiler trace: where a training step's time goes.
+
+Input: the Chrome-trace JSON (``*.pt.trace.json[.gz]``) that ``torch.profiler`` writes. Output: per
+profiled step, the time of each category, which together with ``idle`` add up to the step exactly.
+
+Why our own parser and not Holistic Trace Analysis: HTA's temporal, kernel and overlap breakdowns
+read GPU kernel streams only (events with ``stream != -1``), so CPU runs — the CI's and the
+quickstart's — get nothing; and it pulls jupyterlab, plotly and pandas in as hard requirements.
+The trace format is small and documented; reading it here serves CPU and GPU alike.
+
+How time is attributed
+----------------------
+The device that matters is the GPU when the trace has kernels (kernels, memcpy, memset are the
+work), else the CPU (``cpu_op`` events on every thread, plus gloo's collectives, which run on
+gloo's own threads). A step's window is its ``ProfilerStep#N`` on the CPU; on the GPU it runs
+from the end of the previous step's kernels to the end of this step's (kernels belong to the step
+whose CPU op launched them), so time the GPU waits for the host shows as idle.
+
+Each work event contributes its *self* time (its span minus its children's). It is classified by
+its own name and its callers' names (an ``aten::mul`` under ``aten::rms_norm`` is norm time) and
+by the module region it ran in: during profiling :func:`scaletool.profile.trace.annotate_modules`
+marks attention, FFN and norm modules with ``scaletool::<region>`` ranges; backward ops inherit
+the region of their forward op through the autograd sequence number; GPU kernels inherit the
+category of the CPU op that launched them, and their own name decides where it is specific
+(``flash_fwd``, ``ncclDevKernel``, ``gemm``). Where several categories run at once (a collective
+on its own stream during a GEMM), compute wins and the communication counts as overlapped, so
+``communication`` is the *exposed* part; ``communication_overlap`` reports both.
+Everything inside ``scaletool::unmeasured`` (the training-dynamics monitors) is left out.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from bisect import bisect_right
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+#: Categories in priority order (a segment where several are active goes to the first); ``idle`` is
+#: the rest of the step.
+CATEGORIES = ("optimizer", "attention", "norm", "ffn_matmul", "other_matmul", "other", "communication")
+ALL_CATEGORIES = CATEGORIES + ("idle",)
+#: The module view: which module's code ran (attention includes its projections and RoPE).
+MODULES = ("optimizer", "attention", "ffn", "norm", "other", "communication")
+ALL_MODULES = MODULES + ("idle",)
+COMPUTE = frozenset(CATEGORIES) - {"communication"}
+
+# Name patterns (ops, annotations, kernels), matched case-insensitively anywhere in the name.
+_PATTERNS = {
+    "communication": re.compile(
+        r"nccl|gloo:|c10d::|c10d_functional::|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all"
+        r"|fsdp::(split_with_sizes_copy|chunk_cat)|FSDP::post_backward_reduce", re.I),
+    "optimizer": re.compile(r"^Optimizer\.|_foreach_|adamw?\b|_fused_adam|multi_tensor|clip_grad", re.I),
+    "attention": re.compile(r"scaled_dot_product|flash|fmha|efficient_attention|sdpa|cudnn.*attn", re.I),
+    "norm": re.compile(r"rms_?norm|layer_?norm|batch_?norm|group_?norm", re.I),
+    "matmul": re.compile(r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|einsum)$|gemm|cutlass|xmma|nvjet"
+                         r"|cublas|wgmma|s16816|tensorop", re.I),
+}
+_PRIORITY = ("communication", "optimizer", "attention", "norm", "matmul")
+REGION_PREFIX = "scaletool::"
+UNMEASURED = "scaletool::unmeasured"
+_REGION_CATEGORY = {"norm": "norm", "optimizer": "optimizer"}
+_HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function"}
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_EVALUATE = "autograd::engine::evaluate_function"
+
+
+@dataclass(eq=False)
+class Event:
+    name: str
+    cat: str
+    ts: float  # µs
+    end: float
+    thread: tuple
+    args: dict
+    parent: "Event | None" = None
+    children: list = field(default_factory=list)
+    region: str | None = None
+    matches: frozenset = frozenset()
+
+    @property
+    def seq(self):
+        return self.args.get("Sequence number")
+
+
+def load_trace(path: str | Path) -> dict:
+    """A Chrome trace as JSON (``.json`` or ``.json.gz``)."""
+    p = Path(path)
+    raw = p.read_bytes()
+    if p.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    return json.loads(raw)
+
+
+def _name_matches(name: str) -> frozenset:
+    return frozenset(c for c, rx in _PATTERNS.items() if rx.search(name))
+
+
+def _region_of_annotation(name: str) -> str | None:
+    if name.startswith(REGION_PREFIX):
+        return name[len(REGION_PREFIX):]
+    if name.startswith("Optimizer."):
+        return "optimizer"
+    return None
+
+
+def _category(matches: frozenset, region: str | None) -> str:
+    m = set(matches)
+    if region in _REGION_CATEGORY:
+        m.add(_REGION_CATEGORY[region])
+    for c in _PRIORITY:
+        if c in m:
+            if c == "matmul":
+                return "ffn_matmul" if region == "ffn" else "other_matmul"
+            return c
+    return "other"
+
+
+def _module(category: str, region: str | None) -> str:
+    if category in ("communication", "optimizer"):
+        return category
+    return region if region in ("attention", "ffn", "norm") else "other"
+
+
+def _build_trees(events: list[Event]) -> None:
+    """Parent/children by time containment on each thread (the profiler nests ranges strictly)."""
+    by_thread = defaultdict(list)
+    for e in events:
+        by_thread[e.thread].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.ts, -e.end))
+        stack: list[Event] = []
+        for e in evs:
+            while stack and e.ts >= stack[-1].end - 1e-3:
+                stack.pop()
+            while stack and e.end > stack[-1].end + 1e-3:  # overlaps without nesting: treat as sibling
+                stack.pop()
+            if stack:
+                e.parent = stack[-1]
+                stack[-1].children.append(e)
+            stack.append(e)
+
+
+def _roots_first(events: list[Event]) -> list[Event]:
+    order, todo = [], [e for e in events if e.parent is None]
+    while todo:
+        e = todo.pop()
+        order.append(e)
+        todo.extend(e.children)
+    return order
+
+
+def _attribute_host(host: list[Event]) -> None:
+    """Set ``region`` and ``matches`` on every host event (callers first)."""
+    order = _roots_first(host)
+    annotated = {}  # region from annotations only, for the forward-op map
+    for e in order:
+        own = _region_of_annotation(e.name) if e.cat == "user_annotation" else None
+        annotated[e] = own or (annotated[e.parent] if e.parent else None)
+    fwd_region = {}
+    for e in order:
+        if e.seq is not None and annotated[e] and not e.name.startswith("autograd::") \
+                and not e.name.endswith("Backward0") and e.seq not in fwd_region:
+            fwd_region[e.seq] = annotated[e]
+    for e in order:
+        own = _region_of_annotation(e.name) if e.cat == "user_annotation" else None
+        if own is None and e.name.startswith(_EVALUATE):
+            own = fwd_region.get(e.seq)
+        e.region = own or (e.parent.region if e.parent else None)
+        e.matches = _name_matches(e.name) | (e.parent.matches if e.parent else frozenset())
+
+
+def _unmeasured(e: Event) -> bool:
+    while e is not None:
+        if e.name == UNMEASURED:
+            return True
+        e = e.parent
+    return False
+
+
+def _is_host_work(e: Event) -> bool:
+    return e.cat == "cpu_op" or (e.cat == "user_annotation" and e.name.startswith("gloo:"))
+
+
+def _work_children(e: Event):
+    for c in e.children:
+        if _is_host_work(c):
+            yield c
+        else:
+            yield from _work_children(c)
+
+
+def _subtract(a: float, b: float, holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[a, b) minus the union of ``holes`` (sorted or not)."""
+    out, cur = [], a
+    for s, t in sorted(holes):
+        if t <= cur:
+            continue
+        if s >= b:
+            break
+        if s > cur:
+            out.append((cur, s))
+        cur = max(cur, t)
+    if cur < b:
+        out.append((cur, b))
+    return out
+
+
+@dataclass
+class Fragment:
+    start: float
+    end: float
+    name: str
+    category: str
+    module: str
+    event_id: int
+
+
+def _sweep(windows: list[tuple[float, float]], frags: list[Fragment], key: str, order: tuple[str, ...]):
+    """Partition the windows: each instant goes to the first active label in ``order``, else idle.
+
+    Returns (time per label incl. idle, communication total, communication overlapped by compute).
+    """
+    points = []
+    for f in frags:
+        points.append((f.start, 1, getattr(f, key), f.category))
+        points.append((f.end, -1, getattr(f, key), f.category))
+    points.sort(key=lambda p: p[0])
+    times = dict.fromkeys(order + ("idle",), 0.0)
+    comm = {"total": 0.0, "overlap": 0.0}
+    rank = {lab: i for i, lab in enumerate(order)}
+    for a, b in windows:
+        active, cats = Counter(), Counter()
+
+        def account(s: float, t: float) -> None:
+            live = [lab for lab, n in active.items() if n > 0]
+            times[min(live, key=rank.__getitem__) if live else "idle"] += t - s
+            if cats["communication"] > 0:
+                comm["total"] += t - s
+                if any(n > 0 for c, n in cats.items() if c in COMPUTE):
+                    comm["overlap"] += t - s
+
+        i, prev = 0, a
+        while i < len(points) and points[i][0] < b:
+            t, d, lab, cat = points[i]
+            if t > prev:
+                account(prev, t)
+                prev = t
+            active[lab] += d
+            cats[cat] += d
+            i += 1
+        if b > prev:
+            account(prev, b)
+    return times, comm["total"], comm["overlap"]
+
+
+def analyze(trace: dict, *, top: int = 15) -> dict:
+    """Breakdown of one rank's trace (see the module docstring); times are per-step means in seconds."""
+    host, device = [], []
+    for raw in trace.get("traceEvents", []):
+        if raw.get("ph") != "X" or not isinstance(raw.get("ts"), (int, float)):
+            continue
+        cat = raw.get("cat", "")
+        e = Event(raw.get("name", ""), cat, float(raw["ts"]), float(raw["ts"]) + float(raw.get("dur", 0)),
+                  (raw.get("pid"), raw.get("tid")), raw.get("args") or {})
+        if cat in _HOST_CATS:
+            host.append(e)
+        elif cat in _DEVICE_CATS:
+            device.append(e)
+    _build_trees(host)
+    _attribute_host(host)
+    steps = sorted(((int(m.group(1)), e) for e in host if e.cat == "user_annotation" and (m := _STEP.match(e.name))),
+                   key=lambda x: x[1].ts)
+    if not steps:
+        raise ValueError("the trace has no ProfilerStep#N ranges: was it written by torch.profiler with a schedule "
+                         "and prof.step() once per training step?")
+    on_gpu = bool(device)
+    step_starts = [e.ts for _, e in steps]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect_right(step_starts, ts) - 1
+        return i if i >= 0 and ts <= steps[i][1].end else None
+
+    frags: list[Fragment] = []
+    excluded: list[tuple[float, float]] = []
+    if on_gpu:
+        launcher_by_corr = {e.args.get("correlation"): e for e in host
+                            if e.cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.args}
+        op_by_ext = {e.args.get("External id"): e for e in host if e.cat == "cpu_op" and "External id" in e.args}
+        per_step = defaultdict(list)
+        for k, e in enumerate(device):
+            launch = launcher_by_corr.get(e.args.get("correlation"))
+            op = launch.parent if launch is not None else op_by_ext.get(e.args.get("External id"))
+            anchor = launch or op
+            if anchor is not None and _unmeasured(anchor):
+                excluded.append((e.ts, e.end))
+                continue
+            matches = _name_matches(e.name) | (op.matches if op else frozenset())
+            region = op.region if op else None
+            cat = _category(matches, region)
+            s = step_of(anchor.ts) if anchor is not None else None
+            if s is not None:
+                per_step[s].append(e)
+            frags.append(Fragment(e.ts, e.end, e.name, cat, _module(cat, region), k))
+        windows, prev_end = [], None
+        for s in range(len(steps)):
+            kern = per_step.get(s)
+            if not kern:
+                continue
+            end = max(e.end for e in kern)
+            start = prev_end if prev_end is not None else min(e.ts for e in kern)
+            windows.append((steps[s][0], start, end))
+            prev_end = end
+    else:
+        for k, e in enumerate(host):
+            if e.name == UNMEASURED:
+                excluded.append((e.ts, e.end))
+            if not _is_host_work(e) or _unmeasured(e):
+                continue
+            cat = _category(e.matches, e.region)
+            for a, b in _subtract(e.ts, e.end, [(c.ts, c.end) for c in _work_children(e)]):
+                frags.append(Fragment(a, b, e.name, cat, _module(cat, e.region), k))
+        windows = [(num, e.ts, e.end) for num, e in steps]
+    if not windows:
+        raise ValueError("no profiled step launched any GPU work")
+    step_times, totals, mod_totals = [], Counter(), Counter()
+    comm_total = comm_overlap = 0.0
+    for _, a, b in windows:
+        parts = _subtract(a, b, excluded)
+        step_times.append(sum(t - s for s, t in parts) / 1e6)
+        t_cat, ct, co = _sweep(parts, frags, "category", CATEGORIES)
+        t_mod, _, _ = _sweep(parts, frags, "module", MODULES)
+        totals.update(t_cat)
+        mod_totals.update(t_mod)
+        comm_total += ct
+        comm_overlap += co
+    n = len(windows)
+    step_s = sum(step_times) / n
+
+    def table(tot: Counter, labels) -> dict:
+        return {c: {"time_s": tot[c] / n / 1e6, "share": (tot[c] / n / 1e6) / step_s if step_s else None}
+                for c in labels}
+
+    # top ops/kernels by self time inside the windows
+    clipped = Counter()  # (name, category) -> µs
+    calls: dict[tuple, set] = defaultdict(set)
+    for _, a, b in windows:
+        parts = _subtract(a, b, excluded)
+        for f in frags:
+            for s, t in parts:
+                d = min(f.end, t) - max(f.start, s)
+                if d > 0:
+                    clipped[f.name, f.category] += d
+                    calls[f.name, f.category].add(f.event_id)
+    top_ops = [{"name": name, "category": cat, "calls": len(calls[name, cat]) / n, "time_s": t / n / 1e6,
+                "share": (t / n / 1e6) / step_s if step_s else None}
+               for (name, cat), t in clipped.most_common(top)]
+    matmul = totals["ffn_matmul"] + totals["other_matmul"]
+    return {
+        "device": "cuda" if on_gpu else "cpu",
+        "steps": [num for num, _, _ in windows],
+        "n_steps": n,
+        "step_time_s": step_s,
+        "step_times_s": step_times,
+        "categories": table(totals, ALL_CATEGORIES),
+        "modules": table(mod_totals, ALL_MODULES),
+        "communication_overlap": {
+            "communication_s": comm_total / n / 1e6,
+            "overlapped_s": comm_overlap / n / 1e6,
+            "exposed_s": (comm_total - comm_overlap) / n / 1e6,
+            "overlap_ratio": comm_overlap / comm_total if comm_total else None,
+        },
+        "ffn_matmul_fraction_of_matmul": totals["ffn_matmul"] / matmul if matmul else None,
+        "top_ops": top_ops,
+    }

@@ -1,0 +1,128 @@
+"""``scaletool profile`` end to end: real runs, real traces, the real TensorBoard plugin parser."""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+
+import pytest
+from conftest import RECIPES, run_cli
+
+from scaletool.config import load_recipe
+from scaletool.engines import init_distributed
+from scaletool.profile.monitors import DynamicsMonitor
+from scaletool.train.loop import run
+
+TINY = str(RECIPES / "tiny.yaml")
+
+
+def _check_sums(report: dict) -> None:
+    for key in ("categories", "modules"):
+        total = sum(v["time_s"] for v in report[key].values())
+        assert total == pytest.approx(report["step_time_s"], rel=1e-9)
+        assert sum(v["share"] for v in report[key].values()) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
+    tb = pytest.importorskip("torch_tb_profiler", reason="the test extra installs torch-tb-profiler")
+    from torch_tb_profiler import consts
+    from torch_tb_profiler.profiler.data import RunProfileData
+
+    out = tmp_path / "run"
+    res = run_cli("profile", TINY, "--out", str(out), "--json", "--monitors", "--set", "profile.monitors.every=5")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["schema"] == "scaletool.profile.breakdown" and report["ranks"] == [0]
+
+    # the files as the plugin finds them: a run directory of <worker>[.<span>].pt.trace.json[.gz]
+    traces = sorted((out / "profile" / "traces").iterdir())
+    assert len(traces) == 1 and tb.utils.is_chrome_trace_file(traces[0].name)
+    worker, span = consts.WORKER_PATTERN.match(traces[0].name).groups()
+    assert worker == "rank0"
+    events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    names = {e.get("name") for e in events}
+    for expected in ("aten::mm", "aten::scaled_dot_product_attention", "Optimizer.step#AdamW.step",
+                     "ProfilerStep#2", "ProfilerStep#3", "scaletool::attention", "scaletool::ffn", "scaletool::norm"):
+        assert expected in names, expected
+    assert not any(n.startswith("ProfilerStep#") and n not in ("ProfilerStep#2", "ProfilerStep#3") for n in names)
+
+    # the plugin's own parser loads it and times the same steps
+    prof = RunProfileData.parse(worker, span[1:], str(traces[0]), str(tmp_path))
+    assert prof.steps_names == ["2", "3"]
+    assert prof.avg_costs.costs[-1] / 1e6 == pytest.approx(report["step_time_s"], rel=0.02)
+
+    _check_sums(report)
+    assert report["step_time_s"] == pytest.approx(report["loop_step_time_s"], rel=0.25)
+    cats = report["categories"]
+    for c in ("attention", "ffn_matmul", "other_matmul", "norm", "optimizer"):
+        assert cats[c]["time_s"] > 0, c
+    assert cats["communication"]["time_s"] == 0 and report["device"] == "cpu"
+    assert report["recipe"]["attention"] == "mla"
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["profile"]["breakdown"] == str(out / "profile" / "breakdown.json")
+    assert summary["dynamics"]["steps"] == [4, 9]
+    assert "dynamics/update_to_weight_ratio/block_01" in summary["dynamics"]["history"][0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("dynamics/grad_norm/block_00" in r for r in rows)  # through the metrics writer
+
+
+def test_monitors_leave_step_times_unchanged(tmp_path, monkeypatch):
+    """Monitors after every step must not show in the step times.
+
+    The monitors run for real, plus a 0.25 s sleep each, so that leaking them into the step times
+    would at least double the median step of this model. Runs alternate off/on after a warm-up
+    run (first-run allocator and thread-pool costs); the medians of the pooled steps are compared.
+    """
+    measure = DynamicsMonitor.measure
+
+    def slow_measure(self, step, weights):
+        time.sleep(0.25)
+        return measure(self, step, weights)
+
+    monkeypatch.setattr(DynamicsMonitor, "measure", slow_measure)
+    env = init_distributed("single")
+    times = {False: [], True: []}
+    for i, on in enumerate((False, False, True, False, True)):
+        r = load_recipe(TINY, ["train.steps=8", f"profile.monitors.enabled={str(on).lower()}",
+                               "profile.monitors.every=1"])
+        s = run(r, tmp_path / str(i), env, quiet=True)
+        measured = s["history"]["step_time_s"][r.train.measure_warmup_steps:]
+        assert len(measured) == 6 and all(t > 0 for t in measured)
+        if i:
+            times[on] += measured
+        if on:
+            assert s["dynamics"]["steps"] == list(range(8))
+    median = {on: sorted(ts)[len(ts) // 2] for on, ts in times.items()}
+    assert 0.5 < median[True] / median[False] < 2, median
+
+
+@pytest.mark.distributed
+def test_two_process_fsdp_profile_shows_gloo_communication(tmp_path):
+    out = tmp_path / "fsdp"
+    res = run_cli("profile", TINY, "--out", str(out), "--json", "--nproc-per-node", "2",
+                  "--set", "parallel.engine=fsdp", "--monitors", "--set", "profile.monitors.every=5")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["ranks"] == [0, 1] and len(report["per_rank"]) == 2
+    _check_sums(report)
+    for b in report["per_rank"]:  # each rank's own trace, with gloo's collectives as communication
+        assert f"rank{b['rank']}." in b["trace"]
+        assert b["communication_overlap"]["communication_s"] > 0 and b["categories"]["communication"]["time_s"] > 0
+        assert any(re.match(r"gloo:all_gather", op["name"]) and op["category"] == "communication"
+                   for op in b["top_ops"])
+    assert {p.name.split(".")[0] for p in (out / "profile" / "traces").iterdir()} == {"rank0", "rank1"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dynamics"]["steps"] == [4, 9]  # FSDP: weights gathered to rank 0
+    assert summary["dynamics"]["history"][-1]["dynamics/grad_norm/block_01"] > 0
+
+
+def test_bad_options_fail_with_one_line():
+    res = run_cli("profile", TINY, "--ranks", "3")
+    assert res.returncode == 2 and res.stderr.strip() == \
+        "error: profile.ranks: [3] names ranks beyond the world size 1"
+    res = run_cli("profile", TINY, "--set", "profile.active=20")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"error: {TINY}: profile: the schedule needs wait + warmup + active = 22 steps, but train.steps is 10"]
