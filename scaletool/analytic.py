@@ -299,8 +299,12 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False) -
 
 
 def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs, *,
-                    zero_stage: int = 1, reshard_after_forward: bool = True) -> dict:
+                    zero_stage: int = 1, reshard_after_forward: bool = True, expert_parallel: bool = False) -> dict:
     """Peak bytes per GPU: weights + gradients + optimizer state + activations (+ transient buffers).
+
+    MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
+    (FSDP2) each rank keeps 1/N of the routed experts itself, so the states are still Ψ/N per rank,
+    but FSDP's per-block all-gather no longer includes the routed experts.
 
     Model states follow ZeRO (Rajbhandari et al. 2020, §3): with 16-bit training DeepSpeed keeps
     16-bit params (2Ψ) and grads (2Ψ) plus fp32 master weights, Adam m and v (12Ψ); ZeRO-1 shards
@@ -314,6 +318,8 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     mixed = cfg.dtype != "fp32"
     block_params = param_counts(cfg)["per_layer"]
     block_psi = block_params["attention"] + block_params["ffn"] + block_params["norms"]
+    if expert_parallel and cfg.n_moe_layers:
+        block_psi -= moe_params(cfg)["routed"]
     transient = 0.0
     if engine in ("single", "ddp"):
         weights, grads, optim = 4 * psi, 4 * psi, 8 * psi
@@ -387,7 +393,7 @@ def recipe_memory(recipe: Recipe, world_size: int) -> dict:
     t, p = recipe.train, recipe.parallel
     inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     return training_memory(recipe.model, p.engine, world_size, inp, zero_stage=p.zero_stage,
-                           reshard_after_forward=p.reshard_after_forward)
+                           reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -254,6 +254,10 @@ class ParallelConfig(_Section):
     nnodes: int = Field(1, gt=0)
     nproc_per_node: int = Field(1, gt=0)
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="passed through as DeepSpeed config")
+    collective_timeout_s: int = Field(600, gt=0, description="process-group init and every collective: a rank "
+                                      "that waits longer for its peers fails with an error naming it")
+    expert_parallel: bool = Field(False, description="fsdp, ffn=moe: each rank keeps n_routed_experts / world_size "
+                                  "experts; tokens move by all-to-all")
 
 
 class DataConfig(_Section):
@@ -307,6 +311,11 @@ class Recipe(_Section):
             problems.append(f"data.path: required for data.source={d.source}")
         if self.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if self.parallel.expert_parallel and m.ffn != "moe":
+            problems.append("parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)")
+        elif self.parallel.expert_parallel and self.parallel.engine != "fsdp":
+            problems.append(f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
+                            f"beside FSDP2's), not engine={self.parallel.engine}")
         pr = self.profile
         if pr.enabled and pr.wait + pr.warmup + pr.active > self.train.steps:
             problems.append(f"profile: the schedule needs wait + warmup + active = {pr.wait + pr.warmup + pr.active} "

@@ -40,6 +40,17 @@ from scaletool.config import ModelConfig
 from scaletool.model.layers import FeedForward
 
 
+def swiglu_experts(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU on its slots at once: buf (E, C, d), w1/w3 (E, d, i), w2 (E, i, d).
+
+    Weights are cast to the activations' dtype: under FSDP2's mixed precision (no autocast) the
+    activations are 16-bit while expert-parallel weights, which FSDP leaves alone, stay fp32.
+    """
+    w1, w2, w3 = (w.to(buf.dtype) for w in (w1, w2, w3))
+    h = F.silu(torch.bmm(buf, w1)) * torch.bmm(buf, w3)  # (E, C, i)
+    return torch.bmm(h, w2)  # (E, C, d)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: w1, w3 (E, d, i) and w2 (E, i, d).
 
@@ -55,8 +66,7 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, intermediate_size, d_model))
 
     def forward(self, buf: torch.Tensor) -> torch.Tensor:  # buf (E, C, d)
-        h = F.silu(torch.bmm(buf, self.w1)) * torch.bmm(buf, self.w3)  # (E, C, i)
-        return torch.bmm(h, self.w2)  # (E, C, d)
+        return swiglu_experts(buf, self.w1, self.w2, self.w3)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` alone on tokens (n, d): the reference path."""

@@ -148,6 +148,33 @@ def train_table(rs: ResultsSet) -> Table | None:
                   "known peak (CPU). Peak memory is the allocator's peak.")
 
 
+def moe_table(rs: ResultsSet) -> Table | None:
+    """Mixture-of-experts points: total vs active parameters (analytic, from the recipe) beside the
+    training throughput and expert load of the point's train run, where there is one."""
+    trained = {(r.source, r.record["point_id"]): r.result for r in rs.ok("train")}
+    seen, rows = set(), []
+    for r in rs.rows:
+        key = (r.source, r.record["point_id"])
+        if r.ok and r.recipe.model.ffn == "moe" and key not in seen:
+            seen.add(key)
+            rows.append(r)
+
+    def cells(r: Row):
+        m, p = r.recipe.model, analytic.param_counts(r.recipe.model)
+        t = trained.get((r.source, r.record["point_id"]), {})
+        return [[m.n_routed_experts, m.num_experts_per_tok, p["total"], p["active"], p["active"] / p["total"],
+                 analytic.flops_per_token(m, r.recipe.seq_len)["train"], t.get("tokens_per_s"), t.get("mfu"),
+                 _get(t, "metrics", "moe/imbalance_ratio_max"), _get(t, "metrics", "moe/dropped_fraction")]]
+    cols = [Column("n_routed_experts", "int"), Column("top-k", "int"), Column("params total", "int"),
+            Column("params active", "int"), Column("active share", "share"), Column("train FLOPs/token", "flops"),
+            Column("tokens/s", "rate"), Column("MFU", "pct"), Column("expert imbalance (max/mean)", "float"),
+            Column("dropped fraction", "share")]
+    return _table(rs, "moe", "Mixture of experts: active vs total parameters", cols, rows, cells,
+                  "Active = the parameters one token uses (its top-k routed experts, shared experts, router and "
+                  "dense parts); FLOPs/token count the active experts (the MFU convention). Imbalance and drops "
+                  "are the last training step's, over all ranks.")
+
+
 def decode_points(r: Row) -> list[dict]:
     """The measured (batch, context) points of a decode result."""
     res = r.record.get("result")
@@ -257,6 +284,6 @@ def claim_figures(r: Row) -> dict:
 
 
 def all_tables(rs: ResultsSet) -> list[Table]:
-    builders = (estimate_table, count_table, train_table, decode_table, budget_table, claim_table,
+    builders = (estimate_table, count_table, train_table, moe_table, decode_table, budget_table, claim_table,
                 breakdown_table, failures_table)
     return [t for t in (b(rs) for b in builders) if t is not None]

@@ -221,3 +221,26 @@ def test_validation_lines(extra, message):
     with pytest.raises(RecipeError) as e:
         cfg_of(**extra)
     assert any(message in p for p in e.value.problems), e.value.problems
+
+
+def test_expert_parallel_recipe_checks_and_memory():
+    base = {"model": BASE, "parallel": {"engine": "fsdp"}}
+    for parallel, message in [({"engine": "ddp", "expert_parallel": True}, "supported with engine=fsdp"),
+                              ({"engine": "fsdp", "expert_parallel": True}, None)]:
+        raw = {**base, "parallel": parallel}
+        if message:
+            with pytest.raises(RecipeError) as e:
+                recipe_from_dict(raw)
+            assert any(message in p for p in e.value.problems)
+    with pytest.raises(RecipeError) as e:
+        recipe_from_dict({"model": {**BASE, "ffn": "swiglu", **{k: 0 for k in ("n_routed_experts", "n_shared_experts",
+                          "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace")}},
+                          "parallel": {"engine": "fsdp", "expert_parallel": True}})
+    assert any("needs model.ffn=moe" in p for p in e.value.problems)
+    # FSDP's block all-gather leaves the expert-parallel experts out; the sharded states stay Ψ/N
+    ep = recipe_from_dict({**base, "parallel": {"engine": "fsdp", "expert_parallel": True}})
+    plain = recipe_from_dict(base)
+    a, b = analytic.recipe_memory(ep, 4), analytic.recipe_memory(plain, 4)
+    routed = analytic.moe_params(ep.model)["routed"]
+    assert b["transient_bytes"] - a["transient_bytes"] == routed * (2 * 4 + 4 + 4)  # fp32: 2 gathered + grads
+    assert a["optimizer_bytes"] == b["optimizer_bytes"]

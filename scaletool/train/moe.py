@@ -1,0 +1,69 @@
+"""Mixture-of-experts hooks for the training loop (a callback, see :mod:`scaletool.train.loop`).
+
+- Expert load metrics (:func:`scaletool.model.moe.expert_load_metrics`), summed over data-parallel
+  ranks, every ``train.log_every`` steps and after the last: ``moe/imbalance_ratio_mean``,
+  ``moe/imbalance_ratio_max``, ``moe/dropped_fraction`` and the same per layer. They describe the
+  last micro-batch of the step (each MoE module keeps the statistics of its last forward, which an
+  activation-checkpointing recomputation rewrites with the same values). The summary gets the last
+  figures in ``metrics`` and the tokens per expert of every MoE layer under ``moe``.
+- The aux-loss-free bias update of DeepSeek-V3 (``model.bias_update_speed`` > 0) after every
+  optimizer step, from the same all-reduced load, so every rank moves its biases identically.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from scaletool.config import Recipe
+from scaletool.engines.expert_parallel import ExpertParallelExperts
+from scaletool.model.moe import expert_load_metrics, moe_layers
+
+
+def _all_reduce_sum(t: torch.Tensor) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+
+
+class MoECallback:
+    def __init__(self, recipe: Recipe):
+        self.steps, self.log_every = recipe.train.steps, recipe.train.log_every
+        self.speed = recipe.model.bias_update_speed
+        self.layers = []
+        self.last: dict[str, float] = {}
+        self.tokens_per_expert: dict[str, list[float]] = {}
+
+    def on_train_start(self, info) -> None:
+        self.model = info.engine.model
+        self.layers = moe_layers(self.model)
+        experts = self.layers[0].experts
+        self.experts_per_rank = self.layers[0].n_experts // (
+            experts.world if isinstance(experts, ExpertParallelExperts) else 1)
+
+    def on_step_end(self, step: int, state) -> dict | None:
+        if self.speed:
+            load = torch.stack([m.tokens_per_expert.float() for m in self.layers])  # (L, E)
+            _all_reduce_sum(load)
+            for m, row in zip(self.layers, load):
+                m.update_bias(row, self.speed)
+        if (step + 1) % self.log_every and step + 1 != self.steps:
+            return None
+        loads: list[torch.Tensor] = []
+
+        def reduce(stacked: torch.Tensor) -> None:
+            _all_reduce_sum(stacked)
+            loads.append(stacked[:, :-2])
+
+        self.last = expert_load_metrics(self.model, reduce=reduce)
+        self.tokens_per_expert = {f"layer{m.layer_id}": row for m, row in zip(self.layers, loads[0].tolist())}
+        return self.last
+
+    def on_train_end(self, summary: dict) -> None:
+        summary["metrics"].update({k: v for k, v in self.last.items() if k.count("/") == 1})
+        summary["moe"] = {"tokens_per_expert_last_step": self.tokens_per_expert,
+                          "experts_per_rank": self.experts_per_rank,
+                          "bias_update_speed": self.speed, "metrics_last_step": self.last}
+
+
+def moe_callbacks(recipe: Recipe) -> list:
+    """The MoE callback for ffn=moe recipes, none otherwise."""
+    return [MoECallback(recipe)] if recipe.model.ffn == "moe" else []
