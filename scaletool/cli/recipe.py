@@ -41,12 +41,14 @@ def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
 @click.argument("config_json", type=click.Path(dir_okay=False, path_type=str))
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="Write the recipe here (default stdout).")
 @click.option("--drop", multiple=True, metavar="FEATURE",
-              help="Import anyway without this unsupported feature (moe, rope_scaling, sliding_window, ...); repeatable.")
+              help="Import anyway without this feature (rope_scaling, mtp, quantization, moe, ...); repeatable.")
 def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> None:
     """Turn a Hugging Face CONFIG_JSON (Llama/Mistral/Qwen2 dense, DeepSeek-V2/V3) into a recipe.
 
-    Features the model family lacks (for example mixture-of-experts) are an error naming them,
-    unless passed with --drop; the recipe then records what was dropped in a comment.
+    DeepSeek configs keep their mixture-of-experts FFN and routing. Features the model family lacks
+    (RoPE scaling, V3's MTP module, FP8 weights, ...) are an error naming them, unless passed with
+    --drop; the recipe then records what was dropped in a comment. --drop moe on a DeepSeek config
+    imports its dense twin.
     """
     from scaletool.hf import recipe_from_hf
 
