@@ -146,22 +146,22 @@ def _read_meta(d: Path, warnings: list[str]) -> dict:
 
 
 def breakdown_of(run_dir: Path) -> dict[str, float] | None:
-    """Operator time shares from ``<run dir>/profile/breakdown.json``, if the profiler wrote one.
+    """Category time shares from ``<run dir>/profile/breakdown.json``, if the run was profiled.
 
-    The hook: the file is a JSON object mapping a name (an operator or a category such as
-    ``attention``, ``gemm``, ``communication``) to its share of profiled time (0..1); the mapping
-    may also sit under a top-level ``shares`` key beside other keys. Non-numeric entries are ignored.
+    The hook: ``scaletool train``/``profile`` with ``profile.enabled`` write that file
+    (:mod:`scaletool.profile.trace`); the report reads its ``categories`` mapping,
+    ``{name: {"share": fraction of the profiled step, ...}}`` (attention, ffn_matmul, other_matmul,
+    norm, optimizer, communication, idle, ...). Anything else in the file is ignored.
     """
     path = run_dir / BREAKDOWN_FILE
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        cats = json.loads(path.read_text()).get("categories")
+    except (json.JSONDecodeError, AttributeError):
         return None
-    if isinstance(data, dict) and isinstance(data.get("shares"), dict):
-        data = data["shares"]
-    if not isinstance(data, dict):
+    if not isinstance(cats, dict):
         return None
-    shares = {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    shares = {str(k): float(v["share"]) for k, v in cats.items()
+              if isinstance(v, dict) and isinstance(v.get("share"), (int, float))}
     return shares or None

@@ -224,7 +224,7 @@ def failures_table(rs: ResultsSet) -> Table | None:
 
 
 def breakdown_table(rs: ResultsSet, top: int = 12) -> Table | None:
-    """Operator time shares of runs that have a profiler breakdown (see data.breakdown_of)."""
+    """Category time shares of the runs that were profiled (see data.breakdown_of)."""
     runs = [(r, b) for r in rs.rows if r.status == "ok" for b in [r.breakdown()] if b]
     if not runs:
         return None
@@ -234,8 +234,8 @@ def breakdown_table(rs: ResultsSet, top: int = 12) -> Table | None:
             names[k] = max(names.get(k, 0.0), v)
     order = sorted(names, key=lambda k: -names[k])[:top]
     heads = [f"{r.source}: {r.label} ({r.mode})" if rs.multi else f"{r.label} ({r.mode})" for r, _ in runs]
-    t = Table("breakdown", "Profiler time breakdown", [Column("operator")] + [Column(h, "share") for h in heads],
-              note=f"Share of profiled time; the {len(order)} largest entries.")
+    t = Table("breakdown", "Profiler time breakdown", [Column("category")] + [Column(h, "share") for h in heads],
+              note="Share of the profiled step time per category (profile/breakdown.json of each run).")
     for name in order:
         t.rows.append([name] + [b.get(name) for _, b in runs])
     return t
@@ -253,13 +253,14 @@ def claim_table(rs: ResultsSet) -> Table | None:
     if not rows:
         return None
     t = Table("claim", "The price transformer's attention-memory claim, checked",
-              [Column("source"), Column("point"), Column("quantity"), Column("claim's formula"), Column("real")],
+              ([Column("source")] if rs.multi else []) + [Column("point"), Column("quantity"),
+                                                          Column("claim's formula"), Column("real")],
               note="Real figures per sequence at the recipe's seq_len and dtype, all layers unless marked.")
     for r in rows:
         c = claim_figures(r)
         stated = f" (document: {CLAIM_STATED['traditional']:,})" if c["is_document_config"] else ""
         b = r.recipe.model.dtype_bytes
-        t.rows += [[r.source, r.label] + row for row in (
+        t.rows += [([r.source] if rs.multi else []) + [r.label] + row for row in (
             ["traditional: n_heads·seq²·head_dim", f"{c['claim_traditional']:,}{stated}", ""],
             ["MLA: kv_lora_rank·seq + n_heads·head_dim", f"{c['claim_mla']:,}", ""],
             ["saving", f"{c['claim_saving']:,.0f}×", f"{c['real_saving']:.2f}× (KV cache)"],

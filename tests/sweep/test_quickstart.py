@@ -1,0 +1,24 @@
+"""`scaletool quickstart`, end to end on the CPU: the sweep in estimate, count and train, then the report."""
+from __future__ import annotations
+
+import json
+
+from conftest import run_cli
+
+
+def test_quickstart_sweeps_trains_and_reports(tmp_path):
+    out = tmp_path / "qs"
+    res = run_cli("quickstart", "--out", str(out), timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    modes = {m: [r for r in recs if r["mode"] == m] for m in ("estimate", "count", "train")}
+    assert all(len(v) == 10 and {r["status"] for r in v} == {"ok"} for v in modes.values()), \
+        [(r["label"], r["mode"], r["status"], r.get("error")) for r in recs if r["status"] != "ok"]
+    assert {r["recipe"]["model"]["attention"] for r in recs} == {"mha", "mla"}
+    assert res.stdout.strip().splitlines()[-2].strip() == f"report: {out / 'report' / 'report.html'}"
+    md = (out / "report" / "report.md").read_text()
+    assert "## Training" in md and "Training throughput, MLA against MHA" in md
+    assert (out / "report" / "plots" / "tokens_per_s_vs_compression.png").is_file()
+    # a second run resumes: nothing is redone
+    again = run_cli("quickstart", "--out", str(out), timeout=300)
+    assert again.returncode == 0 and len((out / "results.jsonl").read_text().splitlines()) == len(recs)
