@@ -23,7 +23,7 @@ DEFAULT_ROOT = Path("runs") / "sweeps"
 @set_option
 @click.option("--mode", "modes", multiple=True, type=click.Choice(MODES),
               help="Run only this mode of the sweep's modes (repeatable).")
-@click.option("--retry-failed", is_flag=True, help="Rerun points recorded as error, oom or timeout.")
+@click.option("--retry-failed", is_flag=True, help="Rerun runs recorded as error, oom, timeout or skipped at launch.")
 @click.option("--dry-run", is_flag=True, help="List the points and what a run would do; run nothing.")
 @json_option
 def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...], modes: tuple[str, ...],
