@@ -20,7 +20,8 @@ Each work event contributes its *self* time (its span minus its children's). It 
 its own name and its callers' names (an ``aten::mul`` under ``aten::rms_norm`` is norm time) and
 by the module region it ran in: during profiling :func:`scaletool.profile.trace.annotate_modules`
 marks attention, FFN and norm modules with ``scaletool::<region>`` ranges; backward ops inherit
-the region of their forward op through the autograd sequence number; GPU kernels inherit the
+the region and context of their forward op through the trace's ``fwdbwd`` flows (so the backward of
+an FFN matmul is an FFN matmul, and of the softmax in SDPA's math path, attention); GPU kernels inherit the
 category of the CPU op that launched them, and their own name decides where it is specific
 (``flash_fwd``, ``ncclDevKernel``, ``gemm``). Where several categories run at once (a collective
 on its own stream during a GEMM), compute wins and the communication counts as overlapped, so
@@ -81,10 +82,6 @@ class Event:
     children: list = field(default_factory=list)
     region: str | None = None
     matches: frozenset = frozenset()
-
-    @property
-    def seq(self):
-        return self.args.get("Sequence number")
 
 
 def load_trace(path: str | Path) -> dict:
@@ -154,24 +151,59 @@ def _roots_first(events: list[Event]) -> list[Event]:
     return order
 
 
-def _attribute_host(host: list[Event]) -> None:
-    """Set ``region`` and ``matches`` on every host event (callers first)."""
+def _backward_links(host: list[Event], order: list[Event], flows: dict) -> dict[Event, Event]:
+    """Backward op -> the forward op that created its autograd node, from the trace's ``fwdbwd`` flows.
+
+    A flow starts at the forward op (``aten::mm``) and ends at the backward node's op
+    (``MmBackward0``); the link is put on the enclosing ``evaluate_function`` so its whole subtree
+    inherits it. Where several ops start at the flow's timestamp, the deepest is the one meant.
+    """
+    depth, at = {}, {}
+    for e in order:
+        depth[e] = depth[e.parent] + 1 if e.parent else 0
+    for e in host:
+        key = (e.thread, e.ts)
+        if key not in at or depth[e] > depth[at[key]]:
+            at[key] = e
+    links = {}
+    for start, end in flows.values():
+        if start is None or end is None or start not in at or end not in at:
+            continue  # one end outside the profiled window
+        bwd = at[end]
+        if bwd.parent is not None and bwd.parent.name.startswith(_EVALUATE):
+            bwd = bwd.parent
+        links[bwd] = at[start]
+    return links
+
+
+def _attribute_host(host: list[Event], flows: dict) -> None:
+    """Set ``region`` and ``matches`` on every host event.
+
+    Forward ops get both from their callers (annotations, op names); a backward subtree gets its
+    forward op's, so the backward of a matmul in the FFN is an FFN matmul, and the backward of the
+    softmax inside SDPA's math path is attention.
+    """
     order = _roots_first(host)
-    annotated = {}  # region from annotations only, for the forward-op map
+
+    def inherits(e: Event) -> bool:
+        # a module's range starts afresh: under activation checkpointing the forward is recomputed
+        # inside a backward op, and those forward ops are not that backward op's kind
+        return e.parent is not None and not (e.cat == "user_annotation" and e.name.startswith(REGION_PREFIX))
+
+    annotated, base = {}, {}  # from callers only
     for e in order:
         own = _region_of_annotation(e.name) if e.cat == "user_annotation" else None
         annotated[e] = own or (annotated[e.parent] if e.parent else None)
-    fwd_region = {}
-    for e in order:
-        if e.seq is not None and annotated[e] and not e.name.startswith("autograd::") \
-                and not e.name.endswith("Backward0") and e.seq not in fwd_region:
-            fwd_region[e.seq] = annotated[e]
+        base[e] = _name_matches(e.name) | (base[e.parent] if inherits(e) else frozenset())
+    links = _backward_links(host, order, flows)
     for e in order:
         own = _region_of_annotation(e.name) if e.cat == "user_annotation" else None
-        if own is None and e.name.startswith(_EVALUATE):
-            own = fwd_region.get(e.seq)
+        fwd = links.get(e)
+        if own is None and fwd is not None:
+            own = annotated[fwd]
         e.region = own or (e.parent.region if e.parent else None)
-        e.matches = _name_matches(e.name) | (e.parent.matches if e.parent else frozenset())
+        e.matches = (_name_matches(e.name) | (e.parent.matches if inherits(e) else frozenset())
+                     | (base[fwd] if fwd is not None else frozenset()))
 
 
 def _unmeasured(e: Event) -> bool:
@@ -220,48 +252,56 @@ class Fragment:
     event_id: int
 
 
-def _sweep(windows: list[tuple[float, float]], frags: list[Fragment], key: str, order: tuple[str, ...]):
-    """Partition the windows: each instant goes to the first active label in ``order``, else idle.
+def _sweep(parts: list[tuple[float, float]], frags: list[Fragment], key: str, order: tuple[str, ...]):
+    """Partition ``parts`` (sorted, disjoint spans): each instant goes to the first active label in
+    ``order``, else to idle. One pass over the sorted fragment boundaries.
 
-    Returns (time per label incl. idle, communication total, communication overlapped by compute).
+    Returns (µs per label incl. idle, communication µs, communication µs overlapped by compute).
     """
-    points = []
+    OPEN, CLOSE = 2, -2  # window edges ride in the same stream as the fragments' +1/-1
+    points = [(a, OPEN, None, None) for a, _ in parts] + [(b, CLOSE, None, None) for _, b in parts]
     for f in frags:
         points.append((f.start, 1, getattr(f, key), f.category))
         points.append((f.end, -1, getattr(f, key), f.category))
     points.sort(key=lambda p: p[0])
     times = dict.fromkeys(order + ("idle",), 0.0)
-    comm = {"total": 0.0, "overlap": 0.0}
     rank = {lab: i for i, lab in enumerate(order)}
-    for a, b in windows:
-        active, cats = Counter(), Counter()
-
-        def account(s: float, t: float) -> None:
-            live = [lab for lab, n in active.items() if n > 0]
-            times[min(live, key=rank.__getitem__) if live else "idle"] += t - s
+    active, cats = Counter(), Counter()
+    comm = overlap = 0.0
+    inside, prev = 0, None  # windows open (edges of adjacent windows coincide)
+    for t, d, lab, cat in points:
+        if inside > 0 and t > prev:
+            live = [x for x, n in active.items() if n > 0]
+            times[min(live, key=rank.__getitem__) if live else "idle"] += t - prev
             if cats["communication"] > 0:
-                comm["total"] += t - s
+                comm += t - prev
                 if any(n > 0 for c, n in cats.items() if c in COMPUTE):
-                    comm["overlap"] += t - s
-
-        i, prev = 0, a
-        while i < len(points) and points[i][0] < b:
-            t, d, lab, cat = points[i]
-            if t > prev:
-                account(prev, t)
-                prev = t
+                    overlap += t - prev
+        prev = t
+        if d in (OPEN, CLOSE):
+            inside += 1 if d == OPEN else -1
+        else:
             active[lab] += d
             cats[cat] += d
-            i += 1
-        if b > prev:
-            account(prev, b)
-    return times, comm["total"], comm["overlap"]
+    return times, comm, overlap
+
+
+def _clip(f: Fragment, parts: list[tuple[float, float]], starts: list[float]) -> float:
+    """µs of ``f`` inside the sorted disjoint ``parts`` (``starts`` = their start times)."""
+    total, i = 0.0, max(bisect_right(starts, f.start) - 1, 0)
+    while i < len(parts) and parts[i][0] < f.end:
+        total += max(0.0, min(f.end, parts[i][1]) - max(f.start, parts[i][0]))
+        i += 1
+    return total
 
 
 def analyze(trace: dict, *, top: int = 15) -> dict:
     """Breakdown of one rank's trace (see the module docstring); times are per-step means in seconds."""
     host, device = [], []
+    flows: dict = defaultdict(lambda: [None, None])  # fwdbwd flow id -> [(thread, ts) of start, of end]
     for raw in trace.get("traceEvents", []):
+        if raw.get("cat") == "fwdbwd" and raw.get("ph") in ("s", "f"):
+            flows[raw.get("id")][raw["ph"] == "f"] = ((raw.get("pid"), raw.get("tid")), float(raw["ts"]))
         if raw.get("ph") != "X" or not isinstance(raw.get("ts"), (int, float)):
             continue
         cat = raw.get("cat", "")
@@ -272,7 +312,7 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
         elif cat in _DEVICE_CATS:
             device.append(e)
     _build_trees(host)
-    _attribute_host(host)
+    _attribute_host(host, flows)
     steps = sorted(((int(m.group(1)), e) for e in host if e.cat == "user_annotation" and (m := _STEP.match(e.name))),
                    key=lambda x: x[1].ts)
     if not steps:
@@ -327,35 +367,27 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
         windows = [(num, e.ts, e.end) for num, e in steps]
     if not windows:
         raise ValueError("no profiled step launched any GPU work")
-    step_times, totals, mod_totals = [], Counter(), Counter()
-    comm_total = comm_overlap = 0.0
-    for _, a, b in windows:
-        parts = _subtract(a, b, excluded)
-        step_times.append(sum(t - s for s, t in parts) / 1e6)
-        t_cat, ct, co = _sweep(parts, frags, "category", CATEGORIES)
-        t_mod, _, _ = _sweep(parts, frags, "module", MODULES)
-        totals.update(t_cat)
-        mod_totals.update(t_mod)
-        comm_total += ct
-        comm_overlap += co
+    step_parts = [_subtract(a, b, excluded) for _, a, b in windows]
+    step_times = [sum(t - s for s, t in ps) / 1e6 for ps in step_parts]
+    parts = sorted(p for ps in step_parts for p in ps)
+    totals, comm_total, comm_overlap = _sweep(parts, frags, "category", CATEGORIES)
+    mod_totals, _, _ = _sweep(parts, frags, "module", MODULES)
     n = len(windows)
     step_s = sum(step_times) / n
 
-    def table(tot: Counter, labels) -> dict:
+    def table(tot: dict, labels) -> dict:
         return {c: {"time_s": tot[c] / n / 1e6, "share": (tot[c] / n / 1e6) / step_s if step_s else None}
                 for c in labels}
 
-    # top ops/kernels by self time inside the windows
+    # top ops/kernels by self time inside the steps
     clipped = Counter()  # (name, category) -> µs
     calls: dict[tuple, set] = defaultdict(set)
-    for _, a, b in windows:
-        parts = _subtract(a, b, excluded)
-        for f in frags:
-            for s, t in parts:
-                d = min(f.end, t) - max(f.start, s)
-                if d > 0:
-                    clipped[f.name, f.category] += d
-                    calls[f.name, f.category].add(f.event_id)
+    starts = [a for a, _ in parts]
+    for f in frags:
+        d = _clip(f, parts, starts)
+        if d > 0:
+            clipped[f.name, f.category] += d
+            calls[f.name, f.category].add(f.event_id)
     top_ops = [{"name": name, "category": cat, "calls": len(calls[name, cat]) / n, "time_s": t / n / 1e6,
                 "share": (t / n / 1e6) / step_s if step_s else None}
                for (name, cat), t in clipped.most_common(top)]

@@ -117,7 +117,8 @@ class ProfilerCallback:
                 self._snapshot_path = self.dir / f"memory_snapshot_rank{env.rank}.pickle"
             else:
                 self.notes.append("profile.memory_snapshot: CUDA only (torch.cuda.memory._record_memory_history); "
-                                  "nothing recorded on CPU (profile.profile_memory gives allocation events in the trace)")
+                                  "nothing recorded on CPU (profile.profile_memory puts allocation events in the "
+                                  "trace)")
         self.prof = torch.profiler.profile(
             activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
             schedule=self._schedule, on_trace_ready=self._ready, record_shapes=c.record_shapes,
@@ -183,6 +184,9 @@ class ProfilerCallback:
                               f"wait={self.cfg.wait} warmup={self.cfg.warmup} active={self.cfg.active}?)")
             return None
         b = analyze(load_trace(self.traces[0]))
+        if len(self.traces) > 1:
+            self.notes.append(f"rank {self.info.env.rank}: the breakdown reads the first of {len(self.traces)} "
+                              "profiling cycles (profile.repeat); every cycle's trace is kept")
         b["rank"] = self.info.env.rank
         b["trace"] = str(self.traces[0])
         b["traces"] = [str(t) for t in self.traces]
