@@ -159,6 +159,12 @@ class ProfilerCallback:
             path.write_text(json.dumps(clean(report), indent=2, sort_keys=True) + "\n")
             result.update(breakdown=str(path), step_time_s=report["step_time_s"],
                           shares={k: v["share"] for k, v in report["categories"].items()})
+            shares = sorted(result["shares"].items(), key=lambda kv: -(kv[1] or 0))
+            self.info.writer.log(f"profile: {', '.join(f'{k} {100 * (v or 0):.1f}%' for k, v in shares)} of a "
+                                 f"{1e3 * report['step_time_s']:.1f} ms step; breakdown {path}, traces in "
+                                 f"{self.dir / 'traces'}")
+        for note in self.notes:
+            self.info.writer.log(f"note: {note}")
         summary["profile"] = result
 
     # -- internals -------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
     from torch_tb_profiler.profiler.data import RunProfileData
 
     out = tmp_path / "run"
-    res = run_cli("profile", TINY, "--out", str(out), "--json", "--monitors", "--set", "profile.monitors.every=5")
+    res = run_cli("profile", TINY, "--out", str(out), "--json", "--monitors", "--set", "profile.monitors.every=5",
+                  "--set", "profile.record_shapes=true", "--set", "profile.memory_snapshot=true")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["schema"] == "scaletool.profile.breakdown" and report["ranks"] == [0]
@@ -46,6 +47,8 @@ def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
                      "ProfilerStep#2", "ProfilerStep#3", "scaletool::attention", "scaletool::ffn", "scaletool::norm"):
         assert expected in names, expected
     assert not any(n.startswith("ProfilerStep#") and n not in ("ProfilerStep#2", "ProfilerStep#3") for n in names)
+    assert all("Input Dims" in e["args"] for e in events if e.get("name") == "aten::mm")  # record_shapes
+    assert any("memory_snapshot: CUDA only" in n for n in report["notes"])
 
     # the plugin's own parser loads it and times the same steps
     prof = RunProfileData.parse(worker, span[1:], str(traces[0]), str(tmp_path))
@@ -62,6 +65,7 @@ def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["profile"]["breakdown"] == str(out / "profile" / "breakdown.json")
+    assert "profile: " in (out / "train.log").read_text()
     assert summary["dynamics"]["steps"] == [4, 9]
     assert "dynamics/update_to_weight_ratio/block_01" in summary["dynamics"]["history"][0]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
