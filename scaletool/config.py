@@ -437,6 +437,9 @@ def read_yaml(path: str | Path) -> dict:
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Validate a raw mapping; every problem becomes one line of the RecipeError."""
+    if {"grid", "modes"} & raw.keys() and not set(SECTIONS) & raw.keys():
+        raise RecipeError(f"{source}: this is a sweep file (it has grid/modes, no recipe sections); "
+                          "run it with `scaletool sweep`")
     try:
         return Recipe.model_validate(raw)
     except ValidationError as e:

@@ -11,6 +11,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
+# model recipes only: recipes/quickstart.yaml is the quickstart's sweep file
+MODEL_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if "grid:" not in p.read_text())
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 
-from conftest import RECIPES
+from conftest import MODEL_RECIPES, RECIPES
 
 
 def check(path) -> tuple[int, str]:
@@ -98,6 +98,11 @@ def test_regression_feature_groups():
         recipe_from_dict({"data": {"source": "csv", "path": "x.csv"}})
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MODEL_RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(path):
     load_recipe(path)
+
+
+def test_a_sweep_file_is_not_a_recipe():
+    code, out = check(RECIPES / "quickstart.yaml")
+    assert code == 2 and "this is a sweep file" in out and "scaletool sweep" in out
