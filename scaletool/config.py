@@ -334,8 +334,12 @@ class Recipe(_Section):
         return self.model_dump(mode="json")
 
     def digest(self, extra: str = "") -> str:
-        """Stable short hash of the resolved recipe (plus ``extra``), for result keys."""
-        blob = json.dumps(self.to_dict(), sort_keys=True) + extra
+        """Stable short hash of the resolved recipe (plus ``extra``), for result keys.
+
+        Fields equal to their defaults are left out, so adding a new field with a default to the
+        recipe schema keeps the keys of earlier results (a sweep resumes instead of redoing them).
+        """
+        blob = json.dumps(self.model_dump(mode="json", exclude_defaults=True), sort_keys=True) + extra
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
