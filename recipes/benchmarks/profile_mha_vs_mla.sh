@@ -3,27 +3,30 @@
 # Eager runs separate FFN matmuls from the others (module annotations) and run the training-dynamics
 # monitors; compiled runs (the recipes' default) show the kernels that MFU figures come from.
 # Usage (on the GPU box, from the repo root): bash recipes/benchmarks/profile_mha_vs_mla.sh OUTDIR
+# MODES="eager compiled" (default) picks the runs; SNAPSHOT=0 skips the memory-snapshot check.
 # Writes OUTDIR/<recipe>-<eager|compiled>.json (each run's profile/breakdown.json), OUTDIR/compare.txt.
 set -u
 OUT=${1:?output directory}
 mkdir -p "$OUT"
 for recipe in mha-1b mla-1b; do
-  for mode in eager compiled; do
+  for mode in ${MODES:-eager compiled}; do
     name=$recipe-$mode
     sets=(--set train.steps=8 --set profile.wait=4 --set profile.warmup=1 --set profile.active=2
           --set train.log_every=8 --set "train.compile=$([ $mode = compiled ] && echo true || echo false)")
     [ $mode = eager ] && sets+=(--monitors --set profile.monitors.every=4)
     echo "== $name" >&2
-    timeout 290 python3 -m scaletool profile "recipes/$recipe.yaml" --out "/tmp/profile-runs/$name" "${sets[@]}" \
+    timeout 200 python3 -m scaletool profile "recipes/$recipe.yaml" --out "/tmp/profile-runs/$name" "${sets[@]}" \
       --json > "$OUT/$name.json" 2> "/tmp/profile-$name.log" || { echo "FAILED $name"; tail -20 "/tmp/profile-$name.log"; }
     grep -h "warning: .*collapse" "/tmp/profile-$name.log" | head -3
   done
 done
 # the CUDA memory snapshot path, once (not in the runs above: recording allocations slows the profiled steps)
-timeout 200 python3 -m scaletool profile recipes/mla-1b.yaml --out /tmp/profile-runs/snapshot --set train.steps=4 \
-  --set profile.wait=1 --set profile.warmup=1 --set profile.active=1 --set train.compile=false \
-  --set profile.memory_snapshot=true > /dev/null 2> /tmp/profile-snapshot.log || tail -20 /tmp/profile-snapshot.log
-ls -la /tmp/profile-runs/snapshot/profile/ /tmp/profile-runs/snapshot/profile/traces
+if [ "${SNAPSHOT:-1}" = 1 ]; then
+  timeout 150 python3 -m scaletool profile recipes/mla-1b.yaml --out /tmp/profile-runs/snapshot --set train.steps=4 \
+    --set profile.wait=1 --set profile.warmup=1 --set profile.active=1 --set train.compile=false \
+    --set profile.memory_snapshot=true > /dev/null 2> /tmp/profile-snapshot.log || tail -20 /tmp/profile-snapshot.log
+  ls -la /tmp/profile-runs/snapshot/profile/
+fi
 python3 - "$OUT" <<'PY' | tee "$OUT/compare.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
