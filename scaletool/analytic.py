@@ -265,11 +265,11 @@ class MemoryInputs:
     selective_every: int = 2
 
 
-def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False) -> float:
-    """Bytes autograd keeps per token in one block, eager mode, mixed precision (bf16/fp16 autocast).
+def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4) -> float:
+    """Bytes autograd keeps per token in one block, eager mode, mixed precision.
 
-    Counted tensor by tensor (fp32 residual stream, 16-bit matmul inputs): each norm keeps its fp32
-    input (4d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
+    Counted tensor by tensor (residual stream of ``res`` bytes, 16-bit matmul inputs): each norm
+    keeps its input (res·d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
     (no T×T scores) plus an fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and their
     product (4 tensors of i), GELU/ReLU the pre-activation and activation (2 of i).
     A MoE block (``moe``) keeps the router's fp32 logits and scores (2·E), the dispatch buffer
@@ -277,7 +277,6 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False) -
     (4·i_moe), the k gathered expert outputs (k·d), and the shared experts' SwiGLU (4·n_shared·i_moe).
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
-    res = 4  # residual stream dtype: fp32 master weights under autocast
     norms = 2 * (res * d + a * d)
     if cfg.attention == "mla":
         c, r, qk, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim, cfg.v_dim
@@ -327,8 +326,8 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
         weights, grads, optim = 4 * psi / N, 4 * psi / N, 8 * psi / N
         # unsharded 16-bit params of the running and the prefetched block, and one block's
         # unsharded gradients before reduce-scatter (16-bit, cast to fp32 for the reduction)
-        if N > 1:
-            transient = 2 * block_psi * p16 + block_psi * (p16 + 4)
+        # (at N = 1 too: the all-gather is then a copy, cast to 16 bits)
+        transient = 2 * block_psi * p16 + block_psi * (p16 + 4)
     elif engine == "deepspeed":
         s = zero_stage
         master = 12 if mixed else 8  # fp32 master + m + v; fp32 training needs no separate master
@@ -343,9 +342,12 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     tokens = inputs.micro_batch_size * inputs.seq_len
     L = cfg.n_layers
     dense_layers = L - cfg.n_moe_layers
-    layer_bytes = [_activation_bytes_per_token_per_layer(cfg, moe=i >= dense_layers) for i in range(L)]
+    # Residual stream dtype: autocast over fp32 weights (single, DDP) keeps it fp32; FSDP2's
+    # mixed-precision policy and DeepSpeed's 16-bit module compute in 16 bits throughout, so their
+    # residual stream and norm inputs are 16-bit (measured: scaletool train, recipes/benchmarks).
+    res = 4 if engine in ("single", "ddp") or not mixed else p16
+    layer_bytes = [_activation_bytes_per_token_per_layer(cfg, moe=i >= dense_layers, res=res) for i in range(L)]
     per_layer = sum(layer_bytes) / L
-    res = 4
     ac = inputs.activation_checkpointing
     # checkpointed blocks keep only their input; one of them lives again during its recomputation
     ckpt = [ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0) for i in range(L)]

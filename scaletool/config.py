@@ -234,6 +234,9 @@ class TrainConfig(_Section):
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     selective_every: int = Field(2, gt=0, description="selective checkpointing: every n-th block")
     compile: bool = False
+    compile_scope: Literal["auto", "model", "block"] = Field(
+        "auto", description="torch.compile the whole model or each block; auto: model on engine=single, "
+        "block on sharded engines (communication hooks stay between compiled regions)")
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="auto: cuDNN first when q/k and v head dims differ (MLA), else flash")
     seed: int = 1234

@@ -1,0 +1,147 @@
+"""DeepSpeed: ``deepspeed.initialize`` with ZeRO stage 0-3, configured from the recipe.
+
+The DeepSpeed config is built from the recipe (micro-batch, accumulation, clipping, precision,
+ZeRO stage, offload) on top of defaults of our own; ``parallel.deepspeed`` is then merged in
+unchanged. A passthrough key that contradicts a recipe field is reported, one line per key,
+instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
+engine, so a DeepSpeed ``scheduler`` section is a conflict too.
+
+The optimizer is torch's AdamW (fused on CUDA), handed to DeepSpeed as a client optimizer; with
+``offload_optimizer`` DeepSpeed's own CPU Adam (declared in the config) runs the step on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from scaletool.config import Recipe
+from scaletool.engines import DTYPES, DistEnv, Engine, apply_activation_checkpointing, make_adamw, param_groups
+
+# Ours, not derived from a recipe field: the passthrough may override them freely.
+DEFAULTS = {
+    "steps_per_print": 2**31 - 1,  # the loop logs; DeepSpeed's own step log would interleave
+    "wall_clock_breakdown": False,
+    "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer under ZeRO
+    "zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _set(d: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+
+
+def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
+    """(config, problems): the DeepSpeed config for ``recipe`` and one line per passthrough conflict."""
+    t, p, m = recipe.train, recipe.parallel, recipe.model
+    derived: dict[str, tuple[object, str]] = {
+        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (t.grad_accum_steps, "train.grad_accum_steps"),
+        "train_batch_size": (t.micro_batch_size * t.grad_accum_steps * world_size,
+                             "train.micro_batch_size × train.grad_accum_steps × world size"),
+        "gradient_clipping": (t.grad_clip, "train.grad_clip"),
+        "bf16.enabled": (m.dtype == "bf16", "model.dtype"),
+        "fp16.enabled": (m.dtype == "fp16", "model.dtype"),
+        "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
+        "zero_optimization.offload_optimizer.device": ("cpu" if p.offload_optimizer else "none",
+                                                       "parallel.offload_optimizer"),
+    }
+    if p.zero_stage == 3:
+        derived["zero_optimization.offload_param.device"] = ("cpu" if p.offload_params else "none",
+                                                             "parallel.offload_params")
+    if p.offload_optimizer:
+        derived.update({
+            "optimizer.type": ("AdamW", "the AdamW of train.*"),
+            "optimizer.params.lr": (t.lr, "train.lr"),
+            "optimizer.params.betas": ([t.beta1, t.beta2], "train.beta1/beta2"),
+            "optimizer.params.weight_decay": (t.weight_decay, "train.weight_decay"),
+        })
+    problems = []
+    if p.offload_params and p.zero_stage != 3:
+        problems.append(f"parallel.offload_params: needs parallel.zero_stage=3 (got {p.zero_stage})")
+    if p.offload_optimizer and p.zero_stage == 0:
+        problems.append("parallel.offload_optimizer: needs parallel.zero_stage >= 1")
+    config = copy.deepcopy(DEFAULTS)
+    for key, (value, _) in derived.items():
+        _set(config, key, value)
+    passthrough = dict(p.deepspeed)
+    if passthrough.pop("scheduler", None) is not None:
+        problems.append("parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr, "
+                        "train.warmup_steps and train.min_lr_ratio; remove it")
+    if "optimizer" in passthrough and not p.offload_optimizer:
+        passthrough.pop("optimizer")
+        problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
+                        "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
+    for key, value in _flatten(passthrough).items():
+        if key in derived and derived[key][0] != value:
+            problems.append(f"parallel.deepspeed.{key}={value!r} conflicts with {derived[key][1]} "
+                            f"(= {derived[key][0]!r}); set it in one place")
+            continue
+        _set(config, key, value)
+    return config, problems
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, env: DistEnv):
+        os.environ.setdefault("DS_ACCELERATOR", env.device.type)
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # DeepSpeed insists, even for one process
+        import deepspeed
+
+        self.env = env
+        t = recipe.train
+        config, _ = deepspeed_config(recipe, env.world_size)  # problems were reported at launch
+        apply_activation_checkpointing(model, t)
+        deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
+        if recipe.parallel.offload_optimizer:
+            kw = {"model_parameters": param_groups(model, t.weight_decay)}
+        else:
+            kw = {"optimizer": make_adamw(model, t, env.device)}
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, config=config, **kw)
+        if t.compile:
+            self.engine.compile()
+        self.model = self.engine
+        self.dtype = DTYPES[recipe.model.dtype]
+
+    def train_step(self, batches, lr):
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        total = None
+        for inputs, targets in batches:
+            if inputs.is_floating_point():  # regression features meet 16-bit weights: no autocast here
+                inputs = inputs.to(self.dtype)
+            loss = self.engine(inputs, targets)
+            self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+            self.engine.step()  # applies the update only at the accumulation boundary
+            total = loss.detach().float() if total is None else total + loss.detach().float()
+        norm = self.engine.get_global_grad_norm()
+        if norm is not None and not torch.is_tensor(norm):
+            norm = torch.tensor(float(norm), device=total.device)
+        return total / len(batches), norm
+
+    def save(self, path: Path) -> None:
+        self.engine.save_checkpoint(str(path.parent), tag=path.name)
+
+    def load(self, path: Path) -> None:
+        loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")

@@ -1,0 +1,96 @@
+"""One device: the reference engine, and the base that DDP and FSDP specialise.
+
+Mixed precision is ``torch.autocast`` over fp32 master weights (bf16 or fp16; fp16 adds a
+``GradScaler``); FSDP replaces autocast with its mixed-precision policy. Checkpoints go through
+``torch.distributed.checkpoint`` with ``get_state_dict``/``set_state_dict``, whose canonical
+parameter names do not depend on the wrapping (DDP, FSDP, compile, activation checkpointing).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from scaletool.config import Recipe
+from scaletool.engines import (DTYPES, DistEnv, Engine, apply_activation_checkpointing, compile_blocks,
+                               make_adamw)
+
+
+class SingleEngine(Engine):
+    name = "single"
+    #: True where the wrapper casts parameters itself (FSDP's MixedPrecisionPolicy), so no autocast
+    casts_params = False
+
+    def __init__(self, model: nn.Module, recipe: Recipe, env: DistEnv):
+        self.recipe, self.env = recipe, env
+        t = recipe.train
+        self.grad_clip = t.grad_clip
+        apply_activation_checkpointing(model, t)
+        if t.compile:
+            scope = t.compile_scope if t.compile_scope != "auto" else ("model" if self.name == "single" else "block")
+            if scope == "model":
+                model.compile()  # in place: parameter names unchanged
+            else:
+                compile_blocks(model)
+        self.model = self.wrap(model)
+        self.optimizer = make_adamw(self.model, t, env.device)
+        dtype = recipe.model.dtype
+        self.compute_dtype = DTYPES[dtype]
+        mixed = dtype != "fp32" and not self.casts_params
+        self.autocast = (lambda: torch.autocast(env.device.type, dtype=self.compute_dtype)) if mixed else nullcontext
+        self.scaler = torch.amp.GradScaler(env.device.type) if dtype == "fp16" else None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as the loop calls it; DDP and FSDP override."""
+        return model
+
+    def grad_sync(self, enabled: bool):
+        """Context for one micro-step's forward and backward; ``enabled=False`` while accumulating."""
+        return nullcontext()
+
+    def train_step(self, batches, lr):
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        n = len(batches)
+        total = None
+        for i, (inputs, targets) in enumerate(batches):
+            with self.grad_sync(i == n - 1):
+                with self.autocast():
+                    loss = self.model(inputs, targets)
+                scaled = loss / n
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = None
+        if self.grad_clip > 0:
+            norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / n, norm
+
+    def _state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def save(self, path: Path) -> None:
+        dcp.save(self._state(), checkpoint_id=str(path))
+
+    def load(self, path: Path) -> None:
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.scaler:
+            self.scaler.load_state_dict(state["scaler"])

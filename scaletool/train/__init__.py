@@ -1,0 +1,1 @@
+"""Training: the loop, its data, schedule and checkpoints. Entry point: :func:`scaletool.train.loop.run`."""

@@ -1,0 +1,210 @@
+"""Training data: every sample is a pure function of (seed, step, global sample index).
+
+Sample ``g`` of a step's global batch belongs to rank ``r`` when ``g // micro_batch_size`` equals
+``micro * world_size + r``; each rank builds (or reads from its memmap) only its own samples. So the
+same seed and global batch give the same data on 1 or N ranks, and a resumed run continues exactly
+where the uninterrupted one would be, with no data-loader state to checkpoint.
+
+Sources (``data.source``):
+
+- ``synthetic`` (lm): random tokens with a learnable bigram structure: even positions draw from the
+  lower half of the vocabulary, each odd position is a fixed (seeded) map of the token before it into
+  the upper half. The loss falls from ln(V) towards ln(V/2)/2, so "loss decreases" is testable;
+  for throughput the content does not matter.
+- ``text`` (lm): a UTF-8 text file, or a directory of ``*.txt`` files, through :class:`ByteTokenizer`
+  (one token per byte, 256 + specials, no download); windows of seq_len + 1 at seeded offsets.
+- ``tokens`` (lm): a pre-tokenised flat binary file of uint16 or uint32 ids, memory-mapped.
+- ``synthetic`` (regression): ``num_samples`` series of shape (seq_len, n_features) ~ N(0, 1) with
+  targets (horizon,) = tanh(x_last · W) + small noise, W seeded: a signal the model can learn.
+- ``csv`` (regression): rows are time steps, columns the n_features features (an optional header
+  row is skipped); features are z-scored per column, the targets are the next ``horizon`` values of
+  the first column (the price).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scaletool.config import RecipeError, Recipe
+
+
+def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
+    """A CPU generator unique to (seed, step, index); CPU so that data match across devices."""
+    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + index * 0xC2B2AE3D) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, then the special tokens."""
+
+    SPECIALS = ("<|endoftext|>",)
+
+    def __init__(self):
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.eos_id = self.special_ids["<|endoftext|>"]
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIALS)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Specials are dropped; invalid UTF-8 (a window cut inside a character) is replaced."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class Source(ABC):
+    """Per-rank batches. ``batch(step, micro)`` -> (inputs, targets) CPU tensors for this rank."""
+
+    def __init__(self, recipe: Recipe, rank: int, world_size: int):
+        self.seed = recipe.train.seed
+        self.mb = recipe.train.micro_batch_size
+        self.seq_len = recipe.seq_len
+        self.rank, self.world_size = rank, world_size
+
+    def indices(self, micro: int) -> range:
+        first = (micro * self.world_size + self.rank) * self.mb
+        return range(first, first + self.mb)
+
+    @abstractmethod
+    def sample(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global sample ``index`` of ``step``: (input, target) tensors without a batch dim."""
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [self.sample(step, g) for g in self.indices(micro)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+class SyntheticTokens(Source):
+    def __init__(self, recipe: Recipe, rank: int, world_size: int):
+        super().__init__(recipe, rank, world_size)
+        V = recipe.model.vocab_size
+        if V < 4:
+            raise RecipeError(f"model.vocab_size: {V} is too small for synthetic tokens (need >= 4)")
+        self.half = V // 2
+        g = torch.Generator().manual_seed(self.seed)
+        self.successor = self.half + torch.randperm(V - self.half, generator=g)[: self.half]
+
+    def sample(self, step, index):
+        n = (self.seq_len + 2) // 2
+        first = torch.randint(0, self.half, (n,), generator=sample_generator(self.seed, step, index))
+        seq = torch.stack([first, self.successor[first]], dim=1).reshape(-1)[: self.seq_len + 1]
+        return seq[:-1], seq[1:]
+
+
+class TokenWindows(Source):
+    """Windows of seq_len + 1 tokens at seeded offsets in a flat token array (memmap or in memory)."""
+
+    def __init__(self, recipe: Recipe, rank: int, world_size: int, tokens: np.ndarray, what: str):
+        super().__init__(recipe, rank, world_size)
+        self.tokens, self.vocab = tokens, recipe.model.vocab_size
+        if len(tokens) < self.seq_len + 1:
+            raise RecipeError(f"data.path: {what} holds {len(tokens)} tokens, fewer than "
+                              f"train.seq_len + 1 = {self.seq_len + 1}")
+        self.what = what
+
+    def sample(self, step, index):
+        hi = len(self.tokens) - self.seq_len
+        start = int(torch.randint(0, hi, (1,), generator=sample_generator(self.seed, step, index)))
+        w = torch.from_numpy(np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        top = int(w.max())
+        if top >= self.vocab:
+            raise RecipeError(f"data.path: {self.what} has token id {top} at offset >= {start}, "
+                              f"outside model.vocab_size={self.vocab}")
+        return w[:-1], w[1:]
+
+
+def _text_tokens(path: Path, tok: ByteTokenizer) -> np.ndarray:
+    files = sorted(path.rglob("*.txt")) if path.is_dir() else [path]
+    if not files:
+        raise RecipeError(f"data.path: {path} is a directory without *.txt files")
+    parts = []
+    for f in files:
+        parts.append(np.fromfile(f, dtype=np.uint8).astype(np.uint16))
+        parts.append(np.array([tok.eos_id], dtype=np.uint16))
+    return np.concatenate(parts)
+
+
+class SyntheticSeries(Source):
+    def __init__(self, recipe: Recipe, rank: int, world_size: int):
+        super().__init__(recipe, rank, world_size)
+        m = recipe.model
+        self.n, self.F, self.H = recipe.data.num_samples, m.n_features, m.horizon
+        g = torch.Generator().manual_seed(self.seed)
+        self.W = torch.randn(self.F, self.H, generator=g) / math.sqrt(self.F)
+
+    def sample(self, step, index):
+        # which series: seeded by (step, index); the series itself: seeded by its id alone
+        k = int(torch.randint(0, self.n, (1,), generator=sample_generator(self.seed, step, index)))
+        g = sample_generator(self.seed, -1, k)
+        x = torch.randn(self.seq_len, self.F, generator=g)  # (T, F)
+        y = torch.tanh(x[-1] @ self.W) + 0.05 * torch.randn(self.H, generator=g)  # (H,)
+        return x, y
+
+
+class CsvSeries(Source):
+    def __init__(self, recipe: Recipe, rank: int, world_size: int, path: Path):
+        super().__init__(recipe, rank, world_size)
+        m = recipe.model
+        self.H = m.horizon
+        try:
+            data = np.genfromtxt(path, delimiter=",", dtype=np.float32)
+        except ValueError as e:
+            raise RecipeError(f"data.path: {path}: not a numeric CSV ({e})") from None
+        if data.ndim == 1:
+            data = data[:, None]
+        if len(data) and np.isnan(data[0]).all():  # a header row
+            data = data[1:]
+        if data.shape[1] != m.n_features:
+            raise RecipeError(f"data.path: {path} has {data.shape[1]} columns, model.n_features is {m.n_features}")
+        if np.isnan(data).any():
+            row = int(np.argwhere(np.isnan(data))[0][0])
+            raise RecipeError(f"data.path: {path}: non-numeric or empty value in data row {row + 1}")
+        if len(data) < self.seq_len + self.H:
+            raise RecipeError(f"data.path: {path} has {len(data)} rows, fewer than train.seq_len + "
+                              f"model.horizon = {self.seq_len + self.H}")
+        std = data.std(0)
+        self.data = torch.from_numpy((data - data.mean(0)) / np.where(std > 0, std, 1))
+        self.windows = len(data) - self.seq_len - self.H + 1
+
+    def sample(self, step, index):
+        i = int(torch.randint(0, self.windows, (1,), generator=sample_generator(self.seed, step, index)))
+        x = self.data[i:i + self.seq_len]
+        y = self.data[i + self.seq_len:i + self.seq_len + self.H, 0]
+        return x, y
+
+
+def _existing(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError(f"data.path: {p}: no such file or directory")
+    return p
+
+
+def make_source(recipe: Recipe, rank: int, world_size: int) -> Source:
+    """The data source the recipe selects, for this rank; problems raise one-line RecipeErrors."""
+    d, m = recipe.data, recipe.model
+    if m.task == "regression":
+        if d.source == "csv":
+            return CsvSeries(recipe, rank, world_size, _existing(d.path))
+        return SyntheticSeries(recipe, rank, world_size)
+    if d.source == "synthetic":
+        return SyntheticTokens(recipe, rank, world_size)
+    p = _existing(d.path)
+    if d.source == "text":
+        tok = ByteTokenizer()
+        if m.vocab_size < tok.vocab_size:
+            raise RecipeError(f"model.vocab_size: {m.vocab_size} is too small for the byte-level tokenizer "
+                              f"of data.source=text (needs >= {tok.vocab_size}: 256 bytes + specials)")
+        return TokenWindows(recipe, rank, world_size, _text_tokens(p, tok), str(p))
+    item = np.dtype(d.token_dtype).itemsize
+    if p.is_dir() or p.stat().st_size % item or p.stat().st_size == 0:
+        raise RecipeError(f"data.path: {p} is not a flat {d.token_dtype} token file "
+                          f"(size {p.stat().st_size} bytes is not a multiple of {item})")
+    return TokenWindows(recipe, rank, world_size, np.memmap(p, dtype=d.token_dtype, mode="r"), str(p))

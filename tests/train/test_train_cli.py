@@ -1,0 +1,189 @@
+"""`scaletool train` in one process (engine single) through click's CliRunner: outputs, errors, resume,
+callbacks, data sources and the summary's contract."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from scaletool.cli import main
+from scaletool.config import load_recipe
+from scaletool.engines import init_distributed
+from scaletool.train.loop import run
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+TINY = str(RECIPES / "tiny.yaml")
+FAST = ["train.steps=6", "train.measure_warmup_steps=1"]
+
+
+def train(tmp_path, *sets, args=(), recipe=TINY, out="run"):
+    cmd = ["train", recipe, "--out", str(tmp_path / out), "--json", *args]
+    for s in (*FAST, *sets):
+        cmd += ["--set", s]
+    return CliRunner().invoke(main, cmd)
+
+
+def summary_of(result) -> dict:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_summary_has_the_contracted_keys_and_files(tmp_path):
+    s = summary_of(train(tmp_path, args=("--peak-tflops", "0.5")))
+    for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "loss_first", "loss_last", "recipe", "environment"):
+        assert key in s
+    assert s["status"] == "completed" and s["steps_completed"] == 6 and s["measured_steps"] == 5
+    assert s["tokens_per_s"] > 0 and s["peak_memory_bytes"] is None  # CPU: allocator peaks are CUDA's
+    m = s["metrics"]
+    assert s["mfu"] == pytest.approx(m["flops/achieved_tflops_per_gpu"] / 0.5)
+    assert m["flops/mfu_full_attention"] > s["mfu"]  # full attention counts twice the score FLOPs
+    tpg = m["throughput/tokens_per_s_per_gpu"]
+    assert m["flops/achieved_tflops_per_gpu"] == pytest.approx(tpg * s["flops_per_token"]["train"] / 1e12)
+    assert s["flops_per_token"]["convention"] == "causal"
+    assert s["memory"]["analytic"]["total_bytes"] > 0 and s["environment"]["world_size"] == 1
+    assert s["recipe"]["train"]["steps"] == 6 and s["hardware"]["source"] == "--peak-tflops"
+    out = tmp_path / "run"
+    assert json.loads((out / "summary.json").read_text())["loss_last"] == s["loss_last"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6)) and all("loss/train" in r and "time/step_s" in r for r in rows)
+    assert any((out / "tensorboard").iterdir()) and "done: 6 steps" in (out / "train.log").read_text()
+
+
+def test_cpu_without_peak_gives_null_mfu_and_a_warning(tmp_path):
+    r = train(tmp_path)
+    s = summary_of(r)
+    assert s["mfu"] is None and s["metrics"]["flops/mfu_full_attention"] is None
+    assert "no CPU peak is assumed" in s["hardware"]["warning"]
+    assert "warning: no CPU peak" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_accumulation_and_no_measure_keep_the_loss_curve(tmp_path):
+    ref = summary_of(train(tmp_path, "train.micro_batch_size=8", out="a"))
+    acc = summary_of(train(tmp_path, "train.micro_batch_size=2", "train.grad_accum_steps=4", out="b"))
+    bare = summary_of(train(tmp_path, "train.micro_batch_size=8", args=("--no-measure",), out="c"))
+    assert acc["history"]["loss"] == pytest.approx(ref["history"]["loss"], rel=1e-5)
+    assert bare["history"]["loss"] == ref["history"]["loss"]
+    assert bare["tokens_per_s"] > 0 and bare["history"]["step_time_s"] == [None] * 6
+    assert not (tmp_path / "c" / "tensorboard").exists()
+
+
+def test_same_seed_reproduces_and_another_seed_differs(tmp_path):
+    a = summary_of(train(tmp_path, "model.dropout=0.1", out="a"))
+    b = summary_of(train(tmp_path, "model.dropout=0.1", out="b"))
+    c = summary_of(train(tmp_path, "model.dropout=0.1", "train.seed=7", out="c"))
+    assert a["history"]["loss"] == b["history"]["loss"]
+    assert a["history"]["loss"] != c["history"]["loss"]
+
+
+def test_resume_single_and_fp16_bf16_and_activation_checkpointing(tmp_path):
+    sets = ("train.checkpoint_every=2", "model.dtype=bf16", "train.activation_checkpointing=selective",
+            "train.selective_every=1")
+    full = summary_of(train(tmp_path, *sets, out="full"))
+    assert full["loss_last"] < full["loss_first"]
+    (tmp_path / "full" / "checkpoints" / "step_6" / "trainer.json").unlink()  # as if killed mid-save
+    res = summary_of(train(tmp_path, *sets, args=("--resume",), out="full"))
+    assert res["resumed_from"].endswith("step_4") and res["start_step"] == 4
+    assert res["history"]["loss"] == pytest.approx(full["history"]["loss"], rel=1e-6)
+    fp16 = summary_of(train(tmp_path, "model.dtype=fp16", "train.activation_checkpointing=full", out="fp16"))
+    assert fp16["loss_last"] < fp16["loss_first"]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_summary(tmp_path):
+    r = train(tmp_path, "train.lr=1.0e+12", "train.grad_clip=0", "train.warmup_steps=0")
+    assert r.exit_code == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(("error: loss is nan at step ", "error: loss is inf at step "))
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert s["status"] == "diverged" and f"at step {s['steps_completed'] - 1}" in s["message"]
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (("parallel.zero_stage=2",), "parallel.zero_stage: only used by engine=deepspeed, but parallel.engine=single"),
+    (("parallel.engine=deepspeed", "parallel.deepspeed={gradient_clipping: 0.5}"),
+     "parallel.deepspeed.gradient_clipping=0.5 conflicts with train.grad_clip (= 1.0); set it in one place"),
+    (("parallel.engine=deepspeed", "parallel.deepspeed={scheduler: {type: WarmupLR}}"),
+     "parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr"),
+    (("parallel.cpu_offload=true",), "parallel.cpu_offload: only used by engine=fsdp"),
+    (("data.source=tokens", "data.path=/nonexistent/tokens.bin"), "data.path: /nonexistent/tokens.bin: no such file"),
+    (("data.source=text", "data.path=" + TINY), "model.vocab_size: 256 is too small for the byte-level tokenizer"),
+])
+def test_bad_configs_fail_with_one_clear_line(tmp_path, sets, expected):
+    r = train(tmp_path, *sets)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+def test_resume_without_checkpoint_is_one_line(tmp_path):
+    r = train(tmp_path, args=("--resume",))
+    assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0 and "no complete checkpoint" in r.stderr
+
+
+def test_text_tokens_and_regression_sources_train(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    s = summary_of(train(tmp_path, "data.source=text", f"data.path={text}", "model.vocab_size=257", out="text"))
+    assert s["loss_last"] < s["loss_first"] - 0.5
+    for dtype in ("uint16", "uint32"):
+        tok = tmp_path / f"tokens.{dtype}"
+        np.tile(np.arange(40, dtype=dtype), 200).tofile(tok)
+        s = summary_of(train(tmp_path, "data.source=tokens", f"data.path={tok}", f"data.token_dtype={dtype}",
+                             out=dtype))
+        assert s["loss_last"] < s["loss_first"] - 0.5
+    bad = tmp_path / "big.uint16"
+    np.array([300] * 100, dtype=np.uint16).tofile(bad)
+    r = train(tmp_path, "data.source=tokens", f"data.path={bad}", out="bad")
+    assert r.exit_code == 2 and "token id 300" in r.stderr and "model.vocab_size=256" in r.stderr
+    small = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.kv_lora_rank=16",
+             "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
+             "model.intermediate_size=64", "model.dropout=0", "train.seq_len=24", "train.micro_batch_size=16",
+             "train.lr=3.0e-3", "train.steps=16")
+    s = summary_of(train(tmp_path, *small, recipe=str(RECIPES / "price-transformer.yaml"), out="reg"))
+    assert s["loss_last"] < 0.8 * s["loss_first"]
+    csv = tmp_path / "series.csv"
+    rng = np.random.default_rng(0)
+    walk = np.cumsum(rng.normal(size=(200, 20)), axis=0)
+    np.savetxt(csv, walk, delimiter=",", header=",".join(f"f{i}" for i in range(20)), comments="")
+    s = summary_of(train(tmp_path, *small, "data.source=csv", f"data.path={csv}",
+                         recipe=str(RECIPES / "price-transformer.yaml"), out="csv"))
+    assert s["status"] == "completed" and s["loss_last"] < s["loss_first"]
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def on_train_start(self, info):
+        self.calls.append(("start", info.env.world_size))
+
+    def on_step_start(self, step):
+        self.calls.append(("step_start", step))
+
+    def on_step_end(self, step, state):
+        self.calls.append(("step_end", step))
+        return {"probe/loss_copy_nats": float(state.loss)} if step == 2 else None
+
+    def on_train_end(self, summary):
+        summary["probe"] = {"steps_seen": sum(1 for c in self.calls if c[0] == "step_end")}
+
+
+def test_callbacks_plug_in_without_touching_the_loop(tmp_path):
+    r = load_recipe(TINY, FAST)
+    rec, partial = Recorder(), type("OnlyEnd", (), {"on_train_end": lambda self, s: s.setdefault("x", 1)})()
+    s = run(r, tmp_path, init_distributed("single"), quiet=True, callbacks=[rec, partial])
+    assert rec.calls[0] == ("start", 1) and rec.calls[1:3] == [("step_start", 0), ("step_end", 0)]
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["probe"] == {"steps_seen": 6} and saved["x"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    probe = [row for row in rows if "probe/loss_copy_nats" in row]
+    assert probe and probe[0]["step"] == 2 and probe[0]["probe/loss_copy_nats"] == pytest.approx(s["history"]["loss"][2])
+
+
+def test_help_teaches():
+    r = CliRunner().invoke(main, ["train", "--help"])
+    assert r.exit_code == 0
+    for word in ("--nproc-per-node", "--resume", "--peak-tflops", "fsdp", "deepspeed", "summary.json"):
+        assert word in r.output

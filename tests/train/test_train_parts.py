@@ -1,0 +1,113 @@
+"""Hardware profiles, schedule, DeepSpeed config building, metrics writer, NVML fallback, data sharding."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaletool.config import load_recipe
+from scaletool.engines.deepspeed import deepspeed_config
+from scaletool.measure.hardware import peak_for
+from scaletool.measure.metrics import MetricsWriter
+from scaletool.measure.nvml import NvmlSampler
+from scaletool.train.data import ByteTokenizer, make_source
+from scaletool.train.schedule import lr_at
+
+TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
+
+
+@pytest.mark.parametrize("name, dtype, tflops, profile", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989, "H100 SXM"),
+    ("NVIDIA H100 PCIe", "bf16", 756, "H100 PCIe"),
+    ("NVIDIA H200", "bf16", 989, "H200"),
+    ("NVIDIA A100-SXM4-80GB", "fp16", 312, "A100"),
+    ("NVIDIA H100 80GB HBM3", "fp32", 67, "H100 SXM"),
+])
+def test_known_gpus_match_their_profile(name, dtype, tflops, profile):
+    p = peak_for("cuda", name, dtype)
+    assert (p.tflops, p.profile, p.warning) == (tflops, profile, None)
+
+
+@pytest.mark.parametrize("name", ["Tesla T4", "NVIDIA H200 NVL"])
+def test_unknown_gpu_warns_and_invents_nothing(name):
+    p = peak_for("cuda", name, "bf16")
+    assert p.tflops is None and name in p.warning and "--peak-tflops" in p.warning
+    assert peak_for("cuda", name, "bf16", 123.0).tflops == 123.0
+
+
+def test_cpu_has_no_peak_unless_given():
+    assert peak_for("cpu", "cpu", "fp32").tflops is None
+    assert peak_for("cpu", "cpu", "fp32", 2.5).tflops == 2.5
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    t = load_recipe(TINY, ["train.steps=20", "train.warmup_steps=4", "train.lr=1.0", "train.min_lr_ratio=0.1"]).train
+    lrs = [lr_at(s, t) for s in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0] and lrs[4] == 1.0
+    assert lrs[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_deepspeed_config_from_recipe_with_passthrough_merged():
+    r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=3", "model.dtype=bf16",
+                           "train.grad_accum_steps=2",
+                           "parallel.deepspeed={zero_optimization: {reduce_bucket_size: 1000, stage: 3}, "
+                           "bf16: {enabled: true}}"])
+    cfg, problems = deepspeed_config(r, 4)
+    assert problems == []
+    assert cfg["train_batch_size"] == 4 * 2 * 4 and cfg["gradient_accumulation_steps"] == 2
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["reduce_bucket_size"] == 1000 and z["overlap_comm"] is True
+    assert z["offload_param"] == {"device": "none"} and cfg["bf16"] == {"enabled": True}
+
+
+def test_deepspeed_conflicts_are_one_line_each():
+    r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=1",
+                           "parallel.deepspeed={zero_optimization: {stage: 2}, train_micro_batch_size_per_gpu: 9, "
+                           "optimizer: {type: Adam}}"])
+    _, problems = deepspeed_config(r, 2)
+    assert len(problems) == 3
+    assert any("zero_optimization.stage=2 conflicts with parallel.zero_stage (= 1)" in p for p in problems)
+    assert any("train_micro_batch_size_per_gpu=9 conflicts with train.micro_batch_size (= 4)" in p for p in problems)
+    assert any(p.startswith("parallel.deepspeed.optimizer:") for p in problems)
+
+
+def test_metrics_writer_json_has_no_nan_and_other_ranks_write_nothing(tmp_path):
+    w = MetricsWriter(tmp_path / "a", enabled=True, tensorboard=False, quiet=True)
+    w.scalars(0, {"loss/train": float("nan"), "time/step_s": 0.5})
+    w.summary({"mfu": float("inf"), "metrics": {}})
+    w.close()
+    row = json.loads((tmp_path / "a" / "metrics.jsonl").read_text())
+    assert row == {"step": 0, "loss/train": None, "time/step_s": 0.5}
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["mfu"] is None
+    off = MetricsWriter(tmp_path / "b", enabled=False)
+    off.scalars(0, {"loss/train": 1.0})
+    assert off.summary({}) is None and not (tmp_path / "b").exists()
+
+
+def test_nvml_without_gpu_is_a_noop_with_a_note():
+    s = NvmlSampler(None).start()
+    s.stop()
+    assert not s.active and s.summary() == {"samples": 0, "interval_s": 0.1, "note": "no GPU: NVML sampling off"}
+
+
+def test_ranks_read_disjoint_shards_of_the_same_global_batch():
+    one = make_source(load_recipe(TINY, ["train.micro_batch_size=4"]), 0, 1)
+    r2 = load_recipe(TINY, ["train.micro_batch_size=2"])
+    a, b = make_source(r2, 0, 2), make_source(r2, 1, 2)
+    x1, y1 = one.batch(step=5, micro=0)
+    x2 = torch.cat([a.batch(5, 0)[0], b.batch(5, 0)[0]])
+    assert torch.equal(x1, x2) and torch.equal(x1[:, 1:], y1[:, :-1])
+    assert not torch.equal(one.batch(6, 0)[0], x1)
+    # the bigram structure: every odd position is a fixed function of the token before it
+    pairs = {(int(p), int(q)) for p, q in zip(x1[:, 0::2].flatten(), x1[:, 1::2].flatten())}
+    assert len({p for p, _ in pairs}) == len(pairs)
+
+
+def test_byte_tokenizer_round_trips_utf8():
+    tok = ByteTokenizer()
+    ids = tok.encode("naïve ✓")
+    assert max(ids) < 256 and tok.decode(ids + [tok.eos_id]) == "naïve ✓" and tok.vocab_size == 257
+    assert math.isclose(len(ids), len("naïve ✓".encode()))
