@@ -33,13 +33,10 @@ from scaletool.config import ModelConfig, RecipeError
 from scaletool.decode.cache import cache_bytes, make_caches, replicate_first_row
 from scaletool.decode.generate import decode, prefill, require_lm
 from scaletool.decode.kernels import triton_supports
-from scaletool.measure.hardware import load_profiles
+from scaletool.measure.hardware import profile_for
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GIB = 2**30
-# Peak HBM bandwidth by hardware-profile name (profiles/*.yaml), from the NVIDIA datasheets. The
-# profiles carry compute peaks only so far; this is the one table of memory peaks.
-HBM_BYTES_PER_S = {"H100 SXM": 3.35e12, "H100 PCIe": 2.0e12, "H200": 4.8e12, "A100": 2.039e12}
 # Held back from a memory budget for what the analytic fit does not count: prefill activations of
 # one chunk, attention workspaces, logits, allocator fragmentation.
 RESERVE_FRACTION = 0.05
@@ -62,10 +59,10 @@ def peak_bandwidth(device: torch.device) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, "no peak bandwidth is assumed for CPUs"
     name = torch.cuda.get_device_name(device)
-    prof = next((p for p in load_profiles() if p.device == "cuda" and p.matches(name)), None)
-    if prof is None or prof.name not in HBM_BYTES_PER_S:
+    prof = profile_for("cuda", name)
+    if prof is None or prof.peak_bandwidth_bytes_per_s is None:
         return None, f"unknown accelerator '{name}': no HBM peak known, bandwidth fraction is null"
-    return HBM_BYTES_PER_S[prof.name], f"datasheet peak for profile {prof.source}"
+    return prof.peak_bandwidth_bytes_per_s, f"datasheet peak for profile {prof.source}"
 
 
 def cache_label(cfg: ModelConfig, mla_mode: str) -> str:
