@@ -1,0 +1,179 @@
+"""The commands a launch runs, built as argument lists.
+
+Every command here is a ``list[str]`` handed to ``subprocess`` (or to torchrun's own argument parser):
+no shell ever sees a user string, so a recipe path or an override with spaces or quotes arrives as
+given. Workers run ``python -m scaletool train`` (torchrun's ``-m``; the bare ``scaletool`` script
+may not be installed on a GPU node), always with ``--auto-resume``: a group that torchrun restarts
+after a failure continues from the newest complete checkpoint in ``--out`` instead of step 0.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from scaletool.config import RecipeError
+
+TORCHRUN = "torch.distributed.run"
+DEEPSPEED_RUNNER = "deepspeed.launcher.runner"
+DEFAULT_PORT = 29500
+# Rendezvous ids name torchrun's log directories: keep them plain.
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One launch of ``scaletool train``: the recipe, where it writes, and the shape of the job."""
+
+    recipe: str
+    out: str
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    overrides: tuple[str, ...] = ()
+    node_rank: int | None = None  # c10d: node 0 hosts the rendezvous store; deepspeed: --node_rank
+    rdzv_endpoint: str | None = None  # HOST:PORT where the nodes meet
+    rdzv_id: str | None = None
+    rdzv_timeout_s: int = 900  # how long a node waits for the others to join
+    max_restarts: int = 0
+    peak_tflops: float | None = None
+    python: str = field(default_factory=lambda: sys.executable)
+
+    @property
+    def run_id(self) -> str:
+        """The rendezvous id: given, or derived from the run directory (the same on every node)."""
+        return self.rdzv_id or "scaletool-" + re.sub(r"[^A-Za-z0-9_.-]", "-", Path(self.out).name or "run")
+
+    def endpoint(self) -> tuple[str, int]:
+        """(host, port) of ``rdzv_endpoint``; 127.0.0.1:29500 when none was given."""
+        return split_endpoint(self.rdzv_endpoint or f"127.0.0.1:{DEFAULT_PORT}")
+
+
+def split_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port); a bad one is a RecipeError."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
+        raise RecipeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT with a port in 1-65535, e.g. node001:29500")
+    return host, int(port)
+
+
+def check_spec(spec: LaunchSpec, launcher: str) -> None:
+    """Problems of a launch that show before anything starts; one RecipeError line each."""
+    problems = []
+    if spec.nnodes > 1 and launcher in ("torchrun", "deepspeed") and not spec.rdzv_endpoint:
+        problems.append(f"--rdzv-endpoint: required with --nnodes {spec.nnodes}: the HOST:PORT of the first node, "
+                        "where every node's launcher meets (the same on all nodes)")
+    if spec.rdzv_endpoint:
+        try:
+            split_endpoint(spec.rdzv_endpoint)
+        except RecipeError as e:
+            problems += e.problems
+    if spec.node_rank is not None and not 0 <= spec.node_rank < spec.nnodes:
+        problems.append(f"--node-rank {spec.node_rank}: must be in 0..{spec.nnodes - 1} for --nnodes {spec.nnodes}")
+    if spec.rdzv_id is not None and not _PLAIN.fullmatch(spec.rdzv_id):
+        problems.append(f"--rdzv-id {spec.rdzv_id!r}: letters, digits, '_', '.' and '-' only")
+    if spec.max_restarts and launcher == "deepspeed":
+        problems.append("--max-restarts: the DeepSpeed launcher does not restart failed workers; use "
+                        "--launcher torchrun (parallel.engine=deepspeed runs under torchrun too)")
+    if problems:
+        raise RecipeError(problems)
+
+
+def train_module_args(spec: LaunchSpec) -> list[str]:
+    """What follows ``python -m`` on every worker: ``scaletool train RECIPE --out DIR --auto-resume ...``."""
+    args = ["scaletool", "train", spec.recipe, "--out", spec.out, "--auto-resume"]
+    for o in spec.overrides:
+        args += ["--set", o]
+    if spec.peak_tflops is not None:
+        args += ["--peak-tflops", repr(spec.peak_tflops)]
+    return args
+
+
+def torchrun_argv(spec: LaunchSpec, *, endpoint: str | None = None, rdzv_id: str | None = None) -> list[str]:
+    """``python -m torch.distributed.run ...`` for this node.
+
+    One node without an endpoint: ``--standalone`` (a local rendezvous on a free port). Otherwise the
+    c10d rendezvous at ``endpoint`` (default ``spec.rdzv_endpoint``): nodes that have not all joined
+    within ``rdzv_timeout_s`` end with an error instead of waiting forever (``join_timeout``), and
+    ``--node-rank 0`` makes this node host the rendezvous store (``is_host``) instead of guessing from
+    its hostname. ``--log-dir`` keeps torchrun's per-attempt error files with the run.
+    """
+    endpoint = endpoint if endpoint is not None else spec.rdzv_endpoint
+    argv = [spec.python, "-m", TORCHRUN, "--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc_per_node)]
+    if spec.nnodes == 1 and endpoint is None:
+        argv.append("--standalone")
+    else:
+        conf = f"join_timeout={spec.rdzv_timeout_s}"
+        if spec.node_rank is not None:
+            conf += f",is_host={int(spec.node_rank == 0)}"
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id or spec.run_id,
+                 "--rdzv-conf", conf]
+    argv += ["--max-restarts", str(spec.max_restarts), "--log-dir", str(Path(spec.out) / "torchelastic"),
+             "-m", *train_module_args(spec)]
+    return argv
+
+
+def deepspeed_argv(spec: LaunchSpec, hostfile: str) -> list[str]:
+    """``python -m deepspeed.launcher.runner ...``: the DeepSpeed launcher with a hostfile.
+
+    With ``node_rank`` (or one node) it runs this node's ranks only (``--no_ssh``; start it on every
+    node); without, it reaches the other hosts of the hostfile itself over pdsh/ssh. The first
+    ``nnodes`` hosts take ``nproc_per_node`` ranks each; rank 0's host is the endpoint's.
+    """
+    host, port = spec.endpoint()
+    argv = [spec.python, "-m", DEEPSPEED_RUNNER, "--hostfile", hostfile, "--num_nodes", str(spec.nnodes),
+            "--num_gpus", str(spec.nproc_per_node), "--master_addr", host, "--master_port", str(port)]
+    if spec.node_rank is not None or spec.nnodes == 1:
+        argv += ["--no_ssh", "--node_rank", str(spec.node_rank or 0)]
+    # scaletool train reads LOCAL_RANK from the environment; no --local_rank argument.
+    argv += ["--no_local_rank", "--module", *train_module_args(spec)]
+    return argv
+
+
+def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
+    """Parse a DeepSpeed hostfile (``host slots=N`` lines) with DeepSpeed's own parser and check it
+    has ``nnodes`` hosts of at least ``nproc_per_node`` slots."""
+    from deepspeed.launcher.runner import fetch_hostfile
+
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"--hostfile {p}: no such file")
+    try:
+        pool = fetch_hostfile(str(p))
+    except ValueError as e:
+        raise RecipeError(f"--hostfile {p}: {e}") from None
+    problems = []
+    if len(pool) < spec.nnodes:
+        problems.append(f"--hostfile {p}: {len(pool)} host(s), but --nnodes is {spec.nnodes}")
+    small = [h for h, slots in list(pool.items())[:spec.nnodes] if slots < spec.nproc_per_node]
+    if small:
+        problems.append(f"--hostfile {p}: {', '.join(small)} ha{'s' if len(small) == 1 else 've'} fewer than "
+                        f"--nproc-per-node {spec.nproc_per_node} slots")
+    if problems:
+        raise RecipeError(problems)
+    return pool
+
+
+def hostfile_text(hosts: list[str], slots: int) -> str:
+    """A DeepSpeed hostfile with ``slots`` ranks on each of ``hosts``."""
+    bad = [h for h in hosts if not h or any(c.isspace() for c in h) or h.startswith("#")]
+    if bad or not hosts:
+        raise RecipeError(f"--hosts: expected comma-separated host names, got {','.join(hosts)!r}")
+    return "".join(f"{h} slots={slots}\n" for h in hosts)
+
+
+def node_env(launcher: str, nproc_per_node: int) -> dict[str, str]:
+    """Environment for the node process (torchrun's agent or the DeepSpeed launcher) and its workers.
+
+    - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun's workers share the agents'
+      rendezvous store across restarts, so after a restart a fast rank can read the address a dead
+      rank of the previous attempt published and fail to connect (seen in about half of kill -9
+      trials with two nodes); with it, every attempt gets a fresh store.
+    - ``OMP_NUM_THREADS``: the node's cores shared by its ranks, unless already set.
+    """
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env

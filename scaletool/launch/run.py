@@ -1,0 +1,88 @@
+"""Running a built launch command and saying how it ended.
+
+torchrun runs in this process: the argument list from :func:`~scaletool.launch.commands.torchrun_argv`
+goes through torchrun's own parser (``torch.distributed.run.parse_args``, so ``--dry-run`` shows
+exactly what runs) into its ``run``, and this process becomes the node's elastic agent. That way the
+agent's failures arrive as exceptions with per-rank detail (``ChildFailedError.failures``,
+rendezvous errors) instead of a traceback to scrape. The DeepSpeed launcher runs as a subprocess.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from scaletool.launch.commands import TORCHRUN, LaunchSpec
+from scaletool.launch.failures import child_failure_lines, rendezvous_failure_line
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    errors: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool):
+    """Point file descriptor 1 at stderr (inherited by every worker) so stdout carries only --json."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]):
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_torchrun(argv: list[str], env: dict[str, str], spec: LaunchSpec, quiet_stdout: bool = False) -> Outcome:
+    """Be this node's torchrun agent for ``argv`` (``python -m torch.distributed.run ARGS``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.run import parse_args, run
+
+    if argv[1:3] != ["-m", TORCHRUN]:
+        raise ValueError(f"not a torchrun command: {argv[:3]}")
+    args = parse_args(argv[3:])
+    endpoint = spec.rdzv_endpoint or "localhost (standalone)"
+    with _environ(env), _stdout_to_stderr(quiet_stdout):
+        try:
+            run(args)
+        except ChildFailedError as e:
+            return Outcome(1, child_failure_lines(e))
+        except RendezvousError as e:
+            return Outcome(1, [rendezvous_failure_line(e, endpoint, args.rdzv_id, spec.nnodes, spec.rdzv_timeout_s)])
+        except SignalException as e:
+            return Outcome(128 + int(e.sigval), [f"error: stopped by {e.sigval.name}; workers were shut down"])
+    return Outcome(0)
+
+
+def run_subprocess(argv: list[str], env: dict[str, str], what: str, quiet_stdout: bool = False) -> Outcome:
+    """Run a launcher (the DeepSpeed runner) as a child; its ranks print their own error lines."""
+    res = subprocess.run(argv, env={**os.environ, **env}, stdout=sys.stderr if quiet_stdout else None)
+    if res.returncode == 0:
+        return Outcome(0)
+    how = f"killed by signal {-res.returncode}" if res.returncode < 0 else f"exit status {res.returncode}"
+    return Outcome(res.returncode if res.returncode > 0 else 1,
+                   [f"error: {what} failed ({how}); the failing ranks' error lines are above"])
