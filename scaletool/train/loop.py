@@ -49,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, Engine, agree, make_engine
+from scaletool.launch.failures import describe
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter
 from scaletool.measure.nvml import NvmlSampler
@@ -305,7 +306,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
         _sync(env)
         t_end = time.perf_counter()
     except BaseException as e:
-        status, message = "failed", f"{type(e).__name__}: {e}"
+        status, message = "failed", describe(e)  # one line: the cause (out of memory, communication, ...)
         writer.log(f"error: {message}", style="red")
         _write_partial(writer, recipe, env, history, status, message, start_step)
         raise

@@ -34,8 +34,10 @@ class Node:
 
     def __init__(self, argv: list[str], logs: Path, name: str, env: dict | None = None):
         self.err_path = logs / f"{name}.err"
+        # CPU ranks (gloo) even on a GPU machine: two one-rank "nodes" on one host would share GPU 0.
         self.proc = subprocess.Popen(argv, stdout=open(logs / f"{name}.out", "w"), stderr=open(self.err_path, "w"),
-                                     cwd=ROOT, env={**os.environ, **(env or {})}, start_new_session=True)
+                                     cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
+                                     start_new_session=True)
 
     def wait(self) -> int:
         try:
@@ -130,7 +132,8 @@ def test_killed_worker_without_restarts_names_the_rank_and_cause(tmp_path):
     assert survivor.startswith(f"error: rank {peer}/2 (node "), survivor
     assert "): communication " in survivor and "gloo" in survivor
     if peer == 0:  # rank 0 survived long enough to keep the loss curve so far
-        assert summary(out)["status"] == "failed"
+        s = summary(out)
+        assert s["status"] == "failed" and s["message"].startswith("communication error (gloo): ")
 
 
 def test_a_hung_peer_times_out_the_collective_instead_of_hanging(tmp_path):
