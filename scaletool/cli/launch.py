@@ -13,7 +13,7 @@ import click
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
 from scaletool.config import RecipeError, load_recipe
 from scaletool.launch.commands import (LaunchSpec, check_spec, deepspeed_argv, hostfile_text, node_env,
-                                       read_hostfile, torchrun_argv)
+                                       read_hostfile, thread_env, torchrun_argv)
 
 
 def _dry_run_line(env: dict[str, str], argv: list[str]) -> str:
@@ -164,7 +164,7 @@ def launch(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_pe
         _slurm(spec, opts, template, script, submit, dry_run, as_json)
         return
 
-    env = node_env(launcher, nproc_per_node)
+    env = node_env(launcher)
     new_hostfile = None  # the text of a hostfile to write from --hosts
     if launcher == "torchrun":
         argv = torchrun_argv(spec)
@@ -195,7 +195,7 @@ def launch(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_pe
         Path(hostfile).write_text(new_hostfile)
     if launcher == "deepspeed":
         read_hostfile(hostfile, spec)
-    env[CHILD_ENV] = "1"
+    env.update(thread_env(nproc_per_node), **{CHILD_ENV: "1"})
     click.echo(f"launch: {_dry_run_line({}, argv)}", err=True)
     started = time.time()
     if launcher == "torchrun":

@@ -164,16 +164,17 @@ def hostfile_text(hosts: list[str], slots: int) -> str:
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 
-def node_env(launcher: str, nproc_per_node: int) -> dict[str, str]:
-    """Environment for the node process (torchrun's agent or the DeepSpeed launcher) and its workers.
+def node_env(launcher: str) -> dict[str, str]:
+    """Environment the node process (torchrun's agent or the DeepSpeed launcher) needs, shown by ``--dry-run``.
 
-    - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default torchrun's workers share the agents'
-      rendezvous store across restarts, so after a restart a fast rank can read the address a dead
-      rank of the previous attempt published and fail to connect (seen in about half of kill -9
-      trials with two nodes); with it, every attempt gets a fresh store.
-    - ``OMP_NUM_THREADS``: the node's cores shared by its ranks, unless already set.
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun: by default its workers share the agents'
+    rendezvous store across restarts, so after a restart a fast rank can read the address a dead
+    rank of the previous attempt published and fail to connect (3 of 5 kill -9 trials with two
+    nodes); with it, every attempt gets a fresh store (0 of 11).
     """
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
-    if launcher == "torchrun":
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    return env
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
+
+
+def thread_env(nproc_per_node: int) -> dict[str, str]:
+    """``OMP_NUM_THREADS``: this node's cores shared by its ranks, unless already set (decided on the node)."""
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
