@@ -104,7 +104,8 @@ def _verdict(out: Path, started: float, outcome, as_json: bool, launcher: str, a
               "variables of scaletool/launch/slurm.sbatch.j2.")
 @click.option("--submit", is_flag=True, help="slurm: submit the script with sbatch and print the job id.")
 def launch(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per_node: int | None,
-           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_timeout_s: int, launcher: str, max_restarts: int,
+           node_rank: int | None, rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_timeout_s: int, launcher: str,
+           max_restarts: int,
            out: str | None, dry_run: bool, as_json: bool, peak_tflops: float | None, python: str,
            hostfile: str | None, hosts: str | None, time_limit: str, partition: str | None, account: str | None,
            job_name: str | None, gpus_per_node: int | None, cpus_per_task: int | None, exports: tuple[str, ...],

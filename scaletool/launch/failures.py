@@ -66,9 +66,9 @@ def describe(exc: BaseException, environ=None) -> str:
                 "or shard more: parallel.engine=fsdp or deepspeed with a higher zero_stage)")
     if "invalid device ordinal" in low or "no cuda gpus are available" in low:
         visible = e.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
         return (f"missing GPU: local rank {e.get('LOCAL_RANK', 0)} needs its own GPU, but this node shows "
-                f"{_cuda_devices()} CUDA device(s)" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
-                + "; lower --nproc-per-node to the GPUs per node")
+                f"{_cuda_devices()} CUDA device(s){shown}; lower --nproc-per-node to the GPUs per node")
     timed_out = "timed out" in low or "timeout" in low
     comm = (isinstance(exc, dist.DistError) or any(w in text for w in ("NCCL", "Gloo", "gloo", "c10d"))
             or "connection closed by peer" in low or "connection reset" in low)

@@ -2,8 +2,9 @@
 
 The script is rendered from ``slurm.sbatch.j2`` (or a site's own template with the same variables).
 Every value that reaches the shell body is quoted here with ``shlex.quote`` before rendering, so
-the template itself never quotes; values on ``#SBATCH`` lines, which sbatch parses without a shell,
-are checked against a plain character set instead (a newline there would inject a directive).
+the template itself never quotes; values on ``#SBATCH`` lines (sbatch parses them without a shell;
+the working directory and the log path are among them) are checked against a plain character set
+instead, which also keeps them safe in the body (a newline there would inject a directive).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def render_sbatch(spec: LaunchSpec, opts: SlurmOptions, template: str | Path | N
     if not _TIME.fullmatch(opts.time):
         problems.append(f"--time {opts.time!r}: expected minutes, HH:MM:SS or D-HH:MM:SS (sbatch's formats)")
     for flag, value in (("--partition", opts.partition), ("--account", opts.account), ("--job-name", job_name),
-                        ("--out (Slurm log path)", output)):
+                        ("--out (Slurm log path)", output), ("--workdir", opts.workdir)):
         if value is not None and not _DIRECTIVE.fullmatch(value):
             problems.append(f"{flag} {value!r}: goes on an #SBATCH line; use letters, digits and _.,:@%+=/- only")
     if not 0 < opts.rdzv_port < 65536:
@@ -104,7 +105,7 @@ def render_sbatch(spec: LaunchSpec, opts: SlurmOptions, template: str | Path | N
         return tmpl.render(
             job_name=job_name, nnodes=spec.nnodes, time=opts.time, partition=opts.partition, account=opts.account,
             gpus_per_node=spec.nproc_per_node if opts.gpus_per_node is None else opts.gpus_per_node,
-            cpus_per_task=opts.cpus_per_task, output=output, workdir=shell_quote(opts.workdir),
+            cpus_per_task=opts.cpus_per_task, output=output, workdir=opts.workdir,
             exports=exports, rdzv_port=opts.rdzv_port, torchrun=shell_lines(argv))
     except jinja2.TemplateError as e:
         raise RecipeError(f"template {path}: {e}") from None

@@ -20,7 +20,8 @@ NASTY = "data.path=/data/my corpus/it's $HOME;rm -rf x.txt"
 
 
 def _spec(**kw) -> LaunchSpec:
-    base = dict(recipe=TINY, out="/shared/runs/a b", nnodes=2, nproc_per_node=4, overrides=("parallel.engine=fsdp", NASTY),
+    base = dict(recipe=TINY, out="/shared/runs/a b", nnodes=2, nproc_per_node=4,
+                overrides=("parallel.engine=fsdp", NASTY),
                 rdzv_endpoint="node001:29500", rdzv_timeout_s=120, max_restarts=3, python="/opt/py/bin/python")
     base.update(kw)
     return LaunchSpec(**base)
@@ -166,7 +167,8 @@ def test_dry_run_json_and_deepspeed_hostfile():
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "parallel.engine=fsdp"], "error: --out: required with --nnodes 2"),
+    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "parallel.engine=fsdp"],
+     "error: --out: required with --nnodes 2"),
     (["--nnodes", "2", "--out", "x", "--set", "parallel.engine=fsdp"], "error: --rdzv-endpoint: required"),
     (["--nproc-per-node", "2"], "error: parallel.engine: single runs one process, but 2 were started"),
     (["--launcher", "deepspeed", "--max-restarts", "1", "--set", "parallel.engine=deepspeed"],

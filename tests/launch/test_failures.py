@@ -75,7 +75,8 @@ def test_worker_failure_line_exit_status_and_error_file(tmp_path):
     # torch's own reader of error files (what torchrun's agent uses) finds our line and the traceback
     f = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "error.json"))
     assert f.message["message"] == line.rsplit(" [traceback in ", 1)[0]
-    assert "OutOfMemoryError" in json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    stack = json.loads((tmp_path / "error.json").read_text())["message"]["extraInfo"]["py_callstack"]
+    assert "OutOfMemoryError" in stack
 
 
 def test_worker_failure_without_a_launcher_keeps_the_traceback_on_stderr(tmp_path):

@@ -50,16 +50,17 @@ def srun_argv(text: str) -> list[str]:
 
 def test_directives_and_torchrun_under_srun(tmp_path):
     text = render_sbatch(_spec(), SlurmOptions(time="1-02:00:00", partition="gpu", account="proj_42",
-                                               exports=("NCCL_DEBUG=WARN",), workdir="/shared/my work"))
+                                               exports=("NCCL_DEBUG=WARN",), workdir="/shared/work"))
     assert sbatch_directives(text) == {
-        "job-name": "scaletool-tiny", "nodes": "4", "ntasks-per-node": "1", "gpus-per-node": "8",
+        "job-name": "scaletool-tiny", "nodes": "4", "ntasks-per-node": "1", "chdir": "/shared/work",
+        "gpus-per-node": "8",
         "time": "1-02:00:00", "partition": "gpu", "account": "proj_42", "output": "runs/slurm-test/slurm-%j.out"}
     argv = srun_argv(text)
     assert argv[:4] == ["srun", "--nodes=4", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     # shlex leaves the batch shell's own variables unexpanded: they are the endpoint and id torchrun gets.
     expected = torchrun_argv(_spec(), endpoint="${head_node}:${rdzv_port}", rdzv_id="${SLURM_JOB_ID}")
     assert argv[4:] == expected
-    assert "cd '/shared/my work'" in text.splitlines()
+    assert "cd /shared/work  # also when run without sbatch (bash THIS_FILE inside an allocation)" in text
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     subprocess.run(["bash", "-n", str(script)], check=True)
@@ -88,6 +89,7 @@ def test_exports_reach_the_environment_verbatim(tmp_path):
     (SlurmOptions(account="a b"), "--account 'a b': goes on an #SBATCH line"),
     (SlurmOptions(time="2 hours"), "--time '2 hours'"),
     (SlurmOptions(job_name="x;y"), "--job-name"),
+    (SlurmOptions(workdir="/shared/my work"), "--workdir '/shared/my work'"),
     (SlurmOptions(exports=("1BAD=x",)), "--env '1BAD=x'"),
     (SlurmOptions(exports=("NOVALUE",)), "--env 'NOVALUE'"),
 ])
