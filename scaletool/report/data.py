@@ -70,6 +70,20 @@ class Row:
         m = self.recipe.model
         return f"gqa kv={m.n_kv_heads}" if m.attention == "gqa" else m.attention
 
+    @property
+    def engine(self) -> str | None:
+        """'single', 'ddp', 'fsdp' or 'zero<stage>'."""
+        if not self.recipe:
+            return None
+        p = self.recipe.parallel
+        return f"zero{p.zero_stage}" if p.engine == "deepspeed" else p.engine
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks a train run really had (its summary), else None."""
+        env = self.result.get("environment")
+        return env.get("world_size") if isinstance(env, dict) else None
+
     def breakdown(self) -> dict[str, float] | None:
         return breakdown_of(self.run_dir) if self.run_dir else None
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.tables import (CLAIM_STATED, claim_figures, claim_table, count_table, decode_table,
-                                     rel, train_table)
+                                     rel, scaling_groups, train_table)
 
 
 def _pct(x: float) -> str:
@@ -29,15 +29,18 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
     for r in rs.ok("train"):
         if r.result.get("tokens_per_s"):
             width = None if r.record.get("match_params") else r.intermediate_size
-            groups[(r.source, width)].append(r)
+            groups[(r.source, width, r.engine, r.world_size)].append(r)
+    engines = {k[2:] for k in groups}
     out = []
-    for (source, width), rows in groups.items():
+    for (source, width, engine, n), rows in groups.items():
         mha = [r for r in rows if r.attention == "mha"]
         mla = sorted((r for r in rows if r.attention == "mla"), key=lambda r: r.compression_ratio)
         if not mha or not mla:
             continue
         ref = mha[0].result["tokens_per_s"]
         where = (f"{source}, " if rs.multi else "") + (f"intermediate_size {width}" if width else "equal parameters")
+        if len(engines) > 1:
+            where += f", {engine} on {n} GPU(s)"
         below = [r for r in mla if r.result["tokens_per_s"] < ref]
         detail = ", ".join(f"{r.compression_ratio:.2f}× (kv_lora_rank {r.kv_lora_rank}): "
                            f"{_pct(rel(r.result['tokens_per_s'], ref))}" for r in mla)
@@ -57,6 +60,17 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
         else:
             out.append(head + f"no single crossover; MLA is below MHA at "
                        f"{', '.join(f'{r.compression_ratio:.2f}×' for r in below)} ({detail}).")
+    return out
+
+
+def scaling(rs: ResultsSet) -> list[str]:
+    """Scaling efficiency per engine and attention type, from the scaling table's groups."""
+    out = []
+    for (attention, rank, width, engine), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
+        base = by_n[1].result["tokens_per_s"]
+        eff = ", ".join(f"{n} GPUs {by_n[n].result['tokens_per_s'] / n / base:.0%}" for n in sorted(by_n) if n > 1)
+        name = attention + (f" (kv_lora_rank {rank})" if rank else "")
+        out.append(f"Scaling efficiency of {name} under {engine} (per-GPU tokens/s against one GPU): {eff}.")
     return out
 
 
@@ -153,7 +167,7 @@ def budget(rs: ResultsSet) -> list[str]:
 
 def all_findings(rs: ResultsSet) -> list[str]:
     out: list[str] = []
-    for f in (kv_savings, rule_of_thumb, throughput_crossover, budget, worst_errors, claim_check):
+    for f in (kv_savings, rule_of_thumb, throughput_crossover, scaling, budget, worst_errors, claim_check):
         out += f(rs)
     n_bad = sum(r.status not in ("ok", "skipped") for r in rs.rows)
     if n_bad:

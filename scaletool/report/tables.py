@@ -137,15 +137,47 @@ def train_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         s = r.result
         peak, est = s.get("peak_memory_bytes"), train_analytic_memory(r)
-        return [[r.attention, r.kv_lora_rank, r.intermediate_size, s.get("tokens_per_s"), s.get("mfu"), peak, est,
-                 rel(peak, est), s.get("loss_first"), s.get("loss_last"), s.get("measured_steps")]]
-    cols = [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"),
-            Column("tokens/s", "rate"), Column("MFU", "pct"), Column("peak memory", "bytes"),
+        return [[r.attention, r.kv_lora_rank, r.intermediate_size, r.engine, r.world_size, s.get("tokens_per_s"),
+                 s.get("mfu"), peak, est, rel(peak, est), s.get("loss_first"), s.get("loss_last"),
+                 s.get("measured_steps")]]
+    cols = [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"), Column("engine"),
+            Column("GPUs", "int"), Column("tokens/s", "rate"), Column("MFU", "share"), Column("peak memory", "bytes"),
             Column("analytic memory", "bytes"), Column("peak vs analytic", "pct"), Column("loss first", "float"),
             Column("loss last", "float"), Column("measured steps", "int")]
     return _table(rs, "train", "Training", cols, rs.ok("train"), cells,
                   "Warm-up steps are excluded from tokens/s and MFU; MFU is blank where the device has no "
                   "known peak (CPU). Peak memory is the allocator's peak.")
+
+
+def scaling_groups(rs: ResultsSet) -> dict[tuple, dict[int, Row]]:
+    """Train runs of the same model and engine at several world sizes: {(attention, kv_lora_rank,
+    intermediate_size, engine): {world_size: row}}; only groups with a one-rank baseline and more."""
+    groups: dict[tuple, dict[int, Row]] = {}
+    for r in rs.ok("train"):
+        if r.world_size and r.result.get("tokens_per_s"):
+            key = (r.attention, r.kv_lora_rank, r.intermediate_size, r.engine)
+            groups.setdefault(key, {})[r.world_size] = r
+    return {k: v for k, v in groups.items() if 1 in v and len(v) > 1}
+
+
+def scaling_table(rs: ResultsSet) -> Table | None:
+    """Per-GPU throughput at N ranks against one rank of the same engine: the scaling efficiency."""
+    groups = scaling_groups(rs)
+    if not groups:
+        return None
+    t = Table("scaling", "Scaling across GPUs",
+              [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"),
+               Column("engine"), Column("GPUs", "int"), Column("tokens/s", "rate"), Column("tokens/s per GPU", "rate"),
+               Column("MFU", "share"), Column("scaling efficiency", "share")],
+              note="Scaling efficiency is per-GPU tokens/s at N GPUs over the same engine's tokens/s on one GPU "
+                   "(1.0 = linear). Compare only runs from the same machine.")
+    for (attention, rank, width, engine), by_n in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        base = by_n[1].result["tokens_per_s"]
+        for n in sorted(by_n):
+            s = by_n[n].result
+            t.rows.append([attention, rank, width, engine, n, s["tokens_per_s"], s["tokens_per_s"] / n, s.get("mfu"),
+                           s["tokens_per_s"] / n / base])
+    return t
 
 
 def moe_table(rs: ResultsSet) -> Table | None:
@@ -285,6 +317,6 @@ def claim_figures(r: Row) -> dict:
 
 
 def all_tables(rs: ResultsSet) -> list[Table]:
-    builders = (estimate_table, count_table, train_table, moe_table, decode_table, budget_table, claim_table,
+    builders = (estimate_table, count_table, train_table, scaling_table, moe_table, decode_table, budget_table, claim_table,
                 breakdown_table, failures_table)
     return [t for t in (b(rs) for b in builders) if t is not None]
