@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.tables import (CLAIM_STATED, claim_figures, claim_table, count_table, decode_table,
+from scaletool.report.tables import (CLAIM_STATED, claim_figures, claim_rows, claim_table, count_table, decode_table,
                                      rel, scaling_groups, train_table)
 
 
@@ -136,9 +136,7 @@ def claim_check(rs: ResultsSet) -> list[str]:
     if claim_table(rs) is None:
         return []
     out = []
-    for r in rs.ok("estimate"):
-        if r.attention != "mla" or r.recipe.model.task != "regression":
-            continue
+    for r in claim_rows(rs):
         c = claim_figures(r)
         m = r.recipe.model
         stated = ""
@@ -147,7 +145,8 @@ def claim_check(rs: ResultsSet) -> list[str]:
                       f"a {CLAIM_STATED['saving']:,}× saving; its own formula n_heads·seq²·head_dim gives "
                       f"{c['claim_traditional']:,}, and kv_lora_rank·seq + n_heads·head_dim gives "
                       f"{c['claim_mla']:,}. ")
-        out.append(f"{_where(rs, r)}: {stated}The comparison mixes an attention-score count with a cache size. "
+        where = (f"{r.source}: " if rs.multi else "") + f"kv_lora_rank={r.kv_lora_rank}"
+        out.append(f"{where}: {stated}The comparison mixes an attention-score count with a cache size. "
                    f"Real figures at seq_len {r.recipe.seq_len}, {m.n_layers} layers: the KV cache is "
                    f"{c['mla_cache']:,} elements for MLA against {c['mha_cache']:,} for the MHA-equivalent, a "
                    f"{c['real_saving']:.2f}× saving, not {c['claim_saving']:,.0f}×; the naive score matrix "

@@ -281,7 +281,7 @@ def claim_table(rs: ResultsSet) -> Table | None:
     (latent + shared RoPE key), the MHA-equivalent cache, and the H·T² score matrix a naive attention
     materialises per layer (the same for MLA and MHA).
     """
-    rows = [r for r in rs.ok("estimate") if r.attention == "mla" and r.recipe.model.task == "regression"]
+    rows = claim_rows(rs)
     if not rows:
         return None
     t = Table("claim", "The price transformer's attention-memory claim, checked",
@@ -292,7 +292,7 @@ def claim_table(rs: ResultsSet) -> Table | None:
         c = claim_figures(r)
         stated = f" (document: {CLAIM_STATED['traditional']:,})" if c["is_document_config"] else ""
         b = r.recipe.model.dtype_bytes
-        t.rows += [([r.source] if rs.multi else []) + [r.label] + row for row in (
+        t.rows += [([r.source] if rs.multi else []) + [f"kv_lora_rank={r.kv_lora_rank}"] + row for row in (
             ["traditional: n_heads·seq²·head_dim", f"{c['claim_traditional']:,}{stated}", ""],
             ["MLA: kv_lora_rank·seq + n_heads·head_dim", f"{c['claim_mla']:,}", ""],
             ["saving", f"{c['claim_saving']:,.0f}×", f"{c['real_saving']:.2f}× (KV cache)"],
@@ -301,6 +301,22 @@ def claim_table(rs: ResultsSet) -> Table | None:
             ["naive score matrix H·T², one layer (MLA = MHA)", "", f"{c['scores']:,} elements, {gib(c['scores'] * b)}"],
         )]
     return t
+
+
+def claim_rows(rs: ResultsSet) -> list[Row]:
+    """One MLA regression estimate per distinct attention shape: the claim's figures do not depend on
+    the FFN or anything else a sweep may vary alongside."""
+    seen, out = set(), []
+    for r in rs.ok("estimate"):
+        m = r.recipe.model if r.recipe else None
+        if r.attention != "mla" or m.task != "regression":
+            continue
+        key = (r.source, m.n_heads, m.n_layers, r.recipe.seq_len, m.head_dim, m.kv_lora_rank, m.qk_nope_head_dim,
+               m.qk_rope_head_dim, m.v_head_dim, m.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 def claim_figures(r: Row) -> dict:
