@@ -76,7 +76,7 @@ def test_monitors_leave_step_times_unchanged(tmp_path, monkeypatch):
     """Monitors after every step must not show in the step times.
 
     The monitors run for real, plus a 0.25 s sleep each, so that leaking them into the step times
-    would at least double the median step of this model. Runs alternate off/on after a warm-up
+    would add 0.25 s to the median step of this model (several times its length). Runs alternate off/on after a warm-up
     run (first-run allocator and thread-pool costs); the medians of the pooled steps are compared.
     """
     measure = DynamicsMonitor.measure
@@ -99,7 +99,9 @@ def test_monitors_leave_step_times_unchanged(tmp_path, monkeypatch):
         if on:
             assert s["dynamics"]["steps"] == list(range(8))
     median = {on: sorted(ts)[len(ts) // 2] for on, ts in times.items()}
-    assert 0.5 < median[True] / median[False] < 2, median
+    # A leak would add the whole 0.25 s sleep to every step; load noise on a shared CI machine moves
+    # either median by far less than half of it, in either direction.
+    assert median[True] < median[False] + 0.125, median
 
 
 @pytest.mark.distributed
