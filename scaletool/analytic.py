@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scaletool.config import DTYPE_BYTES, ModelConfig, Recipe
+from scaletool.config import ModelConfig, Recipe
 
 # ---------------------------------------------------------------------------------------------
 # Parameters

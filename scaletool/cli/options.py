@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from contextlib import contextmanager
 
 import click
 
@@ -16,15 +18,25 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 
 
 def emit_json(obj) -> None:
-    """The single place JSON goes to stdout: sorted for diffing, no NaN (null instead)."""
-    sys.stdout.write(json.dumps(_clean(obj), indent=2, sort_keys=True) + "\n")
+    """The single place JSON goes to stdout: sorted for diffing, no NaN/Inf (null instead)."""
+    from scaletool.measure.metrics import clean
+
+    sys.stdout.write(json.dumps(clean(obj), indent=2, sort_keys=True) + "\n")
 
 
-def _clean(o):
-    if isinstance(o, float) and o != o:
-        return None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
+@contextmanager
+def stdout_to_stderr(enabled: bool = True):
+    """Point file descriptor 1 at stderr (inherited by every worker a command starts), so that stdout
+    carries only the command's own --json."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

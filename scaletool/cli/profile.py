@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
-from contextlib import contextmanager, nullcontext
+
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option, stdout_to_stderr
 from scaletool.config import RecipeError, load_recipe
 from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
 from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir
@@ -29,20 +27,6 @@ def parse_ranks(text: str) -> str:
     if not ranks or ranks[0] < 0:
         raise click.BadParameter(f"{text!r}: expected 'all' or comma-separated ranks >= 0", param_hint="--ranks")
     return "[" + ",".join(map(str, ranks)) + "]"
-
-
-@contextmanager
-def stdout_to_stderr():
-    """Send file descriptor 1 to stderr (ranks started by torchrun inherit it), so --json owns stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @click.command(context_settings={"show_default": True})
@@ -96,7 +80,7 @@ def profile(ctx: click.Context, recipe: str, overrides: tuple[str, ...], out: Pa
     if r.profile.ranks != "all" and max(r.profile.ranks) >= world:
         raise RecipeError(f"profile.ranks: {r.profile.ranks} names ranks beyond the world size {world}")
     out = out or default_out(recipe)
-    with stdout_to_stderr() if as_json else nullcontext():
+    with stdout_to_stderr(as_json):
         ctx.invoke(train, recipe=recipe, overrides=overrides, out=out, as_json=False, resume=False,
                    nproc_per_node=nproc_per_node, peak_tflops=None, measure=True, local_rank=None)
     if launcher_env()["rank"] != 0:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from scaletool.cli.options import stdout_to_stderr
 from scaletool.launch.commands import TORCHRUN, LaunchSpec
 from scaletool.launch.failures import child_failure_lines, rendezvous_failure_line
 
@@ -22,23 +23,6 @@ from scaletool.launch.failures import child_failure_lines, rendezvous_failure_li
 class Outcome:
     exit_code: int
     errors: list[str] = field(default_factory=list)
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr(enabled: bool):
-    """Point file descriptor 1 at stderr (inherited by every worker) so stdout carries only --json."""
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @contextlib.contextmanager
@@ -66,7 +50,7 @@ def run_torchrun(argv: list[str], env: dict[str, str], spec: LaunchSpec, quiet_s
         raise ValueError(f"not a torchrun command: {argv[:3]}")
     args = parse_args(argv[3:])
     endpoint = spec.rdzv_endpoint or "localhost (standalone)"
-    with _environ(env), _stdout_to_stderr(quiet_stdout):
+    with _environ(env), stdout_to_stderr(quiet_stdout):
         try:
             run(args)
         except ChildFailedError as e:

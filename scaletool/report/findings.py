@@ -101,7 +101,7 @@ def kv_savings(rs: ResultsSet) -> list[str]:
     ratios = sorted({round(r.compression_ratio, 2) for r in mla})
     ranks = sorted({r.kv_lora_rank for r in mla})
     return [f"MLA's KV cache per token is {ratios[0]:.2f}×" + (f" to {ratios[-1]:.2f}×" if len(ratios) > 1 else "")
-            + f" smaller than the MHA with the same heads and head dims (kv_lora_rank "
+            + " smaller than the MHA with the same heads and head dims (kv_lora_rank "
             + ", ".join(map(str, ranks)) + ")."]
 
 
