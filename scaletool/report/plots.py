@@ -26,7 +26,7 @@ def _mpl_text(s: str) -> str:
 
 
 def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple[str, float, float]], *,
-              logx: bool = False, percent: bool = False) -> Plot | None:
+              logx: bool = False, logy: bool = False, percent: bool = False) -> Plot | None:
     """One line per series name through its (x, y) points, sorted by x."""
     points = [(s, x, y) for s, x, y in points if x is not None and y is not None]
     if len({x for _, x, _ in points}) < 2:
@@ -49,10 +49,15 @@ def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple
     ax.set_ylabel(ylabel)
     if logx:
         ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
     if percent:
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if len(series) > 5:  # many series: the legend goes beside the axes, not over the data
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    else:
+        ax.legend(fontsize=8)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     return Plot(key, title, buf.getvalue())
@@ -106,11 +111,16 @@ def all_plots(rs: ResultsSet) -> list[Plot]:
     dec = rs.ok("decode")
     if dec:
         pts = [(r, p) for r in dec for p in decode_points(r)]
-        batches = len({p.get("batch") for _, p in pts}) > 1
+        # One line per run, unless a run measured several batches at one context; with `--batch max`
+        # each context has its own (largest) batch, which the table lists.
+        per_context: dict[tuple, set] = {}
+        for r, p in pts:
+            per_context.setdefault((id(r), p.get("context")), set()).add(p.get("batch"))
+        batches = any(len(b) > 1 for b in per_context.values())
         plots.append(line_plot(
             "decode_vs_context", "Decode tokens/s vs context length", "context (tokens)", "decode tokens/s",
             [(_name(rs, r, r.label, f"batch={p.get('batch')}" if batches else None), p.get("context"),
-              p.get("decode_tokens_per_s")) for r, p in pts], logx=True))
+              p.get("decode_tokens_per_s")) for r, p in pts], logx=True, logy=True))
     return [p for p in plots if p is not None]
 
 
