@@ -30,7 +30,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from scaletool.config import Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
+from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
 
 MODES = ("estimate", "count", "train", "decode")
 Mode = Literal["estimate", "count", "train", "decode"]
@@ -156,6 +156,9 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
     path = Path(path)
     src = str(path)
     raw = read_yaml(path)
+    if raw and set(raw) <= set(SECTIONS):
+        raise RecipeError(f"{src}: this is a recipe, not a sweep file; sweep it from a sweep file whose "
+                          f"`recipe:` names it (see recipes/sweeps/)")
     try:
         spec = SweepFile.model_validate(raw)
     except ValidationError as e:

@@ -138,3 +138,10 @@ def test_dry_run_lists_points_as_json(write_sweep, tmp_path):
         ("kv_lora_rank=8", "estimate", "skipped", False), ("kv_lora_rank=8", "count", "skipped", False)]
     assert "only used by attention=mla" in runs[2]["reason"]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_a_recipe_is_not_a_sweep_file():
+    from conftest import RECIPES
+
+    with pytest.raises(RecipeError, match="this is a recipe, not a sweep file"):
+        load_sweep(RECIPES / "tiny.yaml")
