@@ -24,24 +24,16 @@ def default_out(recipe: str) -> Path:
 
 
 def _launch(recipe_path: str, r, nproc: int, out: Path, overrides, resume, peak_tflops, measure, as_json) -> None:
-    """Re-run this command under ``python -m torch.distributed.run`` with ``nproc`` local ranks."""
+    """Re-run this command under ``python -m torch.distributed.run --standalone`` with ``nproc`` local ranks."""
     from scaletool.engines import check_recipe
+    from scaletool.launch.commands import LaunchSpec, thread_env, torchrun_argv
     from scaletool.train.data import make_source
 
     check_recipe(r, nproc, nproc)
     make_source(r, 0, nproc)  # a missing or malformed data file fails here, once, before any rank starts
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "scaletool", "train", recipe_path, "--out", str(out)]
-    for o in overrides:
-        cmd += ["--set", o]
-    if resume:
-        cmd.append("--auto-resume" if resume == "auto" else "--resume")
-    if peak_tflops is not None:
-        cmd += ["--peak-tflops", str(peak_tflops)]
-    if not measure:
-        cmd.append("--no-measure")
-    env = dict(os.environ, **{CHILD_ENV: "1"})
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = torchrun_argv(LaunchSpec(recipe_path, str(out), nproc_per_node=nproc, overrides=tuple(overrides),
+                                   peak_tflops=peak_tflops, resume=resume, measure=measure))
+    env = {**os.environ, CHILD_ENV: "1", **thread_env(nproc)}
     rc = subprocess.run(cmd, env=env, stdout=sys.stderr if as_json else None).returncode
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None

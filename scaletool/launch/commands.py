@@ -38,6 +38,8 @@ class LaunchSpec:
     rdzv_timeout_s: int = 900  # how long a node waits for the others to join
     max_restarts: int = 0
     peak_tflops: float | None = None
+    resume: bool | str = "auto"  # "auto": resume if --out holds a checkpoint (what a restarted group needs)
+    measure: bool = True
     python: str = field(default_factory=lambda: sys.executable)
 
     @property
@@ -83,11 +85,15 @@ def check_spec(spec: LaunchSpec, launcher: str) -> None:
 
 def train_module_args(spec: LaunchSpec) -> list[str]:
     """What follows ``python -m`` on every worker: ``scaletool train RECIPE --out DIR --auto-resume ...``."""
-    args = ["scaletool", "train", spec.recipe, "--out", spec.out, "--auto-resume"]
+    args = ["scaletool", "train", spec.recipe, "--out", spec.out]
+    if spec.resume:
+        args.append("--auto-resume" if spec.resume == "auto" else "--resume")
     for o in spec.overrides:
         args += ["--set", o]
     if spec.peak_tflops is not None:
         args += ["--peak-tflops", repr(spec.peak_tflops)]
+    if not spec.measure:
+        args.append("--no-measure")
     return args
 
 
