@@ -11,10 +11,22 @@ import torch.nn.functional as F
 from scaletool.config import ModelConfig
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` with its weight cast to the input's dtype.
+
+    Under autocast the residual stream is 16-bit next to an fp32 weight, a mix PyTorch's fused
+    rms_norm kernel rejects; its unfused fallback made eager norms ~60% slower on an H200. The
+    fused kernel accumulates in fp32 either way.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     """RMSNorm (weight only, ``dim`` params) or LayerNorm (weight and bias, ``2*dim`` params)."""
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     return nn.LayerNorm(dim, eps=eps)
 
 

@@ -119,6 +119,11 @@ class Transformer(nn.Module):
     def embed(self, inputs: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) or features (B, T, n_features) -> hidden states (B, T, d)."""
         h = self.tok_embeddings(inputs) if self.cfg.task == "lm" else self.feature_embed(inputs)
+        if h.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(h.device.type):
+            # a 16-bit residual stream, as under FSDP2's mixed-precision policy and DeepSpeed (and
+            # Megatron by default): the fp32 embedding output would otherwise keep every residual
+            # add and norm input in fp32, twice the element-wise traffic of the step
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         return self.drop(h)
 
     def hidden_states(self, inputs: torch.Tensor) -> list[torch.Tensor]:
