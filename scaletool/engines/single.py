@@ -43,6 +43,10 @@ class SingleEngine(Engine):
         mixed = dtype != "fp32" and not self.casts_params
         self.autocast = (lambda: torch.autocast(env.device.type, dtype=self.compute_dtype)) if mixed else nullcontext
         self.scaler = torch.amp.GradScaler(env.device.type) if dtype == "fp16" else None
+        # clip inside the fused AdamW kernel where params are plain tensors (not FSDP's DTensors)
+        # and no GradScaler owns the optimizer's grad_scale
+        self.clip_in_optimizer = bool(self.optimizer.defaults.get("fused")) and not self.casts_params \
+            and self.scaler is None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model as the loop calls it; DDP and FSDP override."""
@@ -67,7 +71,13 @@ class SingleEngine(Engine):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None
-        if self.grad_clip > 0:
+        if self.grad_clip > 0 and self.clip_in_optimizer:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = nn.utils.get_total_norm(grads, foreach=True)
+            # fused AdamW divides every gradient by ``grad_scale`` inside its kernel (the hook
+            # GradScaler uses): clipping by norm/max_norm there saves a read and write of all grads
+            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
+        elif self.grad_clip > 0:
             norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         if self.scaler:
