@@ -297,8 +297,16 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     return norms + attn + ffn
 
 
+#: DeepSpeed settings the ZeRO-3 estimate depends on, in elements: scaletool's default reduce bucket
+#: (``scaletool.engines.deepspeed.DEFAULTS``) and DeepSpeed's default ``stage3_max_reuse_distance``.
+ZERO_REDUCE_BUCKET = 500_000_000
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+
+
 def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs, *,
-                    zero_stage: int = 1, reshard_after_forward: bool = True, expert_parallel: bool = False) -> dict:
+                    zero_stage: int = 1, reshard_after_forward: bool = True, expert_parallel: bool = False,
+                    reduce_bucket: float = ZERO_REDUCE_BUCKET,
+                    max_reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> dict:
     """Peak bytes per GPU: weights + gradients + optimizer state + activations (+ transient buffers).
 
     MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
@@ -310,6 +318,12 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     the 12Ψ, ZeRO-2 also the grads, ZeRO-3 also the params. Torch-native engines (single, DDP,
     FSDP2) keep fp32 params (4Ψ) and grads (4Ψ) and Adam m, v (8Ψ) and cast under autocast or the
     FSDP2 mixed-precision policy; FSDP2 shards all three and all-gathers 16-bit blocks on demand.
+
+    ZeRO-3 adds DeepSpeed's own buffers (measured on 1 and 2 H200s, recipes/benchmarks/train.md):
+    the contiguous gradient bucket (``reduce_bucket`` 16-bit elements, allocated for good), and the
+    gathered parameters it does not release because they are used again within
+    ``max_reuse_distance`` elements of the trace: at the turn from forward to backward, the last
+    max_reuse_distance/2 elements of parameters stay gathered (16-bit, at full size).
     """
     psi = param_counts(cfg)["total"]
     N = world_size
@@ -334,18 +348,20 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
         weights = (p16 if mixed else 4) * psi / (N if s >= 3 else 1)
         grads = (p16 if mixed else 4) * psi / (N if s >= 2 else 1)
         optim = master * psi / (N if s >= 1 else 1)
-        if s >= 3 and N > 1:
-            transient = 2 * block_psi * p16
+        if s >= 3:
+            transient = (reduce_bucket + min(psi, max_reuse_distance / 2)) * p16
+            if N > 1:  # the running and the prefetched block, gathered
+                transient += 2 * block_psi * p16
     else:
         raise ValueError(f"unknown engine {engine!r}")
 
     tokens = inputs.micro_batch_size * inputs.seq_len
     L = cfg.n_layers
     dense_layers = L - cfg.n_moe_layers
-    # Residual stream dtype: autocast over fp32 weights (single, DDP) keeps it fp32; FSDP2's
-    # mixed-precision policy and DeepSpeed's 16-bit module compute in 16 bits throughout, so their
-    # residual stream and norm inputs are 16-bit (measured: scaletool train, recipes/benchmarks).
-    res = 4 if engine in ("single", "ddp") or not mixed else p16
+    # Residual stream dtype: 16-bit under mixed precision for every engine (the model casts the
+    # embedding output to the autocast dtype; FSDP2's policy and DeepSpeed's 16-bit module compute
+    # in 16 bits throughout), fp32 otherwise.
+    res = p16 if mixed else 4
     layer_bytes = [_activation_bytes_per_token_per_layer(cfg, moe=i >= dense_layers, res=res) for i in range(L)]
     per_layer = sum(layer_bytes) / L
     ac = inputs.activation_checkpointing
@@ -394,8 +410,18 @@ def recipe_memory(recipe: Recipe, world_size: int) -> dict:
     """Memory estimate for the engine and settings the recipe itself selects."""
     t, p = recipe.train, recipe.parallel
     inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    zero = p.deepspeed.get("zero_optimization") or {}
+
+    def setting(key: str, default: float) -> float:  # a DeepSpeed passthrough number, else its default
+        try:
+            return float(zero.get(key, default))
+        except (TypeError, ValueError):
+            return default
+
     return training_memory(recipe.model, p.engine, world_size, inp, zero_stage=p.zero_stage,
-                           reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel)
+                           reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
+                           reduce_bucket=setting("reduce_bucket_size", ZERO_REDUCE_BUCKET),
+                           max_reuse_distance=setting("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
 
 
 # ---------------------------------------------------------------------------------------------

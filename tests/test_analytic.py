@@ -143,3 +143,23 @@ def test_estimate_json_contract():
 def test_invalid_config_never_reaches_the_formulas():
     with pytest.raises(RecipeError):
         recipe_from_dict({"model": {"attention": "mla"}})
+
+
+def test_zero3_counts_deepspeeds_gradient_bucket_and_the_parameters_kept_for_reuse():
+    """ZeRO-3's transient = reduce bucket + min(Ψ, max_reuse_distance/2) gathered 16-bit elements
+    (+ two gathered blocks on several GPUs), with both settings read from the DeepSpeed passthrough."""
+    base = {"model": {"d_model": 512, "n_heads": 8, "n_layers": 4, "dtype": "bf16"},
+            "parallel": {"engine": "deepspeed", "zero_stage": 3}}
+    r = recipe_from_dict(base)
+    psi = analytic.param_counts(r.model)["total"]
+    one = analytic.recipe_memory(r, 1)
+    assert one["transient_bytes"] == int(2 * (analytic.ZERO_REDUCE_BUCKET + psi))  # Ψ < reuse distance / 2
+    tuned = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
+        "reduce_bucket_size": "5e6", "stage3_max_reuse_distance": 2 * psi // 4}}}})
+    assert analytic.recipe_memory(tuned, 1)["transient_bytes"] == int(2 * (5e6 + psi // 4))
+    block = analytic.param_counts(r.model)["per_layer"]
+    block_psi = block["attention"] + block["ffn"] + block["norms"]
+    assert analytic.recipe_memory(r, 2)["transient_bytes"] == int(2 * (analytic.ZERO_REDUCE_BUCKET + psi)
+                                                                  + 2 * 2 * block_psi)
+    stage2 = recipe_from_dict({**base, "parallel": {"engine": "deepspeed", "zero_stage": 2}})
+    assert analytic.recipe_memory(stage2, 2)["transient_bytes"] == 0

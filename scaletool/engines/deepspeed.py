@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from scaletool.analytic import ZERO_REDUCE_BUCKET
 from scaletool.config import Recipe
 from scaletool.engines import DTYPES, DistEnv, Engine, apply_activation_checkpointing, make_adamw, param_groups
 
@@ -26,7 +27,7 @@ DEFAULTS = {
     "wall_clock_breakdown": False,
     "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer under ZeRO
     "zero_optimization": {"overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+                          "reduce_bucket_size": ZERO_REDUCE_BUCKET, "allgather_bucket_size": 5e8},
 }
 
 
