@@ -133,12 +133,13 @@ def _call(callbacks, hook: str, *args) -> list:
     return [getattr(cb, hook)(*args) for cb in callbacks if hasattr(cb, hook)]
 
 
-def _rank_report(env: DistEnv, sampler: NvmlSampler, since: float | None) -> dict:
+def _rank_report(env: DistEnv, sampler: NvmlSampler, since: float | None, resident: int | None) -> dict:
     cuda = env.device.type == "cuda"
     return {
         "rank": env.rank,
         "device_name": torch.cuda.get_device_name(env.device) if cuda else platform.processor() or "cpu",
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if cuda else None,
+        "resident_bytes": resident,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
         "nvml": sampler.summary(since),
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -224,6 +225,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
     pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
     status, message = "completed", None
     nvml_since = None
+    resident = None  # bytes allocated between steps once warm: model and optimizer states, engine buffers
     step = start_step - 1
 
     def flush() -> int | None:
@@ -268,6 +270,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
                     _sync(env)
                     if cuda:
                         torch.cuda.reset_peak_memory_stats(env.device)
+                        resident = torch.cuda.memory_allocated(env.device)
                     t_begin = nvml_since = time.perf_counter()
                 _call(callbacks, "on_step_start", step)
                 torch.manual_seed(t.seed + 1_000_003 * step + env.rank)  # dropout: a function of the step
@@ -315,7 +318,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
 
     steps_done = (history["step"][-1] + 1) if history["step"] else start_step
     measured_steps = steps_done - measure_start if t_begin is not None else 0
-    report = _rank_report(env, sampler, nvml_since)
+    report = _rank_report(env, sampler, nvml_since, resident)
     reports = [report]
     if dist.is_initialized() and env.world_size > 1:
         reports = [None] * env.world_size
@@ -332,6 +335,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
     peaks = [r["peak_allocated_bytes"] for r in reports if r["peak_allocated_bytes"] is not None]
     peak_alloc = max(peaks) if peaks else None
     reserved = [r["peak_reserved_bytes"] for r in reports if r["peak_reserved_bytes"] is not None]
+    resident = [r["resident_bytes"] for r in reports if r["resident_bytes"] is not None]
     est = analytic.recipe_memory(recipe, env.world_size)
     rel = (peak_alloc - est["total_bytes"]) / est["total_bytes"] if peak_alloc else None
     measured_times = [dt for s, dt in zip(history["step"], history["step_time_s"])
@@ -345,6 +349,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
         "flops/mfu_full_attention": mfu_full,
         "memory/peak_allocated_bytes": peak_alloc,
         "memory/peak_reserved_bytes": max(reserved) if reserved else None,
+        "memory/resident_bytes": max(resident) if resident else None,
         "memory/analytic_bytes": est["total_bytes"],
         "memory/analytic_rel_error": rel,
         "time/step_s_mean": _stats(measured_times)["mean"],
@@ -371,7 +376,8 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
         "hardware": {"profile": peak.profile, "peak_tflops": peak.tflops, "source": peak.source,
                      "warning": peak.warning, "dtype": cfg.dtype},
         "memory": {"measured_peak_allocated_bytes": peak_alloc, "analytic": est, "rel_error": rel,
-                   "per_rank": [{k: r[k] for k in ("rank", "peak_allocated_bytes", "peak_reserved_bytes")}
+                   "per_rank": [{k: r[k] for k in ("rank", "peak_allocated_bytes", "peak_reserved_bytes",
+                                                   "resident_bytes")}
                                 for r in reports]},
         "nvml": {"per_rank": [dict(r["nvml"], rank=r["rank"]) for r in reports]},
         "environment": _environment(env, reports, recipe.parallel.engine),
