@@ -111,3 +111,39 @@ def test_byte_tokenizer_round_trips_utf8():
     ids = tok.encode("naïve ✓")
     assert max(ids) < 256 and tok.decode(ids + [tok.eos_id]) == "naïve ✓" and tok.vocab_size == 257
     assert math.isclose(len(ids), len("naïve ✓".encode()))
+
+
+def test_clipping_inside_fused_adamw_equals_clipping_before_it():
+    """The single engine folds the clip coefficient into fused AdamW's grad_scale: same update as
+    clip_grad_norm_ then step, and different from no clipping (the clip is active here)."""
+    from scaletool.engines import init_distributed, make_engine
+
+    r = load_recipe(TINY, ["train.fused_optimizer=true", "train.grad_clip=0.05", "train.lr=0.01"])
+    env = init_distributed("single")
+    batches = [make_source(r, 0, 1).batch(0, 0)]
+    folded, before, unclipped = make_engine(r, env), make_engine(r, env), make_engine(r, env)
+    assert folded.clip_in_optimizer and before.clip_in_optimizer
+    before.clip_in_optimizer = False
+    unclipped.grad_clip = 0.0
+    _, n_folded = folded.train_step(batches, 0.01)
+    _, n_before = before.train_step(batches, 0.01)
+    unclipped.train_step(batches, 0.01)
+    assert float(n_folded) == pytest.approx(float(n_before), rel=1e-6) and float(n_folded) > 10 * 0.05
+    for a, b, c in zip(folded.model.parameters(), before.model.parameters(), unclipped.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
+               for a, c in zip(folded.model.parameters(), unclipped.model.parameters()))
+
+
+def test_mixed_precision_keeps_a_16_bit_residual_stream():
+    """Under autocast the embedding output is cast to the autocast dtype, so every block's input
+    (the residual stream) is 16-bit, as under FSDP2's policy; without autocast it stays fp32."""
+    from scaletool.model import build_model
+
+    r = load_recipe(TINY)
+    model = build_model(r.model, "cpu", seed=0)
+    tokens = make_source(r, 0, 1).batch(0, 0)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        states = model.hidden_states(tokens)
+    assert {s.dtype for s in states[:-1]} == {torch.bfloat16}
+    assert {s.dtype for s in model.hidden_states(tokens)} == {torch.float32}
