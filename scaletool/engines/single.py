@@ -71,14 +71,15 @@ class SingleEngine(Engine):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None
-        if self.grad_clip > 0 and self.clip_in_optimizer:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = nn.utils.get_total_norm(grads, foreach=True)
-            # fused AdamW divides every gradient by ``grad_scale`` inside its kernel (the hook
-            # GradScaler uses): clipping by norm/max_norm there saves a read and write of all grads
-            self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
-        elif self.grad_clip > 0:
-            norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        if self.grad_clip > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            if self.clip_in_optimizer:
+                # fused AdamW divides every gradient by ``grad_scale`` inside its kernel (the hook
+                # GradScaler uses): clipping by norm/max_norm there saves a read and write of all grads
+                self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
+            else:
+                nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         if self.scaler:
             self.scaler.step(self.optimizer)

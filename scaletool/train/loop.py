@@ -335,7 +335,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
     peaks = [r["peak_allocated_bytes"] for r in reports if r["peak_allocated_bytes"] is not None]
     peak_alloc = max(peaks) if peaks else None
     reserved = [r["peak_reserved_bytes"] for r in reports if r["peak_reserved_bytes"] is not None]
-    resident = [r["resident_bytes"] for r in reports if r["resident_bytes"] is not None]
+    residents = [r["resident_bytes"] for r in reports if r["resident_bytes"] is not None]
     est = analytic.recipe_memory(recipe, env.world_size)
     rel = (peak_alloc - est["total_bytes"]) / est["total_bytes"] if peak_alloc else None
     measured_times = [dt for s, dt in zip(history["step"], history["step_time_s"])
@@ -349,7 +349,7 @@ def run(recipe: Recipe, out: Path, env: DistEnv, *, resume: bool | str = False, 
         "flops/mfu_full_attention": mfu_full,
         "memory/peak_allocated_bytes": peak_alloc,
         "memory/peak_reserved_bytes": max(reserved) if reserved else None,
-        "memory/resident_bytes": max(resident) if resident else None,
+        "memory/resident_bytes": max(residents) if residents else None,
         "memory/analytic_bytes": est["total_bytes"],
         "memory/analytic_rel_error": rel,
         "time/step_s_mean": _stats(measured_times)["mean"],
