@@ -15,10 +15,9 @@ Conventions, stated once:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from scaletool.config import ModelConfig, Recipe
+from scaletool.config import ModelConfig, Recipe, expert_capacity
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
@@ -75,13 +74,6 @@ def moe_params(cfg: ModelConfig) -> dict[str, int]:
     E = cfg.n_routed_experts
     return {"gate": cfg.d_model * E, "routed": E * expert, "shared": cfg.n_shared_experts * expert,
             "routed_active": cfg.num_experts_per_tok * expert, "per_expert": expert}
-
-
-def expert_capacity(cfg: ModelConfig, tokens: int) -> int:
-    """Slots per expert for one dispatch of ``tokens`` tokens: ceil(capacity_factor·tokens·k/E), at
-    most ``tokens`` (an expert sees each token at most once). GShard §2.2 / Switch Transformer §2.2."""
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    return min(tokens, math.ceil(cfg.capacity_factor * tokens * k / E))
 
 
 def param_counts(cfg: ModelConfig) -> dict:

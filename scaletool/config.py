@@ -13,22 +13,17 @@ import copy
 import difflib
 import hashlib
 import json
+import math
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scaletool.errors import RecipeError
+
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; ``problems`` holds one human-readable line per problem."""
-
-    def __init__(self, problems: list[str] | str):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 class _Section(BaseModel):
@@ -50,15 +45,15 @@ class ModelConfig(_Section):
     d_model: int = Field(512, gt=0)
     n_layers: int = Field(8, gt=0)
     n_heads: int = Field(8, gt=0)
-    n_kv_heads: Optional[int] = Field(None, gt=0, description="KV heads (gqa); mha: n_heads, mqa: 1")
-    head_dim: Optional[int] = Field(None, gt=0, description="default d_model // n_heads")
+    n_kv_heads: int | None = Field(None, gt=0, description="KV heads (gqa); mha: n_heads, mqa: 1")
+    head_dim: int | None = Field(None, gt=0, description="default d_model // n_heads")
     kv_lora_rank: int = Field(0, ge=0, description="MLA latent width; must be > 0 for mla, 0 otherwise")
     q_lora_rank: int = Field(0, ge=0, description="MLA query latent width; 0 = full-rank query")
-    qk_nope_head_dim: Optional[int] = Field(None, gt=0, description="MLA: no-RoPE part of q/k; default head_dim")
-    qk_rope_head_dim: Optional[int] = Field(
+    qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA: no-RoPE part of q/k; default head_dim")
+    qk_rope_head_dim: int | None = Field(
         None, gt=0, description="rotary dims per head; mla: the shared RoPE key (default head_dim // 2), "
         "others: rotated part of each head (default head_dim)")
-    v_head_dim: Optional[int] = Field(None, gt=0, description="MLA: value head dim; default head_dim")
+    v_head_dim: int | None = Field(None, gt=0, description="MLA: value head dim; default head_dim")
     qkv_bias: bool = Field(False, description="mha/gqa/mqa: bias on the q, k, v projections (Qwen2)")
     ffn: Literal["swiglu", "gelu", "relu", "moe"] = "swiglu"
     intermediate_size: int = Field(2048, gt=0, description="dense FFN width (moe: of the first_k_dense_replace layers)")
@@ -89,11 +84,11 @@ class ModelConfig(_Section):
     task: Literal["lm", "regression"] = "lm"
     n_features: int = Field(20, gt=0, description="regression: input features per time step")
     horizon: int = Field(10, gt=0, description="regression: future values predicted")
-    feature_groups: Optional[list[int]] = Field(
+    feature_groups: list[int] | None = Field(
         None, description="regression: sizes of the feature groups embedded separately; default 4 near-equal groups")
 
     @model_validator(mode="after")
-    def _resolve(self) -> "ModelConfig":
+    def _resolve(self) -> ModelConfig:
         problems: list[str] = []
         if self.head_dim is None:
             if self.d_model % self.n_heads:
@@ -219,11 +214,18 @@ class ModelConfig(_Section):
         return w
 
 
+def expert_capacity(cfg: ModelConfig, tokens: int) -> int:
+    """Slots per expert for one dispatch of ``tokens`` tokens: ceil(capacity_factor·tokens·k/E), at
+    most ``tokens`` (an expert sees each token at most once). GShard §2.2 / Switch Transformer §2.2."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    return min(tokens, math.ceil(cfg.capacity_factor * tokens * k / E))
+
+
 class TrainConfig(_Section):
     steps: int = Field(20, gt=0, description="optimizer steps")
     micro_batch_size: int = Field(4, gt=0, description="sequences per rank per micro-step")
     grad_accum_steps: int = Field(1, gt=0)
-    seq_len: Optional[int] = Field(None, gt=0, description="default model.max_seq_len")
+    seq_len: int | None = Field(None, gt=0, description="default model.max_seq_len")
     lr: float = Field(3e-4, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
     warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
@@ -243,7 +245,7 @@ class TrainConfig(_Section):
     measure_warmup_steps: int = Field(2, ge=0, description="steps excluded from throughput and MFU")
     log_every: int = Field(1, gt=0)
     checkpoint_every: int = Field(0, ge=0, description="save every n steps; 0 = never")
-    fused_optimizer: Optional[bool] = Field(None, description="default: fused AdamW on CUDA")
+    fused_optimizer: bool | None = Field(None, description="default: fused AdamW on CUDA")
 
 
 class ParallelConfig(_Section):
@@ -266,7 +268,7 @@ class ParallelConfig(_Section):
 class DataConfig(_Section):
     source: Literal["synthetic", "text", "tokens", "csv"] = Field(
         "synthetic", description="lm: synthetic | text | tokens; regression: synthetic | csv")
-    path: Optional[str] = None
+    path: str | None = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     num_samples: int = Field(4096, gt=0, description="synthetic regression series")
 
@@ -303,7 +305,7 @@ class Recipe(_Section):
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @model_validator(mode="after")
-    def _cross(self) -> "Recipe":
+    def _cross(self) -> Recipe:
         problems = []
         m, d = self.model, self.data
         if m.task == "lm" and d.source == "csv":

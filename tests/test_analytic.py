@@ -46,7 +46,8 @@ def test_param_count_equals_closed_form(seed):
         if name == "qkv_bias":
             assert sum(getattr(attn, w).bias.numel() for w in ("wq", "wk", "wv")) == n
         else:
-            assert sum(p.numel() for p in getattr(attn, name).parameters(recurse=False) if p.ndim > 1 or name.endswith("norm")) == n
+            own = getattr(attn, name).parameters(recurse=False)
+            assert sum(p.numel() for p in own if p.ndim > 1 or name.endswith("norm")) == n
     assert sum(p.numel() for p in model.layers[0].ffn.parameters()) == counts["per_layer"]["ffn"]
 
 

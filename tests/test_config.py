@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from conftest import MODEL_RECIPES, RECIPES
 
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
-
-from conftest import MODEL_RECIPES, RECIPES
 
 
 def check(path) -> tuple[int, str]:

@@ -6,13 +6,12 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from conftest import RECIPES
 
 from scaletool import analytic
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.hf import recipe_from_hf
-
-from conftest import RECIPES
 
 # The published config.json files (deepseek-ai on the Hugging Face hub), keys as shipped.
 V2_LITE = {"model_type": "deepseek_v2", "aux_loss_alpha": 0.001, "first_k_dense_replace": 1, "hidden_act": "silu",

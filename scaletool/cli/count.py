@@ -5,9 +5,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.fmt import pct, si
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
+from scaletool.fmt import pct, si
 
 
 @click.command()

@@ -6,9 +6,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from scaletool.cli.fmt import gib, pct, si
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
+from scaletool.fmt import gib, pct, si
 
 
 class _Batch(click.ParamType):
@@ -95,7 +95,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batch: int | None, contexts:
 
     from scaletool.decode.bench import DecodeSettings, run_decode
     from scaletool.decode.generate import require_lm
-    from scaletool.decode.kernels import triton_supports
+    from scaletool.kernels.mla_decode import triton_supports
     from scaletool.model import build_model
 
     r = load_recipe(recipe, overrides, extra={"model.dtype": dtype} if dtype else None)
@@ -113,7 +113,9 @@ def decode(recipe: str, overrides: tuple[str, ...], batch: int | None, contexts:
         raise click.BadParameter("cuda requested but no CUDA device is available", param_hint="--device")
     if dev.type not in ("cuda", "cpu"):
         raise click.BadParameter(f"{device}: decode runs on cuda or cpu", param_hint="--device")
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.dtype]
+    from scaletool.model.layers import TORCH_DTYPES
+
+    torch_dtype = TORCH_DTYPES[cfg.dtype]
     if mla_kernel == "triton" and cfg.attention == "mla" and mla_mode == "absorbed":
         why = triton_supports(dev, torch_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         if why:

@@ -6,9 +6,9 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import analytic
-from scaletool.cli.fmt import gib, pct, si
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
+from scaletool.fmt import gib, pct, si
 
 
 @click.command()

@@ -12,8 +12,16 @@ import click
 
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
 from scaletool.config import RecipeError, load_recipe
-from scaletool.launch.commands import (LaunchSpec, check_spec, deepspeed_argv, hostfile_text, node_env,
-                                       read_hostfile, thread_env, torchrun_argv)
+from scaletool.launch.commands import (
+    LaunchSpec,
+    check_spec,
+    deepspeed_argv,
+    hostfile_text,
+    node_env,
+    read_hostfile,
+    thread_env,
+    torchrun_argv,
+)
 
 
 def _dry_run_line(env: dict[str, str], argv: list[str]) -> str:

@@ -32,11 +32,9 @@ from scaletool.analytic import kv_cache, matmul_params, param_counts
 from scaletool.config import ModelConfig, RecipeError
 from scaletool.decode.cache import cache_bytes, make_caches, replicate_first_row
 from scaletool.decode.generate import decode, prefill, require_lm
-from scaletool.decode.kernels import triton_supports
+from scaletool.kernels.mla_decode import triton_supports
 from scaletool.measure.hardware import profile_for
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-GIB = 2**30
 # Held back from a memory budget for what the analytic fit does not count: prefill activations of
 # one chunk, attention workspaces, logits, allocator fragmentation.
 RESERVE_FRACTION = 0.05

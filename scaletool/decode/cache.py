@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from scaletool.config import ModelConfig
-from scaletool.decode.kernels import KERNELS
+from scaletool.kernels.mla_decode import KERNELS
 
 MLA_MODES = ("absorbed", "naive")
 

@@ -19,7 +19,11 @@ import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
 from scaletool.config import Recipe
-from scaletool.engines import DTYPES, DistEnv, Engine, apply_activation_checkpointing, make_adamw, param_groups
+from scaletool.engines.apply import apply_activation_checkpointing
+from scaletool.engines.base import Engine
+from scaletool.engines.dist import DistEnv
+from scaletool.engines.optim import make_adamw, param_groups
+from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 # Ours, not derived from a recipe field: the passthrough may override them freely.
 DEFAULTS = {

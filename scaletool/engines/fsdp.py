@@ -14,9 +14,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from scaletool.engines import DTYPES
 from scaletool.engines.expert_parallel import apply_expert_parallel
 from scaletool.engines.single import SingleEngine
+from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
 class FSDPEngine(SingleEngine):

@@ -16,8 +16,11 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from scaletool.config import Recipe
-from scaletool.engines import (DTYPES, DistEnv, Engine, apply_activation_checkpointing, compile_blocks,
-                               make_adamw)
+from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
+from scaletool.engines.base import Engine
+from scaletool.engines.dist import DistEnv
+from scaletool.engines.optim import make_adamw
+from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
 class SingleEngine(Engine):

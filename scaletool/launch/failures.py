@@ -17,71 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
 import sys
 import time
 import traceback
 from contextlib import contextmanager
 
-from scaletool.config import RecipeError
-
-# Gloo and c10d prefix messages with the C++ source location: "[/__w/pytorch/.../pair.cc:553] ".
-_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
-
-
-def rank_label(environ=None) -> str:
-    """``rank R/W (node N, local rank L, host H)`` from the launcher's environment variables
-    (torchrun: GROUP_RANK; the DeepSpeed launcher: CROSS_RANK)."""
-    e = os.environ if environ is None else environ
-    node = e.get("GROUP_RANK", e.get("CROSS_RANK"))
-    where = [f"node {node}"] if node is not None else []
-    where += [f"local rank {e.get('LOCAL_RANK', 0)}", f"host {socket.gethostname()}"]
-    return f"rank {e.get('RANK', 0)}/{e.get('WORLD_SIZE', 1)} ({', '.join(where)})"
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
-    line = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""
-    return line if len(line) <= limit else line[:limit - 3] + "..."
-
-
-def _cuda_devices() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def describe(exc: BaseException, environ=None) -> str:
-    """``cause: detail`` for an exception raised on a rank."""
-    import torch
-    import torch.distributed as dist
-
-    e = os.environ if environ is None else environ
-    text = str(exc)
-    low = text.lower()
-    detail = _first_line(text)
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in low:
-        return (f"out of memory: {detail} (lower train.micro_batch_size, turn on train.activation_checkpointing, "
-                "or shard more: parallel.engine=fsdp or deepspeed with a higher zero_stage)")
-    if "invalid device ordinal" in low or "no cuda gpus are available" in low:
-        visible = e.get("CUDA_VISIBLE_DEVICES")
-        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        return (f"missing GPU: local rank {e.get('LOCAL_RANK', 0)} needs its own GPU, but this node shows "
-                f"{_cuda_devices()} CUDA device(s){shown}; lower --nproc-per-node to the GPUs per node")
-    timed_out = "timed out" in low or "timeout" in low
-    comm = (isinstance(exc, dist.DistError) or any(w in text for w in ("NCCL", "Gloo", "gloo", "c10d"))
-            or "connection closed by peer" in low or "connection reset" in low)
-    if comm:
-        # Gloo and NCCL add paragraphs of advice after the cause: keep the first sentence.
-        detail = re.split(r"(?<=[.!])\s", detail, maxsplit=1)[0]
-    if comm and timed_out:
-        return (f"communication timed out: {detail} (a peer rank stopped or hangs; the limit is "
-                "parallel.collective_timeout_s)")
-    if comm:
-        backend = "NCCL" if "nccl" in low else "gloo" if "gloo" in low else "torch.distributed"
-        return f"communication error ({backend}): {detail} (a peer rank failed or was killed: see its line)"
-    return f"{type(exc).__name__}: {detail}"
+from scaletool.errors import RecipeError, _first_line, describe, rank_label  # noqa: F401 (re-exported for launchers)
 
 
 def _write_error_file(line: str) -> str | None:
@@ -145,8 +87,11 @@ def child_failure_lines(err) -> list[str]:
 
 def rendezvous_failure_line(exc: BaseException, endpoint: str, run_id: str, nnodes: int, timeout_s: int) -> str:
     """The line for a rendezvous that did not form, could not be reached, or was closed."""
-    from torch.distributed.elastic.rendezvous import (RendezvousClosedError, RendezvousConnectionError,
-                                                      RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     where = f"rendezvous '{run_id}' at {endpoint}"
     if isinstance(exc, RendezvousTimeoutError):
         return (f"error: {where}: {nnodes} nodes did not all join within {timeout_s} s (--rdzv-timeout); start "

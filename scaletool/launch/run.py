@@ -14,7 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from scaletool.cli.options import stdout_to_stderr
+from scaletool.fmt import stdout_to_stderr
 from scaletool.launch.commands import TORCHRUN, LaunchSpec
 from scaletool.launch.failures import child_failure_lines, rendezvous_failure_line
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from scaletool.fmt import clean
+
 
 def _fmt(key: str, v) -> str:
     if v is None:
@@ -22,17 +24,6 @@ def _fmt(key: str, v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
-
-
-def clean(obj):
-    """JSON-safe copy: NaN/Inf become None (JSON has no NaN), tuples become lists."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    return obj
 
 
 class MetricsWriter:

@@ -60,7 +60,7 @@ class NvmlSampler:
                 self.note = f"NVML read failed ({e}); sampling stopped early"
                 return
 
-    def start(self) -> "NvmlSampler":
+    def start(self) -> NvmlSampler:
         if self.active and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
             self._thread.start()

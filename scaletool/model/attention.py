@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from scaletool.config import ModelConfig
-from scaletool.decode.kernels import latent_attention
+from scaletool.kernels.mla_decode import latent_attention
 from scaletool.model.layers import RMSNorm, apply_rope
 
 _BACKENDS = {

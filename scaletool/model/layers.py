@@ -10,6 +10,9 @@ import torch.nn.functional as F
 
 from scaletool.config import ModelConfig
 
+#: The recipe's dtype names as torch dtypes (the one map; everything that needs one imports it).
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
 
 class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` with its weight cast to the input's dtype.

@@ -35,8 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaletool.analytic import expert_capacity
-from scaletool.config import ModelConfig
+from scaletool.config import ModelConfig, expert_capacity
 from scaletool.model.layers import FeedForward
 
 

@@ -78,7 +78,7 @@ class Event:
     end: float
     thread: tuple
     args: dict
-    parent: "Event | None" = None
+    parent: Event | None = None
     children: list = field(default_factory=list)
     region: str | None = None
     matches: frozenset = frozenset()

@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, schedule, tensorboard_trace_handler
 
 from scaletool.config import ProfileConfig
-from scaletool.measure.metrics import clean
+from scaletool.fmt import clean
 from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES, REGION_PREFIX, SCHEMA_VERSION, analyze, load_trace
 
 BREAKDOWN_FILE = "breakdown.json"
@@ -246,11 +246,11 @@ def aggregate(per_rank: list[dict]) -> dict:
     def table(key, labels):
         out = {}
         for c in labels:
-            t = mean(lambda b: b[key][c]["time_s"])
+            t = mean(lambda b, c=c: b[key][c]["time_s"])
             out[c] = {"time_s": t, "share": t / step if step else None}
         return out
 
-    overlap = {k: mean(lambda b: b["communication_overlap"][k])
+    overlap = {k: mean(lambda b, k=k: b["communication_overlap"][k])
                for k in ("communication_s", "overlapped_s", "exposed_s")}
     overlap["overlap_ratio"] = (overlap["overlapped_s"] / overlap["communication_s"]
                                 if overlap["communication_s"] else None)

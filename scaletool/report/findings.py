@@ -7,8 +7,17 @@ from __future__ import annotations
 from collections import defaultdict
 
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.tables import (CLAIM_STATED, claim_figures, claim_rows, claim_table, count_table, decode_table,
-                                     rel, scaling_groups, train_table)
+from scaletool.report.tables import (
+    CLAIM_STATED,
+    claim_figures,
+    claim_rows,
+    claim_table,
+    count_table,
+    decode_table,
+    rel,
+    scaling_groups,
+    train_table,
+)
 
 
 def _pct(x: float) -> str:
@@ -66,7 +75,7 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
 def scaling(rs: ResultsSet) -> list[str]:
     """Scaling efficiency per engine and attention type, from the scaling table's groups."""
     out = []
-    for (attention, rank, width, engine), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
+    for (attention, rank, _width, engine), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
         base = by_n[1].result["tokens_per_s"]
         eff = ", ".join(f"{n} GPUs {by_n[n].result['tokens_per_s'] / n / base:.0%}" for n in sorted(by_n) if n > 1)
         name = attention + (f" (kv_lora_rank {rank})" if rank else "")

@@ -5,8 +5,8 @@ A plot is drawn only when its data has at least two distinct x values; otherwise
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.tables import decode_points, train_analytic_memory

@@ -4,11 +4,12 @@ Every relative error is (value − reference) / reference, with the reference na
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from scaletool import analytic
-from scaletool.cli.fmt import gib, pct, si
+from scaletool.fmt import gib, pct, si
 from scaletool.report.data import ResultsSet, Row
 
 # The price-prediction design document's claim (SEEDS.md §1), for the check in :func:`claim_table`.

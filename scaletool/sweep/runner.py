@@ -17,10 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -258,8 +258,15 @@ def execute(sweep: Sweep, results_dir: Path, *, retry_failed: bool = False, mode
     """Run what the results store lacks (see :func:`to_run`), recording each run as it ends; the summary."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     console = console or Console(stderr=True)
     results_dir = Path(results_dir)

@@ -26,7 +26,7 @@ import difflib
 import itertools
 import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -47,26 +47,26 @@ class MatchParams(_Strict):
     """Equal-budget adjustment: per point, solve ``key`` so the parameter count meets ``target``."""
 
     key: Literal["model.intermediate_size", "model.n_layers"]
-    target: Union[int, str, dict[str, Any]] = Field(
+    target: int | str | dict[str, Any] = Field(
         description="a parameter count, a recipe path (relative to the sweep file) whose count is the "
         "target, or a mapping of dotted overrides naming a reference point on the base recipe")
-    multiple_of: Optional[int] = Field(None, gt=0, description="default 64 for intermediate_size, 1 for n_layers")
+    multiple_of: int | None = Field(None, gt=0, description="default 64 for intermediate_size, 1 for n_layers")
     params: Literal["total", "non_embedding"] = "total"
 
 
 class SweepFile(_Strict):
     recipe: str
-    name: Optional[str] = None
-    label: Optional[str] = None
-    description: Optional[str] = None
+    name: str | None = None
+    label: str | None = None
+    description: str | None = None
     set: dict[str, Any] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
-    zip: Union[dict[str, list[Any]], list[dict[str, Any]], None] = None
+    zip: dict[str, list[Any]] | list[dict[str, Any]] | None = None
     modes: list[Mode] = Field(min_length=1)
     args: dict[Mode, list[str]] = Field(default_factory=dict)
-    timeout_s: Union[float, dict[Mode, float]] = 1800.0
+    timeout_s: float | dict[Mode, float] = 1800.0
     nproc_per_node: int = Field(1, gt=0)
-    match_params: Optional[MatchParams] = None
+    match_params: MatchParams | None = None
 
 
 class Sweep:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scaletool.config import RecipeError, Recipe
+from scaletool.config import Recipe, RecipeError
 
 
 def sample_generator(seed: int, step: int, index: int) -> torch.Generator:

@@ -37,10 +37,10 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, Engine, agree, make_engine
-from scaletool.launch.failures import describe
+from scaletool.errors import describe
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter
 from scaletool.measure.nvml import NvmlSampler

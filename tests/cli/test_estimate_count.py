@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
+from conftest import RECIPES, run_cli
 
 from scaletool.cli import main
-
-from conftest import RECIPES, run_cli
 
 
 def test_estimate_json_has_the_contract_keys():

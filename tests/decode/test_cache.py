@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_variants import VARIANTS, tiny_cfg
 
 from scaletool.decode.bench import cache_bytes_per_token
 from scaletool.decode.cache import KVCache, LatentCache, cache_bytes, make_caches, replicate_first_row
-
-from tiny_variants import VARIANTS, tiny_cfg
 
 
 @pytest.mark.parametrize("label", list(VARIANTS))

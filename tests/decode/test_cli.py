@@ -4,10 +4,9 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
+from conftest import RECIPES
 
 from scaletool.cli import main
-
-from conftest import RECIPES
 
 TINY = str(RECIPES / "tiny.yaml")
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import RECIPES
+from tiny_variants import VARIANTS, tiny_model
 
 from scaletool.config import RecipeError, load_recipe
 from scaletool.decode.cache import make_caches
 from scaletool.decode.generate import generate, prefill, sample
 from scaletool.model import build_model
-
-from conftest import RECIPES
-from tiny_variants import VARIANTS, tiny_model
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=0.0)}
 

@@ -1,10 +1,10 @@
 """Tiny models of every cache layout, built from recipes/tiny.yaml (imported by the decode tests)."""
 from __future__ import annotations
 
+from conftest import RECIPES
+
 from scaletool.config import load_recipe
 from scaletool.model import build_model
-
-from conftest import RECIPES
 
 # (label, recipe overrides, mla_mode): every cache layout the decoder has.
 _NOT_MLA = {"model.kv_lora_rank": 0, "model.qk_nope_head_dim": None, "model.v_head_dim": None,

@@ -7,12 +7,21 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from conftest import RECIPES
 
 from scaletool.cli import main
 from scaletool.config import RecipeError
-from scaletool.launch.commands import (LaunchSpec, check_spec, deepspeed_argv, node_env, read_hostfile,
-                                       hostfile_text, split_endpoint, torchrun_argv, train_module_args)
-from conftest import RECIPES
+from scaletool.launch.commands import (
+    LaunchSpec,
+    check_spec,
+    deepspeed_argv,
+    hostfile_text,
+    node_env,
+    read_hostfile,
+    split_endpoint,
+    torchrun_argv,
+    train_module_args,
+)
 
 TINY = str(RECIPES / "tiny.yaml")
 # An override whose value a shell would split, expand and unquote: it must arrive as one argument.

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from click.testing import CliRunner
-
 from conftest import ROOT
+
 from scaletool.cli import main
 from scaletool.launch.commands import LaunchSpec, read_hostfile
 from scaletool.launch.slurm import TEMPLATE

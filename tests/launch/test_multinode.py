@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import RECIPES, ROOT
 
 pytestmark = pytest.mark.distributed

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import RECIPES
+
 from scaletool.cli import main
 from scaletool.config import RecipeError
 from scaletool.launch.commands import LaunchSpec, torchrun_argv

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import MODEL_RECIPES, assert_counted_exactly
 
 from scaletool.config import load_recipe, recipe_from_dict
 from scaletool.measure.count import count
-
-from conftest import MODEL_RECIPES, assert_counted_exactly
 
 SHAPES = {
     "mha": {"attention": "mha"},

@@ -5,14 +5,13 @@ import math
 
 import pytest
 import torch
+from conftest import assert_counted_exactly
 
 from scaletool import analytic
 from scaletool.config import RecipeError, recipe_from_dict
 from scaletool.measure.count import count
 from scaletool.model import build_model
 from scaletool.model.moe import MoE, expert_load_metrics
-
-from conftest import assert_counted_exactly
 
 BASE = {"d_model": 32, "n_layers": 3, "n_heads": 4, "intermediate_size": 48, "vocab_size": 61, "max_seq_len": 16,
         "dtype": "fp32", "ffn": "moe", "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,

@@ -7,12 +7,12 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import RECIPES
 
 from scaletool.config import load_recipe
 from scaletool.engines import init_distributed, make_engine
 from scaletool.measure.metrics import MetricsWriter
 from scaletool.profile.monitors import DynamicsMonitor, attention_entropy, effective_rank, update_ratio
-from conftest import RECIPES
 
 
 def test_attention_entropy_of_known_distributions():

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import RECIPES, ROOT, run_cli
 
 from scaletool.sweep.runner import classify
 from scaletool.sweep.store import RESULTS_FILE, append_record, read_records
-
-from conftest import RECIPES, ROOT, run_cli
 
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,
           "model.qk_rope_head_dim": None, "model.v_head_dim": None}

@@ -6,14 +6,13 @@ import json
 import pytest
 import yaml
 from click.testing import CliRunner
+from conftest import RECIPES
 
 from scaletool.analytic import param_counts
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe
 from scaletool.sweep.points import expand
 from scaletool.sweep.spec import load_sweep
-
-from conftest import RECIPES
 
 # tiny.yaml as MHA, so points name only what they change (MLA head dims then take their defaults)
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,

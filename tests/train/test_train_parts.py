@@ -129,7 +129,7 @@ def test_clipping_inside_fused_adamw_equals_clipping_before_it():
     _, n_before = before.train_step(batches, 0.01)
     unclipped.train_step(batches, 0.01)
     assert float(n_folded) == pytest.approx(float(n_before), rel=1e-6) and float(n_folded) > 10 * 0.05
-    for a, b, c in zip(folded.model.parameters(), before.model.parameters(), unclipped.model.parameters()):
+    for a, b, _c in zip(folded.model.parameters(), before.model.parameters(), unclipped.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert any(not torch.allclose(a, c, rtol=1e-3, atol=1e-6)
                for a, c in zip(folded.model.parameters(), unclipped.model.parameters()))

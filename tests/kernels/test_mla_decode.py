@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaletool.decode import kernels
+from scaletool.kernels import mla_decode as kernels
 
 
 def _inputs(B, H, C, R, S, dtype, device="cpu", seed=0):

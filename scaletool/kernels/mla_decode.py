@@ -69,7 +69,7 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor
     return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target_programs(device: torch.device) -> int:
     """Enough programs to fill the GPU a few times over (split-KV exists for small batches)."""
     if device.type != "cuda":

@@ -1,0 +1,75 @@
+"""The loop's view of an engine, the factory that builds one, and the launch-time recipe checks."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from scaletool.config import Recipe, RecipeError
+from scaletool.engines.dist import DistEnv
+
+
+def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) -> None:
+    """Problems of a recipe that only show at launch; one RecipeError line each."""
+    p = recipe.parallel
+    given = p.model_fields_set
+    problems = []
+    if p.engine == "single" and world_size > 1:
+        problems.append(f"parallel.engine: single runs one process, but {world_size} were started; "
+                        "use ddp, fsdp or deepspeed")
+    if local_world_size is not None and "nproc_per_node" in given and p.nproc_per_node != local_world_size:
+        problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but {local_world_size} "
+                        "processes per node were started; make them agree (or drop the key)")
+    only = {"zero_stage": "deepspeed", "offload_optimizer": "deepspeed", "offload_params": "deepspeed",
+            "deepspeed": "deepspeed", "cpu_offload": "fsdp"}
+    for key, engine in only.items():
+        if key in given and p.engine != engine and getattr(p, key) not in (False, {}):
+            problems.append(f"parallel.{key}: only used by engine={engine}, but parallel.engine={p.engine}")
+    if p.engine == "deepspeed":
+        from scaletool.engines.deepspeed import deepspeed_config
+        problems += deepspeed_config(recipe, world_size)[1]
+    if problems:
+        raise RecipeError(problems)
+
+
+class Engine(ABC):
+    """The loop's view of an engine. Subclasses set ``name`` and ``model`` (the callable module)."""
+
+    name: str
+    model: nn.Module
+
+    @abstractmethod
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over ``batches`` (the micro-batches of this rank, on its device).
+
+        Returns this rank's mean micro-batch loss and the global gradient norm before clipping
+        (None where not computed), both as device tensors: nothing here synchronises the host.
+        """
+
+    @abstractmethod
+    def save(self, path: Path) -> None:
+        """Write model and optimizer state to the directory ``path`` (collective)."""
+
+    @abstractmethod
+    def load(self, path: Path) -> None:
+        """Restore what :meth:`save` wrote (collective)."""
+
+
+def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
+    """Build the recipe's model on this rank's device (same seed on every rank) and wrap it."""
+    from scaletool.model import build_model
+    t = recipe.train
+    model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
+    engine = recipe.parallel.engine
+    if engine == "single":
+        from scaletool.engines.single import SingleEngine as cls
+    elif engine == "ddp":
+        from scaletool.engines.ddp import DDPEngine as cls
+    elif engine == "fsdp":
+        from scaletool.engines.fsdp import FSDPEngine as cls
+    else:
+        from scaletool.engines.deepspeed import DeepSpeedEngine as cls
+    return cls(model, recipe, env)

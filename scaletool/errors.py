@@ -1,0 +1,77 @@
+"""Error types and one-line failure descriptions, low enough in the package for every layer to use.
+
+- :class:`RecipeError`: a recipe, file or option that cannot be used; one human-readable line per
+  problem. The CLI prints each as ``error: ...`` and exits with status 2.
+- :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
+  GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; ``problems`` holds one human-readable line per problem."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+# Gloo and c10d prefix messages with the C++ source location: "[/__w/pytorch/.../pair.cc:553] ".
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def rank_label(environ=None) -> str:
+    """``rank R/W (node N, local rank L, host H)`` from the launcher's environment variables
+    (torchrun: GROUP_RANK; the DeepSpeed launcher: CROSS_RANK)."""
+    e = os.environ if environ is None else environ
+    node = e.get("GROUP_RANK", e.get("CROSS_RANK"))
+    where = [f"node {node}"] if node is not None else []
+    where += [f"local rank {e.get('LOCAL_RANK', 0)}", f"host {socket.gethostname()}"]
+    return f"rank {e.get('RANK', 0)}/{e.get('WORLD_SIZE', 1)} ({', '.join(where)})"
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    line = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _cuda_devices() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def describe(exc: BaseException, environ=None) -> str:
+    """``cause: detail`` for an exception raised on a rank."""
+    import torch
+    import torch.distributed as dist
+
+    e = os.environ if environ is None else environ
+    text = str(exc)
+    low = text.lower()
+    detail = _first_line(text)
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in low:
+        return (f"out of memory: {detail} (lower train.micro_batch_size, turn on train.activation_checkpointing, "
+                "or shard more: parallel.engine=fsdp or deepspeed with a higher zero_stage)")
+    if "invalid device ordinal" in low or "no cuda gpus are available" in low:
+        visible = e.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        return (f"missing GPU: local rank {e.get('LOCAL_RANK', 0)} needs its own GPU, but this node shows "
+                f"{_cuda_devices()} CUDA device(s){shown}; lower --nproc-per-node to the GPUs per node")
+    timed_out = "timed out" in low or "timeout" in low
+    comm = (isinstance(exc, dist.DistError) or any(w in text for w in ("NCCL", "Gloo", "gloo", "c10d"))
+            or "connection closed by peer" in low or "connection reset" in low)
+    if comm:
+        # Gloo and NCCL add paragraphs of advice after the cause: keep the first sentence.
+        detail = re.split(r"(?<=[.!])\s", detail, maxsplit=1)[0]
+    if comm and timed_out:
+        return (f"communication timed out: {detail} (a peer rank stopped or hangs; the limit is "
+                "parallel.collective_timeout_s)")
+    if comm:
+        backend = "NCCL" if "nccl" in low else "gloo" if "gloo" in low else "torch.distributed"
+        return f"communication error ({backend}): {detail} (a peer rank failed or was killed: see its line)"
+    return f"{type(exc).__name__}: {detail}"

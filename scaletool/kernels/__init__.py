@@ -1,0 +1,5 @@
+"""Device kernels the model calls, each beside its plain-torch reference (no model code here).
+
+- :mod:`.mla_decode`: attention of one query per sequence over an MLA latent cache (Triton split-KV,
+  with the torch reference CPUs run).
+"""

@@ -1,0 +1,1 @@
+"""Imports every result module so that each registers its kinds (see :func:`scaletool.results.registered`)."""

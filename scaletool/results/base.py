@@ -1,0 +1,84 @@
+"""The base of every typed result, the registry of result kinds, and loading with a schema version.
+
+A result model subclasses :class:`Result`, sets ``kind`` (a ``Literal``) and ``SCHEMA_VERSION``, and is
+registered with :func:`register`. :func:`load_result` picks the model by ``kind``; a document written
+with an older schema version goes through the model's ``migrate`` (a classmethod taking and returning
+the raw dict) first, and a newer one is refused with one line naming both versions.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from scaletool.errors import RecipeError
+
+
+class ResultLoadError(RecipeError):
+    """A results document that cannot be read as the result it claims to be (one line per problem)."""
+
+
+class Result(BaseModel):
+    """Base of every command's result. Unknown keys are kept (``extra="allow"``) so a newer writer's
+    additions survive a round trip through an older reader; typed fields are validated."""
+
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+    SCHEMA_VERSION: ClassVar[int] = 1
+    kind: str
+    schema_version: int = 1
+
+    @classmethod
+    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Bring a document of an older ``schema_version`` up to :attr:`SCHEMA_VERSION` (default: as is)."""
+        return data
+
+    def to_json(self) -> str:
+        """The ``--json`` text: sorted keys, NaN/Inf as null (one writer: :func:`scaletool.fmt.emit_json`)."""
+        from scaletool.fmt import clean
+
+        return json.dumps(clean(self.model_dump(mode="json")), indent=2, sort_keys=True)
+
+
+_KINDS: dict[str, type[Result]] = {}
+
+
+def register(cls: type[Result]) -> type[Result]:
+    """Class decorator: make ``cls`` loadable by its ``kind``."""
+    kind = cls.model_fields["kind"].default
+    if not isinstance(kind, str):
+        raise TypeError(f"{cls.__name__}.kind needs a string default")
+    _KINDS[kind] = cls
+    return cls
+
+
+def registered() -> dict[str, type[Result]]:
+    """Every registered result kind (importing the result modules registers them)."""
+    import scaletool.results.all  # noqa: F401 (registers every kind)
+
+    return dict(_KINDS)
+
+
+def load_result(data: Any, source: str = "result") -> Result:
+    """Validate a parsed JSON document as the result its ``kind`` names, migrating older versions."""
+    kinds = registered()
+    if not isinstance(data, dict):
+        raise ResultLoadError(f"{source}: a result is a JSON object, got {type(data).__name__}")
+    kind = data.get("kind")
+    if not isinstance(kind, str) or kind not in kinds:
+        raise ResultLoadError(f"{source}: unknown result kind {str(kind)[:60]!r}; known: {', '.join(sorted(kinds))}")
+    cls = kinds[kind]
+    version = data.get("schema_version", 1)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ResultLoadError(f"{source}: schema_version must be an integer, got {str(version)[:40]!r}")
+    if version > cls.SCHEMA_VERSION:
+        raise ResultLoadError(f"{source}: {kind} schema version {version} was written by a newer scaletool "
+                              f"(this one reads up to {cls.SCHEMA_VERSION}); upgrade scaletool to read it")
+    if version < cls.SCHEMA_VERSION:
+        data = {**cls.migrate(dict(data)), "schema_version": cls.SCHEMA_VERSION}
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        lines = [f"{source}: {'.'.join(str(p) for p in err['loc']) or kind}: {err['msg']}" for err in e.errors()[:5]]
+        raise ResultLoadError(lines) from None
