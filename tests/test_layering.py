@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"config", "kernels"},
     {"results"},
     {"stats"},
-    {"errors", "fmt", "resources", "__init__"},
+    {"errors", "fmt", "threads", "resources", "__init__"},
 ]
 #: same-layer imports that are part of the design: (importer, imported)
 ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()

@@ -5,9 +5,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool import analytic
+from scaletool import api
 from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
-from scaletool.config import load_recipe
 from scaletool.fmt import gib, pct, si
 
 
@@ -28,8 +27,8 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
     Memory/GPU: weights, grads, AdamW state, activations for DDP, FSDP, ZeRO-1/2/3.
     """
-    r = load_recipe(recipe, overrides)
-    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    r = api.resolve(recipe, overrides)
+    est = api.estimate(r, tokens=tokens, world_size=world_size)
     if as_json:
         emit_json(est)
         return
