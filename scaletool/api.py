@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Union
 
 from scaletool.config import Recipe, RecipeError, apply_overrides, load_recipe, recipe_from_dict
 
-RecipeLike = Union[str, Path, Recipe]
+RecipeLike = str | Path | Recipe
 
 
 def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
