@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 import click
 
 from scaletool import __version__
+from scaletool.cli.options import RESULT_FILE_KEY
 from scaletool.config import RecipeError
 
 # (module, command attribute): each module under scaletool/cli defines its own command.
@@ -40,7 +42,11 @@ class ScaletoolGroup(click.Group):
 
 @click.group(cls=ScaletoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="scaletool")
-def main() -> None:
+@click.option("--result-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Also write the command's result (its --json document) to FILE, atomically: how sweep "
+                   "workers and scripts receive results without parsing stdout.")
+@click.pass_context
+def main(ctx: click.Context, result_file: Path | None) -> None:
     """What does Multi-head Latent Attention buy over MHA/GQA/MQA, and at what cost?
 
     \b
@@ -55,6 +61,10 @@ def main() -> None:
     A recipe is YAML with sections model, train, parallel, data, profile; `--set key=value`
     overrides any dotted key. See README.md for the recipe reference.
     """
+    if result_file is not None:
+        if not result_file.parent.is_dir():
+            raise RecipeError(f"--result-file {result_file}: directory {result_file.parent} does not exist")
+        ctx.meta[RESULT_FILE_KEY] = result_file
 
 
 for _mod, _attr in COMMANDS:

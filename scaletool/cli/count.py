@@ -5,7 +5,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
 from scaletool.fmt import pct, si
 
@@ -34,9 +34,9 @@ def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_f
     except RuntimeError as e:
         raise click.BadParameter(str(e), param_hint="--device") from None
     res = run_count(r, device=device, batch=batch, fvcore=not no_fvcore)
+    deliver(res, as_json)
     if as_json:
-        emit_json(res)
-        return
+        return res
     con = Console()
     p = res["params"]
     t = Table(title=f"Parameters ({r.model.attention}, built on {device})", title_justify="left")

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
 from scaletool.fmt import gib, pct, si
 
@@ -140,10 +140,10 @@ def decode(recipe: str, overrides: tuple[str, ...], batch: int | None, contexts:
         res = run_decode(cfg, model, settings, budget_bytes=budget, progress=progress)
     res["recipe"] = recipe
     res["checkpoint"] = checkpoint
-    if as_json:
-        emit_json(res)
-        return
-    print_decode(res, Console())
+    deliver(res, as_json)
+    if not as_json:
+        print_decode(res, Console())
+    return res
 
 
 def print_decode(res: dict, con: Console) -> None:

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 
 
@@ -29,10 +29,10 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     """
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size)
-    if as_json:
-        emit_json(est)
-        return
-    print_estimate(r, est, Console())
+    deliver(est, as_json)
+    if not as_json:
+        print_estimate(r, est, Console())
+    return est
 
 
 def print_estimate(r, est: dict, console: Console) -> None:

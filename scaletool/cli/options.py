@@ -1,5 +1,9 @@
-"""Options shared by several commands, defined once."""
+"""Options shared by several commands, defined once; the one way a command hands out its result."""
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import click
 
@@ -12,3 +16,24 @@ set_option = click.option(
     help="Override a recipe key, e.g. --set model.kv_lora_rank=128 (repeatable; the value is read as YAML).")
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of tables.")
+
+
+RESULT_FILE_KEY = "scaletool.result_file"
+
+
+def deliver(result, as_json: bool = False):
+    """Hand out a command's result: to the ``--result-file`` given to ``scaletool`` (written atomically:
+    a sweep worker's channel, never parsed from stdout) and, with ``--json``, to stdout. Returns it."""
+    from scaletool.fmt import clean
+
+    data = result.model_dump(mode="json") if hasattr(result, "model_dump") else result
+    ctx = click.get_current_context(silent=True)
+    path = ctx.find_root().meta.get(RESULT_FILE_KEY) if ctx is not None else None
+    if path is not None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    if as_json:
+        emit_json(data)
+    return result

@@ -8,7 +8,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option, stdout_to_stderr
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option, stdout_to_stderr
 from scaletool.config import RecipeError, load_recipe
 from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
 from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir
@@ -88,10 +88,10 @@ def profile(ctx: click.Context, recipe: str, overrides: tuple[str, ...], out: Pa
     if not path.is_file():
         raise RecipeError(f"{path}: no breakdown was written (see {out / 'train.log'})")
     report = json.loads(path.read_text())
-    if as_json:
-        emit_json(report)
-    else:
+    deliver(report, as_json)
+    if not as_json:
         print_breakdown(report, Console(), path)
+    return report
 
 
 def _ms(s: float | None) -> str:

@@ -7,7 +7,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from scaletool.cli.options import emit_json, json_option
+from scaletool.cli.options import deliver, json_option
 
 
 @click.command()
@@ -31,9 +31,9 @@ def report(results_dirs: tuple[Path, ...], out: Path | None, as_json: bool) -> N
 
     out = out or results_dirs[0] / "report"
     res = build_report(list(results_dirs), out)
+    deliver(res, as_json)
     if as_json:
-        emit_json(res)
-        return
+        return res
     con = Console(stderr=True)
     for w in res["warnings"]:
         con.print(f"[yellow]warning:[/] {escape(w)}")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from scaletool.cli.options import emit_json, json_option, set_option
+from scaletool.cli.options import deliver, emit_json, json_option, set_option
 from scaletool.config import parse_override
 from scaletool.sweep.spec import MODES
 
@@ -70,9 +70,9 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
         click.echo(f"interrupted; finished runs are in {out / 'results.jsonl'}. Rerun the same command "
                    "to resume.", err=True)
         sys.exit(130)
+    deliver(summary, as_json)
     if as_json:
-        emit_json(summary)
-        return
+        return summary
     c = summary["status_counts"]
     con = Console(stderr=True)
     con.print(", ".join(f"{n} {s}" for s, n in c.items() if n) + f" ({summary['ran_now']} run now)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.config import RecipeError, load_recipe
 
 # Set by the --nproc-per-node parent for its torchrun children: they write summary.json and leave
@@ -41,15 +41,15 @@ def _launch(recipe_path: str, r, nproc: int, out: Path, overrides, resume, peak_
         click.echo(f"error: {nproc}-process run failed (torchrun exit status {rc}); see the log above"
                    + (f" and {out / 'train.log'}" if (out / "train.log").is_file() else ""), err=True)
         sys.exit(rc or 1)
-    _finish(summary, as_json)
+    return _finish(summary, as_json)
 
 
-def _finish(summary: dict, as_json: bool) -> None:
-    if as_json:
-        emit_json(summary)
+def _finish(summary: dict, as_json: bool) -> dict:
+    deliver(summary, as_json)
     if summary["status"] != "completed":
         click.echo(f"error: {summary['message']}", err=True)
         sys.exit(1)
+    return summary
 
 
 @click.command(context_settings={"show_default": True})
@@ -99,16 +99,15 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
     if nproc_per_node is not None and not le["launched"]:
         if nproc_per_node > 1 or r.parallel.engine != "single":
             out = out or default_out(recipe)
-            _launch(recipe, r, nproc_per_node, out, overrides, resume, peak_tflops, measure, as_json)
-            return
+            return _launch(recipe, r, nproc_per_node, out, overrides, resume, peak_tflops, measure, as_json)
     elif nproc_per_node is not None and nproc_per_node != le["local_world_size"]:
         raise RecipeError(f"--nproc-per-node {nproc_per_node}: this process is one of {le['local_world_size']} "
                           "local ranks started by a launcher; drop the option or make them agree")
     check_recipe(r, le["world_size"], le["local_world_size"] if le["launched"] else None)
-    _run_rank(r, recipe, out, resume, peak_tflops, measure, as_json)
+    return _run_rank(r, recipe, out, resume, peak_tflops, measure, as_json)
 
 
-def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops, measure: bool, as_json: bool) -> None:
+def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops, measure: bool, as_json: bool) -> dict:
     import torch.distributed as dist
 
     from scaletool.engines import agree, init_distributed
@@ -131,7 +130,7 @@ def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops,
             if dist.is_initialized():
                 dist.destroy_process_group()
     if env.is_main and not child:
-        _finish(summary, as_json)
+        summary = _finish(summary, as_json)
     if env.world_size > 1:
         # Everything is written and the process group is gone. A worker process now skips the
         # interpreter's native teardown: DeepSpeed ZeRO-3 over gloo intermittently aborts there
@@ -140,3 +139,4 @@ def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    return summary
