@@ -89,7 +89,7 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
         if len(engines) > 1:
             where += f", {engine} on {n} GPU(s)"
         cmps = [(r, compare(r.across(_rate_of), ref)) for r in mla]
-        head = f"Training tokens/s, MLA against MHA ({_rate(ref)}; {where}): "
+        head = f"Training throughput, MLA against MHA ({_rate(ref)}; {where}): "
         if all(c.reason for _, c in cmps):
             text = head + NO_SPREAD + "."
         else:
@@ -145,7 +145,7 @@ def decode_speed(rs: ResultsSet) -> list[str]:
         if not parts:
             continue
         where = ", ".join(([source] if rs.multi else []) + ([f"intermediate_size {width}"] if width else []))
-        head = "Decode tokens/s, MLA against MHA" + (f" ({where})" if where else "") + ": "
+        head = "Decode throughput, MLA against MHA" + (f" ({where})" if where else "") + ": "
         text = head + (". ".join(parts) if judged else NO_SPREAD) + "."
         out.append(text + (" " + CPU_CAVEAT if cpu else ""))
     return out

@@ -34,7 +34,7 @@ def _train_pair(path: Path, mla_step_s: float, *, device: str = "cuda", n: int =
 
 
 def _throughput(path: Path) -> str:
-    got = [f for f in findings.throughput_crossover(data.load([path])) if f.startswith("Training tokens/s")]
+    got = [f for f in findings.throughput_crossover(data.load([path])) if f.startswith("Training throughput")]
     assert len(got) == 1, got
     return got[0]
 

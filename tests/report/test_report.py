@@ -135,7 +135,7 @@ def test_findings_plots_and_hooks(report):
     assert "663,552,000" in text and "16,588,800" in text and "46,592" in text
     assert "4.44× saving" in text
     # old CPU results have no spread: the throughput findings say so, state no difference, and warn about CPUs
-    tput = [f for f in res["findings"] if f.startswith(("Training tokens/s", "Decode tokens/s"))]
+    tput = [f for f in res["findings"] if f.startswith(("Training throughput", "Decode throughput"))]
     assert len(tput) == 4 and all("not judged" in f and "do not predict GPU behaviour" in f for f in tput)
     assert not any(re.search(r"[+-]\d+\.\d%", f) for f in tput)
     # the KV saving, labelled against both references
