@@ -18,10 +18,11 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
@@ -43,6 +44,16 @@ class View(BaseModel):
     """The part of a result the report reads. Other keys stay in results.jsonl, untouched."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A producer may write null for a section it did not fill (no environment on a run that
+        failed early, no metrics): that reads as the view's default, not as an error."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                or cls.model_fields[k].default is None}
 
     @classmethod
     def legacy(cls, doc: Any) -> Any:
@@ -236,14 +247,15 @@ class DecodeView(View):
     points: list[DecodePoint] = []
     device: Device = Device()
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_by_name(cls, v: Any) -> Any:
+        return {"type": v} if isinstance(v, str) else v
+
     @classmethod
     def legacy(cls, doc: Any) -> Any:
         """The first decode results were the bare list of points."""
-        if isinstance(doc, list):
-            return {"points": doc}
-        if isinstance(doc, dict) and isinstance(doc.get("device"), str):
-            return {**doc, "device": {"type": doc["device"]}}
-        return doc
+        return {"points": doc} if isinstance(doc, list) else doc
 
 
 VIEWS: dict[str, type[View]] = {"estimate": EstimateView, "count": CountView, "train": TrainView, "decode": DecodeView}
@@ -337,7 +349,7 @@ class Row:
     def kv_lora_rank(self) -> int | None:
         return self.recipe.model.kv_lora_rank if self.recipe and self.attention == "mla" else None
 
-    @property
+    @cached_property
     def kv(self) -> dict:
         """The analytic KV cache of the point's model (bytes/token, the same-head-dims ratio)."""
         return analytic.kv_cache(self.recipe.model)
@@ -407,17 +419,25 @@ class ResultsSet:
     def mha_point(self, r: Row) -> Row | None:
         """The MHA point of ``r``'s results dir whose cache ``r`` is compared with: same layers, width,
         heads and dtype (the FFN does not change the cache). None when there is none, or several differ."""
-        m = r.recipe.model
-        same = [x for x in self.rows if x.source == r.source and x.recipe is not None and x.attention == "mha"
-                and (x.recipe.model.n_layers, x.recipe.model.d_model, x.recipe.model.n_heads, x.recipe.model.dtype)
-                == (m.n_layers, m.d_model, m.n_heads, m.dtype)]
-        sizes = {x.kv["bytes_per_token"] for x in same}
-        return same[0] if len(sizes) == 1 else None
+        return self._mha_points.get(_kv_shape(r))
+
+    @cached_property
+    def _mha_points(self) -> dict[tuple, Row]:
+        same: dict[tuple, list[Row]] = {}
+        for x in self.rows:
+            if x.recipe is not None and x.attention == "mha":
+                same.setdefault(_kv_shape(x), []).append(x)
+        return {k: xs[0] for k, xs in same.items() if len({x.kv["bytes_per_token"] for x in xs}) == 1}
 
     def kv_vs_mha_point(self, r: Row) -> float | None:
         """The MHA point's KV bytes per token over ``r``'s: MLA's compression against what was swept."""
         ref = self.mha_point(r)
         return ref.kv["bytes_per_token"] / r.kv["bytes_per_token"] if ref is not None else None
+
+
+def _kv_shape(r: Row) -> tuple:
+    m = r.recipe.model
+    return r.source, m.n_layers, m.d_model, m.n_heads, m.dtype
 
 
 def load(dirs: list[Path]) -> ResultsSet:

@@ -234,3 +234,14 @@ def test_one_outlier_turns_the_axis_logarithmic_and_the_caption_says_so():
     wide = line_plot("k", "t", "x", "y", [("a", 1, spreads[0]), ("a", 2, spreads[1]), ("b", 3, 5000.0)], autolog=True)
     assert wide.caption == "Log y axis: the values span 49×."  # 5,000 over the lowest p10 (102)
     assert line_plot("k", "t", "x", "y", [("a", 1, 1.0), ("b", 1, 2.0)]) is None  # one x value: no plot
+
+
+def test_null_sections_read_as_unset():
+    """A producer may write null for what it did not fill; the view reads its default, not an error."""
+    t = data.read_result("train", {"kind": "some-future-kind", "environment": None, "metrics": None, "timing": None,
+                                   "tokens_per_s": 500.0}, "x")
+    assert t.environment.world_size is None and t.metrics == {} and t.rate == data.one(500.0)
+    d = data.read_result("decode", {"kind": "some-future-kind", "device": "cuda", "points": None}, "x")
+    assert d.device.type == "cuda" and d.points == []
+    with pytest.raises(Exception, match="points"):
+        data.read_result("decode", {"points": "many"}, "x")

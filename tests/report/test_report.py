@@ -178,3 +178,15 @@ def test_csv_cells_cannot_become_formulas():
 
     assert _csv_safe("=HYPERLINK(\"http://x\")") == "'=HYPERLINK(\"http://x\")"
     assert _csv_safe("attention=mla") == "attention=mla" and _csv_safe(-0.5) == -0.5
+
+
+def test_human_output_names_the_files_and_the_api_refuses_no_dirs(tmp_path):
+    res = CliRunner().invoke(main, ["report", str(PRICE), "-o", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert f"report: {tmp_path / 'report.html'}" in res.output and str(tmp_path / "results.csv") in res.output
+    assert "tables: estimate, claim; 2 plot(s)" in res.output
+    from scaletool import api
+    from scaletool.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="no results directory given"):
+        api.report([])
