@@ -1,5 +1,5 @@
 """Findings respect the noise; repeats aggregate; spreads reach tables, CSV and plots; typed reading
-refuses what it cannot read. Synthetic results (tests/report/synth.py) put points on both sides of the line."""
+refuses what it cannot read. Synthetic results (tests/report/report_synth.py) put points on both sides of the line."""
 from __future__ import annotations
 
 import csv
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import report_synth as synth
+from pydantic import ValidationError
 from report_md import md_row, md_section
 
 from scaletool import api
@@ -243,5 +244,5 @@ def test_null_sections_read_as_unset():
     assert t.environment.world_size is None and t.metrics == {} and t.rate == data.one(500.0)
     d = data.read_result("decode", {"kind": "some-future-kind", "device": "cuda", "points": None}, "x")
     assert d.device.type == "cuda" and d.points == []
-    with pytest.raises(Exception, match="points"):
+    with pytest.raises(ValidationError, match="points"):
         data.read_result("decode", {"points": "many"}, "x")
