@@ -174,9 +174,10 @@ class TrainView(View):
         doc = dict(doc)
         metrics = doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {}
         doc.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))
-        times = (doc.get("history") or {}).get("step_time_s") if isinstance(doc.get("history"), dict) else None
+        times = doc["history"].get("step_time_s") if isinstance(doc.get("history"), dict) else None
         tokens = doc.get("tokens_per_step")
-        if times and tokens and "timing" not in doc:
+        numeric = isinstance(times, list) and all(isinstance(t, (int, float)) for t in times)
+        if times and numeric and isinstance(tokens, int) and tokens > 0 and "timing" not in doc:
             start = settled_start(times, doc.get("measure_warmup_steps") or 0)
             step = spread(times[start:])
             if step is not None:
@@ -198,6 +199,11 @@ class TrainView(View):
         if self.timing.step_s is not None and self.tokens_per_step:
             return self.timing.step_s.inverse(self.tokens_per_step)
         return one(self.tokens_per_s)
+
+    @property
+    def steps_measured(self) -> int | None:
+        """The steps behind the timing (after the warm-up rule), else what the summary says it measured."""
+        return self.timing.step_s.n if self.timing.step_s is not None else self.measured_steps
 
     @property
     def on_cpu(self) -> bool:

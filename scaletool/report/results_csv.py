@@ -65,7 +65,7 @@ def _train(r: Row) -> dict[str, Any]:
     return {**_spread("throughput/tokens_per_s", r.across(lambda t: t.rate)),
             "flops/mfu_causal": r.median(lambda t: t.mfu), "flops/mfu_full_attention": r.median(lambda t: t.mfu_full_attention),
             "memory/peak_allocated_bytes": s.peak_memory_bytes, "memory/analytic_bytes": train_analytic_memory(r),
-            "loss/first": s.loss_first, "loss/last": s.loss_last, "steps/measured": s.measured_steps,
+            "loss/first": s.loss_first, "loss/last": s.loss_last, "steps/measured": s.steps_measured,
             "steps/warmup_excluded": s.timing.warmup_steps_excluded, "threads": s.threads}
 
 

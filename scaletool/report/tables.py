@@ -170,7 +170,7 @@ def train_table(rs: ResultsSet) -> Table | None:
         peak, est = s.peak_memory_bytes, train_analytic_memory(r)
         return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
                  r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
-                 s.loss_first, s.loss_last, s.measured_steps, s.timing.warmup_steps_excluded]]
+                 s.loss_first, s.loss_last, s.steps_measured, s.timing.warmup_steps_excluded]]
     cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
             *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
             Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
