@@ -42,3 +42,14 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
     from scaletool import analytic
 
     return analytic.estimate(resolve(recipe, overrides), tokens=tokens, world_size=world_size)
+
+
+def report(results_dirs: Sequence[str | Path], out: str | Path | None = None):
+    """Write the report of one or more sweep results directories into ``out`` (default
+    ``<first dir>/report``) and return its :class:`~scaletool.results.report.ReportResult`."""
+    from scaletool.report.render import build_report
+
+    dirs = [Path(d) for d in results_dirs]
+    if not dirs:
+        raise RecipeError("report: no results directory given")
+    return build_report(dirs, Path(out) if out is not None else dirs[0] / "report")

@@ -33,8 +33,11 @@ def gib(x: float | None) -> str:
     return f"{x / 2**10:.1f} KiB"
 
 
-def pct(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{100 * x:+.{digits}f}%"
+def pct(x: float | None, digits: int = 2, *, signed: bool = True) -> str:
+    """0.123 -> '+12.30%' (a change or an error), or '12.3%' with ``signed=False`` (a share)."""
+    if x is None:
+        return "-"
+    return f"{100 * x:+.{digits}f}%" if signed else f"{100 * x:.{digits}f}%"
 
 
 def clean(obj):

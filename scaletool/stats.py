@@ -8,6 +8,7 @@ report a median with its spread rather than a mean):
   order statistics (numpy's default ``linear`` method), so n=1 gives p10 = p90 = the value.
 - :func:`settled_start`: how many leading samples a warm-up rule excludes: at least ``minimum``,
   then every further leading sample slower than the settled level by more than ``tolerance``.
+- :func:`rel_error`: (value - reference) / reference, the one relative error every table and finding uses.
 - :func:`compare`: a difference between two spreads is stated only when their p10-p90 ranges do
   not overlap and each side has at least :data:`MIN_SAMPLES` samples; otherwise it is noise.
 """
@@ -17,6 +18,8 @@ import math
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
+
+from scaletool.fmt import pct
 
 #: fewer samples than this on either side and no difference is claimed: no spread to judge it by
 MIN_SAMPLES = 3
@@ -92,6 +95,13 @@ def settled_start(times: Sequence[float], minimum: int, tolerance: float = 0.25)
     return start + extra
 
 
+def rel_error(value: float | None, reference: float | None) -> float | None:
+    """(value - reference) / reference; None when either is missing or the reference is 0."""
+    if value is None or not reference:
+        return None
+    return (value - reference) / reference
+
+
 class Comparison(BaseModel):
     """How ``a`` relates to ``b``: their medians' relative difference and whether it beats the noise."""
 
@@ -105,8 +115,8 @@ class Comparison(BaseModel):
     def describe(self, more: str = "higher", less: str = "lower") -> str:
         """``+12.3% higher`` or ``within noise (±4.1%)``."""
         if not self.significant:
-            return f"within noise (±{100 * self.noise:.1f}%)" if not self.reason else f"not compared: {self.reason}"
-        return f"{100 * self.rel_diff:+.1f}% ({more if self.rel_diff > 0 else less})"
+            return f"within noise (±{pct(self.noise, 1, signed=False)})" if not self.reason else f"not compared: {self.reason}"
+        return f"{pct(self.rel_diff, 1)} ({more if self.rel_diff > 0 else less})"
 
 
 def compare(a: Spread, b: Spread) -> Comparison:

@@ -26,7 +26,7 @@ def quickstart(out: Path, sweep_file: Path) -> None:
     estimate, count and a few train steps, one process per run. A couple of minutes on two
     cores, no GPU. Ends by printing where report.html and report.md are. Delete OUT to start over.
     """
-    from scaletool.report.render import build_report
+    from scaletool import api
     from scaletool.sweep.runner import execute
     from scaletool.sweep.spec import load_sweep
 
@@ -43,7 +43,7 @@ def quickstart(out: Path, sweep_file: Path) -> None:
         sys.exit(130)
     counts = summary["status_counts"]
     con.print(", ".join(f"{n} {s}" for s, n in counts.items() if n))
-    res = build_report([out], out / "report")
-    for f in res["findings"]:
+    res = api.report([out], out / "report")
+    for f in res.findings:
         con.print(f"• {escape(f)}")
-    click.echo(f"\nreport: {res['report_html']}\n        {res['report_md']}")
+    click.echo(f"\nreport: {res.report_html}\n        {res.report_md}")

@@ -1,43 +1,81 @@
 """Findings: short sentences computed from the results, never written by hand.
 
-Each function returns zero or more sentences; one that lacks its data returns none.
+Each function returns zero or more sentences; one that lacks its data returns none. A throughput or
+latency finding compares medians by the noise rule (:func:`scaletool.stats.compare`): a difference is
+stated only where the p10–p90 ranges of both sides are disjoint and each side has n ≥ 3; otherwise it
+is "within noise (±x%)", or, with no spread recorded (results written before timing statistics, a
+single run with too few steps), the finding says so and states no difference. Findings from CPU
+timings say that they do not predict GPU behaviour.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
+from scaletool.fmt import pct
+from scaletool.report.claims import claim_findings
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.tables import (
-    CLAIM_STATED,
-    claim_figures,
-    claim_rows,
-    claim_table,
-    count_table,
-    decode_table,
-    rel,
-    scaling_groups,
-    train_table,
-)
+from scaletool.report.tables import count_table, decode_points, decode_table, fmt, scaling_groups, train_table
+from scaletool.stats import Comparison, Spread, compare
+
+CPU_CAVEAT = "These are CPU timings: they do not predict GPU behaviour."
+NO_SPREAD = ("not judged: fewer than 3 timing samples on a side (results written before timing statistics, or too "
+             "few measured steps or runs), so no difference is stated; the tables list the medians")
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
+def _rate(s: Spread, unit: str = "tokens/s") -> str:
+    """'67,830 tokens/s (p10–p90 66,900–68,100, n=8)'."""
+    if s.n < 2:
+        return f"{fmt(s.median, 'rate')} {unit}, n=1"
+    return f"{fmt(s.median, 'rate')} {unit}, p10–p90 {fmt(s, 'range')}, n={s.n}"
 
 
-def _where(rs: ResultsSet, r: Row) -> str:
-    return f"{r.source}: {r.label}" if rs.multi else r.label
+def _kv(rs: ResultsSet, r: Row) -> str:
+    """'kv_lora_rank 64 (40.00× vs same-dims MHA, 32.00× vs the MHA point)'."""
+    point = rs.kv_vs_mha_point(r)
+    return (f"kv_lora_rank {r.kv_lora_rank} ({r.compression_ratio:.2f}× vs same-dims MHA"
+            + (f", {point:.2f}× vs the MHA point" if point else "") + ")")
+
+
+def _rate_of(t) -> Spread | None:
+    return t.rate
+
+
+def _crossover(cmps: list[tuple[Row, Comparison]]) -> str:
+    """Where MLA (in ascending compression ratio) differs from MHA beyond the noise."""
+    slower = [r for r, c in cmps if c.significant and c.rel_diff < 0]
+    faster = [r for r, c in cmps if c.significant and c.rel_diff > 0]
+    order = [r for r, _ in cmps]
+    if not slower and not faster:
+        return "no difference beyond the noise at any compression ratio measured"
+    if len(slower) == len(order) or len(faster) == len(order):
+        return f"MLA is {'slower' if slower else 'faster'} than MHA beyond the noise at every compression ratio measured"
+    parts = []
+    if slower and slower == order[-len(slower):]:
+        parts.append(f"MLA falls below MHA beyond the noise at compression ratios ≥ {slower[0].compression_ratio:.2f}× "
+                     f"(kv_lora_rank ≤ {slower[0].kv_lora_rank})")
+    elif slower and slower == order[:len(slower)]:
+        parts.append(f"MLA falls below MHA beyond the noise at compression ratios ≤ {slower[-1].compression_ratio:.2f}× "
+                     f"(kv_lora_rank ≥ {slower[-1].kv_lora_rank})")
+    elif slower:
+        parts.append("MLA is slower than MHA beyond the noise at "
+                     + ", ".join(f"{r.compression_ratio:.2f}×" for r in slower) + " (no single crossover)")
+    if faster:
+        parts.append("faster beyond the noise at " + ", ".join(f"{r.compression_ratio:.2f}×" for r in faster))
+    if len(slower) + len(faster) < len(order):
+        parts.append("within noise elsewhere")
+    return "; ".join(parts)
 
 
 def throughput_crossover(rs: ResultsSet) -> list[str]:
-    """Where MLA's training tokens/s falls below MHA's, per results dir and FFN width.
+    """Where MLA's training tokens/s differs from MHA's, per results dir, FFN width, engine and world size.
 
     Points are compared within one FFN width, unless the sweep matched parameter counts (then the
     width is the solver's and every point of the results dir is compared).
     """
     groups: dict[tuple, list[Row]] = defaultdict(list)
-    for r in rs.ok("train"):
-        if r.result.get("tokens_per_s"):
-            width = None if r.record.get("match_params") else r.intermediate_size
+    for r in sorted(rs.ok("train"), key=rs.order):
+        if r.across(_rate_of) is not None:
+            width = None if r.record.match_params else r.intermediate_size
             groups[(r.source, width, r.engine, r.world_size)].append(r)
     engines = {k[2:] for k in groups}
     out = []
@@ -46,40 +84,70 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
         mla = sorted((r for r in rows if r.attention == "mla"), key=lambda r: r.compression_ratio)
         if not mha or not mla:
             continue
-        ref = mha[0].result["tokens_per_s"]
+        ref = mha[0].across(_rate_of)
         where = (f"{source}, " if rs.multi else "") + (f"intermediate_size {width}" if width else "equal parameters")
         if len(engines) > 1:
             where += f", {engine} on {n} GPU(s)"
-        below = [r for r in mla if r.result["tokens_per_s"] < ref]
-        detail = ", ".join(f"{r.compression_ratio:.2f}× (kv_lora_rank {r.kv_lora_rank}): "
-                           f"{_pct(rel(r.result['tokens_per_s'], ref))}" for r in mla)
-        head = f"Training throughput, MLA against MHA ({ref:,.0f} tokens/s; {where}): "
-        if not below:
-            out.append(head + f"MLA stays at or above MHA at every compression ratio measured ({detail}).")
-        elif len(below) == len(mla):
-            out.append(head + f"MLA is below MHA at every compression ratio measured ({detail}).")
-        elif below == mla[:len(below)]:
-            r = below[-1]
-            out.append(head + f"MLA falls below MHA at compression ratios ≤ {r.compression_ratio:.2f}× "
-                       f"(kv_lora_rank ≥ {r.kv_lora_rank}) ({detail}).")
-        elif below == mla[-len(below):]:
-            r = below[0]
-            out.append(head + f"MLA falls below MHA at compression ratios ≥ {r.compression_ratio:.2f}× "
-                       f"(kv_lora_rank ≤ {r.kv_lora_rank}) ({detail}).")
+        cmps = [(r, compare(r.across(_rate_of), ref)) for r in mla]
+        head = f"Training throughput, MLA against MHA ({_rate(ref)}; {where}): "
+        if all(c.reason for _, c in cmps):
+            text = head + NO_SPREAD + "."
         else:
-            out.append(head + f"no single crossover; MLA is below MHA at "
-                       f"{', '.join(f'{r.compression_ratio:.2f}×' for r in below)} ({detail}).")
+            detail = "; ".join(f"{_kv(rs, r)}: {c.describe('faster', 'slower')}" for r, c in cmps)
+            text = head + _crossover(cmps) + f" ({detail})."
+        out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
     return out
 
 
 def scaling(rs: ResultsSet) -> list[str]:
-    """Scaling efficiency per engine and attention type, from the scaling table's groups."""
+    """Scaling efficiency per engine and attention type, with the per-GPU rate judged against one GPU's."""
     out = []
     for (attention, rank, _width, engine), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
-        base = by_n[1].result["tokens_per_s"]
-        eff = ", ".join(f"{n} GPUs {by_n[n].result['tokens_per_s'] / n / base:.0%}" for n in sorted(by_n) if n > 1)
+        base = by_n[1].across(_rate_of)
+        parts = []
+        for n in sorted(by_n):
+            if n > 1:
+                s = by_n[n].across(_rate_of)
+                c = compare(s.scaled(1 / n), base)
+                parts.append(f"{n} GPUs {pct(s.median / n / base.median, 0, signed=False)} "
+                             f"({c.describe('above linear', 'below linear')})")
         name = attention + (f" (kv_lora_rank {rank})" if rank else "")
-        out.append(f"Scaling efficiency of {name} under {engine} (per-GPU tokens/s against one GPU): {eff}.")
+        out.append(f"Scaling efficiency of {name} under {engine} (per-GPU tokens/s against one GPU, medians): "
+                   f"{', '.join(parts)}.")
+    return out
+
+
+def decode_speed(rs: ResultsSet) -> list[str]:
+    """MLA's decode tokens/s against MHA's, per results dir and FFN width, context by context (at equal
+    batch where MHA measured it, else at each side's own batch, which the sentence names)."""
+    by: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for r in sorted(rs.ok("decode"), key=rs.order):
+        width = None if r.record.match_params else r.intermediate_size
+        for m in decode_points(r):
+            if m.decode is not None:
+                by[(r.source, width)][m.point.context].append((r, m))
+    out = []
+    for (source, width), contexts in by.items():
+        parts, judged, cpu = [], False, False
+        for context, items in contexts.items():
+            mha = {m.point.batch: m for r, m in items if r.attention == "mha"}
+            mla = sorted(((r, m) for r, m in items if r.attention == "mla"), key=lambda x: x[0].compression_ratio)
+            if not mha or not mla:
+                continue
+            cpu |= any(r.result.device.type == "cpu" for r, _ in items)
+            cmps = [(r, m, mha.get(m.point.batch) or mha[max(mha)]) for r, m in mla]
+            cmps = [(r, m, ref, compare(m.decode, ref.decode)) for r, m, ref in cmps]
+            judged |= not all(c.reason for *_, c in cmps)
+            refs = "; ".join(f"batch {b:,}: {_rate(mha[b].decode)}" for b in sorted({ref.point.batch for *_, ref, _ in cmps}))
+            parts.append(f"context {context:,} (MHA {refs}): " + "; ".join(
+                f"kv_lora_rank {r.kv_lora_rank}" + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
+                + f": {c.describe('faster', 'slower')}" for r, m, ref, c in cmps))
+        if not parts:
+            continue
+        where = ", ".join(([source] if rs.multi else []) + ([f"intermediate_size {width}"] if width else []))
+        head = "Decode throughput, MLA against MHA" + (f" ({where})" if where else "") + ": "
+        text = head + (". ".join(parts) if judged else NO_SPREAD) + "."
+        out.append(text + (" " + CPU_CAVEAT if cpu else ""))
     return out
 
 
@@ -88,7 +156,7 @@ def rule_of_thumb(rs: ResultsSet) -> list[str]:
     rows = rs.ok("estimate") or rs.ok("count")
     by_width: dict[tuple, list[float]] = defaultdict(list)
     for r in rows:
-        err = r.result.get("params", {}).get("rule_of_thumb_rel_error")
+        err = r.result.params.rule_of_thumb_rel_error
         if err is not None:
             by_width[(r.intermediate_size, r.recipe.model.d_model)].append(err)
     if not by_width:
@@ -96,7 +164,7 @@ def rule_of_thumb(rs: ResultsSet) -> list[str]:
     parts = []
     for (width, d), errs in sorted(by_width.items()):
         lo, hi = min(errs), max(errs)
-        span = _pct(lo) if abs(hi - lo) < 5e-4 else f"{_pct(lo)} to {_pct(hi)}"
+        span = pct(lo, 1) if abs(hi - lo) < 5e-4 else f"{pct(lo, 1)} to {pct(hi, 1)}"
         parts.append(f"intermediate_size {width} ({width / d:.2g}·d): {span}")
     return ["12·d²·L against the exact non-embedding parameter count (across attention types): "
             + "; ".join(parts) + ". The rule assumes a 4·d GELU FFN and full MHA; SwiGLU, other widths, "
@@ -104,24 +172,44 @@ def rule_of_thumb(rs: ResultsSet) -> list[str]:
 
 
 def kv_savings(rs: ResultsSet) -> list[str]:
-    mla = [r for r in rs.ok("estimate") if r.attention == "mla"]
-    if not mla:
-        return []
-    ratios = sorted({round(r.compression_ratio, 2) for r in mla})
-    ranks = sorted({r.kv_lora_rank for r in mla})
-    return [f"MLA's KV cache per token is {ratios[0]:.2f}×" + (f" to {ratios[-1]:.2f}×" if len(ratios) > 1 else "")
-            + " smaller than the MHA with the same heads and head dims (kv_lora_rank "
-            + ", ".join(map(str, ranks)) + ")."]
+    """MLA's KV-cache saving per results dir, against the same-head-dims MHA and against the MHA point swept."""
+    out = []
+    for src in rs.sources:
+        mla, seen = [], set()
+        for r in sorted(rs.rows, key=rs.order):
+            if r.source == src["label"] and r.recipe is not None and r.attention == "mla" and r.record.point_id not in seen:
+                seen.add(r.record.point_id)
+                mla.append(r)
+        if not mla:
+            continue
+        ranks = sorted({r.kv_lora_rank for r in mla})
+        text = ((f"{src['label']}: " if rs.multi else "") + "MLA's KV cache per token is "
+                + _span([r.compression_ratio for r in mla]) + " smaller than the MHA with the same heads and head dims "
+                f"(kv_lora_rank {', '.join(map(str, ranks))})")
+        vs_point = [x for x in (rs.kv_vs_mha_point(r) for r in mla) if x is not None]
+        if vs_point and len(vs_point) == len(mla):
+            mha = rs.mha_point(mla[0])
+            text += (f", and {_span(vs_point)} smaller than the MHA point of these results "
+                     f"({mha.kv['bytes_per_token']:,} bytes/token)")
+        else:
+            text += "; these results have no MHA point with the same layers, width and heads to compare with"
+        out.append(text + ".")
+    return out
+
+
+def _span(xs: list[float]) -> str:
+    lo, hi = round(min(xs), 2), round(max(xs), 2)
+    return f"{lo:.2f}×" + (f" to {hi:.2f}×" if hi != lo else "")
 
 
 def worst_errors(rs: ResultsSet) -> list[str]:
     """The worst relative error of each measured-against-analytic comparison in the tables."""
-    checks = [(count_table, "measured vs exact", "parameters, measured against the exact count"),
-              (count_table, "FlopCounterMode vs analytic", "FlopCounterMode FLOPs against the analytic (full)"),
-              (count_table, "fvcore vs analytic", "fvcore FLOPs against the analytic (full)"),
-              (count_table, "6·N·T vs measured", "6·N·T against the measured training FLOPs"),
-              (decode_table, "measured vs analytic", "measured KV-cache bytes against the analytic"),
-              (train_table, "peak vs analytic", "peak training memory against the analytic estimate")]
+    checks = [(count_table, "parameters measured vs exact", "parameters, measured against the exact count"),
+              (count_table, "FLOPs fwd+bwd FlopCounterMode vs analytic", "FlopCounterMode FLOPs against the analytic (full)"),
+              (count_table, "FLOPs fwd fvcore vs analytic", "fvcore FLOPs against the analytic (full)"),
+              (count_table, "FLOPs fwd+bwd 6·N·T vs measured", "6·N·T against the measured training FLOPs"),
+              (decode_table, "KV cache measured vs analytic", "measured KV-cache bytes against the analytic"),
+              (train_table, "peak memory measured vs analytic", "peak training memory against the analytic estimate")]
     out = []
     tables = {}
     for build, col, what in checks:
@@ -137,45 +225,24 @@ def worst_errors(rs: ResultsSet) -> list[str]:
             out.append(f"Exact in all {len(idx)} compared: {what}.")
             continue
         where = (f"{t.column('source')[i]}: " if rs.multi else "") + t.column("point")[i]
-        out.append(f"Worst {what}: {_pct(errs[i])} ({where}; {len(idx)} compared).")
-    return out
-
-
-def claim_check(rs: ResultsSet) -> list[str]:
-    if claim_table(rs) is None:
-        return []
-    out = []
-    for r in claim_rows(rs):
-        c = claim_figures(r)
-        m = r.recipe.model
-        stated = ""
-        if c["is_document_config"]:
-            stated = (f"The design document states {CLAIM_STATED['traditional']:,} vs {CLAIM_STATED['mla']:,}, "
-                      f"a {CLAIM_STATED['saving']:,}× saving; its own formula n_heads·seq²·head_dim gives "
-                      f"{c['claim_traditional']:,}, and kv_lora_rank·seq + n_heads·head_dim gives "
-                      f"{c['claim_mla']:,}. ")
-        where = (f"{r.source}: " if rs.multi else "") + f"kv_lora_rank={r.kv_lora_rank}"
-        out.append(f"{where}: {stated}The comparison mixes an attention-score count with a cache size. "
-                   f"Real figures at seq_len {r.recipe.seq_len}, {m.n_layers} layers: the KV cache is "
-                   f"{c['mla_cache']:,} elements for MLA against {c['mha_cache']:,} for the MHA-equivalent, a "
-                   f"{c['real_saving']:.2f}× saving, not {c['claim_saving']:,.0f}×; the naive score matrix "
-                   f"(H·T² = {c['scores']:,} elements per layer) is the same for both and fused SDPA never stores it.")
+        out.append(f"Worst {what}: {pct(errs[i], 1)} ({where}; {len(idx)} compared).")
     return out
 
 
 def budget(rs: ResultsSet) -> list[str]:
-    mps = [r.record["match_params"] for r in rs.rows if r.record.get("match_params")]
+    mps = [r.record.match_params for r in rs.rows if r.record.match_params]
     if not mps:
         return []
-    worst = max(mps, key=lambda m: abs(m["rel_error"]))
-    values = sorted({m["value"] for m in mps})
-    return [f"Equal budget: {worst['key']} solved per point to {', '.join(map(str, values))}; every point is within "
-            f"{100 * abs(worst['rel_error']):.2f}% of the target {worst['target']:,} {worst['params']} parameters."]
+    worst = max(mps, key=lambda m: abs(m.rel_error))
+    values = sorted({m.value for m in mps})
+    return [f"Equal budget: {worst.key} solved per point to {', '.join(f'{v:g}' for v in values)}; every point is "
+            f"within {pct(abs(worst.rel_error), 2, signed=False)} of the target {worst.target:,} {worst.params} parameters."]
 
 
 def all_findings(rs: ResultsSet) -> list[str]:
     out: list[str] = []
-    for f in (kv_savings, rule_of_thumb, throughput_crossover, scaling, budget, worst_errors, claim_check):
+    for f in (kv_savings, rule_of_thumb, throughput_crossover, scaling, decode_speed, budget, worst_errors,
+              claim_findings):
         out += f(rs)
     n_bad = sum(r.status not in ("ok", "skipped") for r in rs.rows)
     if n_bad:

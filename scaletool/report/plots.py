@@ -1,21 +1,36 @@
 """Report plots, PNG bytes from matplotlib's Agg canvas (no pyplot state, no display needed).
 
 A plot is drawn only when its data has at least two distinct x values; otherwise it is left out.
+Timed figures carry p10–p90 error bars; a y axis (throughput, bytes, parameters) whose values span
+more than :data:`LOG_SPAN` turns logarithmic, so one outlier cannot flatten the rest (the caption
+says so).
+The title lives beside the image (report heading, figure caption), not inside it; legends sit below
+the axes, never over the data or the y axis.
 """
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 
+from scaletool.fmt import gib, si
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.tables import decode_points, train_analytic_memory
+from scaletool.stats import Spread
+
+#: max/min of a throughput plot's values beyond which its y axis is logarithmic
+LOG_SPAN = 4.0
+BARS = "Bars: p10–p90 of the point (over its measured steps, or over its runs where it ran several times)."
+RATIO_X = "x: KV compression against the MHA with the same heads and head dims."
+
+Value = Spread | float | int | None
 
 
 @dataclass
 class Plot:
     key: str
     title: str
+    caption: str  # what the title does not say: bars, scales, reference lines
     png: bytes
 
 
@@ -25,42 +40,74 @@ def _mpl_text(s: str) -> str:
     return " " + s if s.startswith("_") else s
 
 
-def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple[str, float, float]], *,
-              logx: bool = False, logy: bool = False, percent: bool = False) -> Plot | None:
-    """One line per series name through its (x, y) points, sorted by x."""
-    points = [(s, x, y) for s, x, y in points if x is not None and y is not None]
+def _tick(v: float, _pos=None) -> str:
+    return si(v)
+
+
+def _minor_tick(v: float, _pos=None) -> str:
+    """Log-axis minor ticks labelled at 2 and 5 times a power of ten only."""
+    return si(v) if v > 0 and round(v / 10 ** math.floor(math.log10(v)), 6) in (2, 5) else ""
+
+
+def _bounds(v: Value) -> tuple[float, float, float]:
+    if isinstance(v, Spread):
+        return v.median, v.p10, v.p90
+    return float(v), float(v), float(v)
+
+
+def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple[str, float | None, Value]], *,
+              caption: str = "", logx: bool = False, autolog: bool = False, percent: bool = False, nbytes: bool = False,
+              hlines: list[tuple[str, float]] = ()) -> Plot | None:
+    """One line per series name through its (x, y) points, sorted by x; y may be a Spread (error bars).
+    ``autolog``: a logarithmic y axis when the values span more than LOG_SPAN; ``percent``/``nbytes``:
+    y tick labels as percentages or as bytes (KiB, MiB, GiB)."""
+    points = [(s, x, _bounds(y)) for s, x, y in points if x is not None and y is not None]
     if len({x for _, x, _ in points}) < 2:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter, PercentFormatter, ScalarFormatter
 
-    fig = Figure(figsize=(6.4, 4.0), dpi=110)
+    fig = Figure(figsize=(6.4, 3.6), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    series: dict[str, list[tuple[float, float]]] = {}
+    series: dict[str, dict[float, tuple[float, float, float]]] = {}
     for s, x, y in points:
-        series.setdefault(s, []).append((x, y))
-    for name, xy in series.items():
-        xy = sorted(set(xy))
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=_mpl_text(name))
-    ax.set_title(_mpl_text(title))
+        series.setdefault(s, {}).setdefault(x, y)
+    for i, (name, by_x) in enumerate(series.items()):
+        xs = sorted(by_x)
+        mid, lo, hi = ([by_x[x][k] for x in xs] for k in range(3))
+        bars = [[m - low for m, low in zip(mid, lo)], [high - m for m, high in zip(mid, hi)]]
+        # past the 10 colours of the cycle, the line style tells series of the same colour apart
+        ax.errorbar(xs, mid, yerr=bars if any(map(any, bars)) else None, marker="os^D"[i // 10 % 4], markersize=4,
+                    capsize=3, linestyle=("-", "--", ":", "-.")[i // 10 % 4], label=_mpl_text(name))
+    for name, y in hlines:
+        ax.axhline(y, linestyle="--", linewidth=1, color="0.35", label=_mpl_text(name))
+    values = [v for _, _, b in points for v in b if v > 0] + [y for _, y in hlines if y > 0]
+    notes = [caption] if caption else []
+    span = max(values) / min(values) if values else 1.0
+    if autolog and span > LOG_SPAN:
+        ax.set_yscale("log")
+        notes.append(f"Log y axis: the values span {span:.0f}×.")
+        # within two decades the intermediate ticks are labelled too, or the axis has one or two labels
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_tick) if span < 100 else NullFormatter())
+    if percent:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    else:  # 25.6 k rather than 25600 or a "1e7" offset; no mathtext to parse either
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: gib(v)) if nbytes else FuncFormatter(_tick))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if logx:
         ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    if percent:
-        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-    ax.grid(alpha=0.3)
-    if len(series) > 5:  # many series: the legend goes beside the axes, not over the data
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    else:
-        ax.legend(fontsize=8)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.grid(alpha=0.3, which="both" if autolog else "major")
+    # Below the axes, in as many columns as the labels allow: never over the data or the y axis.
+    longest = max(len(n) for n in list(series) + [n for n, _ in hlines])
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, frameon=False,
+              ncol=3 if longest <= 24 else 2 if longest <= 40 else 1)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
-    return Plot(key, title, buf.getvalue())
+    return Plot(key, title, " ".join(notes), buf.getvalue())
 
 
 def _name(rs: ResultsSet, r: Row, *parts) -> str:
@@ -68,62 +115,97 @@ def _name(rs: ResultsSet, r: Row, *parts) -> str:
     return " · ".join(bits)
 
 
-def _varies(rows: list[Row], attr: Callable[[Row], object]) -> bool:
+def _varies(rows: list[Row], attr) -> bool:
     return len({attr(r) for r in rows}) > 1
 
 
-def all_plots(rs: ResultsSet) -> list[Plot]:
-    plots: list[Plot | None] = []
+def analytic_plots(rs: ResultsSet) -> list[Plot | None]:
     est = rs.ok("estimate") or rs.ok("count")
-    if est:
-        width = _varies(est, lambda r: r.intermediate_size)
-        kv = [(_name(rs, r, r.series_key), r.compression_ratio, r.result["kv_cache"]["bytes_per_token"])
-              for r in rs.ok("estimate")]
-        plots.append(line_plot("kv_vs_compression", "KV-cache bytes per token vs compression ratio",
-                               "KV compression ratio (MHA-equivalent / cached)", "bytes per token (all layers)", kv))
-        params = [(_name(rs, r, r.series_key, f"ffn={r.intermediate_size}" if width else None), r.compression_ratio,
-                   _params(r)) for r in est]
-        plots.append(line_plot("params_vs_compression", "Parameters vs compression ratio",
-                               "KV compression ratio", "parameters", params))
+    if not est:
+        return []
+    width = _varies(est, lambda r: r.intermediate_size)
+    estimates = rs.ok("estimate")
+    kv = [(_name(rs, r, r.series_key), r.compression_ratio, r.result.kv_cache.bytes_per_token) for r in estimates]
+    refs = {}
+    for r in estimates:
+        mha = rs.mha_point(r) if r.attention == "mla" else None
+        if mha is not None:
+            refs[_name(rs, mha, f"MHA point ({mha.kv['bytes_per_token']:,} B/token)")] = mha.kv["bytes_per_token"]
+    params = [(_name(rs, r, r.series_key, f"ffn={r.intermediate_size}" if width else None), r.compression_ratio,
+               r.result.params.total if r.mode == "estimate" else r.result.params.measured) for r in est]
+    return [line_plot("kv_vs_compression", "KV-cache bytes per token vs compression ratio",
+                      "KV compression ratio vs same-dims MHA", "bytes per token (all layers)", kv, hlines=list(refs.items()),
+                      autolog=True,
+                      caption=RATIO_X + (" Dashed: the MHA point of these results; MLA's ratio against it is the line "
+                                         "over the point." if refs else "")),
+            line_plot("params_vs_compression", "Parameters vs compression ratio", "KV compression ratio vs same-dims MHA",
+                      "parameters", params, caption=RATIO_X, autolog=True)]
+
+
+def train_plots(rs: ResultsSet) -> list[Plot | None]:
     train = rs.ok("train")
-    if train:
-        width = _varies(train, lambda r: r.intermediate_size)
+    if not train:
+        return []
+    width = _varies(train, lambda r: r.intermediate_size)
 
-        def by_ratio(r: Row) -> str:
-            return _name(rs, r, r.series_key, f"ffn={r.intermediate_size}" if width else None)
+    def by_ratio(r: Row) -> str:
+        return _name(rs, r, r.series_key, f"ffn={r.intermediate_size}" if width else None)
 
-        def by_width(r: Row) -> str:
-            return _name(rs, r, r.series_key, f"kv_lora_rank={r.kv_lora_rank}" if r.kv_lora_rank else None)
+    def by_width(r: Row) -> str:
+        return _name(rs, r, r.series_key, f"kv_lora_rank={r.kv_lora_rank}" if r.kv_lora_rank else None)
 
-        for metric, label, pct_axis in (("tokens_per_s", "tokens/s", False), ("mfu", "MFU", True)):
-            plots.append(line_plot(f"{metric}_vs_compression", f"Training {label} vs compression ratio",
-                                   "KV compression ratio", label,
-                                   [(by_ratio(r), r.compression_ratio, r.result.get(metric)) for r in train],
-                                   percent=pct_axis))
-            plots.append(line_plot(f"{metric}_vs_ffn", f"Training {label} vs FFN width", "intermediate_size", label,
-                                   [(by_width(r), r.intermediate_size, r.result.get(metric)) for r in train],
-                                   percent=pct_axis))
-        mem = [(by_width(r), r.intermediate_size, r.result.get("peak_memory_bytes")) for r in train]
-        mem += [(by_width(r) + " (analytic)", r.intermediate_size, train_analytic_memory(r)) for r in train
-                if r.result.get("peak_memory_bytes") is not None]
-        plots.append(line_plot("memory_vs_ffn", "Peak training memory vs FFN width", "intermediate_size",
-                               "bytes", mem))
+    def rate(r: Row) -> Spread | None:
+        return r.across(lambda t: t.rate)
+
+    def mfu(r: Row) -> float | None:
+        return r.median(lambda t: t.mfu)
+    mfu_note = "MFU with causal attention FLOPs (Megatron's convention); the training table has the full-attention MFU too."
+    mem = [(by_width(r), r.intermediate_size, r.result.peak_memory_bytes) for r in train]
+    mem += [(by_width(r) + " (analytic)", r.intermediate_size, train_analytic_memory(r)) for r in train
+            if r.result.peak_memory_bytes is not None]
+    return [
+        line_plot("tokens_per_s_vs_compression", "Training tokens/s vs compression ratio", "KV compression ratio vs "
+                  "same-dims MHA", "tokens/s", [(by_ratio(r), r.compression_ratio, rate(r)) for r in train], autolog=True,
+                  caption=BARS + " " + RATIO_X),
+        line_plot("tokens_per_s_vs_ffn", "Training tokens/s vs FFN width", "intermediate_size", "tokens/s",
+                  [(by_width(r), r.intermediate_size, rate(r)) for r in train], autolog=True, caption=BARS),
+        line_plot("mfu_vs_compression", "Training MFU vs compression ratio", "KV compression ratio vs same-dims MHA",
+                  "MFU (causal)", [(by_ratio(r), r.compression_ratio, mfu(r)) for r in train], percent=True,
+                  caption=mfu_note),
+        line_plot("mfu_vs_ffn", "Training MFU vs FFN width", "intermediate_size", "MFU (causal)",
+                  [(by_width(r), r.intermediate_size, mfu(r)) for r in train], percent=True, caption=mfu_note),
+        line_plot("memory_vs_ffn", "Peak training memory vs FFN width", "intermediate_size", "peak memory", mem,
+                  autolog=True, nbytes=True,
+                  caption="Measured allocator peak and, marked analytic, the estimate it is compared with."),
+    ]
+
+
+def decode_plots(rs: ResultsSet) -> list[Plot | None]:
     dec = rs.ok("decode")
-    if dec:
-        pts = [(r, p) for r in dec for p in decode_points(r)]
-        # One line per run, unless a run measured several batches at one context; with `--batch max`
-        # each context has its own (largest) batch, which the table lists.
-        per_context: dict[tuple, set] = {}
-        for r, p in pts:
-            per_context.setdefault((id(r), p.get("context")), set()).add(p.get("batch"))
-        batches = any(len(b) > 1 for b in per_context.values())
-        plots.append(line_plot(
-            "decode_vs_context", "Decode tokens/s vs context length", "context (tokens)", "decode tokens/s",
-            [(_name(rs, r, r.label, f"batch={p.get('batch')}" if batches else None), p.get("context"),
-              p.get("decode_tokens_per_s")) for r, p in pts], logx=True, logy=True))
+    if not dec:
+        return []
+    pts = [(r, m) for r in dec for m in decode_points(r)]
+    # One line per run, unless a run measured several batches at one context; with `--batch max`
+    # each context has its own (largest) batch, which the table lists.
+    per_context: dict[tuple, set] = {}
+    for r, m in pts:
+        per_context.setdefault((id(r), m.point.context), set()).add(m.point.batch)
+    batches = any(len(b) > 1 for b in per_context.values())
+    width = _varies(dec, lambda r: r.intermediate_size)
+
+    def name(r: Row) -> str:
+        return _name(rs, r, r.series_key, f"kv_lora_rank={r.kv_lora_rank}" if r.kv_lora_rank else None,
+                     f"ffn={r.intermediate_size}" if width else None)
+    names = {}
+    for r in dec:
+        names.setdefault(name(r), set()).add(r.record.point_id)
+    # the point's own label where the short name would merge two points into one line
+    series = {id(r): name(r) if len(names[name(r)]) == 1 else _name(rs, r, r.label) for r in dec}
+    return [line_plot("decode_vs_context", "Decode tokens/s vs context length", "context (tokens)", "decode tokens/s",
+                      [(series[id(r)] + (f" · batch={m.point.batch}" if batches else ""), m.point.context, m.decode)
+                       for r, m in pts], logx=True, autolog=True, caption=BARS)]
+
+
+def all_plots(rs: ResultsSet) -> list[Plot]:
+    plots = analytic_plots(rs) + train_plots(rs) + decode_plots(rs)
     return [p for p in plots if p is not None]
-
-
-def _params(r: Row) -> int | None:
-    p = r.result.get("params", {})
-    return p.get("total") if r.mode == "estimate" else p.get("measured")

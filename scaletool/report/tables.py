@@ -1,6 +1,9 @@
 """Report tables: raw values plus a kind per column, so markdown, HTML and tests share one source.
 
-Every relative error is (value − reference) / reference, with the reference named in the column.
+Every relative error is :func:`scaletool.stats.rel_error`, (value − reference) / reference, with the
+reference named in the column. A timed figure is three columns: its median, its p10–p90 range (shown
+where n > 1) and n (the measured steps of one run, or the repeats of a point that ran several times).
+Columns carry a group, which HTML shows as a header above them and markdown folds into the name.
 """
 from __future__ import annotations
 
@@ -10,17 +13,24 @@ from typing import Any
 
 from scaletool import analytic
 from scaletool.fmt import gib, pct, si
-from scaletool.report.data import ResultsSet, Row
+from scaletool.report.data import DecodePoint, ResultsSet, Row
+from scaletool.stats import Spread, rel_error
 
-# The price-prediction design document's claim (SEEDS.md §1), for the check in :func:`claim_table`.
-CLAIM_CONFIG = {"n_heads": 8, "seq_len": 180, "head_dim": 64, "kv_lora_rank": 256}
-CLAIM_STATED = {"traditional": 663_552_000, "mla": 46_592, "saving": 14_000}
+#: columns that name the point's model; one is left out when every row's sweep values set it (the
+#: point label then says it) or leave it empty
+IDENTITY = ("attention", "kv_lora_rank", "intermediate_size")
 
 
 @dataclass
 class Column:
     name: str
-    kind: str = "text"  # text | int | float | pct | share | bytes | flops | ratio | rate
+    kind: str = "text"  # text | int | float | pct | share | bytes | flops | ratio | rate | range
+    group: str = ""  # a header over consecutive columns of the same group (HTML); a name prefix in markdown
+
+    @property
+    def full(self) -> str:
+        """The name with its group: markdown's header, and the name tests and findings look a column up by."""
+        return f"{self.group} {self.name}" if self.group else self.name
 
 
 @dataclass
@@ -35,8 +45,18 @@ class Table:
         return [[fmt(v, c.kind) for v, c in zip(row, self.columns)] for row in self.rows]
 
     def column(self, name: str) -> list[Any]:
-        i = [c.name for c in self.columns].index(name)
+        i = [c.full for c in self.columns].index(name)
         return [r[i] for r in self.rows]
+
+    def groups(self) -> list[tuple[str, int]]:
+        """Consecutive columns of one group: (group, span); ungrouped columns are spans of one."""
+        out: list[tuple[str, int]] = []
+        for c in self.columns:
+            if c.group and out and out[-1][0] == c.group:
+                out[-1] = (c.group, out[-1][1] + 1)
+            else:
+                out.append((c.group, 1))
+        return out
 
 
 def fmt(v: Any, kind: str) -> str:
@@ -49,7 +69,7 @@ def fmt(v: Any, kind: str) -> str:
     if kind == "pct":
         return pct(v)
     if kind == "share":
-        return f"{100 * v:.1f}%"
+        return pct(v, 1, signed=False)
     if kind == "bytes":
         return gib(v)
     if kind == "flops":
@@ -58,68 +78,75 @@ def fmt(v: Any, kind: str) -> str:
         return f"{v:.2f}×"
     if kind == "rate":
         return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+    if kind == "range":
+        return f"{fmt(v.p10, 'rate')}–{fmt(v.p90, 'rate')}"
     return str(v)
 
 
-def rel(value: float | None, reference: float | None) -> float | None:
-    if value is None or not reference:
-        return None
-    return (value - reference) / reference
+def spread_columns(group: str) -> list[Column]:
+    return [Column("median", "rate", group), Column("p10–p90", "range", group), Column("n", "int", group)]
 
 
-def _get(d: Any, *path: str) -> Any:
-    for p in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(p)
-    return d
+def spread_cells(s: Spread | None) -> list[Any]:
+    """Median, the p10–p90 range where there is one (n > 1), and n."""
+    if s is None:
+        return [None, None, None]
+    return [s.median, s if s.n > 1 else None, s.n]
 
 
 def _table(rs: ResultsSet, key: str, title: str, cols: list[Column], rows: list[Row],
            cells: Callable[[Row], list[list[Any]]], note: str = "") -> Table | None:
-    """Rows sorted by source then point order; a ``source`` column when several results dirs are shown."""
+    """Rows in results-dir then point order, led by the point (and its results dir when several are
+    shown) and the identity columns its label does not already give."""
     if not rows:
         return None
-    lead = [Column("source")] if rs.multi else []
-    t = Table(key, title, lead + [Column("point")] + cols, note=note)
-    for r in sorted(rows, key=lambda r: ([s["label"] for s in rs.sources].index(r.source), r.record["index"])):
-        for cell_row in cells(r):
-            t.rows.append(([r.source] if rs.multi else []) + [r.label] + cell_row)
+    rows = sorted(rows, key=rs.order)
+    ident = [name for name in IDENTITY if any(getattr(r, name) is not None and f"model.{name}" not in r.record.values
+                                               for r in rows)]
+    lead = [Column("point")] + ([Column("source")] if rs.multi else [])
+    lead += [Column(name, "text" if name == "attention" else "int") for name in ident]
+    t = Table(key, title, lead + cols, note=note)
+    for r in rows:
+        head = [r.label] + ([r.source] if rs.multi else []) + [getattr(r, name) for name in ident]
+        t.rows += [head + cell_row for cell_row in cells(r)]
     return t
 
 
 def estimate_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         e = r.result
-        p, kv, f = e.get("params", {}), e.get("kv_cache", {}), _get(e, "flops", "per_token") or {}
-        return [[r.attention, r.kv_lora_rank, r.intermediate_size, p.get("total"), p.get("non_embedding"),
-                 p.get("rule_of_thumb_12d2L"), p.get("rule_of_thumb_rel_error"), kv.get("bytes_per_token"),
-                 kv.get("compression_ratio"), f.get("train"), f.get("dense_6N"), rel(f.get("dense_6N"), f.get("train")),
-                 _get(e, "memory", "recipe", "total_bytes")]]
-    cols = [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"),
-            Column("params (exact)", "int"), Column("non-embedding", "int"), Column("12·d²·L", "int"),
-            Column("12·d²·L vs non-emb.", "pct"), Column("KV bytes/token", "int"), Column("KV compression", "ratio"),
-            Column("train FLOPs/token", "flops"), Column("6·N FLOPs/token", "flops"), Column("6·N vs train", "pct"),
+        p, f = e.params, e.flops.per_token
+        return [[p.total, p.non_embedding, p.rule_of_thumb_12d2L, p.rule_of_thumb_rel_error, e.kv_cache.bytes_per_token,
+                 e.kv_cache.compression_ratio, rs.kv_vs_mha_point(r), f.train, f.dense_6N, rel_error(f.dense_6N, f.train),
+                 e.memory.recipe.total_bytes]]
+    cols = [Column("exact", "int", "parameters"), Column("non-embedding", "int", "parameters"),
+            Column("12·d²·L", "int", "parameters"), Column("12·d²·L vs non-emb.", "pct", "parameters"),
+            Column("bytes/token", "int", "KV cache"), Column("vs same-dims MHA", "ratio", "KV cache"),
+            Column("vs MHA point", "ratio", "KV cache"), Column("train", "flops", "FLOPs/token"),
+            Column("6·N", "flops", "FLOPs/token"), Column("6·N vs train", "pct", "FLOPs/token"),
             Column("memory/GPU (analytic)", "bytes")]
     return _table(rs, "estimate", "Analytic estimate", cols, rs.ok("estimate"), cells,
-                  "train FLOPs/token includes attention (causal for lm, full for regression); "
-                  "KV compression is the MHA-equivalent cache over the cached elements.")
+                  "train FLOPs/token includes attention (causal for lm, full for regression). " + KV_NOTE)
+
+
+KV_NOTE = ("KV cache vs same-dims MHA: the cache of an MHA with this point's heads and head dims over the "
+           "point's (estimate's kv_cache.compression_ratio); vs MHA point: the MHA point of these results over "
+           "this point's, blank where the results have none.")
 
 
 def count_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
-        c = r.result
-        p, f = c.get("params", {}), c.get("flops", {})
-        a, fc, fv = f.get("analytic", {}), f.get("flop_counter", {}), f.get("fvcore", {})
-        return [[p.get("measured"), p.get("analytic"), rel(p.get("measured"), p.get("analytic")),
-                 p.get("rule_of_thumb_rel_error"), fc.get("train"), a.get("train_full"),
-                 rel(fc.get("train"), a.get("train_full")), fv.get("forward"), a.get("forward_full"),
-                 rel(fv.get("forward"), a.get("forward_full")), a.get("train_6N"), rel(a.get("train_6N"), fc.get("train"))]]
-    cols = [Column("params measured", "int"), Column("params exact", "int"), Column("measured vs exact", "pct"),
-            Column("12·d²·L vs non-emb.", "pct"), Column("FlopCounterMode fwd+bwd", "flops"),
-            Column("analytic fwd+bwd (full)", "flops"), Column("FlopCounterMode vs analytic", "pct"),
-            Column("fvcore fwd", "flops"), Column("analytic fwd (full)", "flops"), Column("fvcore vs analytic", "pct"),
-            Column("6·N·T", "flops"), Column("6·N·T vs measured", "pct")]
+        p, f = r.result.params, r.result.flops
+        a, fc, fv = f.analytic, f.flop_counter, f.fvcore
+        return [[p.measured, p.analytic, rel_error(p.measured, p.analytic), p.rule_of_thumb_rel_error, fc.train,
+                 a.train_full, rel_error(fc.train, a.train_full), a.train_6N, rel_error(a.train_6N, fc.train),
+                 fv.forward, a.forward_full, rel_error(fv.forward, a.forward_full)]]
+    g1, g2, g3 = "parameters", "FLOPs fwd+bwd", "FLOPs fwd"
+    cols = [Column("measured", "int", g1), Column("exact", "int", g1), Column("measured vs exact", "pct", g1),
+            Column("12·d²·L vs non-emb.", "pct", g1), Column("FlopCounterMode", "flops", g2),
+            Column("analytic (full)", "flops", g2), Column("FlopCounterMode vs analytic", "pct", g2),
+            Column("6·N·T", "flops", g2), Column("6·N·T vs measured", "pct", g2), Column("fvcore", "flops", g3),
+            Column("analytic (full)", "flops", g3), Column("fvcore vs analytic", "pct", g3)]
     return _table(rs, "count", "Measured parameters and FLOPs", cols, rs.ok("count"), cells,
                   "FLOPs for one batch; the counters see all T² attention scores, so the analytic column "
                   "uses the full convention. 6·N·T leaves attention out.")
@@ -127,27 +154,34 @@ def count_table(rs: ResultsSet) -> Table | None:
 
 def train_analytic_memory(r: Row) -> int | None:
     """The analytic peak the train run compared itself with, else the recipe's own estimate."""
-    m = _get(r.result, "metrics", "memory/analytic_bytes")
+    m = r.result.metric("memory/analytic_bytes")
     if m is not None:
-        return m
-    ws = _get(r.result, "environment", "world_size") or r.recipe.parallel.world_size
-    return analytic.recipe_memory(r.recipe, ws)["total_bytes"]
+        return int(m)
+    return analytic.recipe_memory(r.recipe, r.world_size or r.recipe.parallel.world_size)["total_bytes"]
+
+
+TIMING_NOTE = ("Timed figures are medians: over the measured steps of one run, or, where a point ran several "
+               "times (runs > 1), across the runs, with p10/p90 over the runs' medians and n = runs. ")
 
 
 def train_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         s = r.result
-        peak, est = s.get("peak_memory_bytes"), train_analytic_memory(r)
-        return [[r.attention, r.kv_lora_rank, r.intermediate_size, r.engine, r.world_size, s.get("tokens_per_s"),
-                 s.get("mfu"), peak, est, rel(peak, est), s.get("loss_first"), s.get("loss_last"),
-                 s.get("measured_steps")]]
-    cols = [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"), Column("engine"),
-            Column("GPUs", "int"), Column("tokens/s", "rate"), Column("MFU", "share"), Column("peak memory", "bytes"),
-            Column("analytic memory", "bytes"), Column("peak vs analytic", "pct"), Column("loss first", "float"),
-            Column("loss last", "float"), Column("measured steps", "int")]
+        peak, est = s.peak_memory_bytes, train_analytic_memory(r)
+        return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
+                 r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
+                 s.loss_first, s.loss_last, s.steps_measured, s.timing.warmup_steps_excluded]]
+    cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
+            *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
+            Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
+            Column("analytic", "bytes", "peak memory"), Column("measured vs analytic", "pct", "peak memory"),
+            Column("first", "float", "loss"), Column("last", "float", "loss"), Column("measured", "int", "steps"),
+            Column("warm-up excluded", "int", "steps")]
     return _table(rs, "train", "Training", cols, rs.ok("train"), cells,
-                  "Warm-up steps are excluded from tokens/s and MFU; MFU is blank where the device has no "
-                  "known peak (CPU). Peak memory is the allocator's peak.")
+                  TIMING_NOTE + "Warm-up steps are excluded by rule (at least measure_warmup_steps, then until the "
+                  "step time settles). MFU causal counts half the T² attention scores (Megatron's convention, ours); "
+                  "full attention counts all of them (torchtitan's); blank where the device has no known peak "
+                  "(CPU). Threads: CPU intra-op threads. Peak memory is the allocator's peak.")
 
 
 def scaling_groups(rs: ResultsSet) -> dict[tuple, dict[int, Row]]:
@@ -155,7 +189,7 @@ def scaling_groups(rs: ResultsSet) -> dict[tuple, dict[int, Row]]:
     intermediate_size, engine): {world_size: row}}; only groups with a one-rank baseline and more."""
     groups: dict[tuple, dict[int, Row]] = {}
     for r in rs.ok("train"):
-        if r.world_size and r.result.get("tokens_per_s"):
+        if r.world_size and r.across(lambda t: t.rate) is not None:
             key = (r.attention, r.kv_lora_rank, r.intermediate_size, r.engine)
             groups.setdefault(key, {})[r.world_size] = r
     return {k: v for k, v in groups.items() if 1 in v and len(v) > 1}
@@ -168,79 +202,105 @@ def scaling_table(rs: ResultsSet) -> Table | None:
         return None
     t = Table("scaling", "Scaling across GPUs",
               [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"),
-               Column("engine"), Column("GPUs", "int"), Column("tokens/s", "rate"), Column("tokens/s per GPU", "rate"),
-               Column("MFU", "share"), Column("scaling efficiency", "share")],
+               Column("engine"), Column("GPUs", "int"), *spread_columns("tokens/s"),
+               Column("tokens/s per GPU", "rate"), Column("MFU causal", "share"), Column("scaling efficiency", "share")],
               note="Scaling efficiency is per-GPU tokens/s at N GPUs over the same engine's tokens/s on one GPU "
-                   "(1.0 = linear). Compare only runs from the same machine.")
+                   "(100% = linear), medians. Compare only runs from the same machine.")
     for (attention, rank, width, engine), by_n in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        base = by_n[1].result["tokens_per_s"]
+        base = by_n[1].across(lambda t: t.rate).median
         for n in sorted(by_n):
-            s = by_n[n].result
-            t.rows.append([attention, rank, width, engine, n, s["tokens_per_s"], s["tokens_per_s"] / n, s.get("mfu"),
-                           s["tokens_per_s"] / n / base])
+            rate = by_n[n].across(lambda t: t.rate)
+            t.rows.append([attention, rank, width, engine, n, *spread_cells(rate), rate.median / n,
+                           by_n[n].median(lambda s: s.mfu), rate.median / n / base])
     return t
 
 
 def moe_table(rs: ResultsSet) -> Table | None:
     """Mixture-of-experts points: total vs active parameters (analytic, from the recipe) beside the
-    training throughput and expert load of the point's train run, where there is one."""
-    trained = {(r.source, r.record["point_id"]): r.result for r in rs.ok("train")}
+    training throughput, both MFU conventions of expert FLOPs and expert load of the point's train run."""
+    trained = {(r.source, r.record.point_id): r for r in rs.ok("train")}
     seen, rows = set(), []
-    for r in rs.rows:
-        key = (r.source, r.record["point_id"])
+    for r in sorted(rs.rows, key=rs.order):
+        key = (r.source, r.record.point_id)
         if r.ok and r.recipe.model.ffn == "moe" and key not in seen:
             seen.add(key)
             rows.append(r)
 
     def cells(r: Row):
         m, p = r.recipe.model, analytic.param_counts(r.recipe.model)
-        t = trained.get((r.source, r.record["point_id"]), {})
+        f = analytic.flops_per_token(m, r.recipe.seq_len)
+        t = trained.get((r.source, r.record.point_id))
+        mfu = t.median(lambda s: s.mfu) if t else None
+        computed = mfu * f["train_causal_computed"] / f["train_causal"] if mfu is not None else None
         return [[m.n_routed_experts, m.num_experts_per_tok, p["total"], p["active"], p["active"] / p["total"],
-                 analytic.flops_per_token(m, r.recipe.seq_len)["train"], t.get("tokens_per_s"), t.get("mfu"),
-                 _get(t, "metrics", "moe/imbalance_ratio_max"), _get(t, "metrics", "moe/dropped_fraction")]]
-    cols = [Column("n_routed_experts", "int"), Column("top-k", "int"), Column("params total", "int"),
-            Column("params active", "int"), Column("active share", "share"), Column("train FLOPs/token", "flops"),
-            Column("tokens/s", "rate"), Column("MFU", "pct"), Column("expert imbalance (max/mean)", "float"),
-            Column("dropped fraction", "share")]
+                 f["train_causal"], f["train_causal_computed"], *spread_cells(t.across(lambda s: s.rate) if t else None),
+                 mfu, computed, t.median(lambda s: s.metric("moe/imbalance_ratio_max")) if t else None,
+                 t.median(lambda s: s.metric("moe/dropped_fraction")) if t else None]]
+    cols = [Column("n_routed_experts", "int", "experts"), Column("top-k", "int", "experts"),
+            Column("total", "int", "parameters"), Column("active", "int", "parameters"),
+            Column("active share", "share", "parameters"), Column("useful", "flops", "train FLOPs/token"),
+            Column("computed", "flops", "train FLOPs/token"), *spread_columns("tokens/s"),
+            Column("useful", "share", "MFU"), Column("computed", "share", "MFU"),
+            Column("imbalance (max/mean)", "float", "expert load"), Column("dropped fraction", "share", "expert load")]
     return _table(rs, "moe", "Mixture of experts: active vs total parameters", cols, rows, cells,
                   "Active = the parameters one token uses (its top-k routed experts, shared experts, router and "
-                  "dense parts); FLOPs/token count the active experts (the MFU convention). Imbalance and drops "
-                  "are the last training step's, over all ranks.")
+                  "dense parts). Useful FLOPs count the top-k experts a token is routed to (the MFU convention); "
+                  "computed FLOPs count every capacity slot the dispatch runs (dropped and padded ones too). "
+                  "Imbalance and drops are the last training step's, over all ranks.")
 
 
-def decode_points(r: Row) -> list[dict]:
-    """The measured (batch, context) points of a decode result."""
-    res = r.record.get("result")
-    pts = res if isinstance(res, list) else (res or {}).get("points", [])
-    return [p for p in pts if isinstance(p, dict)]
+@dataclass
+class DecodeMeasure:
+    """One (batch, context) point of a decode row, its timed figures across the row's repeats."""
+
+    point: DecodePoint  # the first repeat's (the untimed figures)
+    decode: Spread | None  # decode tokens/s
+    prefill: Spread | None  # prefill tokens/s
+
+
+def decode_points(r: Row) -> list[DecodeMeasure]:
+    """The measured (batch, context) points of a decode row, in measuring order, each with its timed
+    figures across the row's repeats (a repeat that lacks the point adds nothing)."""
+    def figure(p: DecodePoint, name: str):
+        def of(run) -> Spread | None:
+            same = next((q for q in run.points if (q.batch, q.context) == (p.batch, p.context)), None)
+            return getattr(same, name) if same is not None else None
+        return of
+
+    return [DecodeMeasure(p, r.across(figure(p, "decode_rate")), r.across(figure(p, "prefill_rate")))
+            for p in r.result.points]
 
 
 def decode_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         out = []
-        for p in decode_points(r):
-            meas, ana = p.get("kv_cache_bytes_measured"), p.get("kv_cache_bytes_analytic")
-            # the cache is allocated for the prompt plus the decoded tokens (max_len)
-            tokens = (p.get("batch") or 0) * (p.get("max_len") or p.get("context") or 0)
-            out.append([p.get("attention", r.attention), p.get("batch"), p.get("context"), meas, ana, rel(meas, ana),
-                        meas / tokens if meas is not None and tokens else None, p.get("decode_tokens_per_s")])
+        for m in decode_points(r):
+            p = m.point
+            meas, ana = p.kv_cache_bytes_measured, p.kv_cache_bytes_analytic
+            tokens = (p.batch or 0) * (p.max_len or p.context or 0)  # the cache holds prompt + decoded tokens
+            out.append([p.batch, p.context, meas, ana, rel_error(meas, ana), meas / tokens if meas is not None and tokens
+                        else None, rs.kv_vs_mha_point(r), *spread_cells(m.decode), *spread_cells(m.prefill)])
         return out
-    cols = [Column("attention"), Column("batch", "int"), Column("context", "int"), Column("KV cache measured", "bytes"),
-            Column("KV cache analytic", "bytes"), Column("measured vs analytic", "pct"),
-            Column("KV bytes/token measured", "int"), Column("decode tokens/s", "rate")]
-    return _table(rs, "decode", "Decoding", cols, rs.ok("decode"), cells)
+    cols = [Column("batch", "int"), Column("context", "int"), Column("measured", "bytes", "KV cache"),
+            Column("analytic", "bytes", "KV cache"), Column("measured vs analytic", "pct", "KV cache"),
+            Column("bytes/token measured", "int", "KV cache"), Column("vs MHA point", "ratio", "KV cache"),
+            *spread_columns("decode tokens/s"), *spread_columns("prefill tokens/s")]
+    return _table(rs, "decode", "Decoding", cols, rs.ok("decode"), cells,
+                  TIMING_NOTE + "Decode tokens/s: batch over the decode step time; prefill tokens/s: batch × "
+                  "context over the prefill time. KV cache vs MHA point: the analytic bytes/token of the MHA point of "
+                  "these results over this point's, blank where the results have none.")
 
 
 def budget_table(rs: ResultsSet) -> Table | None:
     seen, rows = set(), []
     for r in rs.rows:
-        if r.record.get("match_params") and (r.source, r.record["point_id"]) not in seen:
-            seen.add((r.source, r.record["point_id"]))
+        if r.record.match_params and (r.source, r.record.point_id) not in seen:
+            seen.add((r.source, r.record.point_id))
             rows.append(r)
 
     def cells(r: Row):
-        mp = r.record["match_params"]
-        return [[mp["key"], mp["base_value"], mp["value"], mp["target"], mp["achieved"], mp["rel_error"]]]
+        mp = r.record.match_params
+        return [[mp.key, mp.base_value, mp.value, mp.target, mp.achieved, mp.rel_error]]
     cols = [Column("adjusted key"), Column("base value", "int"), Column("solved value", "int"),
             Column("target params", "int"), Column("achieved params", "int"), Column("achieved vs target", "pct")]
     return _table(rs, "budget", "Equal parameter budget", cols, rows, cells)
@@ -250,15 +310,17 @@ def failures_table(rs: ResultsSet) -> Table | None:
     from scaletool.sweep.runner import headline
 
     def cells(r: Row):
-        return [[r.mode, r.status, headline(r.record)]]
+        rec = r.record
+        return [[r.mode, f"{rec.repeat + 1}/{rec.repeats}" if rec.repeats > 1 else "", r.status,
+                 headline(rec.model_dump())]]
     rows = [r for r in rs.rows if r.status != "ok"]
-    return _table(rs, "failures", "Skipped and failed runs", [Column("mode"), Column("status"), Column("reason")],
-                  rows, cells)
+    return _table(rs, "failures", "Skipped and failed runs",
+                  [Column("mode"), Column("repeat"), Column("status"), Column("reason")], rows, cells)
 
 
 def breakdown_table(rs: ResultsSet, top: int = 12) -> Table | None:
     """Category time shares of the runs that were profiled (see data.breakdown_of)."""
-    runs = [(r, b) for r in rs.rows if r.status == "ok" for b in [r.breakdown()] if b]
+    runs = [(r, b) for r in sorted(rs.rows, key=rs.order) if r.status == "ok" for b in [r.breakdown()] if b]
     if not runs:
         return None
     names: dict[str, float] = {}
@@ -272,68 +334,3 @@ def breakdown_table(rs: ResultsSet, top: int = 12) -> Table | None:
     for name in order:
         t.rows.append([name] + [b.get(name) for _, b in runs])
     return t
-
-
-def claim_table(rs: ResultsSet) -> Table | None:
-    """SEEDS.md §1's "663,552,000 vs 46,592, a 14,000× saving" set against the real figures.
-
-    The claim's formulas are n_heads·seq²·head_dim ("traditional") and kv_lora_rank·seq +
-    n_heads·head_dim ("MLA"). The real figures per sequence, all layers: the KV cache MLA keeps
-    (latent + shared RoPE key), the MHA-equivalent cache, and the H·T² score matrix a naive attention
-    materialises per layer (the same for MLA and MHA).
-    """
-    rows = claim_rows(rs)
-    if not rows:
-        return None
-    t = Table("claim", "The price transformer's attention-memory claim, checked",
-              ([Column("source")] if rs.multi else []) + [Column("point"), Column("quantity"),
-                                                          Column("claim's formula"), Column("real")],
-              note="Real figures per sequence at the recipe's seq_len and dtype, all layers unless marked.")
-    for r in rows:
-        c = claim_figures(r)
-        stated = f" (document: {CLAIM_STATED['traditional']:,})" if c["is_document_config"] else ""
-        b = r.recipe.model.dtype_bytes
-        t.rows += [([r.source] if rs.multi else []) + [f"kv_lora_rank={r.kv_lora_rank}"] + row for row in (
-            ["traditional: n_heads·seq²·head_dim", f"{c['claim_traditional']:,}{stated}", ""],
-            ["MLA: kv_lora_rank·seq + n_heads·head_dim", f"{c['claim_mla']:,}", ""],
-            ["saving", f"{c['claim_saving']:,.0f}×", f"{c['real_saving']:.2f}× (KV cache)"],
-            ["MLA KV cache (latent + RoPE key)", "", f"{c['mla_cache']:,} elements, {gib(c['mla_cache'] * b)}"],
-            ["MHA-equivalent KV cache", "", f"{c['mha_cache']:,} elements, {gib(c['mha_cache'] * b)}"],
-            ["naive score matrix H·T², one layer (MLA = MHA)", "", f"{c['scores']:,} elements, {gib(c['scores'] * b)}"],
-        )]
-    return t
-
-
-def claim_rows(rs: ResultsSet) -> list[Row]:
-    """One MLA regression estimate per distinct attention shape: the claim's figures do not depend on
-    the FFN or anything else a sweep may vary alongside."""
-    seen, out = set(), []
-    for r in rs.ok("estimate"):
-        m = r.recipe.model if r.recipe else None
-        if r.attention != "mla" or m.task != "regression":
-            continue
-        key = (r.source, m.n_heads, m.n_layers, r.recipe.seq_len, m.head_dim, m.kv_lora_rank, m.qk_nope_head_dim,
-               m.qk_rope_head_dim, m.v_head_dim, m.dtype)
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    return out
-
-
-def claim_figures(r: Row) -> dict:
-    m, T = r.recipe.model, r.recipe.seq_len
-    kv = analytic.kv_cache(m)
-    trad = m.n_heads * T * T * m.head_dim
-    mla = m.kv_lora_rank * T + m.n_heads * m.head_dim
-    mla_cache = kv["elements_per_token_per_layer"] * T * m.n_layers
-    mha_cache = kv["mha_equivalent_bytes_per_token"] // m.dtype_bytes * T
-    cfg = {"n_heads": m.n_heads, "seq_len": T, "head_dim": m.head_dim, "kv_lora_rank": m.kv_lora_rank}
-    return {"claim_traditional": trad, "claim_mla": mla, "claim_saving": trad / mla, "mla_cache": mla_cache,
-            "mha_cache": mha_cache, "real_saving": mha_cache / mla_cache, "scores": m.n_heads * T * T,
-            "is_document_config": cfg == CLAIM_CONFIG}
-
-
-def all_tables(rs: ResultsSet) -> list[Table]:
-    builders = (estimate_table, count_table, train_table, scaling_table, moe_table, decode_table, budget_table, claim_table,
-                breakdown_table, failures_table)
-    return [t for t in (b(rs) for b in builders) if t is not None]

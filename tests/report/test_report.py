@@ -1,4 +1,5 @@
-"""The report from fixture results directories (real CPU sweeps, see fixtures/make_fixtures.py)."""
+"""The report from fixture results directories (real CPU sweeps written before results had a kind, see
+fixtures/make_fixtures.py): they still load, and the tables, CSV, plots and findings match their data."""
 from __future__ import annotations
 
 import csv
@@ -8,10 +9,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from report_md import md_row, md_section
 
 from scaletool.cli import main
 from scaletool.report import data, tables
-from scaletool.report.render import md_escape
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TINY, PRICE = FIXTURES / "tiny", FIXTURES / "price"
@@ -28,18 +29,6 @@ def report(tmp_path_factory):
 
 def _records(d: Path) -> list[dict]:
     return [json.loads(line) for line in (d / "results.jsonl").read_text().splitlines()]
-
-
-def _section(md: str, title: str) -> str:
-    return md.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-
-
-def _md_row(md: str, *cells: str) -> list[str]:
-    """The cells of the markdown table line that starts with ``cells`` (escaped as the report does)."""
-    head = "| " + " | ".join(md_escape(c) for c in cells) + " |"
-    lines = [ln for ln in md.splitlines() if ln.startswith(head)]
-    assert len(lines) == 1, (head, lines)
-    return [c.strip() for c in re.split(r"(?<!\\)\|", lines[0])[1:-1]]
 
 
 def test_hostile_strings_are_escaped_everywhere(report):
@@ -61,46 +50,75 @@ def test_tables_match_the_data(report):
     tiny = data.load([TINY, PRICE]).sources[0]["label"]
     assert tiny == f"{HOSTILE} cpu"
     n = {"count": 0, "estimate": 0, "train": 0, "decode": 0}
+    sections = {"estimate": "Analytic estimate", "count": "Measured parameters and FLOPs", "train": "Training",
+                "decode": "Decoding"}
     for rec in _records(TINY):
         if rec["status"] != "ok":
             continue
-        r = rec["result"]
-        title = {"estimate": "Analytic estimate", "count": "Measured parameters and FLOPs", "train": "Training",
-                 "decode": "Decoding"}[rec["mode"]]
-        sec = _section(md, title)
-        cells = _md_row(sec, tiny, rec["label"]) if rec["mode"] != "decode" else None
-        if rec["mode"] == "count":
-            n["count"] += 1
-            assert cells[2] == f"{r['params']['measured']:,}" and cells[3] == f"{r['params']['analytic']:,}"
-            assert cells[6] == tables.fmt(r["flops"]["flop_counter"]["train"], "flops")
-        elif rec["mode"] == "estimate":
-            n["estimate"] += 1
-            assert cells[5] == f"{r['params']['total']:,}"
-            assert cells[9] == f"{r['kv_cache']['bytes_per_token']:,}"
-            assert cells[10] == f"{r['kv_cache']['compression_ratio']:.2f}×"
-        elif rec["mode"] == "train":
-            n["train"] += 1
-            assert cells[5] == "single"  # the fixture trains on one process
-            assert cells[6] == "-"  # and its trimmed summaries carry no environment
-            assert cells[7] == tables.fmt(r["tokens_per_s"], "rate")
-            assert cells[12] == f"{r['loss_first']:.4g}" and cells[13] == f"{r['loss_last']:.4g}"
-        else:
+        r, sec = rec["result"], md_section(md, sections[rec["mode"]])
+        n[rec["mode"]] += 1 if rec["mode"] != "decode" else len(r["points"])
+        if rec["mode"] == "decode":
             for p in r["points"]:
-                row = _md_row(sec, tiny, rec["label"], p["attention"], str(p["batch"]), str(p["context"]))
-                assert row[-1] == tables.fmt(p["decode_tokens_per_s"], "rate")
-                n["decode"] += 1
+                row = md_row(sec, point=rec["label"], source=tiny, batch=str(p["batch"]), context=str(p["context"]))
+                assert row["decode tokens/s median"] == tables.fmt(p["decode_tokens_per_s"], "rate")
+                assert row["decode tokens/s n"] == "1" and row["decode tokens/s p10–p90"] == "-"  # no spread recorded
+                assert row["KV cache measured"] == tables.fmt(p["kv_cache_bytes_measured"], "bytes")
+            continue
+        row = md_row(sec, point=rec["label"], source=tiny)
+        if rec["mode"] == "count":
+            assert row["parameters measured"] == f"{r['params']['measured']:,}"
+            assert row["parameters exact"] == f"{r['params']['analytic']:,}"
+            assert row["FLOPs fwd+bwd FlopCounterMode"] == tables.fmt(r["flops"]["flop_counter"]["train"], "flops")
+        elif rec["mode"] == "estimate":
+            assert row["parameters exact"] == f"{r['params']['total']:,}"
+            assert row["KV cache bytes/token"] == f"{r['kv_cache']['bytes_per_token']:,}"
+            assert row["KV cache vs same-dims MHA"] == f"{r['kv_cache']['compression_ratio']:.2f}×"
+            # the MHA point of these results caches 1,024 bytes/token
+            assert row["KV cache vs MHA point"] == f"{1024 / r['kv_cache']['bytes_per_token']:.2f}×"
+        else:
+            assert row["engine"] == "single"  # the fixture trains on one process
+            assert row["GPUs"] == "-"  # and its trimmed summaries carry no environment
+            # a schema-1 summary without its step history: the recorded figure, one sample, no range
+            assert row["tokens/s median"] == tables.fmt(r["tokens_per_s"], "rate")
+            assert row["tokens/s p10–p90"] == "-" and row["tokens/s n"] == "1" and row["runs"] == "1"
+            assert row["MFU causal (Megatron)"] == row["MFU full attention (torchtitan)"] == "-"  # CPU: no peak
+            assert row["loss first"] == f"{r['loss_first']:.4g}" and row["loss last"] == f"{r['loss_last']:.4g}"
     ok = {m: sum(1 for rec in _records(TINY) if rec["status"] == "ok" and rec["mode"] == m) for m in n}
     assert n["count"] == ok["count"] == 8 and n["estimate"] == ok["estimate"] == 8 and n["train"] == ok["train"] == 6
     assert n["decode"] == 2 * ok["decode"]
-    # results.csv: one row per record (a decode run: one per context), the same numbers
+    # every identity column the point labels already give is left out; the price points do not name
+    # their attention or width, so those columns stay in a report that includes them
+    assert "| point | source | attention | intermediate_size | parameters exact |" in md
+    assert "| point | source | parameters measured |" in md_section(md, "Measured parameters and FLOPs")
+
+
+def test_csv_has_the_typed_figures(report):
+    out, res = report
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert len(rows) == res["csv_rows"] == sum(len(rec["result"]["points"]) if rec["mode"] == "decode"
                                                and rec["status"] == "ok" else 1
                                                for d in (TINY, PRICE) for rec in _records(d))
-    count_rows = {(r["point"], r["mode"]): r for r in rows if r["mode"] == "count"}
+    by = {(r["point"], r["mode"], r["decode/context"]): r for r in rows}
     for rec in _records(TINY):
+        r = rec["result"]
         if rec["mode"] == "count":
-            assert int(count_rows[(rec["label"], "count")]["result.params.measured"]) == rec["result"]["params"]["measured"]
+            row = by[(rec["label"], "count", "")]
+            assert int(row["params/measured"]) == r["params"]["measured"] and int(row["params/exact"]) == r["params"]["analytic"]
+        elif rec["mode"] == "train" and rec["status"] == "ok":
+            row = by[(rec["label"], "train", "")]
+            assert float(row["throughput/tokens_per_s"]) == pytest.approx(r["tokens_per_s"])
+            assert row["throughput/tokens_per_s_n"] == "1" and row["runs"] == "1"
+            assert {"flops/mfu_causal", "flops/mfu_full_attention"} <= set(row)
+        elif rec["mode"] == "estimate":
+            row = by[(rec["label"], "estimate", "")]
+            assert float(row["kv_cache/compression_vs_same_dims_mha"]) == pytest.approx(r["kv_cache"]["compression_ratio"])
+            assert float(row["kv_cache/compression_vs_mha_point"]) == pytest.approx(1024 / r["kv_cache"]["bytes_per_token"])
+        elif rec["mode"] == "train":
+            row = by[(rec["label"], "train", "")]
+            assert row["status"] == "skipped" and "only used by engine=deepspeed" in row["reason"]
+    # the varied keys are columns of their own; a dict value stays one JSON cell
+    assert {"values.model.attention", "values.model.kv_lora_rank", "values.parallel.deepspeed"} <= set(rows[0])
+    assert any(json.loads(r["values.parallel.deepspeed"] or "null") == {"comment": HOSTILE} for r in rows)
 
 
 def test_findings_plots_and_hooks(report):
@@ -116,7 +134,14 @@ def test_findings_plots_and_hooks(report):
     # SEEDS.md's claim, checked against the real figures of the price transformer (kv_lora_rank 256)
     assert "663,552,000" in text and "16,588,800" in text and "46,592" in text
     assert "4.44× saving" in text
-    assert "Training throughput, MLA against MHA" in text
+    # old CPU results have no spread: the throughput findings say so, state no difference, and warn about CPUs
+    tput = [f for f in res["findings"] if f.startswith(("Training throughput", "Decode throughput"))]
+    assert len(tput) == 4 and all("not judged" in f and "do not predict GPU behaviour" in f for f in tput)
+    assert not any(re.search(r"[+-]\d+\.\d%", f) for f in tput)
+    # the KV saving, labelled against both references
+    kv = next(f for f in res["findings"] if f.startswith(f"{HOSTILE} cpu: MLA's KV cache"))
+    assert "4.00× to 10.00× smaller than the MHA with the same heads and head dims" in kv
+    assert "3.20× to 8.00× smaller than the MHA point of these results (1,024 bytes/token)" in kv
     assert "12·d²·L against the exact non-embedding parameter count" in text
     md = (out / "report.md").read_text()
     assert "## Profiler time breakdown" in md and "ffn\\_matmul" not in md and "ffn_matmul" in md and "46.0%" in md
@@ -127,10 +152,19 @@ def test_single_dir_plots_only_what_it_has(tmp_path):
     res = CliRunner().invoke(main, ["report", str(PRICE), "-o", str(tmp_path), "--json"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.output)
+    assert got["kind"] == "report"
     assert {Path(p).stem for p in got["plots"]} == {"kv_vs_compression", "params_vs_compression"}
     assert got["tables"] == ["estimate", "claim"]
     md = (tmp_path / "report.md").read_text()
     assert "| source |" not in md  # one results dir: no source column
+    assert "no MHA point" in "\n".join(got["findings"])
+
+
+def test_the_claim_check_appears_only_with_the_price_transformer(tmp_path):
+    res = CliRunner().invoke(main, ["report", str(TINY), "-o", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert "claim" not in got["tables"] and "663,552,000" not in "\n".join(got["findings"])
 
 
 def test_not_a_results_dir_is_one_line_and_exit_2(tmp_path):
@@ -139,8 +173,20 @@ def test_not_a_results_dir_is_one_line_and_exit_2(tmp_path):
     assert res.output.strip() == f"error: {tmp_path}: no results.jsonl here; is it a results directory of `scaletool sweep`?"
 
 
-def test_csv_cells_cannot_become_formulas(tmp_path):
-    from scaletool.report.render import _csv_safe
+def test_csv_cells_cannot_become_formulas():
+    from scaletool.report.results_csv import _csv_safe
 
     assert _csv_safe("=HYPERLINK(\"http://x\")") == "'=HYPERLINK(\"http://x\")"
     assert _csv_safe("attention=mla") == "attention=mla" and _csv_safe(-0.5) == -0.5
+
+
+def test_human_output_names_the_files_and_the_api_refuses_no_dirs(tmp_path):
+    res = CliRunner().invoke(main, ["report", str(PRICE), "-o", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert f"report: {tmp_path / 'report.html'}" in res.output and str(tmp_path / "results.csv") in res.output
+    assert "tables: estimate, claim; 2 plot(s)" in res.output
+    from scaletool import api
+    from scaletool.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="no results directory given"):
+        api.report([])
