@@ -169,3 +169,49 @@ def test_help_and_a_bare_group_still_print_help():
     bare = _invoke("recipe")
     assert "Usage: scaletool recipe" in bare.output and "error:" not in bare.output
     assert _invoke("--version").output == "scaletool, version 0.1.0\n"
+
+
+# -- scaletool schema --------------------------------------------------------------------------------
+
+
+def test_schema_lists_every_registered_kind():
+    from scaletool.results import registered
+
+    res = _invoke("schema", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["kinds"]
+    assert [r["kind"] for r in rows] == sorted(registered()) and {"hardware", "launch"} <= {r["kind"] for r in rows}
+    assert all(r["description"] and r["schema_version"] >= 1 for r in rows)
+    table = _invoke("schema").output
+    assert all(f"{r['kind']}" in table for r in rows)
+
+
+@pytest.mark.parametrize("kind, argv", [("hardware", ["hardware", "--json"]),
+                                        ("launch", ["launch", "slurm", "tiny", "--dry-run", "--json"])])
+def test_a_schema_describes_what_the_command_prints(kind, argv):
+    res = _invoke("schema", kind)
+    assert res.exit_code == 0, res.output
+    schema = json.loads(res.output)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["properties"]["kind"]["const"] == kind
+    doc = json.loads(_invoke(*argv).output)
+    assert set(doc) == set(schema["properties"])  # --json is the typed result, every field of it
+    assert set(schema.get("required", ())) <= set(doc)
+
+
+def test_schema_of_an_unknown_kind_is_one_line():
+    res = _invoke("schema", "hardwre")
+    assert res.exit_code == 2
+    assert res.output.startswith("error: hardwre: no typed result of that kind; did you mean 'hardware'? known: ")
+
+
+def test_readme_python_api_example_runs_without_torch():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Python API"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    check = "\nimport sys\nassert 'torch' not in sys.modules, 'the API example imported torch'\n"
+    res = subprocess.run([sys.executable, "-c", code + check], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.splitlines()[0] == "8030261248 131072"  # Llama-3-8B: parameters, KV bytes per token (bf16)
+    assert res.stdout.splitlines()[-1].startswith("H100 SXM ")
