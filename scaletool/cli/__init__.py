@@ -71,7 +71,7 @@ class LazyGroup(click.Group):
     lazy: dict[str, str] = {}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return [*self.commands, *(n for n in self.lazy if n not in self.commands)]
+        return [*self.lazy, *(n for n in self.commands if n not in self.lazy)]
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.commands and cmd_name in self.lazy:
