@@ -1,4 +1,5 @@
-"""Options shared by several commands, defined once; the one way a command hands out its result."""
+"""Options shared by several commands, defined once; the one way a command hands out its result; the console
+its tables and messages go to."""
 from __future__ import annotations
 
 import json
