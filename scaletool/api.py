@@ -53,3 +53,25 @@ def report(results_dirs: Sequence[str | Path], out: str | Path | None = None):
     if not dirs:
         raise RecipeError("report: no results directory given")
     return build_report(dirs, Path(out) if out is not None else dirs[0] / "report")
+
+
+def hardware(device_name: str | None = None):
+    """The accelerator profiles (user profiles first) and the one this machine matches: its first CUDA
+    device's name (``torch.cuda.get_device_name``) or, without CUDA, the CPU. ``device_name`` asks
+    about a GPU by name instead (``"cpu"`` for a CPU). Returns a :class:`~scaletool.results.hardware.HardwareResult`."""
+    from scaletool.measure.hardware import load_profiles, profile_for, user_dirs
+    from scaletool.results.hardware import HardwareResult, ThisMachine
+
+    profiles = load_profiles()
+    if device_name is not None:
+        device, count = ("cpu" if device_name.strip().lower() == "cpu" else "cuda"), None
+    else:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        device = "cuda" if count else "cpu"
+        device_name = torch.cuda.get_device_name(0) if count else "cpu"
+    prof = profile_for(device, device_name, profiles)
+    return HardwareResult(profiles=profiles, user_dirs=[str(d) for d in user_dirs()],
+                          this_machine=ThisMachine(device=device, device_name=device_name, device_count=count,
+                                                   profile=prof.name if prof else None))

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from scaletool.errors import RecipeError
+from scaletool.resources import RECIPE, find_recipe
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -459,8 +460,9 @@ def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
                 extra: dict | None = None) -> Recipe:
-    """Load a recipe file, apply ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    raw = read_yaml(path)
+    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
+    ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
+    raw = read_yaml(find_recipe(path, RECIPE))
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
     return recipe_from_dict(raw, str(path))
 

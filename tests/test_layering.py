@@ -27,7 +27,9 @@ LAYERS: list[set[str]] = [
     {"errors", "fmt", "threads", "resources", "__init__"},
 ]
 #: same-layer imports that are part of the design: (importer, imported)
-ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()
+ALLOWED_SIDEWAYS: set[tuple[str, str]] = {
+    ("resources", "errors"),  # a name that is neither a file nor a shipped recipe is a RecipeError line
+}
 #: known violations being removed; each entry names the module pair. Keep this empty.
 PENDING: set[tuple[str, str]] = {
     ("scaletool.train.loop", "scaletool.profile"),

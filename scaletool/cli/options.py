@@ -1,4 +1,5 @@
-"""Options shared by several commands, defined once; the one way a command hands out its result."""
+"""Options shared by several commands, defined once; the one way a command hands out its result; the console
+its tables and messages go to."""
 from __future__ import annotations
 
 import json
@@ -37,3 +38,17 @@ def deliver(result, as_json: bool = False):
     if as_json:
         emit_json(data)
     return result
+
+
+def console(stderr: bool = False):
+    """A rich console for a command's tables and messages. On a terminal it fits the terminal; piped or
+    redirected it writes plain text without colour, live displays or folding at rich's default 80
+    columns (a table is as wide as its content), so a log or ``| less`` shows whole lines."""
+    import sys
+
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=1000, no_color=True, force_terminal=False, soft_wrap=False)

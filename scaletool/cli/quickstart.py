@@ -5,41 +5,42 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.markup import escape
 
-from scaletool.config import RecipeError
-
-QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+from scaletool.cli.options import console
 
 
 @click.command()
 @click.option("-o", "--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/quickstart"),
               show_default=True, help="Results directory; the report goes to OUT/report. Rerunning resumes.")
-@click.option("--sweep", "sweep_file", type=click.Path(dir_okay=False, path_type=Path), default=QUICKSTART,
-              show_default="recipes/quickstart.yaml", help="Run another sweep file the same way.")
-def quickstart(out: Path, sweep_file: Path) -> None:
+@click.option("--sweep", "sweep_file", default="quickstart", show_default=True,
+              help="Run another sweep the same way: a sweep file, or the name of a shipped one (mla-compression).")
+def quickstart(out: Path, sweep_file: str) -> None:
     """Sweep MLA against MHA on a tiny decoder on the CPU, then write the report.
 
     \b
-    Runs recipes/quickstart.yaml: compression ratios (kv_lora_rank) and FFN widths, each point in
-    estimate, count and a few train steps, one process per run. A couple of minutes on two
-    cores, no GPU. Ends by printing where report.html and report.md are. Delete OUT to start over.
+    Runs the shipped sweep `quickstart` (recipes/quickstart.yaml): compression ratios (kv_lora_rank)
+    and FFN widths, each point in estimate, count and a few train steps, one process per run. A
+    couple of minutes on two cores, no GPU. Ends by printing where report.html and report.md are.
+    Delete OUT to start over.
+
+    \b
+    Examples:
+      scaletool quickstart
+      scaletool quickstart --out runs/qs2 --sweep my-sweep.yaml
     """
     from scaletool import api
     from scaletool.sweep.runner import execute
     from scaletool.sweep.spec import load_sweep
 
-    if not sweep_file.is_file():
-        raise RecipeError(f"{sweep_file}: not found; the quickstart sweep ships in the repository's recipes/ "
-                          "folder (run from a checkout, or pass --sweep)")
-    con = Console(stderr=True)
+    con = console(stderr=True)
     sw = load_sweep(sweep_file)
     con.print(f"[bold]scaletool quickstart[/]: {escape(sw.spec.description or sw.name)} -> {escape(str(out))}")
     try:
         summary = execute(sw, out)
     except KeyboardInterrupt:
-        click.echo(f"interrupted; rerun `scaletool quickstart --out {out}` to resume.", err=True)
+        again = f" --sweep {sweep_file}" if sweep_file != "quickstart" else ""
+        click.echo(f"interrupted; rerun `scaletool quickstart --out {out}{again}` to resume.", err=True)
         sys.exit(130)
     counts = summary["status_counts"]
     con.print(", ".join(f"{n} {s}" for s, n in counts.items() if n))

@@ -17,11 +17,11 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
     given = p.model_fields_set
     problems = []
     if p.engine == "single" and world_size > 1:
-        problems.append(f"parallel.engine: single runs one process, but {world_size} were started; "
+        problems.append(f"parallel.engine: single runs one process, but this job has {world_size} ranks; "
                         "use ddp, fsdp or deepspeed")
     if local_world_size is not None and "nproc_per_node" in given and p.nproc_per_node != local_world_size:
-        problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but {local_world_size} "
-                        "processes per node were started; make them agree (or drop the key)")
+        problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
+                        f"{local_world_size} processes per node; make them agree (or drop the key)")
     only = {"zero_stage": "deepspeed", "offload_optimizer": "deepspeed", "offload_params": "deepspeed",
             "deepspeed": "deepspeed", "cpu_offload": "fsdp"}
     for key, engine in only.items():

@@ -78,7 +78,7 @@ def check_spec(spec: LaunchSpec, launcher: str) -> None:
         problems.append(f"--rdzv-id {spec.rdzv_id!r}: letters, digits, '_', '.' and '-' only")
     if spec.max_restarts and launcher == "deepspeed":
         problems.append("--max-restarts: the DeepSpeed launcher does not restart failed workers; use "
-                        "--launcher torchrun (parallel.engine=deepspeed runs under torchrun too)")
+                        "`scaletool launch torchrun` (parallel.engine=deepspeed runs under torchrun too)")
     if problems:
         raise RecipeError(problems)
 

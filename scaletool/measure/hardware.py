@@ -1,48 +1,139 @@
-"""Accelerator peaks for MFU, read from ``profiles/*.yaml`` and matched by device name.
+"""Accelerator peaks for MFU and decoding's roofline: the shipped profiles, extended or replaced by the user's.
 
-A profile names the device kind (``cuda`` or ``cpu``), substrings of ``torch.cuda.get_device_name()``
-that select it (``match``, with optional ``exclude``), dense peak TFLOP/s per dtype and the peak
-device-memory bandwidth (``peak_bandwidth_gb_s``, for decoding's roofline). An unknown
+A profile is a YAML file (:class:`ProfileFile`): the device kind (``cuda`` or ``cpu``), substrings of
+``torch.cuda.get_device_name()`` that select it (``match``, with optional ``exclude``), dense peak TFLOP/s
+per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``) and a ``reference``. Profiles are
+read from, highest precedence first:
+
+1. every directory in ``$SCALETOOL_PROFILES`` (``os.pathsep``-separated),
+2. ``$XDG_CONFIG_HOME/scaletool/profiles`` (default ``~/.config/scaletool/profiles``),
+3. the shipped ``profiles/*.yaml`` (:func:`scaletool.resources.data_dir`).
+
+A user profile with a shipped profile's ``name`` replaces it; the others extend the list, and user
+profiles are tried first when matching a device. Every file is validated; a bad one is a RecipeError
+with one line per problem (MFU is never computed from a profile that did not validate). An unknown
 GPU gets no invented peak: :func:`peak_for` returns ``None`` with a warning, and MFU stays null,
 unless the user passes ``--peak-tflops``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+from scaletool.errors import RecipeError
+from scaletool.resources import data_dir
+from scaletool.results.hardware import HardwareProfile
 
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    name: str
-    device: str
-    match: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    peak_tflops: dict[str, float] = field(default_factory=dict)
-    peak_bandwidth_bytes_per_s: float | None = None  # device memory (HBM), datasheet
-    source: str = ""
-
-    def matches(self, device_name: str) -> bool:
-        n = device_name.lower()
-        return (any(m.lower() in n for m in self.match)
-                and not any(x.lower() in n for x in self.exclude))
+PROFILES_ENV = "SCALETOOL_PROFILES"
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-def load_profiles(directory: Path = PROFILES_DIR) -> list[HardwareProfile]:
-    out = []
-    for path in sorted(directory.glob("*.yaml")):
-        raw = yaml.safe_load(path.read_text()) or {}
-        out.append(HardwareProfile(name=raw["name"], device=raw["device"], match=tuple(raw.get("match", ())),
-                                   exclude=tuple(raw.get("exclude", ())),
-                                   peak_tflops={k: float(v) for k, v in (raw.get("peak_tflops") or {}).items()},
-                                   peak_bandwidth_bytes_per_s=(float(raw["peak_bandwidth_gb_s"]) * 1e9
-                                                               if raw.get("peak_bandwidth_gb_s") else None),
-                                   source=path.name))
-    return out
+class ProfileFile(BaseModel):
+    """What a profile file holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    device: Literal["cuda", "cpu"]
+    match: list[str] = []
+    exclude: list[str] = []
+    peak_tflops: dict[Literal["bf16", "fp16", "fp32"], Positive] = {}
+    peak_bandwidth_gb_s: Positive | None = None
+    reference: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> ProfileFile:
+        if self.device == "cuda" and not any(m.strip() for m in self.match):
+            raise RecipeError("match: a cuda profile needs at least one substring of the GPU's name "
+                              "(torch.cuda.get_device_name(), e.g. 'H100 80GB HBM3')")
+        return self
+
+
+def user_dirs(environ=None) -> list[Path]:
+    """Directories of user profiles, highest precedence first (they need not exist)."""
+    e = os.environ if environ is None else environ
+    dirs = [Path(d).expanduser() for d in e.get(PROFILES_ENV, "").split(os.pathsep) if d]
+    config_home = Path(e.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser()
+    return dirs + [config_home / "scaletool" / "profiles"]
+
+
+def _problems(exc: ValidationError, source: str) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, RecipeError):
+            lines += [f"{source}: {p}" for p in inner.problems]
+            continue
+        where = ".".join(str(p) for p in err["loc"]) or "profile"
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(err["loc"][-1]), list(ProfileFile.model_fields), n=1)
+            tip = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(ProfileFile.model_fields)}"
+            lines.append(f"{source}: {where}: unknown key; {tip}")
+        else:
+            got = repr(err.get("input"))
+            lines.append(f"{source}: {where}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})")
+    return lines
+
+
+def read_profile(path: Path, source: str) -> HardwareProfile:
+    """Validate one profile file; every problem is one line of the RecipeError."""
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{source}: cannot read: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{source}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: a profile is a mapping (name, device, match, peak_tflops, ...), "
+                          f"got {type(raw).__name__}")
+    try:
+        f = ProfileFile.model_validate(raw)
+    except ValidationError as e:
+        raise RecipeError(_problems(e, source)) from None
+    return HardwareProfile(name=f.name, device=f.device, match=tuple(f.match), exclude=tuple(f.exclude),
+                           peak_tflops={k: float(v) for k, v in f.peak_tflops.items()},
+                           peak_bandwidth_bytes_per_s=f.peak_bandwidth_gb_s * 1e9 if f.peak_bandwidth_gb_s else None,
+                           reference=f.reference, source=source)
+
+
+def _read_dir(directory: Path, label: str) -> tuple[list[HardwareProfile], list[str]]:
+    profiles, problems = [], []
+    for path in sorted(directory.glob("*.yaml")) if directory.is_dir() else []:
+        try:
+            profiles.append(read_profile(path, label.format(path=path, name=path.name)))
+        except RecipeError as e:
+            problems += e.problems
+    return profiles, problems
+
+
+def load_profiles(environ=None) -> list[HardwareProfile]:
+    """Every profile in matching order (user profiles first); a user profile replaces the shipped one
+    of the same name. Invalid files raise one RecipeError with a line per problem."""
+    user, problems = [], []
+    for d in user_dirs(environ):
+        found, bad = _read_dir(d, "{path}")
+        user += found
+        problems += bad
+    shipped, bad = _read_dir(data_dir("profiles"), "shipped:{name}")
+    problems += bad
+    seen: dict[str, HardwareProfile] = {}
+    for p in user:
+        if p.name in seen:
+            problems.append(f"{p.source}: name '{p.name}' is also defined by {seen[p.name].source}")
+        seen[p.name] = p
+    if problems:
+        raise RecipeError(problems)
+    by_name = {p.name: p for p in shipped}
+    user = [p.model_copy(update={"replaces": by_name[p.name].source}) if p.name in by_name else p for p in user]
+    return user + [p for p in shipped if p.name not in seen]
 
 
 @dataclass(frozen=True)
@@ -62,8 +153,9 @@ def peak_for(device_type: str, device_name: str, dtype: str, override_tflops: fl
     if override_tflops is not None:
         return Peak(override_tflops, label, "--peak-tflops")
     if prof is None:
-        return Peak(None, None, "none", f"unknown accelerator '{device_name}': no profile in {PROFILES_DIR} "
-                    "matches it, so MFU is null; pass --peak-tflops to set the peak")
+        return Peak(None, None, "none", f"unknown accelerator '{device_name}': no hardware profile matches it "
+                    "(`scaletool hardware` lists them and says how to add one), so MFU is null; pass "
+                    "--peak-tflops to set the peak")
     value = prof.peak_tflops.get(dtype)
     if value is None:
         why = ("no CPU peak is assumed" if device_type == "cpu"
@@ -74,7 +166,6 @@ def peak_for(device_type: str, device_name: str, dtype: str, override_tflops: fl
 
 def profile_for(device_type: str, device_name: str,
                 profiles: list[HardwareProfile] | None = None) -> HardwareProfile | None:
-    """The profile that matches this device, or None."""
+    """The first profile (user profiles first) that matches this device, or None."""
     profiles = load_profiles() if profiles is None else profiles
-    return next((p for p in profiles if p.device == device_type and (device_type == "cpu" or p.matches(device_name))),
-                None)
+    return next((p for p in profiles if p.matches(device_type, device_name)), None)

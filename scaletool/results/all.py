@@ -1,2 +1,4 @@
 """Imports every result module so that each registers its kinds (see :func:`scaletool.results.registered`)."""
-from scaletool.results import report  # noqa: F401
+import scaletool.results.hardware  # noqa: F401
+import scaletool.results.launch  # noqa: F401
+import scaletool.results.report  # noqa: F401

@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
+from scaletool.resources import SWEEP, find_recipe
 
 MODES = ("estimate", "count", "train", "decode")
 Mode = Literal["estimate", "count", "train", "decode"]
@@ -153,8 +154,8 @@ def _pydantic_lines(exc: ValidationError, source: str) -> list[str]:
 
 def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep:
     """Read and validate a sweep file; ``overrides`` (from ``--set``) apply to every point after ``set``."""
-    path = Path(path)
     src = str(path)
+    path = find_recipe(path, SWEEP)  # a file, or a shipped sweep by name
     raw = read_yaml(path)
     if raw and set(raw) <= set(SECTIONS):
         raise RecipeError(f"{src}: this is a recipe, not a sweep file; sweep it from a sweep file whose "

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH = [sys.executable, "-m", "scaletool", "launch"]
+LAUNCH = [sys.executable, "-m", "scaletool", "launch", "torchrun"]
 
 
 def free_port() -> int:

@@ -147,13 +147,12 @@ def test_node_env_fresh_store_per_attempt_for_torchrun():
 # -- the CLI's dry run --------------------------------------------------------------------------
 
 
-def _dry(*args):
-    res = CliRunner().invoke(main, ["launch", TINY, "--dry-run", *args])
-    return res
+def _dry(launcher, *args):
+    return CliRunner().invoke(main, ["launch", launcher, TINY, "--dry-run", *args])
 
 
 def test_dry_run_prints_the_command_it_would_run():
-    res = _dry("--nnodes", "2", "--nproc-per-node", "4", "--node-rank", "0", "--rdzv-endpoint", "node001:29500",
+    res = _dry("torchrun", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank", "0", "--rdzv-endpoint", "node001:29500",
                "--out", "/shared/runs/a b", "--max-restarts", "3", "--rdzv-timeout", "120",
                "--set", "parallel.engine=fsdp", "--set", NASTY, "--set", "train.checkpoint_every=5")
     assert res.exit_code == 0, res.output
@@ -166,7 +165,7 @@ def test_dry_run_prints_the_command_it_would_run():
 
 
 def test_dry_run_json_and_deepspeed_hostfile():
-    res = _dry("--launcher", "deepspeed", "--nnodes", "2", "--hosts", "node001,node002", "--rdzv-endpoint",
+    res = _dry("deepspeed", "--nnodes", "2", "--hosts", "node001,node002", "--rdzv-endpoint",
                "node001:29500", "--out", "/shared/r", "--set", "parallel.engine=deepspeed", "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
@@ -176,27 +175,54 @@ def test_dry_run_json_and_deepspeed_hostfile():
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "parallel.engine=fsdp"],
+    (["torchrun", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--set", "parallel.engine=fsdp"],
      "error: --out: required with --nnodes 2"),
-    (["--nnodes", "2", "--out", "x", "--set", "parallel.engine=fsdp"], "error: --rdzv-endpoint: required"),
-    (["--nproc-per-node", "2"], "error: parallel.engine: single runs one process, but 2 were started"),
-    (["--launcher", "deepspeed", "--max-restarts", "1", "--set", "parallel.engine=deepspeed"],
+    (["torchrun", "--nnodes", "2", "--out", "x", "--set", "parallel.engine=fsdp"], "error: --rdzv-endpoint: required"),
+    # nothing was started by a dry run: the line says what the job would be
+    (["torchrun", "--nproc-per-node", "2"], "error: parallel.engine: single runs one process, but this job has 2 "
+                                            "ranks; use ddp, fsdp or deepspeed"),
+    (["slurm", "--nnodes", "2"], "error: parallel.engine: single runs one process, but this job has 2 ranks"),
+    (["deepspeed", "--max-restarts", "1", "--set", "parallel.engine=deepspeed"],
      "error: --max-restarts: the DeepSpeed launcher does not restart"),
-    (["--launcher", "deepspeed", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--out", "x",
+    (["deepspeed", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--out", "x",
       "--set", "parallel.engine=deepspeed"], "error: --hostfile or --hosts: required"),
-    (["--set", "train.stepz=3"], "did you mean 'steps'"),
+    (["torchrun", "--set", "train.stepz=3"], "did you mean 'steps'"),
+    (["slurm", "--rdzv-endpoint", "h:1"], "error: no such option '--rdzv-endpoint'"),  # the allocation decides
+    (["deepspeed", "--rdzv-id", "x"], "error: no such option '--rdzv-id'"),
 ])
 def test_bad_launches_are_one_line_and_exit_2(args, line):
     res = _dry(*args)
     assert res.exit_code == 2
-    assert line in res.output and "Traceback" not in res.output
+    assert len(res.output.splitlines()) == 1 and line in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["launch", TINY, "--launcher", "slurm"], f"error: '{TINY}' is not a launcher: name the launcher first, e.g. "
+                                              f"`scaletool launch torchrun {TINY} ...` (launchers: torchrun, deepspeed, "
+                                              "slurm); try 'scaletool launch --help'"),
+    (["launch", "torchrn", TINY], "error: no launcher 'torchrn'; did you mean 'torchrun'?"),
+])
+def test_a_launcher_is_named_first(argv, line):
+    res = CliRunner().invoke(main, argv, prog_name="scaletool")
+    assert res.exit_code == 2 and len(res.output.splitlines()) == 1 and res.output.startswith(line), res.output
+
+
+def test_json_dry_runs_are_typed_launch_results():
+    from scaletool.results import load_result
+
+    for launcher in ("torchrun", "deepspeed", "slurm"):
+        res = _dry(launcher, "--json")
+        assert res.exit_code == 0, res.output
+        doc = load_result(json.loads(res.output))
+        assert (doc.kind, doc.launcher, doc.dry_run) == ("launch", launcher, True)
+        assert (doc.script if launcher == "slurm" else doc.argv)
 
 
 def test_too_few_gpus_on_this_node_fails_before_starting(monkeypatch, tmp_path):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    res = CliRunner().invoke(main, ["launch", TINY, "--nproc-per-node", "2", "--set", "parallel.engine=ddp",
+    res = CliRunner().invoke(main, ["launch", "torchrun", TINY, "--nproc-per-node", "2", "--set", "parallel.engine=ddp",
                                     "--out", str(tmp_path / "run")])
     assert res.exit_code == 2
     assert "error: --nproc-per-node 2: this node has 1 CUDA device(s)" in res.output

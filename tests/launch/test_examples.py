@@ -15,7 +15,7 @@ from scaletool.launch.slurm import TEMPLATE
 
 LAUNCH = ROOT / "launch"
 # The command that wrote launch/slurm-two-node.sbatch (README, "Launching on clusters").
-SLURM_EXAMPLE_ARGS = ["launch", "recipes/mla-1b.yaml", "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "8",
+SLURM_EXAMPLE_ARGS = ["launch", "slurm", "recipes/mla-1b.yaml", "--nnodes", "2", "--nproc-per-node", "8",
                       "--partition", "gpu", "--account", "myproject", "--time", "04:00:00", "--max-restarts", "2",
                       "--out", "runs/mla-1b-2x8", "--python", "python3", "--workdir", "/path/to/scaletool",
                       "--set", "parallel.engine=fsdp", "--set", "train.checkpoint_every=100",

@@ -53,10 +53,12 @@ class Node:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("error: ")]
 
 
-def launch_nodes(tmp_path: Path, out: Path, *extra: str, node_ranks=(0, 1)) -> list[Node]:
+def launch_nodes(tmp_path: Path, out: Path, *extra: str, node_ranks=(0, 1), launcher: str = "torchrun") -> list[Node]:
     port = free_port()
-    argv = [sys.executable, "-m", "scaletool", "launch", TINY, "--nnodes", "2", "--nproc-per-node", "1",
-            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "60", "--out", str(out), *extra]
+    argv = [sys.executable, "-m", "scaletool", "launch", launcher, TINY, "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(out), *extra]
+    if launcher == "torchrun":
+        argv += ["--rdzv-timeout", "60"]
     return [Node(argv + (["--node-rank", str(r)] if r is not None else []), tmp_path, f"node{i}")
             for i, r in enumerate(node_ranks)]
 
@@ -155,7 +157,7 @@ def test_a_hung_peer_times_out_the_collective_instead_of_hanging(tmp_path):
 
 def test_rendezvous_that_cannot_form_fails_with_one_line(tmp_path):
     port = free_port()
-    node = Node([sys.executable, "-m", "scaletool", "launch", TINY, "--nnodes", "2", "--rdzv-endpoint",
+    node = Node([sys.executable, "-m", "scaletool", "launch", "torchrun", TINY, "--nnodes", "2", "--rdzv-endpoint",
                  f"127.0.0.1:{port}", "--rdzv-timeout", "3", "--rdzv-id", "lonely", "--out", str(tmp_path / "run"),
                  "--set", "parallel.engine=fsdp"], tmp_path, "node0")
     assert node.wait() == 1
@@ -167,8 +169,8 @@ def test_rendezvous_that_cannot_form_fails_with_one_line(tmp_path):
 
 def test_deepspeed_launcher_two_nodes_with_a_hostfile(tmp_path):
     out = tmp_path / "run"
-    nodes = launch_nodes(tmp_path, out, "--launcher", "deepspeed", "--hosts", "localhost,127.0.0.1",
-                         "--set", "parallel.engine=deepspeed", "--set", "parallel.zero_stage=2")
+    nodes = launch_nodes(tmp_path, out, "--hosts", "localhost,127.0.0.1", "--set", "parallel.engine=deepspeed",
+                         "--set", "parallel.zero_stage=2", launcher="deepspeed")
     assert [n.wait() for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
     assert (out / "hostfile").read_text() == "localhost slots=1\n127.0.0.1 slots=1\n"
     s = summary(out)
@@ -198,7 +200,7 @@ sys.exit(max(abs(p.returncode) for p in procs))
 def test_sbatch_script_runs_torchrun_on_every_node(tmp_path):
     out = tmp_path / "run"
     script = tmp_path / "job.sbatch"
-    res = subprocess.run([sys.executable, "-m", "scaletool", "launch", TINY, "--launcher", "slurm", "--nnodes", "2",
+    res = subprocess.run([sys.executable, "-m", "scaletool", "launch", "slurm", TINY, "--nnodes", "2",
                           "--nproc-per-node", "1", "--gpus-per-node", "0", "--rdzv-port", str(free_port()),
                           "--out", str(out), "--script", str(script), "--workdir", str(ROOT),
                           "--set", "parallel.engine=deepspeed", "--env", "OMP_NUM_THREADS=1"],

@@ -148,7 +148,7 @@ def test_cli_writes_and_submits(tmp_path, monkeypatch):
     bin_dir = _fake_bin(tmp_path, "sbatch", "print('77')\n")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     out = tmp_path / "run"
-    res = CliRunner().invoke(main, ["launch", TINY, "--launcher", "slurm", "--nnodes", "2", "--set",
+    res = CliRunner().invoke(main, ["launch", "slurm", TINY, "--nnodes", "2", "--set",
                                     "parallel.engine=fsdp", "--out", str(out), "--submit"])
     assert res.exit_code == 0, res.output
     assert res.output.startswith(f"submitted job 77: {out / 'launch.sbatch'}")
@@ -156,7 +156,7 @@ def test_cli_writes_and_submits(tmp_path, monkeypatch):
 
 
 def test_cli_dry_run_prints_the_script_and_writes_nothing(tmp_path):
-    res = CliRunner().invoke(main, ["launch", TINY, "--launcher", "slurm", "--nnodes", "2", "--nproc-per-node", "4",
+    res = CliRunner().invoke(main, ["launch", "slurm", TINY, "--nnodes", "2", "--nproc-per-node", "4",
                                     "--set", "parallel.engine=fsdp", "--out", str(tmp_path / "run"), "--dry-run",
                                     "--partition", "gpu"])
     assert res.exit_code == 0, res.output

@@ -108,8 +108,8 @@ def test_bad_nproc_and_engine_fail_with_one_line_before_any_rank_starts(tmp_path
     p = scaletool_train(tmp_path / "a", ["parallel.engine=ddp", "parallel.nproc_per_node=4"], "--nproc-per-node", "2")
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
-        "error: parallel.nproc_per_node: the recipe says 4, but 2 processes per node were started; "
+        "error: parallel.nproc_per_node: the recipe says 4, but this job has 2 processes per node; "
         "make them agree (or drop the key)"]
     p = scaletool_train(tmp_path / "b", [], "--nproc-per-node", "2")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
-    assert "parallel.engine: single runs one process, but 2 were started" in p.stderr
+    assert "parallel.engine: single runs one process, but this job has 2 ranks" in p.stderr
