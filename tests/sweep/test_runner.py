@@ -14,7 +14,7 @@ import yaml
 from conftest import RECIPES, ROOT, run_cli
 
 from scaletool.sweep.runner import classify
-from scaletool.sweep.store import RESULTS_FILE, append_record, read_records
+from scaletool.sweep.store import RESULTS_FILE
 
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,
           "model.qk_rope_head_dim": None, "model.v_head_dim": None}
@@ -58,17 +58,17 @@ def test_raising_timed_out_and_killed_points_are_recorded_and_the_rest_continue(
                 {"train.steps": 100000, "train.seed": 8},                      # killed with SIGKILL below
                 {"train.steps": 3}],                                           # fine
         "set": {"train.warmup_steps": 0, "train.measure_warmup_steps": 1},
-        "modes": ["train"], "timeout_s": {"train": 8}})
+        "modes": ["train"], "timeout_s": {"train": 20}})
     out = tmp_path / "results"
     proc = _sweep_process(sweep, out)
     deadline = time.monotonic() + 120
     killed = None
     while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        for child in _children(proc.pid):
-            if "seed=8" in _cmdline(child):
+        for supervisor in _children(proc.pid):
+            if "seed=8" in _cmdline(supervisor) and _children(supervisor):
                 time.sleep(1.0)  # let it get going: the kill lands in the middle of training
-                os.kill(child, signal.SIGKILL)
-                killed = child
+                killed = _children(supervisor)[0]  # the point's own process, under its supervisor
+                os.kill(killed, signal.SIGKILL)
         time.sleep(0.05)
     stdout, stderr = proc.communicate(timeout=120)
     assert killed is not None and proc.returncode == 0, stderr
@@ -78,7 +78,7 @@ def test_raising_timed_out_and_killed_points_are_recorded_and_the_rest_continue(
     assert [r["status"] for r in recs] == ["error", "timeout", "error", "ok"]
     assert "loss is nan" in recs[0]["error"]
     assert recs[0]["result"]["status"] != "completed"  # the partial summary train printed is kept
-    assert recs[1]["error"].startswith("exceeded timeout of 8 s") and recs[1]["wall_s"] >= 8
+    assert recs[1]["error"].startswith("exceeded timeout of 20 s") and recs[1]["wall_s"] >= 20
     assert recs[2]["error"].startswith("killed by SIGKILL") and recs[2]["returncode"] == -signal.SIGKILL
     assert recs[3]["result"]["measured_steps"] == 2 and recs[3]["result"]["tokens_per_s"] > 0
     for r in recs:  # every run left its logs and recipe
@@ -124,25 +124,14 @@ def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
     assert {r["key"] for r in planned} == set(keys) and not any(r["will_run"] for r in planned)
 
 
-def test_store_survives_a_torn_last_line(tmp_path):
-    append_record(tmp_path, {"key": "a", "status": "ok"})
-    with open(tmp_path / RESULTS_FILE, "ab") as f:
-        f.write(b'{"key": "b", "sta')  # what a crash mid-write would leave
-    recs, warnings = read_records(tmp_path)
-    assert [r["key"] for r in recs] == ["a"] and len(warnings) == 1 and ":2:" in warnings[0]
-    append_record(tmp_path, {"key": "c", "status": "error"})  # starts a fresh line after the torn one
-    recs, _ = read_records(tmp_path)
-    assert [r["key"] for r in recs] == ["a", "c"]
-
-
 @pytest.mark.parametrize("rc,stderr,status", [
     (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
     (1, "RuntimeError: DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB", "oom"),
     (2, "error: parallel.zero_stage: only used by engine=deepspeed, but parallel.engine=single", "skipped"),
     (2, "Usage: scaletool count [OPTIONS] RECIPE\nError: No such option: --bogus", "error"),
     (-9, "", "error"),
-    (0, "", "error"),  # exit 0 without JSON is not a result
+    (0, "", "error"),  # exit 0 without a result file is not a result
 ])
 def test_classify(rc, stderr, status):
-    got, why, _ = classify(rc, False, 10, "", stderr)
+    got, why = classify(rc, False, 10, None, stderr)
     assert got == status and why
