@@ -78,7 +78,7 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
         return _only_task(sweep_file, results_dir, overrides, only_task, plan_digest)
     if submit:
         return _submit(sweep_file, results_dir, overrides, modes, retry_failed, dry_run, as_json, parallel,
-                       slurm_time=slurm_time, partition=partition, account=account, gpus_per_node=gpus_per_task,
+                       time=slurm_time, partition=partition, account=account, gpus_per_node=gpus_per_task,
                        cpus_per_task=cpus_per_task)
     if dry_run:
         plan = api.sweep_plan(sweep_file, out=results_dir, overrides=overrides, modes=modes, retry_failed=retry_failed)

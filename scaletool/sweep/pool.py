@@ -149,11 +149,12 @@ class Pool:
 
     # -- placing and starting ---------------------------------------------------------------------
 
-    def fits(self, launch: Launch) -> bool:
-        """Whether ``launch`` can start now: a free slot, and its GPUs free when GPUs are handed out."""
+    def fits(self, gpus_needed: int) -> bool:
+        """Whether a run needing ``gpus_needed`` GPUs can start now: a free slot, and its GPUs free
+        when GPUs are handed out."""
         if not self.free_slots:
             return False
-        return not (self.assign_gpus and self.gpus) or len(self.free_gpus) >= launch.gpus_needed
+        return not (self.assign_gpus and self.gpus) or len(self.free_gpus) >= gpus_needed
 
     def start(self, launch: Launch, tag: object = None) -> Run:
         slot = self.free_slots.pop(0)
@@ -162,8 +163,8 @@ class Pool:
             gpus, self.free_gpus = self.free_gpus[:launch.gpus_needed], self.free_gpus[launch.gpus_needed:]
         env, n_threads = thread_env(slot.cores, launch.ranks)
         env = {**os.environ, **env, **launch.env, "PYTHONUNBUFFERED": "1", MARKER_ENV: self.token}
-        if self.assign_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # no GPUs for a run that needs none
+        if self.assign_gpus and self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # none for a run that needs none
         pipe_r, pipe_w = os.pipe()
         argv = [sys.executable, "-m", "scaletool.sweep.supervise", "--watch", str(pipe_r),
                 "--grace", repr(TERM_GRACE_S)]
