@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaletool import threads
@@ -90,7 +90,7 @@ def visible_gpus(explicit: str | None = None) -> list[str]:
 
 @dataclass
 class Launch:
-    """One process to run: its command, extra environment, logs, limits and resource needs."""
+    """One process to run: its command, logs, time limit and resource needs."""
 
     argv: list[str]
     stdout: Path
@@ -98,7 +98,6 @@ class Launch:
     timeout_s: float
     ranks: int = 1  # processes the command starts on this node (train --nproc-per-node)
     gpus_needed: int = 0
-    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -162,7 +161,7 @@ class Pool:
         if self.assign_gpus and self.gpus and launch.gpus_needed:
             gpus, self.free_gpus = self.free_gpus[:launch.gpus_needed], self.free_gpus[launch.gpus_needed:]
         env, n_threads = thread_env(slot.cores, launch.ranks)
-        env = {**os.environ, **env, **launch.env, "PYTHONUNBUFFERED": "1", MARKER_ENV: self.token}
+        env = {**os.environ, **env, "PYTHONUNBUFFERED": "1", MARKER_ENV: self.token}
         if self.assign_gpus and self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)  # none for a run that needs none
         pipe_r, pipe_w = os.pipe()

@@ -19,13 +19,15 @@ from scaletool.results.sweep import SweepRecord
 STATUS_STYLE = {"ok": "green", "skipped": "dim", "oom": "magenta", "timeout": "yellow", "error": "red"}
 
 
-def headline(rec: SweepRecord) -> str:
-    """One line saying why a run is not ok: the skip reason, the timeout, or the error's last line."""
-    text = (rec.reason or rec.error or "").strip()
+def headline(rec: SweepRecord | dict) -> str:
+    """One line saying why a run is not ok: the skip reason, the timeout, or the error's last line
+    (of a record, or of a record as a dict, as the report reads them)."""
+    get = rec.get if isinstance(rec, dict) else (lambda k: getattr(rec, k, None))
+    text = (get("reason") or get("error") or "").strip()
     if not text:
         return ""
     lines = text.splitlines()
-    return lines[0] if rec.status == "timeout" else lines[-1]
+    return lines[0] if get("status") == "timeout" else lines[-1]
 
 
 def _clock(seconds: float) -> str:

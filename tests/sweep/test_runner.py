@@ -96,8 +96,8 @@ def test_raising_timed_out_and_killed_points_are_recorded_and_the_rest_continue(
 
 
 def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
-    sweep = _write(tmp_path, {"set": AS_MHA, "grid": {"model.intermediate_size": [64, 128, 192, 256],
-                                                      "model.n_layers": [1, 2, 3]},
+    sweep = _write(tmp_path, {"set": AS_MHA, "grid": {"model.intermediate_size": [64, 128, 192],
+                                                      "model.n_layers": [1, 2]},
                               "modes": ["estimate"]})
     out = tmp_path / "results"
     proc = _sweep_process(sweep, out)
@@ -109,16 +109,16 @@ def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     before = _lines(out)  # every line parses: no torn write
-    assert 3 <= len(before) < 12
+    assert 3 <= len(before) < 6
 
     res = run_cli("sweep", str(sweep), "-o", str(out), "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["ran_now"] == 12 - len(before)
+    assert summary["ran_now"] == 6 - len(before)
     after = _lines(out)
     assert after[:len(before)] == before
     keys = [r["key"] for r in after]
-    assert len(keys) == len(set(keys)) == 12
+    assert len(keys) == len(set(keys)) == 6
     assert {r["status"] for r in after} == {"ok"}
     planned = json.loads(run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json").stdout)["runs"]
     assert {r["key"] for r in planned} == set(keys) and not any(r["will_run"] for r in planned)
