@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from scaletool.cli.options import deliver, emit_json, json_option, set_option
+from scaletool.cli.options import deliver, json_option, set_option
 from scaletool.results.sweep import MODES
 
 
@@ -82,9 +82,8 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
                        cpus_per_task=cpus_per_task)
     if dry_run:
         plan = api.sweep_plan(sweep_file, out=results_dir, overrides=overrides, modes=modes, retry_failed=retry_failed)
-        if as_json:
-            emit_json(plan.model_dump(mode="json"))
-        else:
+        deliver(plan, as_json)
+        if not as_json:
             print_plan(plan, Console())
         return plan
     try:
@@ -115,11 +114,10 @@ def _submit(sweep_file, results_dir, overrides, modes, retry_failed, dry_run, as
         return None
     for w in sub.warnings:
         click.echo(f"warning: {w}", err=True)
-    if as_json:
-        emit_json(sub.model_dump(mode="json"))
-    elif dry_run:
+    deliver(sub, as_json)
+    if dry_run and not as_json:
         click.echo(sub.script, nl=False)
-    else:
+    elif not as_json:
         click.echo(f"submitted job {sub.job_id}: {len(sub.tasks)} run(s) as array tasks; script {sub.script}")
         if sub.skipped_live:
             click.echo(f"({sub.skipped_live} run(s) left out: still queued or running from an earlier submission)")

@@ -117,9 +117,9 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def reap(status: dict[int, int]) -> bool:
-    """Collect every exited child without blocking, recording statuses in ``status``; False once
-    this process has no children left."""
+def reap(status: dict[int, int], keep: int) -> bool:
+    """Collect every exited child without blocking (orphans included), recording the status of
+    ``keep`` in ``status``; False once this process has no children left."""
     while True:
         try:
             pid, st = os.waitpid(-1, os.WNOHANG)
@@ -127,17 +127,18 @@ def reap(status: dict[int, int]) -> bool:
             return False
         if pid == 0:
             return True
-        status[pid] = st
+        if pid == keep:
+            status[pid] = st
 
 
-def kill_tree(status: dict[int, int]) -> None:
+def kill_tree(status: dict[int, int], keep: int) -> None:
     """SIGKILL every descendant of this process until none is left (orphans come back to a subreaper)."""
     deadline = time.monotonic() + KILL_WAIT_S
     while True:
         table = process_table()
         live = [p for p in descendants(os.getpid(), table) if table[p][1] != "Z"]
         signal_all(live, signal.SIGKILL)
-        if not reap(status) and not live:
+        if not reap(status, keep) and not live:
             return
         if time.monotonic() > deadline:
             return
@@ -203,16 +204,16 @@ def supervise(cmd: list[str], watch_fd: int, grace_s: float, cpus: set[int] | No
         if wake_r in ready:
             os.read(wake_r, 512)
         if watch_fd in ready and not os.read(watch_fd, 512):  # EOF: the sweep is gone
-            kill_tree(status)
+            kill_tree(status, child)
             os._exit(128 + signal.SIGKILL)
         if stop and term_at is None:
             term_at = time.monotonic()
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child, signal.SIGTERM)
         if term_at is not None and time.monotonic() - term_at > grace_s:
-            kill_tree(status)
-        reap(status)
-    kill_tree(status)  # stragglers: ranks a launcher left behind, daemons of the point
+            kill_tree(status, child)
+        reap(status, child)
+    kill_tree(status, child)  # stragglers: ranks a launcher left behind, daemons of the point
     _exit_like(status[child])
 
 

@@ -207,3 +207,20 @@ def test_the_dry_run_table_fits_the_terminal(write_sweep):
         text = con.export_text()
         assert max(len(line) for line in text.splitlines()) <= width
         assert "…" not in text and "only" in text  # long cells fold; nothing is cut off
+
+
+def test_each_mode_runs_its_command_with_a_result_file_and_its_gpu_needs(write_sweep, tmp_path):
+    from scaletool.sweep.runner import gpus_needed, plan, prepare
+
+    sw = load_sweep(write_sweep({"set": AS_MHA, "modes": ["estimate", "count", "train", "decode", "profile"],
+                                 "nproc_per_node": 2, "args": {"decode": ["--device", "cpu"]}}))
+    tasks, _ = plan(sw, tmp_path / "out")
+    launches = {t.mode: prepare(t, sw, tmp_path / "out") for t in tasks}
+    for mode, launch in launches.items():
+        run_dir = launch.stdout.parent
+        assert launch.argv[1:6] == ["-m", "scaletool", "--result-file", str(run_dir / "result.json"), mode]
+        assert run_dir.is_dir() and (run_dir.parent / "recipe.yaml").is_file()
+        assert ("--out" in launch.argv) == (mode in ("train", "profile"))
+        assert ("--nproc-per-node" in launch.argv) == (launch.ranks == 2) == (mode in ("train", "profile"))
+    assert {m: gpus_needed(sw, m, sw.mode_args(m)) for m in launches} == {
+        "estimate": 0, "count": 0, "train": 2, "decode": 0, "profile": 2}
