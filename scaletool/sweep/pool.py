@@ -66,7 +66,7 @@ def parse_gpus(text: str) -> list[str]:
     ids = [g.strip() for g in text.split(",") if g.strip()]
     bad = [g for g in ids if not _GPU_ID.fullmatch(g)]
     if bad or not ids or len(set(ids)) != len(ids):
-        raise RecipeError(f"--gpus {text[:80]!r}: expected distinct comma-separated GPU indices or UUIDs, e.g. 0,1,2,3")
+        raise RecipeError(f"GPU list {text[:80]!r}: expected distinct comma-separated GPU indices or UUIDs, e.g. 0,1,2,3")
     return ids
 
 

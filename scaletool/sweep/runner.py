@@ -34,7 +34,7 @@ from scaletool.results import ResultLoadError
 from scaletool.results.sweep import STATUSES, RunRow, SweepRecord, SweepSummary, check_result
 from scaletool.sweep.lock import results_lock
 from scaletool.sweep.points import Point, expand
-from scaletool.sweep.pool import Launch, Pool, Run, visible_gpus
+from scaletool.sweep.pool import Launch, Pool, Run, parse_gpus, visible_gpus
 from scaletool.sweep.progress import Display, display, headline, run_name
 from scaletool.sweep.spec import Sweep
 from scaletool.sweep.store import append_record, latest_by_key, load_records
@@ -314,7 +314,9 @@ def execute(sweep: Sweep, results_dir: Path, *, retry_failed: bool = False, mode
 
     console = console or Console(stderr=True)
     results_dir = Path(results_dir)
-    plan(sweep, results_dir)  # a sweep that cannot expand (two values, one recipe) fails before anything is written
+    if gpus is not None:
+        parse_gpus(gpus)  # bad input fails before anything is written
+    plan(sweep, results_dir)  # so does a sweep that cannot expand (two values, one recipe)
     with _disk_errors(results_dir):
         results_dir.mkdir(parents=True, exist_ok=True)
     with results_lock(results_dir, what=f"scaletool sweep {sweep.name}"), _disk_errors(results_dir):

@@ -76,3 +76,13 @@ def test_repeats_of_a_timed_mode_are_separate_runs_and_resume_knows_them(tmp_pat
     assert [(r["mode"], r["repeat"], r["state"], r["will_run"]) for r in plan["runs"]] == [
         ("estimate", 0, "done", False), ("train", 0, "done", False), ("train", 1, "done", False),
         ("train", 2, "pending", True)]
+
+
+def test_bad_gpu_lists_are_one_error_line_before_anything_is_written(tmp_path):
+    sweep = write_sweep(tmp_path / "s.yaml", {"set": AS_MHA, "modes": ["estimate"]})
+    for gpus in ("0,0", "0,a b", ",", "0;rm -rf /"):
+        res = CliRunner().invoke(main, ["sweep", str(sweep), "-o", str(tmp_path / "out"), "--gpus", gpus])
+        assert res.exit_code == 2 and "Traceback" not in res.output
+        assert [ln for ln in res.output.splitlines() if ln.startswith("error: ")] == [
+            f"error: GPU list {gpus!r}: expected distinct comma-separated GPU indices or UUIDs, e.g. 0,1,2,3"]
+    assert not (tmp_path / "out").exists()

@@ -105,3 +105,18 @@ def test_submitted_tasks_record_their_runs_and_a_rerun_submits_only_what_is_miss
     done = subprocess.run(["bash", sub["script"]], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "plan changed since it was submitted" in done.stderr
     assert len(lines(out)) == 2
+
+
+def test_option_mistakes_are_one_error_line_each(tmp_path):
+    sweep = str(_sweep(tmp_path))
+    out = ["-o", str(tmp_path / "out")]
+    for args, needle in ((["--partition", "gpu"], "--partition: only with --submit slurm"),
+                         (["--submit", "slurm", "--gpus", "0"], "--gpus: Slurm allocates each array task's GPUs"),
+                         (["--submit", "slurm", "--dry-run", "--time", "soon"], "--time 'soon': expected minutes"),
+                         (["--submit", "slurm", "--dry-run", "--partition", "gpu\n#SBATCH --x=y"], "goes on an #SBATCH"),
+                         (["--only-task", "0"], "--only-task needs --plan-digest")):
+        res = CliRunner().invoke(main, ["sweep", sweep, *out, *args])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (args, res.output)
+        errors = [ln for ln in res.output.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 1 and needle in errors[0], (args, res.output)
+    assert not (tmp_path / "out").exists()
