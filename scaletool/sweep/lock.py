@@ -26,11 +26,16 @@ def _holder(path: Path) -> str:
     """``pid N on host H`` from the lock file, as far as it says."""
     try:
         info = json.loads(path.read_text())
-        who = f"pid {int(info['pid'])} on host {str(info['host'])[:100]}"
-        what = str(info.get("what", ""))[:200]
+        who = f"pid {int(info['pid'])} on host {_one_line(info['host'], 100)}"
+        what = _one_line(info.get("what", ""), 200)
         return who + (f" ({what})" if what else "")
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (no owner recorded: a Slurm array task of a submitted sweep?)"
+
+
+def _one_line(value: object, limit: int) -> str:
+    """Text from the lock file as one short line (whatever a hostile sweep name put there)."""
+    return " ".join(str(value).split())[:limit]
 
 
 @contextlib.contextmanager

@@ -113,6 +113,8 @@ def _refuse_duplicates(points: list[Point]) -> None:
 
 
 def _short(label: str, limit: int = 100) -> str:
+    """A label for an error line: one line, at most ``limit`` characters."""
+    label = " ".join(label.split())
     return label if len(label) <= limit else label[:limit - 3] + "..."
 
 
