@@ -14,6 +14,7 @@ the start stays true: no other sweep records, or deletes, anything there meanwhi
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -262,6 +263,9 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(s, h)
 
 
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
 @contextlib.contextmanager
 def _disk_errors(results_dir: Path) -> Iterator[None]:
     """A results directory that cannot be written (read-only, full) is one error line, not a traceback."""
@@ -269,7 +273,8 @@ def _disk_errors(results_dir: Path) -> Iterator[None]:
         yield
     except OSError as e:
         where = e.filename or results_dir
-        raise RecipeError(f"{where}: cannot write: {e.strerror or e}; the results recorded before are intact "
+        what = "cannot write: " if e.errno in _DISK_ERRNOS else ""
+        raise RecipeError(f"{where}: {what}{e.strerror or e}; the results recorded before are intact "
                           "(free space or fix permissions, then rerun to resume)") from None
 
 
