@@ -75,3 +75,75 @@ def hardware(device_name: str | None = None):
     return HardwareResult(profiles=profiles, user_dirs=[str(d) for d in user_dirs()],
                           this_machine=ThisMachine(device=device, device_name=device_name, device_count=count,
                                                    profile=prof.name if prof else None))
+
+
+def load_sweep(sweep_file: str | Path, overrides: Sequence[str] = ()):
+    """A validated :class:`~scaletool.sweep.spec.Sweep` from its file, ``key=value`` overrides applied to every point."""
+    from scaletool.config import parse_override
+    from scaletool.sweep import spec
+
+    return spec.load_sweep(sweep_file, [parse_override(o) for o in overrides])
+
+
+def sweep_results_dir(sweep, out: str | Path | None = None) -> Path:
+    """Where a sweep writes: ``out``, else ``runs/sweeps/<the sweep's name as a safe slug>``."""
+    return Path(out) if out is not None else Path("runs") / "sweeps" / sweep.dirname
+
+
+def _check_modes(sw, modes: Sequence[str]) -> list[str]:
+    bad = [m for m in modes if m not in sw.spec.modes]
+    if bad:
+        raise RecipeError(f"modes: {', '.join(bad)} not among the sweep's modes ({', '.join(sw.spec.modes)})")
+    return list(modes)
+
+
+def sweep(sweep_file: str | Path, *, out: str | Path | None = None, overrides: Sequence[str] = (),
+          modes: Sequence[str] = (), retry_failed: bool = False, parallel: int = 1, gpus: str | None = None,
+          console=None):
+    """Run a sweep file's missing runs (see ``scaletool sweep --help``); returns its
+    :class:`~scaletool.results.sweep.SweepSummary`. ``parallel`` runs at once, each on its own cores
+    (and GPUs: ``gpus`` such as ``"0,1,2,3"``, else the visible ones). Stopping it (KeyboardInterrupt,
+    SIGTERM) kills every process its runs started; rerunning resumes."""
+    from scaletool.sweep.runner import execute
+
+    if parallel < 1:
+        raise RecipeError(f"parallel: must be at least 1, got {parallel}")
+    sw = load_sweep(sweep_file, overrides)
+    return execute(sw, sweep_results_dir(sw, out), retry_failed=retry_failed, modes=_check_modes(sw, modes),
+                   parallel=parallel, gpus=gpus, console=console)
+
+
+def sweep_plan(sweep_file: str | Path, *, out: str | Path | None = None, overrides: Sequence[str] = (),
+               modes: Sequence[str] = (), retry_failed: bool = False):
+    """What :func:`sweep` would run, against what its results directory holds; writes nothing.
+    Returns a :class:`~scaletool.results.sweep.SweepPlan`."""
+    from scaletool.results.sweep import PlannedRun, SweepPlan
+    from scaletool.sweep.runner import gpus_needed, plan, select, to_run
+
+    sw = load_sweep(sweep_file, overrides)
+    results_dir = sweep_results_dir(sw, out)
+    tasks, warnings = plan(sw, results_dir)
+    chosen = select(tasks, _check_modes(sw, modes))
+    runs = {t.key for t in to_run(chosen, retry_failed)}
+    rows = [PlannedRun(task=t.n, index=t.point.index, label=t.point.label, mode=t.mode, repeat=t.repeat,
+                       repeats=t.repeats, key=t.key, state=t.state, will_run=t.key in runs and t.state != "skipped",
+                       previous_status=t.previous.status if t.previous else None, reason=t.point.reason,
+                       match_params=t.point.match_params, point_dir=t.point.dirname,
+                       gpus_needed=gpus_needed(sw, t.mode, t.args)) for t in chosen]
+    return SweepPlan(sweep=sw.name, results_dir=str(results_dir), warnings=warnings, runs=rows)
+
+
+def sweep_submit(sweep_file: str | Path, *, out: str | Path | None = None, overrides: Sequence[str] = (),
+                 modes: Sequence[str] = (), retry_failed: bool = False, dry_run: bool = False,
+                 time: str | None = None, partition: str | None = None, account: str | None = None,
+                 gpus_per_node: int | None = None, cpus_per_task: int | None = None, throttle: int | None = None):
+    """Submit a sweep's missing runs as a Slurm job array (``dry_run``: the script as text, nothing written).
+    Returns a :class:`~scaletool.results.sweep.SweepSubmission`, or None when nothing is missing."""
+    from scaletool.launch.slurm import SlurmOptions
+    from scaletool.sweep.slurm import submit_sweep
+
+    sw = load_sweep(sweep_file, overrides)
+    opts = SlurmOptions(time=time, partition=partition, account=account, gpus_per_node=gpus_per_node,
+                        cpus_per_task=cpus_per_task)
+    return submit_sweep(sw, sweep_results_dir(sw, out), overrides=list(overrides), modes=_check_modes(sw, modes),
+                        retry_failed=retry_failed, opts=opts, throttle=throttle, dry_run=dry_run)

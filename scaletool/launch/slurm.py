@@ -1,6 +1,8 @@
-"""Slurm: an sbatch script that starts torchrun on every node through ``srun``.
+"""Slurm: an sbatch script that starts torchrun on every node through ``srun``, and the job-array
+script a sweep is submitted as.
 
-The script is rendered from ``slurm.sbatch.j2`` (or a site's own template with the same variables).
+The script is rendered from ``slurm.sbatch.j2`` (or a site's own template with the same variables);
+a sweep's array from ``sweep-array.sbatch.j2`` (:func:`render_array`).
 Every value that reaches the shell body is quoted here with ``shlex.quote`` before rendering, so
 the template itself never quotes; values on ``#SBATCH`` lines (sbatch parses them without a shell;
 the working directory and the log path are among them) are checked against a plain character set
@@ -24,6 +26,7 @@ _TIME = re.compile(r"\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+
 # What an #SBATCH value may contain: no whitespace, quotes, '$', '#', ';' or newlines.
 _DIRECTIVE = re.compile(r"[A-Za-z0-9_.,:@%+=/-]+")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ARRAY = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*(%\d+)?")
 
 
 class Shell(str):
@@ -82,13 +85,7 @@ def render_sbatch(spec: LaunchSpec, opts: SlurmOptions, template: str | Path | N
 
     job_name = opts.job_name or f"scaletool-{Path(spec.recipe).stem}"
     output = opts.output or str(Path(spec.out) / "slurm-%j.out")
-    problems = []
-    if not _TIME.fullmatch(opts.time):
-        problems.append(f"--time {opts.time!r}: expected minutes, HH:MM:SS or D-HH:MM:SS (sbatch's formats)")
-    for flag, value in (("--partition", opts.partition), ("--account", opts.account), ("--job-name", job_name),
-                        ("--out (Slurm log path)", output), ("--workdir", opts.workdir)):
-        if value is not None and not _DIRECTIVE.fullmatch(value):
-            problems.append(f"{flag} {value!r}: goes on an #SBATCH line; use letters, digits and _.,:@%+=/- only")
+    problems = _directive_problems(opts, job_name, output)
     if not 0 < opts.rdzv_port < 65536:
         problems.append(f"--rdzv-port {opts.rdzv_port}: must be in 1-65535")
     if problems:
@@ -109,6 +106,45 @@ def render_sbatch(spec: LaunchSpec, opts: SlurmOptions, template: str | Path | N
             exports=exports, rdzv_port=opts.rdzv_port, torchrun=shell_lines(argv))
     except jinja2.TemplateError as e:
         raise RecipeError(f"template {path}: {e}") from None
+
+
+ARRAY_TEMPLATE = Path(__file__).with_name("sweep-array.sbatch.j2")
+
+
+def render_array(command: list[str], *, array: str, opts: SlurmOptions) -> str:
+    """An sbatch job-array script: one task per index of ``array`` (sbatch's ``--array`` value, e.g.
+    ``0-2,5%4``), each running ``command`` on one node as one task.
+
+    ``command`` is an argument list (shell-quoted here; :class:`Shell` elements expand, e.g.
+    ``"$SLURM_ARRAY_TASK_ID"``); ``opts.output`` is the log path pattern (default ``slurm-%A_%a.out``),
+    ``opts.gpus_per_node`` the GPUs of each task (0 or None: none).
+    """
+    import jinja2
+
+    output = opts.output or "slurm-%A_%a.out"
+    job_name = opts.job_name or "scaletool-sweep"
+    problems = _directive_problems(opts, job_name, output)
+    if not _ARRAY.fullmatch(array):
+        problems.append(f"--array {array!r}: expected indices and ranges, e.g. 0-2,5,7%4")
+    if problems:
+        raise RecipeError(problems)
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.from_string(ARRAY_TEMPLATE.read_text()).render(
+        job_name=job_name, array=array, time=opts.time, partition=opts.partition,
+        account=opts.account, gpus_per_node=opts.gpus_per_node, cpus_per_task=opts.cpus_per_task, output=output,
+        workdir=opts.workdir, exports=_exports(opts.exports), command=shell_lines(command))
+
+
+def _directive_problems(opts: SlurmOptions, job_name: str, output: str) -> list[str]:
+    """Values bound for ``#SBATCH`` lines that sbatch would misread (or that would inject a directive)."""
+    problems = []
+    if not _TIME.fullmatch(opts.time):
+        problems.append(f"--time {opts.time!r}: expected minutes, HH:MM:SS or D-HH:MM:SS (sbatch's formats)")
+    for flag, value in (("--partition", opts.partition), ("--account", opts.account), ("--job-name", job_name),
+                        ("--out (Slurm log path)", output), ("--workdir", opts.workdir)):
+        if value is not None and not _DIRECTIVE.fullmatch(value):
+            problems.append(f"{flag} {value!r}: goes on an #SBATCH line; use letters, digits and _.,:@%+=/- only")
+    return problems
 
 
 def sbatch_argv(script: str | Path) -> list[str]:

@@ -2,3 +2,4 @@
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
 import scaletool.results.report  # noqa: F401
+import scaletool.results.sweep  # noqa: F401

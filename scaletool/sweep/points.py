@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from scaletool.analytic import param_counts
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
-from scaletool.sweep.spec import MatchParams, Sweep
+from scaletool.sweep.spec import MatchParams, Sweep, slug
 
 
 @dataclass
@@ -35,9 +34,12 @@ class Point:
             return self.recipe.digest()
         return hashlib.sha256(json.dumps(self.raw, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def key(self, mode: str, args: list[str]) -> str:
-        """Result key: resolved recipe + mode + the mode's extra arguments (Recipe.digest)."""
-        extra = f"\0{mode}\0{json.dumps(args)}"
+    def key(self, mode: str, args: list[str], repeat: int = 0) -> str:
+        """Result key: resolved recipe + mode + the mode's extra arguments (Recipe.digest) + the repeat.
+
+        Repeat 0 hashes exactly as before repeats existed, so results directories written then resume.
+        """
+        extra = f"\0{mode}\0{json.dumps(args)}" + (f"\0repeat={repeat}" if repeat else "")
         if self.recipe is not None:
             return self.recipe.digest(extra)
         blob = json.dumps(self.raw, sort_keys=True, default=str) + extra
@@ -45,8 +47,8 @@ class Point:
 
     @property
     def dirname(self) -> str:
-        slug = re.sub(r"[^A-Za-z0-9._=-]+", "_", self.label.replace(" ", "_"))[:60].strip("_") or "base"
-        return f"{slug}-{self.point_id[:8]}"
+        """The point's directory under ``points/``: a safe slug of the label plus the point's hash."""
+        return f"{slug(self.label, 60, '_') or 'base'}-{self.point_id[:8]}"
 
 
 def short_names(keys: list[str]) -> dict[str, str]:
@@ -92,7 +94,28 @@ def expand(sweep: Sweep) -> list[Point]:
             solution["target_source"] = sweep.target_source
             raw = apply_overrides(raw, [(mp.key, solution["value"])])
         points.append(Point(i, values, label, recipe, raw, match_params=solution))
+    _refuse_duplicates(points)
     return points
+
+
+def _refuse_duplicates(points: list[Point]) -> None:
+    """Two points that resolve to the same recipe would share results and one report row: an error
+    naming both (``128`` and ``128.0``, a value equal to the default it replaces, a solved key)."""
+    first: dict[str, Point] = {}
+    problems = []
+    for p in points:
+        other = first.setdefault(p.point_id, p)
+        if other is not p:
+            problems.append(f"points {other.index} ({_short(other.label)}) and {p.index} ({_short(p.label)}) resolve "
+                            "to the same recipe; drop one of the values")
+    if problems:
+        raise RecipeError(problems)
+
+
+def _short(label: str, limit: int = 100) -> str:
+    """A label for an error line: one line, at most ``limit`` characters."""
+    label = " ".join(label.split())
+    return label if len(label) <= limit else label[:limit - 3] + "..."
 
 
 def _strip(problem: str) -> str:

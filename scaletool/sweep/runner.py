@@ -1,50 +1,65 @@
-"""Run a sweep: every (point, mode) in its own process group, with a timeout, recorded as it finishes.
+"""Run a sweep: every (point, mode, repeat) in its own supervised process, recorded as it finishes.
 
-Each run is ``python -m scaletool MODE <point>/recipe.yaml --json [args]`` (``sys.executable``, never
-the ``scaletool`` script, which is not installed everywhere the package runs). Its stdout and stderr
-go to files in the run directory, its JSON becomes the record's ``result``. A run that exceeds its
-timeout has its whole process group terminated (SIGTERM, then SIGKILL), so launcher workers die
-with it; whatever happens to one run, the next one starts.
+Each run is ``python -m scaletool --result-file RUN_DIR/result.json MODE RUN_DIR/../recipe.yaml [args]``
+(``sys.executable``, never the ``scaletool`` script, which is not installed everywhere the package
+runs). The command writes its typed result to that file; the record's ``result`` is read from there
+(checked as the result its mode produces), never parsed from stdout. stdout and stderr go to log files
+in the run directory. Runs go through :mod:`~scaletool.sweep.pool` (up to ``parallel`` at once, each
+on its own cores and GPUs, under a supervisor that takes everything the run started down with it on
+a timeout, an interrupt or the sweep's death); whatever happens to one run, the next one starts.
+
+The results directory is locked for the whole sweep (:mod:`~scaletool.sweep.lock`), so the plan read at
+the start stays true: no other sweep records, or deletes, anything there meanwhile.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
+from scaletool.errors import RecipeError
+from scaletool.results import ResultLoadError
+from scaletool.results.sweep import STATUSES, RunRow, SweepRecord, SweepSummary, check_result
+from scaletool.sweep.lock import results_lock
 from scaletool.sweep.points import Point, expand
+from scaletool.sweep.pool import Launch, Pool, Run, parse_gpus, visible_gpus
+from scaletool.sweep.progress import Display, display, headline, run_name
 from scaletool.sweep.spec import Sweep
-from scaletool.sweep.store import append_record, latest_by_key, read_records
+from scaletool.sweep.store import append_record, latest_by_key, load_records
 
 OOM_TEXT = re.compile(r"out of memory|OutOfMemoryError|MemoryError|can't allocate memory|"
                       r"Cannot allocate memory|std::bad_alloc", re.IGNORECASE)
-TERM_GRACE_S = 10.0  # between SIGTERM and SIGKILL on timeout: lets a launcher stop its workers
-POLL_S = 0.25
 ERROR_TAIL_CHARS = 4000
 SWEEP_META = "sweep.json"
+RESULT_FILE = "result.json"
+POINTS_DIR = "points"
 
 
 @dataclass
 class Task:
-    """One (point, mode) of the plan and what the results store already says about it."""
+    """One (point, mode, repeat) of the plan and what the results store already says about it."""
 
+    n: int  # position in the full plan (all modes): the Slurm array index of this run
     point: Point
     mode: str
+    repeat: int
+    repeats: int
     key: str
     args: list[str]
-    previous: dict | None
+    previous: SweepRecord | None
 
     @property
     def state(self) -> str:
@@ -54,22 +69,40 @@ class Task:
             return "skipped"
         if self.previous is None:
             return "pending"
-        return "done" if self.previous["status"] == "ok" else "failed"
+        return "done" if self.previous.status == "ok" else "failed"
+
+    @property
+    def run_dirname(self) -> str:
+        """``train`` for the first repeat (the layout before repeats existed), ``train-r1``... after it."""
+        return self.mode if self.repeat == 0 else f"{self.mode}-r{self.repeat}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}{f' #{self.repeat + 1}/{self.repeats}' if self.repeats > 1 else ''} {self.point.label}"
 
 
-def plan(sweep: Sweep, results_dir: Path, modes: list[str] | None = None) -> tuple[list[Task], list[str]]:
-    """Every (point, mode) of the sweep with its previous record; warnings from reading the store."""
-    records, warnings = read_records(results_dir)
+def plan(sweep: Sweep, results_dir: Path) -> tuple[list[Task], list[str]]:
+    """Every (point, mode, repeat) of the sweep with its previous record; warnings from reading the store."""
+    records, warnings = load_records(results_dir)
     latest = latest_by_key(records)
-    tasks = []
+    tasks: list[Task] = []
     for point in expand(sweep):
         for mode in sweep.spec.modes:
-            if modes and mode not in modes:
-                continue
             args = sweep.mode_args(mode)
-            key = point.key(mode, args)
-            tasks.append(Task(point, mode, key, args, latest.get(key)))
+            repeats = sweep.repeats(mode)
+            for r in range(repeats):
+                key = point.key(mode, args, r)
+                tasks.append(Task(len(tasks), point, mode, r, repeats, key, args, latest.get(key)))
     return tasks, warnings
+
+
+def plan_digest(tasks: list[Task]) -> str:
+    """Identity of a plan (its run keys in order): a Slurm array task checks it still runs what was submitted."""
+    return hashlib.sha256("\n".join(t.key for t in tasks).encode()).hexdigest()[:16]
+
+
+def select(tasks: list[Task], modes: list[str] | None) -> list[Task]:
+    return [t for t in tasks if not modes or t.mode in modes]
 
 
 def to_run(tasks: list[Task], retry_failed: bool) -> list[Task]:
@@ -78,242 +111,282 @@ def to_run(tasks: list[Task], retry_failed: bool) -> list[Task]:
             or (t.state == "skipped" and t.previous is None)]
 
 
+def gpus_needed(sweep: Sweep, mode: str, args: list[str]) -> int:
+    """GPUs one run of ``mode`` occupies when GPUs are handed out: train and profile one per rank,
+    decode one, count one only when told to build on cuda, estimate none."""
+    joined = " ".join(args)
+    if mode in ("train", "profile"):
+        return sweep.ranks(mode)
+    if mode == "decode":
+        return 0 if re.search(r"--device[= ]cpu\b", joined) else 1
+    if mode == "count":
+        return 1 if re.search(r"--device[= ]cuda", joined) else 0
+    return 0
+
+
 def write_meta(sweep: Sweep, results_dir: Path) -> None:
     """results_dir/sweep.json: what the report needs to name and describe this results dir."""
     meta = {"name": sweep.name, "label": sweep.spec.label, "description": sweep.spec.description,
             "sweep_file": str(sweep.path.resolve()), "base_recipe": str(sweep.base_recipe_path),
-            "modes": list(sweep.spec.modes), "spec": sweep.spec.model_dump(mode="json")}
-    tmp = results_dir / (SWEEP_META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, results_dir / SWEEP_META)
+            "modes": list(sweep.spec.modes), "repeats": sweep.spec.repeats, "spec": sweep.spec.model_dump(mode="json")}
+    _write_atomic(results_dir / SWEEP_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def base_record(task: Task, sweep: Sweep) -> dict:
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def base_fields(task: Task, sweep: Sweep) -> dict:
     p = task.point
-    return {
-        "key": task.key, "point_id": p.point_id, "mode": task.mode, "sweep": sweep.name, "index": p.index,
-        "label": p.label, "values": p.values, "match_params": p.match_params,
-        "recipe": p.recipe.to_dict() if p.recipe is not None else None,
-    }
+    return {"key": task.key, "point_id": p.point_id, "mode": task.mode, "sweep": sweep.name, "index": p.index,
+            "label": p.label, "values": p.values, "match_params": p.match_params,
+            "recipe": p.recipe.to_dict() if p.recipe is not None else None,
+            "repeat": task.repeat, "repeats": task.repeats}
 
 
-def skipped_record(task: Task, sweep: Sweep) -> dict:
-    return {**base_record(task, sweep), "status": "skipped", "reason": task.point.reason}
+def skipped_record(task: Task, sweep: Sweep) -> SweepRecord:
+    return SweepRecord(**base_fields(task, sweep), status="skipped", reason=task.point.reason)
 
 
-def run_task(task: Task, sweep: Sweep, results_dir: Path, *, timeout_s: float | None = None,
-             tick: Callable[[], None] = lambda: None) -> dict:
-    """Run one (point, mode) to completion or timeout and return its record (not yet stored)."""
-    point_dir = results_dir / "points" / task.point.dirname
-    run_dir = point_dir / task.mode
-    if run_dir.exists():  # a run that was interrupted or is being retried: start clean
+def prepare(task: Task, sweep: Sweep, results_dir: Path, timeout_s: float | None = None) -> Launch:
+    """Create the run's directory (clean: a run interrupted before, or retried, starts over) and its command."""
+    point_dir = results_dir / POINTS_DIR / task.point.dirname
+    run_dir = point_dir / task.run_dirname
+    if run_dir.exists():  # only this task ever uses this directory, and the lock says no one else runs it
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     recipe_path = point_dir / "recipe.yaml"
     # The recipe as written, not resolved: a command may treat keys a recipe sets differently from
-    # defaults (train rejects an explicit parallel.zero_stage under engine=single).
-    recipe_path.write_text(yaml.safe_dump(task.point.raw, sort_keys=False))
-    argv = [sys.executable, "-m", "scaletool", task.mode, str(recipe_path), "--json", *task.args]
-    if task.mode == "train":
+    # defaults (train rejects an explicit parallel.zero_stage under engine=single). Written atomically:
+    # parallel repeats of one point write the same file.
+    _write_atomic(recipe_path, yaml.safe_dump(task.point.raw, sort_keys=False))
+    argv = [sys.executable, "-m", "scaletool", "--result-file", str(run_dir / RESULT_FILE), task.mode,
+            str(recipe_path), *task.args]
+    if task.mode in ("train", "profile"):
         argv += ["--out", str(run_dir)]
-    timeout = timeout_s if timeout_s is not None else sweep.timeout(task.mode)
-    started = datetime.now(timezone.utc)
-    with open(run_dir / "stdout.log", "wb") as out, open(run_dir / "stderr.log", "wb") as err:
-        rc, timed_out, wall = run_process(argv, out, err, timeout, tick)
-    stdout = (run_dir / "stdout.log").read_text(errors="replace")
-    stderr = (run_dir / "stderr.log").read_text(errors="replace")
-    status, why, result = classify(rc, timed_out, timeout, stdout, stderr)
-    return {**base_record(task, sweep), "status": status, "reason" if status == "skipped" else "error": why,
-            "result": result, "returncode": rc, "wall_s": round(wall, 3),
-            "started_at": started.isoformat(timespec="seconds"), "run_dir": str(run_dir.relative_to(results_dir)),
-            "argv": argv}
+    return Launch(argv, run_dir / "stdout.log", run_dir / "stderr.log",
+                  timeout_s if timeout_s is not None else sweep.timeout(task.mode),
+                  ranks=sweep.ranks(task.mode), gpus_needed=gpus_needed(sweep, task.mode, task.args))
 
 
-def run_process(argv: list[str], out, err, timeout: float, tick: Callable[[], None]) -> tuple[int, bool, float]:
-    """Run ``argv`` in a new session (its own process group); kill the group on timeout or interrupt.
-
-    Returns (return code, timed out, wall seconds). Polls instead of blocking so the progress display
-    keeps its clock running without a refresh thread (no threads: safe to fork with a preexec_fn).
-    """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)
-    timed_out = False
+def read_result(path: Path, mode: str) -> tuple[dict | None, str | None]:
+    """(the result document, None) or (None, why it cannot be used); (None, None) when none was written."""
+    if not path.is_file():
+        return None, None
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() - t0 > timeout:
-                    timed_out = True
-                    _kill_group(proc, signal.SIGTERM)
-                    try:
-                        rc = proc.wait(timeout=TERM_GRACE_S)
-                    except subprocess.TimeoutExpired:
-                        _kill_group(proc, signal.SIGKILL)
-                        rc = proc.wait()
-                    break
-                tick()
-    except BaseException:  # interrupted (Ctrl-C, SIGTERM): take the point's processes with us
-        _kill_group(proc, signal.SIGKILL)
-        proc.wait()
-        raise
-    _kill_group(proc, signal.SIGKILL)  # stragglers: workers a launcher left behind
-    return rc, timed_out, time.monotonic() - t0
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"{RESULT_FILE}: not valid JSON ({e})"
+    try:
+        check_result(mode, doc, RESULT_FILE)
+    except ResultLoadError as e:
+        return None, "; ".join(e.problems[:3])
+    return doc, None
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+def _tail(path: Path, limit: int = 20000) -> str:
+    """The last ``limit`` bytes of a log (a long run's log can be large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
-if sys.platform == "linux":
-    import ctypes
-
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _PR_SET_PDEATHSIG = 1
-
-    def _die_with_parent() -> None:
-        """In the child: get SIGKILL when the sweep dies, even by SIGKILL (which no handler sees)."""
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-else:  # elsewhere an orphaned run finishes on its own; its record is simply never written
-    _die_with_parent = None
-
-
-def classify(rc: int, timed_out: bool, timeout: float, stdout: str, stderr: str) -> tuple[str, str | None, object]:
-    """(status, error text or skip reason, parsed JSON result) of a finished run.
-
-    A failed run keeps whatever JSON it printed (train prints its partial summary on failure).
-    """
+def classify(rc: int, timed_out: bool, timeout: float, result: dict | None, stderr: str,
+             problem: str | None = None) -> tuple[str, str | None]:
+    """(status, error text or skip reason) of a finished run. A failed run keeps the result it wrote
+    (train writes its partial summary on failure); ``problem`` says why a written result was unusable."""
     tail = stderr[-ERROR_TAIL_CHARS:].strip()
-    result = parse_json(stdout)
+    tail = "\n".join(x for x in (problem, tail) if x)
     if timed_out:
-        return "timeout", f"exceeded timeout of {timeout:g} s" + (f"\n{tail}" if tail else ""), result
+        return "timeout", f"exceeded timeout of {timeout:g} s" + (f"\n{tail}" if tail else "")
     if rc == 0:
         if result is None:
-            return "error", "exited 0 but printed no JSON on stdout" + (f"\n{tail}" if tail else ""), None
-        return "ok", None, result
+            return "error", f"exited 0 but wrote no usable result ({RESULT_FILE})" + (f"\n{tail}" if tail else "")
+        return "ok", None
     if rc == 2 and tail and all(line.startswith("error: ") for line in tail.splitlines()):
         # a RecipeError the command found at launch (exit 2, one `error:` line per problem): the
         # combination is invalid for this mode, like a point that fails validation
-        return "skipped", "; ".join(line[len("error: "):] for line in tail.splitlines()), result
+        return "skipped", "; ".join(line[len("error: "):] for line in tail.splitlines())
     if OOM_TEXT.search(stderr[-20000:]):
-        return "oom", tail or "out of memory", result
+        return "oom", tail or "out of memory"
     if rc < 0:
         name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
         why = " (the kernel's OOM killer sends SIGKILL too)" if -rc == signal.SIGKILL else ""
-        return "error", f"killed by {name}{why}" + (f"\n{tail}" if tail else ""), result
-    return "error", tail or f"exit status {rc}", result
+        return "error", f"killed by {name}{why}" + (f"\n{tail}" if tail else "")
+    return "error", tail or f"exit status {rc}"
 
 
-def parse_json(text: str):
-    """The JSON document on stdout; tolerates lines printed before it (the document starts a line)."""
-    text = text.strip()
-    if not text:
-        return None
-    starts = [0] + [m.start() for m in re.finditer(r"^[\[{]", text, re.MULTILINE)]
-    for s in starts:
-        try:
-            return json.loads(text[s:])
-        except json.JSONDecodeError:
-            continue
-    return None
+def finish(task: Task, sweep: Sweep, results_dir: Path, run: Run, started: datetime, **extra) -> SweepRecord:
+    """The record of a finished run (not yet stored)."""
+    launch = run.launch
+    run_dir = launch.stdout.parent
+    result, problem = read_result(run_dir / RESULT_FILE, task.mode)
+    status, why = classify(run.returncode, run.timed_out, launch.timeout_s, result, _tail(launch.stderr), problem)
+    return SweepRecord(**base_fields(task, sweep), status=status, **{"reason" if status == "skipped" else "error": why},
+                       result=result, returncode=run.returncode, wall_s=round(run.wall_s, 3),
+                       started_at=started.isoformat(timespec="seconds"), run_dir=str(run_dir.relative_to(results_dir)),
+                       argv=launch.argv, threads=run.threads, gpus=run.gpus_env, **extra)
 
 
-def headline(rec: dict) -> str:
-    """One line saying why a run is not ok: the skip reason, the timeout, or the error's last line."""
-    text = (rec.get("reason") or rec.get("error") or "").strip()
-    if not text:
-        return ""
-    lines = text.splitlines()
-    return lines[0] if rec["status"] == "timeout" else lines[-1]
+class Interrupted(KeyboardInterrupt):
+    """The sweep was stopped by a signal (SIGINT, SIGTERM, SIGHUP); its runs were killed with it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Interrupted(signum)
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM (a scheduler's preemption, `kill`) unwinds like Ctrl-C, so the running point is killed."""
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT, SIGTERM (a scheduler's preemption, ``kill``) and SIGHUP unwind like Ctrl-C, so the
+    running points are killed (SIGKILL needs no handler: the supervisors see the sweep's pipe close)."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _interrupt) for s in sigs}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
-STATUS_STYLE = {"ok": "green", "skipped": "dim", "oom": "magenta", "timeout": "yellow", "error": "red"}
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+@contextlib.contextmanager
+def _disk_errors(results_dir: Path) -> Iterator[None]:
+    """A results directory that cannot be written (read-only, full) is one error line, not a traceback."""
+    try:
+        yield
+    except OSError as e:
+        where = e.filename or results_dir
+        what = "cannot write: " if e.errno in _DISK_ERRNOS else ""
+        raise RecipeError(f"{where}: {what}{e.strerror or e}; the results recorded before are intact "
+                          "(free space or fix permissions, then rerun to resume)") from None
+
+
+def run_tasks(sweep: Sweep, results_dir: Path, runs: list[Task], show: Display, *, parallel: int = 1,
+              gpus: list[str] | None = None, assign_gpus: bool = False, **extra) -> dict[str, SweepRecord]:
+    """Run ``runs`` (in plan order, up to ``parallel`` at once), storing each record as it ends."""
+    final: dict[str, SweepRecord] = {}
+    queue = deque(runs)
+    with _signals_interrupt(), Pool(parallel, gpus, assign_gpus) as pool:
+        while queue or pool.runs:
+            while queue and pool.fits(gpus_needed(sweep, queue[0].mode, queue[0].args)):
+                task = queue.popleft()
+                pool.start(prepare(task, sweep, results_dir), tag=(task, datetime.now(timezone.utc)))
+                show.started(task.name)
+            for run in pool.poll():
+                task, started = run.tag
+                rec = finish(task, sweep, results_dir, run, started, **extra)
+                append_record(results_dir, rec)
+                final[rec.key] = rec
+                show.finished(task.name, rec)
+            show.tick()
+    return final
+
+
+def _check_gpus(sweep: Sweep, runs: list[Task], gpus: list[str]) -> None:
+    need = max((gpus_needed(sweep, t.mode, t.args) for t in runs), default=0)
+    if gpus and need > len(gpus):
+        raise RecipeError(f"a run needs {need} GPUs (nproc_per_node), but only {len(gpus)} are available to the "
+                          f"sweep ({','.join(gpus)})")
 
 
 def execute(sweep: Sweep, results_dir: Path, *, retry_failed: bool = False, modes: list[str] | None = None,
-            console=None) -> dict:
-    """Run what the results store lacks (see :func:`to_run`), recording each run as it ends; the summary."""
+            parallel: int = 1, gpus: str | None = None, console=None) -> SweepSummary:
+    """Run what the results store lacks (see :func:`to_run`), recording each run as it ends; the summary.
+
+    ``parallel`` runs at once; with more than one (or with ``gpus``, e.g. ``"0,1,2,3"``), each run gets
+    a disjoint slice of the visible GPUs as ``CUDA_VISIBLE_DEVICES``. The CPU cores are divided among
+    the runs that run at once in either case.
+    """
     from rich.console import Console
     from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     console = console or Console(stderr=True)
     results_dir = Path(results_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    tasks, warnings = plan(sweep, results_dir, modes)
-    for w in warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}")
-    write_meta(sweep, results_dir)
-    todo = to_run(tasks, retry_failed)
-    final = {t.key: t.previous for t in tasks if t.previous is not None}
+    if gpus is not None:
+        parse_gpus(gpus)  # bad input fails before anything is written
+    plan(sweep, results_dir)  # so does a sweep that cannot expand (two values, one recipe)
+    with _disk_errors(results_dir):
+        results_dir.mkdir(parents=True, exist_ok=True)
+    with results_lock(results_dir, what=f"scaletool sweep {sweep.name}"), _disk_errors(results_dir):
+        tasks, warnings = plan(sweep, results_dir)  # read under the lock: the truth for this sweep
+        chosen = select(tasks, modes)
+        for w in warnings:
+            console.print(f"[yellow]warning:[/] {escape(w)}")
+        write_meta(sweep, results_dir)
+        todo = to_run(chosen, retry_failed)
+        runs = [t for t in todo if t.state != "skipped"]
+        assign = parallel > 1 or gpus is not None
+        gpu_ids = visible_gpus(gpus) if assign else []
+        _check_gpus(sweep, runs, gpu_ids)
+        final: dict[str, SweepRecord] = {t.key: t.previous for t in chosen if t.previous is not None}
+        with display(console, len(runs)) as show:
+            for t in todo:
+                if t.state == "skipped":
+                    rec = skipped_record(t, sweep)
+                    append_record(results_dir, rec)
+                    final[rec.key] = rec
+                    show.skipped(rec)
+            final.update(run_tasks(sweep, results_dir, runs, show, parallel=max(1, min(parallel, len(runs))),
+                                   gpus=gpu_ids, assign_gpus=assign))
+    return summarize(sweep, results_dir, chosen, final, len(runs), parallel, warnings)
 
-    def record(rec: dict, progress=None) -> None:
-        append_record(results_dir, rec)
-        final[rec["key"]] = rec
-        style = STATUS_STYLE[rec["status"]]
-        why = headline(rec)
-        took = f" {rec['wall_s']:.1f} s" if "wall_s" in rec else ""
-        line = (f"[{style}]{rec['status']:>7}[/] {rec['mode']:<8} {escape(rec['label'])}{took}"
-                + (f"  [dim]{escape(why[:160])}[/]" if why else ""))
-        (progress.console if progress else console).print(line)
 
-    for t in todo:
-        if t.state == "skipped":
-            record(skipped_record(t, sweep))
-    runs = [t for t in todo if t.state != "skipped"]
-    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("last: {task.fields[last]}"), TimeElapsedColumn(), TextColumn("ETA"),
-               TimeRemainingColumn())
-    with _sigterm_interrupts(), Progress(*columns, console=console, auto_refresh=False) as progress:
-        bar = progress.add_task("", total=len(runs), last="-")
-        for t in runs:
-            progress.update(bar, description=escape(f"{t.mode} {t.point.label}"))
-            progress.refresh()
-            rec = run_task(t, sweep, results_dir, tick=progress.refresh)
-            record(rec, progress)
-            progress.update(bar, advance=1, last=rec["status"])
-            progress.refresh()
-
-    counts = {s: 0 for s in STATUS_STYLE}
+def summarize(sweep: Sweep, results_dir: Path, tasks: list[Task], final: dict[str, SweepRecord], ran_now: int,
+              parallel: int, warnings: list[str]) -> SweepSummary:
+    counts = {s: 0 for s in STATUSES}
     rows = []
     for t in tasks:
         rec = final.get(t.key)
-        status = rec["status"] if rec else "pending"
+        status = rec.status if rec else "pending"
         counts[status] = counts.get(status, 0) + 1
-        rows.append({"key": t.key, "label": t.point.label, "mode": t.mode, "status": status,
-                     "wall_s": rec.get("wall_s") if rec else None,
-                     "error": headline(rec) if rec else None})
-    return {"sweep": sweep.name, "results_dir": str(results_dir), "points": len({t.point.index for t in tasks}),
-            "runs": len(tasks), "ran_now": len(runs), "status_counts": counts, "warnings": warnings,
-            "results": rows}
+        rows.append(RunRow(key=t.key, label=t.point.label, mode=t.mode, repeat=t.repeat, status=status,
+                           wall_s=rec.wall_s if rec else None, error=headline(rec) if rec else None))
+    return SweepSummary(sweep=sweep.name, results_dir=str(results_dir), points=len({t.point.index for t in tasks}),
+                        runs=len(tasks), ran_now=ran_now, parallel=parallel, status_counts=counts, warnings=warnings,
+                        results=rows)
+
+
+def execute_task(sweep: Sweep, results_dir: Path, n: int, digest: str, console=None) -> SweepRecord | None:
+    """Run task ``n`` of the full plan alone (a Slurm array task), appending its record under the
+    results file's lock; None when it is already recorded as done."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    results_dir = Path(results_dir)
+    with results_lock(results_dir, shared=True), _disk_errors(results_dir):
+        tasks, _ = plan(sweep, results_dir)
+        if plan_digest(tasks) != digest:
+            raise RecipeError(f"{sweep.path}: the sweep's plan changed since it was submitted (plan {digest}, now "
+                              f"{plan_digest(tasks)}); submit it again")
+        if not 0 <= n < len(tasks):
+            raise RecipeError(f"task {n}: the plan has tasks 0..{len(tasks) - 1}")
+        task = tasks[n]
+        if task.state == "done":
+            console.print(f"{run_name(task.previous)}: already recorded as ok; nothing to do")
+            return None
+        job = os.environ.get("SLURM_ARRAY_JOB_ID")
+        extra = {"slurm_job": f"{job}_{os.environ.get('SLURM_ARRAY_TASK_ID', n)}"} if job else {}
+        with display(console, 0 if task.point.skipped else 1) as show:
+            if task.point.skipped:
+                rec = skipped_record(task, sweep).model_copy(update=extra)
+                append_record(results_dir, rec)
+                show.skipped(rec)
+                return rec
+            return run_tasks(sweep, results_dir, [task], show, **extra)[task.key]

@@ -12,10 +12,11 @@ A sweep file is YAML::
       model.attention: [mha, mla]
       model.kv_lora_rank: [0, 256]
     # ... or a list of point dicts: [{model.attention: mha}, {model.attention: gqa, model.n_kv_heads: 4}]
-    modes: [estimate, count, train, decode]
+    modes: [estimate, count, train, decode]   # and profile
     args: {decode: [--contexts, "512,1024"]}   # extra CLI arguments per mode
-    timeout_s: 900                    # per point and mode; or {train: 1800, count: 300}
-    nproc_per_node: 1                 # > 1: train points are launched distributed
+    timeout_s: 900                    # per run, > 0 seconds; or {train: 1800, count: 300}
+    repeats: 3                        # timed modes (train, decode, profile) run 3 times, as 3 processes
+    nproc_per_node: 1                 # > 1: train and profile points are launched distributed
     match_params: {key: model.intermediate_size, target: ../mla-1b.yaml, multiple_of: 64}
 
 Every problem becomes one line of a :class:`~scaletool.config.RecipeError` (the CLI exits with 2).
@@ -24,20 +25,30 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
 from scaletool.resources import SWEEP, find_recipe
+from scaletool.results.sweep import MODES, TIMED_MODES, Mode
 
-MODES = ("estimate", "count", "train", "decode")
-Mode = Literal["estimate", "count", "train", "decode"]
+__all__ = ["MODES", "TIMED_MODES", "Mode", "Sweep", "SweepFile", "load_sweep", "slug"]
 # Arguments the runner passes itself; a sweep file setting them would produce a second, conflicting copy.
-RESERVED_ARGS = {"--json", "--out", "--set", "--nproc-per-node"}
-MATCHABLE_KEYS = ("model.intermediate_size", "model.n_layers")
+RESERVED_ARGS = {"--json", "--out", "--set", "--nproc-per-node", "--result-file"}
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def slug(text: str, limit: int = 80, sep: str = "-") -> str:
+    """``text`` as one safe path component: letters, digits and ``._=-`` only (runs of anything else
+    become ``sep``), no leading dot or separator (never ``.``, ``..`` or a hidden name), at most ``limit``
+    characters; may be empty."""
+    s = re.sub(r"[^A-Za-z0-9._=-]+", sep, text)[:limit]
+    return s.lstrip("._=-" + sep).rstrip("." + sep)
 
 
 class _Strict(BaseModel):
@@ -65,9 +76,29 @@ class SweepFile(_Strict):
     zip: dict[str, list[Any]] | list[dict[str, Any]] | None = None
     modes: list[Mode] = Field(min_length=1)
     args: dict[Mode, list[str]] = Field(default_factory=dict)
-    timeout_s: float | dict[Mode, float] = 1800.0
+    timeout_s: float | dict[Mode, float] = DEFAULT_TIMEOUT_S
+    repeats: int = Field(1, gt=0, le=1000, description="runs of each timed mode (train, decode, profile) per point")
     nproc_per_node: int = Field(1, gt=0)
     match_params: MatchParams | None = None
+
+    @field_validator("timeout_s", mode="before")
+    @classmethod
+    def _positive_seconds(cls, v: Any) -> Any:
+        """One line per bad timeout: 0 or less would time every run out at once, NaN or inf never."""
+        if isinstance(v, dict):
+            bad = [k for k in v if k not in MODES]
+            if bad:
+                raise ValueError(f"{', '.join(map(str, bad))[:100]}: not a mode (modes: {', '.join(MODES)})")
+            return {k: _seconds(x, f"{k}: ") for k, x in v.items()}
+        return _seconds(v)
+
+
+def _seconds(v: Any, where: str = "") -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{where}expected a number of seconds, got {type(v).__name__}")
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}must be a positive, finite number of seconds, got {v}")
+    return float(v)
 
 
 class Sweep:
@@ -86,16 +117,29 @@ class Sweep:
         return self.spec.name or self.path.stem
 
     @property
+    def dirname(self) -> str:
+        """The default results directory's name: the name as a safe slug (``../../x`` gives ``x``)."""
+        return slug(self.name) or "sweep"
+
+    @property
     def base_recipe_path(self) -> Path:
         return (self.path.parent / self.spec.recipe).resolve()
 
     def timeout(self, mode: str) -> float:
         t = self.spec.timeout_s
-        return t.get(mode, 1800.0) if isinstance(t, dict) else t
+        return t.get(mode, DEFAULT_TIMEOUT_S) if isinstance(t, dict) else t
+
+    def repeats(self, mode: str) -> int:
+        """Runs per point of ``mode``: ``repeats`` for timed modes, 1 for the exact ones."""
+        return self.spec.repeats if mode in TIMED_MODES else 1
+
+    def ranks(self, mode: str) -> int:
+        """Processes per run of ``mode`` on this node (train and profile start nproc_per_node ranks)."""
+        return self.spec.nproc_per_node if mode in ("train", "profile") else 1
 
     def mode_args(self, mode: str) -> list[str]:
         args = list(self.spec.args.get(mode, []))
-        if mode == "train" and self.spec.nproc_per_node > 1:
+        if self.ranks(mode) > 1:
             args += ["--nproc-per-node", str(self.spec.nproc_per_node)]
         return args
 
@@ -147,8 +191,8 @@ def _pydantic_lines(exc: ValidationError, source: str) -> list[str]:
             lines.append(f"{source}: {loc}: unknown key{tip}")
         else:
             got = err.get("input")
-            got_s = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-            lines.append(f"{source}: {loc}: {err['msg']}{got_s}")
+            got_s = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {str(got)[:60]!r})"
+            lines.append(f"{source}: {loc}: {err['msg'].removeprefix('Value error, ')}{got_s}")
     return lines
 
 

@@ -14,7 +14,7 @@ import yaml
 from conftest import RECIPES, ROOT, run_cli
 
 from scaletool.sweep.runner import classify
-from scaletool.sweep.store import RESULTS_FILE, append_record, read_records
+from scaletool.sweep.store import RESULTS_FILE
 
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,
           "model.qk_rope_head_dim": None, "model.v_head_dim": None}
@@ -51,53 +51,62 @@ def _sweep_process(sweep: Path, out: Path) -> subprocess.Popen:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="finds the point's process through /proc")
-def test_raising_timed_out_and_killed_points_are_recorded_and_the_rest_continue(tmp_path):
+def test_raising_and_killed_points_are_recorded_and_the_rest_continue(tmp_path):
     sweep = _write(tmp_path, {
         "zip": [{"train.lr": 1.0e30, "train.grad_clip": 0, "train.steps": 4},   # diverges: the run raises
-                {"train.steps": 100000, "train.seed": 7},                      # outlives its timeout
                 {"train.steps": 100000, "train.seed": 8},                      # killed with SIGKILL below
                 {"train.steps": 3}],                                           # fine
         "set": {"train.warmup_steps": 0, "train.measure_warmup_steps": 1},
-        "modes": ["train"], "timeout_s": {"train": 8}})
+        "modes": ["train"], "timeout_s": {"train": 600}})
     out = tmp_path / "results"
     proc = _sweep_process(sweep, out)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     killed = None
     while killed is None and time.monotonic() < deadline and proc.poll() is None:
-        for child in _children(proc.pid):
-            if "seed=8" in _cmdline(child):
+        for supervisor in _children(proc.pid):
+            if "seed=8" in _cmdline(supervisor) and _children(supervisor):
                 time.sleep(1.0)  # let it get going: the kill lands in the middle of training
-                os.kill(child, signal.SIGKILL)
-                killed = child
+                killed = _children(supervisor)[0]  # the point's own process, under its supervisor
+                os.kill(killed, signal.SIGKILL)
         time.sleep(0.05)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=300)
     assert killed is not None and proc.returncode == 0, stderr
     recs = _lines(out)
-    assert [r["label"] for r in recs] == ["lr=1e+30 grad_clip=0 steps=4", "steps=100000 seed=7",
-                                          "steps=100000 seed=8", "steps=3"]
-    assert [r["status"] for r in recs] == ["error", "timeout", "error", "ok"]
+    assert [r["label"] for r in recs] == ["lr=1e+30 grad_clip=0 steps=4", "steps=100000 seed=8", "steps=3"]
+    assert [r["status"] for r in recs] == ["error", "error", "ok"]
     assert "loss is nan" in recs[0]["error"]
-    assert recs[0]["result"]["status"] != "completed"  # the partial summary train printed is kept
-    assert recs[1]["error"].startswith("exceeded timeout of 8 s") and recs[1]["wall_s"] >= 8
-    assert recs[2]["error"].startswith("killed by SIGKILL") and recs[2]["returncode"] == -signal.SIGKILL
-    assert recs[3]["result"]["measured_steps"] == 2 and recs[3]["result"]["tokens_per_s"] > 0
+    assert recs[0]["result"]["status"] != "completed"  # the partial summary train wrote is kept
+    assert recs[1]["error"].startswith("killed by SIGKILL") and recs[1]["returncode"] == -signal.SIGKILL
+    assert recs[2]["result"]["measured_steps"] == 2 and recs[2]["result"]["tokens_per_s"] > 0
     for r in recs:  # every run left its logs and recipe
         run_dir = out / r["run_dir"]
         assert (run_dir / "stderr.log").is_file() and (run_dir.parent / "recipe.yaml").is_file()
     summary = json.loads(stdout)
-    assert summary["status_counts"] == {"ok": 1, "skipped": 0, "oom": 0, "timeout": 1, "error": 2}
+    assert summary["status_counts"] == {"ok": 1, "skipped": 0, "oom": 0, "timeout": 0, "error": 2}
 
-    # nothing left to do on a plain rerun; --retry-failed would redo exactly the three failures
+    # nothing left to do on a plain rerun; --retry-failed would redo exactly the two failures
     res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", timeout=60)
     runs = json.loads(res.stdout)["runs"]
-    assert [r["will_run"] for r in runs] == [False] * 4
+    assert [r["will_run"] for r in runs] == [False] * 3
     res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", "--retry-failed", timeout=60)
-    assert [r["will_run"] for r in json.loads(res.stdout)["runs"]] == [True, True, True, False]
+    assert [r["will_run"] for r in json.loads(res.stdout)["runs"]] == [True, True, False]
+
+
+def test_a_run_that_outlives_its_timeout_is_stopped_and_recorded(tmp_path):
+    """100000 steps never fit in 5 s, however busy the machine: the run is stopped and the next one starts."""
+    sweep = _write(tmp_path, {"set": AS_MHA, "zip": [{"train.steps": 100000}, {"train.steps": 100001}],
+                              "modes": ["train"], "timeout_s": 5})
+    out = tmp_path / "results"
+    res = run_cli("sweep", str(sweep), "-o", str(out), "--json", timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    recs = _lines(out)
+    assert [r["status"] for r in recs] == ["timeout", "timeout"]
+    assert all(r["error"].startswith("exceeded timeout of 5 s") and 5 <= r["wall_s"] < 5 + 30 for r in recs)
 
 
 def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
-    sweep = _write(tmp_path, {"set": AS_MHA, "grid": {"model.intermediate_size": [64, 128, 192, 256],
-                                                      "model.n_layers": [1, 2, 3]},
+    sweep = _write(tmp_path, {"set": AS_MHA, "grid": {"model.intermediate_size": [64, 128, 192],
+                                                      "model.n_layers": [1, 2]},
                               "modes": ["estimate"]})
     out = tmp_path / "results"
     proc = _sweep_process(sweep, out)
@@ -109,30 +118,19 @@ def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     before = _lines(out)  # every line parses: no torn write
-    assert 3 <= len(before) < 12
+    assert 3 <= len(before) < 6
 
     res = run_cli("sweep", str(sweep), "-o", str(out), "--json", timeout=300)
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["ran_now"] == 12 - len(before)
+    assert summary["ran_now"] == 6 - len(before)
     after = _lines(out)
     assert after[:len(before)] == before
     keys = [r["key"] for r in after]
-    assert len(keys) == len(set(keys)) == 12
+    assert len(keys) == len(set(keys)) == 6
     assert {r["status"] for r in after} == {"ok"}
     planned = json.loads(run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json").stdout)["runs"]
     assert {r["key"] for r in planned} == set(keys) and not any(r["will_run"] for r in planned)
-
-
-def test_store_survives_a_torn_last_line(tmp_path):
-    append_record(tmp_path, {"key": "a", "status": "ok"})
-    with open(tmp_path / RESULTS_FILE, "ab") as f:
-        f.write(b'{"key": "b", "sta')  # what a crash mid-write would leave
-    recs, warnings = read_records(tmp_path)
-    assert [r["key"] for r in recs] == ["a"] and len(warnings) == 1 and ":2:" in warnings[0]
-    append_record(tmp_path, {"key": "c", "status": "error"})  # starts a fresh line after the torn one
-    recs, _ = read_records(tmp_path)
-    assert [r["key"] for r in recs] == ["a", "c"]
 
 
 @pytest.mark.parametrize("rc,stderr,status", [
@@ -141,8 +139,8 @@ def test_store_survives_a_torn_last_line(tmp_path):
     (2, "error: parallel.zero_stage: only used by engine=deepspeed, but parallel.engine=single", "skipped"),
     (2, "Usage: scaletool count [OPTIONS] RECIPE\nError: No such option: --bogus", "error"),
     (-9, "", "error"),
-    (0, "", "error"),  # exit 0 without JSON is not a result
+    (0, "", "error"),  # exit 0 without a result file is not a result
 ])
 def test_classify(rc, stderr, status):
-    got, why, _ = classify(rc, False, 10, "", stderr)
+    got, why = classify(rc, False, 10, None, stderr)
     assert got == status and why

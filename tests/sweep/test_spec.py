@@ -1,6 +1,7 @@
 """Sweep files: validation, expansion into points, skipping invalid points, the equal-budget solver."""
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -144,3 +145,82 @@ def test_a_recipe_is_not_a_sweep_file():
 
     with pytest.raises(RecipeError, match="this is a recipe, not a sweep file"):
         load_sweep(RECIPES / "tiny.yaml")
+
+
+@pytest.mark.parametrize("timeout", [0, -5, ".nan", ".inf", "{train: 0}", "{train: .nan, count: 10}", "soon"])
+def test_timeouts_must_be_positive_and_finite(write_sweep, tmp_path, timeout):
+    path = write_sweep({"set": AS_MHA, "modes": ["count", "train"]})
+    path.write_text(path.read_text() + f"timeout_s: {timeout}\n")
+    res = CliRunner().invoke(main, ["sweep", str(path), "--dry-run"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    (line,) = [ln for ln in res.output.splitlines() if ln.startswith("error: ")]
+    assert "timeout_s" in line and ("positive, finite number of seconds" in line or "expected a number" in line)
+
+
+@pytest.mark.parametrize("values,same", [
+    ([128, 128.0], "0 (intermediate_size=128) and 1 (intermediate_size=128.0)"),
+    (["256", 256, 512], "0 (intermediate_size=256) and 1 (intermediate_size=256)"),
+])
+def test_two_values_resolving_to_one_recipe_are_an_error_naming_both(write_sweep, values, same):
+    path = write_sweep({"set": AS_MHA, "grid": {"model.intermediate_size": values}, "modes": ["estimate"]})
+    res = CliRunner().invoke(main, ["sweep", str(path), "--dry-run"])
+    assert res.exit_code == 2, res.output
+    (line,) = [ln for ln in res.output.splitlines() if ln.startswith("error: ")]
+    assert f"points {same} resolve to the same recipe" in line
+
+
+def test_a_value_equal_to_the_default_it_replaces_is_a_duplicate_too(write_sweep):
+    """tiny.yaml's MLA rope dim defaults to 8: setting it to 8 explicitly is the same recipe."""
+    path = write_sweep({"zip": [{"model.qk_rope_head_dim": None}, {"model.qk_rope_head_dim": 8}], "modes": ["estimate"]})
+    sw = load_sweep(path)
+    if load_recipe(RECIPES / "tiny.yaml").model.qk_rope_head_dim != 8:
+        pytest.skip("tiny.yaml's rope dim changed")
+    with pytest.raises(RecipeError, match="resolve to the same recipe"):
+        expand(sw)
+
+
+def test_repeats_apply_to_timed_modes_and_keep_the_first_repeat_key(write_sweep, tmp_path):
+    base = {"set": AS_MHA, "modes": ["estimate", "train"]}
+    one = expand(load_sweep(write_sweep(base)))[0]
+    res = CliRunner().invoke(main, ["sweep", str(write_sweep({**base, "repeats": 3}, "r.yaml")), "--dry-run", "--json",
+                                    "-o", str(tmp_path / "out")])
+    runs = json.loads(res.output)["runs"]
+    assert [(r["mode"], r["repeat"], r["repeats"], r["task"]) for r in runs] == [
+        ("estimate", 0, 1, 0), ("train", 0, 3, 1), ("train", 1, 3, 2), ("train", 2, 3, 3)]
+    assert runs[1]["key"] == one.key("train", []) and len({r["key"] for r in runs}) == 4
+    res = CliRunner().invoke(main, ["sweep", str(tmp_path / "r.yaml"), "--dry-run", "-o", str(tmp_path / "out")])
+    assert "train ×3" in res.output and "3/3" in res.output  # repeats share a row in the table
+
+
+def test_the_dry_run_table_fits_the_terminal(write_sweep):
+    from rich.console import Console
+
+    from scaletool.api import sweep_plan
+    from scaletool.cli.sweep import print_plan
+
+    path = write_sweep({"set": AS_MHA, "zip": [{"model.attention": "mha", "train.seed": 10**30},
+                                               {"model.kv_lora_rank": 8, "data.path": "/a/very/long/path/" * 6}],
+                        "modes": ["estimate", "train"], "repeats": 2})
+    for width in (60, 100):
+        con = Console(width=width, record=True, file=io.StringIO())
+        print_plan(sweep_plan(path), con)
+        text = con.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "…" not in text and "only" in text  # long cells fold; nothing is cut off
+
+
+def test_each_mode_runs_its_command_with_a_result_file_and_its_gpu_needs(write_sweep, tmp_path):
+    from scaletool.sweep.runner import gpus_needed, plan, prepare
+
+    sw = load_sweep(write_sweep({"set": AS_MHA, "modes": ["estimate", "count", "train", "decode", "profile"],
+                                 "nproc_per_node": 2, "args": {"decode": ["--device", "cpu"]}}))
+    tasks, _ = plan(sw, tmp_path / "out")
+    launches = {t.mode: prepare(t, sw, tmp_path / "out") for t in tasks}
+    for mode, launch in launches.items():
+        run_dir = launch.stdout.parent
+        assert launch.argv[1:6] == ["-m", "scaletool", "--result-file", str(run_dir / "result.json"), mode]
+        assert run_dir.is_dir() and (run_dir.parent / "recipe.yaml").is_file()
+        assert ("--out" in launch.argv) == (mode in ("train", "profile"))
+        assert ("--nproc-per-node" in launch.argv) == (launch.ranks == 2) == (mode in ("train", "profile"))
+    assert {m: gpus_needed(sw, m, sw.mode_args(m)) for m in launches} == {
+        "estimate": 0, "count": 0, "train": 2, "decode": 0, "profile": 2}
