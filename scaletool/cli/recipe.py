@@ -74,7 +74,7 @@ def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> RecipeResult
     r = load_recipe(recipe, overrides)
     result = deliver(_result(recipe, r), as_json)
     if not as_json:
-        text = yaml.safe_dump(r.to_dict(), sort_keys=False)
+        text = yaml.safe_dump(r.to_dict(), sort_keys=False, width=100, allow_unicode=True)
         text += "".join(f"# {line}\n" for line in _inactive_lines(r))
         click.echo(text, nl=False)
     return result
@@ -127,7 +127,7 @@ def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> dict
     out = _output_path(output) if output else None
     raw, _ = recipe_from_hf(config_json, tuple(drop))
     text = f"# Imported from {Path(config_json).name} by `scaletool recipe from-hf`.\n"
-    text += yaml.safe_dump(raw, sort_keys=False, width=100)
+    text += yaml.safe_dump(raw, sort_keys=False, width=100, allow_unicode=True)
     if out is not None:
         _write_atomically(out, text)
         click.echo(f"wrote {output}", err=True)
