@@ -406,7 +406,7 @@ class ParallelConfig(_Section):
             if isinstance(v, dict):
                 for k, sub in v.items():
                     if not isinstance(k, str):
-                        raise ValueError(f"{where or 'a'} key {echo(k)} is not a string")
+                        raise ValueError(f"{where + ': ' if where else ''}key {echo(k)} is not a string")
                     stack.append((f"{where}.{_key_text(k)}" if where else _key_text(k), sub))
             elif isinstance(v, list):
                 stack.extend((f"{where}[{i}]", sub) for i, sub in enumerate(v))
@@ -640,7 +640,12 @@ def _describe(err: dict, source: str) -> str:
         key = str(loc[-1])[:200]
         known = _fields_of(Recipe, loc[:-1])
         hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        tip = f"; did you mean '{hint[0]}'?" if hint else (f"; known keys: {', '.join(known)}" if known else "")
+        if hint:
+            tip = f"; did you mean '{hint[0]}'?"
+        elif 0 < len(known) <= 12:
+            tip = f"; known keys: {', '.join(known)}"
+        else:  # a long list would bury the line: point at where the keys are listed
+            tip = f"; `scaletool recipe show` lists the keys of {'.'.join(map(str, loc[:-1])) or 'a recipe'}"
         return f"{source}: {where}: unknown key{tip}"
     got = err.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {echo(got)})"

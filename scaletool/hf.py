@@ -163,8 +163,6 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
 
 
 def _common(f: _Fields) -> dict[str, Any]:
-    act = f.string("hidden_act", default="silu")
-    dtype = f.string("torch_dtype", "dtype", default="bfloat16")
     m = {
         "d_model": f.integer("hidden_size"),
         "n_layers": f.integer("num_hidden_layers"),
@@ -176,6 +174,8 @@ def _common(f: _Fields) -> dict[str, Any]:
         "norm_eps": f.number("rms_norm_eps", "layer_norm_eps", default=1e-6),
         "tie_embeddings": f.flag("tie_word_embeddings", default=False),
     }
+    act = f.string("hidden_act", default="silu")
+    dtype = f.string("torch_dtype", "dtype", default="bfloat16")
     if act is not None and act not in _ACTS:
         f.problems.append(f"hidden_act {echo(act)} not supported (known: {', '.join(_ACTS)})")
     elif act is not None:
