@@ -35,6 +35,8 @@ from scaletool.errors import RecipeError, echo
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# data.source=text: 256 byte ids + <|endoftext|> (scaletool.train.data.ByteTokenizer; a test keeps them equal)
+BYTE_VOCAB = 257
 
 # Size limits. Each is far above any published model (widest d_model ~16k-25k, deepest ~1,000 layers,
 # longest context ~10M tokens, most experts ~1M in PEER, ~2·10^12 weights) and low enough that no
@@ -471,6 +473,11 @@ class Recipe(_Section):
             problems.append(f"data.source: {d.source} is for task=lm; regression takes synthetic or csv")
         if d.source in ("text", "tokens", "csv") and not d.path:
             problems.append(f"data.path: required for data.source={d.source}")
+        if m.task == "lm" and d.source == "text" and m.vocab_size < BYTE_VOCAB:
+            problems.append(f"model.vocab_size: {m.vocab_size} is too small for the byte-level tokenizer of "
+                            f"data.source=text (needs >= {BYTE_VOCAB}: 256 bytes + specials)")
+        if m.task == "lm" and d.source == "synthetic" and m.vocab_size < 4:
+            problems.append(f"model.vocab_size: {m.vocab_size} is too small for synthetic tokens (need >= 4)")
         if self.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         pr = self.profile

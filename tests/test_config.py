@@ -310,6 +310,19 @@ def test_check_and_train_share_the_engine_rules(sets, expected):
                                      *(a for s in sets for a in ("--set", s))]).exit_code == 0
 
 
+@pytest.mark.parametrize("sets, expected", [
+    (("data.source=text", "data.path=corpus.txt"), "model.vocab_size: 256 is too small for the byte-level tokenizer"),
+    (("model.vocab_size=3",), "model.vocab_size: 3 is too small for synthetic tokens (need >= 4)"),
+])
+def test_check_runs_the_data_rules_that_need_no_file(sets, expected):
+    from scaletool.config import BYTE_VOCAB
+    from scaletool.train.data import ByteTokenizer
+
+    assert BYTE_VOCAB == ByteTokenizer().vocab_size
+    lines = refused(check(RECIPES / "tiny.yaml", *sets))
+    assert len(lines) == 1 and expected in lines[0]
+
+
 def test_world_size_rules_stay_at_launch():
     from scaletool.engines import check_recipe
 
