@@ -31,7 +31,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from scaletool.errors import RecipeError, echo
+from scaletool.errors import RecipeError, echo, shorten
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -39,8 +39,8 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 BYTE_VOCAB = 257
 
 # Size limits. Each is far above any published model (widest d_model ~16k-25k, deepest ~1,000 layers,
-# longest context ~10M tokens, most experts ~1M in PEER, ~2·10^12 weights) and low enough that no
-# product of them overflows int64 in torch and that `count` builds the layers in seconds.
+# longest context ~10M tokens, most experts ~1M in PEER, ~2·10^12 weights) and low enough that no weight
+# tensor's element count overflows int64 and that `count` builds the layers in seconds.
 MAX_LAYERS = 4096
 MAX_WIDTH = 2**20       # d_model, head dims, latent ranks, FFN widths, regression features
 MAX_HEADS = 2**16
@@ -636,8 +636,7 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
 
 def _key_text(part: Any) -> str:
     """A key of the location path, cut for the message (a key can be a megabyte string)."""
-    text = str(part) if isinstance(part, (str, int)) and len(str(part)) <= 60 else echo(part)
-    return text
+    return shorten(part, 60) if isinstance(part, (str, int)) else echo(part)
 
 
 def _describe(err: dict, source: str) -> str:
@@ -782,24 +781,25 @@ def set_dotted(raw: dict, key: str, value: Any) -> None:
 def read_yaml(path: str | Path) -> dict:
     """Read a YAML mapping (a recipe or sweep file) safely; problems become one-line RecipeErrors."""
     p = Path(path)
+    shown = shorten(p)
     try:
         if not p.is_file():  # a directory, FIFO or device (/dev/zero) would block or never end
-            raise RecipeError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
         with open(p, "rb") as f:
             blob = f.read(MAX_YAML_BYTES + 1)
     except OSError as e:
-        raise RecipeError(f"{p}: cannot read: {e.strerror or e}") from None
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
     if len(blob) > MAX_YAML_BYTES:
-        raise RecipeError(f"{p}: larger than {MAX_YAML_BYTES // 1024} KiB; a recipe or sweep file is a few KiB")
+        raise RecipeError(f"{shown}: larger than {MAX_YAML_BYTES // 1024} KiB; a recipe or sweep file is a few KiB")
     try:
         text = blob.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RecipeError(f"{p}: not a UTF-8 text file (byte {e.start})") from None
-    data = load_yaml_text(text, str(p))
+        raise RecipeError(f"{shown}: not a UTF-8 text file (byte {e.start})") from None
+    data = load_yaml_text(text, shown)
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+        raise RecipeError(f"{shown}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
     return data
 
 
@@ -824,7 +824,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
     """Load a recipe file, apply ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
     raw = read_yaml(path)
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
-    return recipe_from_dict(raw, str(path))
+    return recipe_from_dict(raw, shorten(path))
 
 
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:

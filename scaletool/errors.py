@@ -4,7 +4,7 @@
   problem. The CLI prints each as ``error: ...`` and exits with status 2.
 - :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
-- :func:`echo`: a value from user input, cut to a few dozen characters for a message.
+- :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
 """
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ _SHORT.maxlong = 24
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 6
 _SHORT.maxdict = 4
 _SHORT.maxlevel = 2
+
+
+def shorten(text: str, limit: int = 160) -> str:
+    """``text`` as it is up to ``limit`` characters, else its start and end around '...' (for paths and keys,
+    which read best unquoted)."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit // 2 - 2]}...{text[-(limit // 2 - 1):]}"
 
 
 def echo(value: Any) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from scaletool.config import RecipeError, check_tree, recipe_from_dict
-from scaletool.errors import echo
+from scaletool.errors import echo, shorten
 
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
 DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3"}
@@ -267,36 +267,38 @@ def _deepseek_moe(f: _Fields, cfg: dict) -> dict:
 def read_config(path: str | Path) -> dict:
     """A config.json as a dict; a missing, special, huge, non-UTF-8 or malformed file is one error line."""
     p = Path(path)
+    shown = shorten(p)
     try:
         if not p.is_file():
-            raise RecipeError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
         with open(p, "rb") as fh:
             blob = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise RecipeError(f"{p}: cannot read: {e.strerror or e}") from None
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
     if len(blob) > MAX_CONFIG_BYTES:
-        raise RecipeError(f"{p}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
+        raise RecipeError(f"{shown}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
     try:
         cfg = json.loads(blob.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
-        raise RecipeError(f"{p}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
+        raise RecipeError(f"{shown}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
     except json.JSONDecodeError as e:
-        raise RecipeError(f"{p}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        raise RecipeError(f"{shown}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
-        raise RecipeError(f"{p}: malformed JSON: {str(e).splitlines()[0][:200]}") from None
+        raise RecipeError(f"{shown}: malformed JSON: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(cfg, dict):
-        raise RecipeError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
-    check_tree(cfg, str(p))
+        raise RecipeError(f"{shown}: expected a JSON object, got {type(cfg).__name__}")
+    check_tree(cfg, shown)
     return cfg
 
 
 def recipe_from_hf(path: str | Path, drop: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     """Read a config.json and return a validated recipe dict (``model`` section filled) and the drops."""
     cfg = read_config(path)
+    shown = shorten(path)
     try:
         model, dropped = model_section(cfg, drop)
     except RecipeError as e:
-        raise RecipeError([f"{path}: {p}" for p in e.problems]) from None
-    recipe = recipe_from_dict({"model": model}, str(path))  # validate now: a bad config fails here, not later
+        raise RecipeError([f"{shown}: {p}" for p in e.problems]) from None
+    recipe = recipe_from_dict({"model": model}, shown)  # validate now: a bad config fails here, not later
     out = {"model": {k: v for k, v in recipe.model.model_dump().items() if k in model}}
     return out, dropped

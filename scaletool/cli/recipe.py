@@ -9,7 +9,7 @@ import yaml
 
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.config import SWITCHES, Recipe, RecipeError, load_recipe
-from scaletool.errors import echo
+from scaletool.errors import echo, shorten
 from scaletool.results.recipe import RecipeResult
 
 
@@ -49,7 +49,7 @@ def check(recipe: str, overrides: tuple[str, ...]) -> RecipeResult:
     r = load_recipe(recipe, overrides)
     problems = r.engine_problems()
     if problems:
-        raise RecipeError([f"{recipe}: {p}" for p in problems])
+        raise RecipeError([f"{shorten(recipe)}: {p}" for p in problems])
     click.echo(f"{recipe}: ok")
     for line in _inactive_lines(r):
         click.echo(f"  {line}")
@@ -83,12 +83,16 @@ def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> RecipeResult
 def _output_path(output: str) -> Path:
     """Where from-hf may write: checked before anything is imported, so a bad path wastes nothing."""
     out = Path(output)
-    if out.is_dir():
-        raise RecipeError(f"-o {output}: is a directory; give a file name, e.g. {out / 'recipe.yaml'}")
-    if not out.parent.is_dir():
-        raise RecipeError(f"-o {output}: directory {out.parent} does not exist")
-    if out.exists() and not out.is_file():
-        raise RecipeError(f"-o {output}: not a regular file")
+    shown = shorten(output)
+    try:
+        if out.is_dir():
+            raise RecipeError(f"-o {shown}: is a directory; give a file name, e.g. {shown}/recipe.yaml")
+        if not out.parent.is_dir():
+            raise RecipeError(f"-o {shown}: directory {shorten(out.parent)} does not exist")
+        if out.exists() and not out.is_file():
+            raise RecipeError(f"-o {shown}: not a regular file")
+    except OSError as e:  # a name too long for the filesystem, a loop of links
+        raise RecipeError(f"-o {shown}: {e.strerror or e}") from None
     return out
 
 
@@ -100,7 +104,7 @@ def _write_atomically(path: Path, text: str) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise RecipeError(f"-o {path}: cannot write: {e.strerror or e}") from None
+        raise RecipeError(f"-o {shorten(path)}: cannot write: {e.strerror or e}") from None
 
 
 @recipe.command("from-hf")

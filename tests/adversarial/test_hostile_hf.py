@@ -78,6 +78,13 @@ def test_hostile_config_is_refused_and_nothing_written(tmp_path, monkeypatch, co
     assert not out.exists()
 
 
+def test_a_name_too_long_is_cut_in_the_message(tmp_path):
+    path = tmp_path / ("x" * 5000 + ".json")
+    lines, _ = invoke(["recipe", "from-hf", str(path)], within=tmp_path)
+    assert len(lines) == 1 and lines[0].endswith("xxxx.json: cannot read: File name too long") and "..." in lines[0]
+    assert len(lines[0]) < 250
+
+
 def test_several_problems_are_one_line_each(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_bytes(llama(hidden_size="4096", num_hidden_layers=[32], torch_dtype={"x": 1}))
@@ -92,9 +99,11 @@ def test_several_problems_are_one_line_each(tmp_path):
     (lambda d: Path("/dev/zero"), [], "{cfg}: not a regular file"),
     (None, ["-o", "{tmp}/no/such/dir/r.yaml"], "-o {tmp}/no/such/dir/r.yaml: directory {tmp}/no/such/dir does not exist"),
     (None, ["-o", "{tmp}"], "-o {tmp}: is a directory"),
+    (None, ["-o", "{tmp}/" + "x" * 5000 + ".yaml"], "-o {tmp}/xxxxxxxx"),
     (None, ["--drop", "flash_attention"], "{cfg}: --drop flash_attention: unknown feature"),
     (None, ["--drop", "mtp"], "{cfg}: --drop mtp: nothing to drop"),
-], ids=["missing", "directory", "fifo", "dev-zero", "output-dir-missing", "output-is-a-dir", "unknown-drop", "drop-mtp"])
+], ids=["missing", "directory", "fifo", "dev-zero", "output-dir-missing", "output-is-a-dir", "output-name-too-long",
+        "unknown-drop", "drop-mtp"])
 def test_hostile_paths_and_options(tmp_path, make, args, expected):
     cfg = make(tmp_path) if make else tmp_path / "config.json"
     if make is None:
