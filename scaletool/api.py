@@ -28,8 +28,8 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
             return recipe
         from scaletool.config import parse_override
 
-        raw = apply_overrides(recipe.model_dump(mode="json", exclude_unset=True),
-                              [parse_override(o) for o in overrides])
+        # what the user gave (inactive keys included), so derived fields are derived again
+        raw = apply_overrides(recipe.given(), [parse_override(o) for o in overrides])
         return recipe_from_dict(raw, "recipe")
     if not isinstance(recipe, (str, Path)):
         raise RecipeError(f"recipe: expected a path or a Recipe, got {type(recipe).__name__}")

@@ -5,7 +5,16 @@ are errors (with a did-you-mean), missing keys take the defaults documented on e
 fields whose default depends on others (``n_kv_heads``, ``head_dim``, the MLA head dims) are
 resolved once here so every later stage sees concrete numbers.
 
+Keys that belong to another attention type or FFN type than the one selected are *inactive*, not
+errors (:data:`ATTENTION_KINDS`, :data:`FFN_KINDS`): switching ``model.attention`` from mla to mha
+needs no other change. An inactive key is reset to its default, listed by ``recipe show`` and left
+out of :meth:`Recipe.digest`, so the MHA point of an MLA-based sweep has the key of a plain MHA recipe.
+
 Every problem becomes one line in a :class:`RecipeError`; the CLI prints them and exits with 2.
+Input is untrusted: YAML is read with the safe loader and refused past :data:`MAX_YAML_BYTES`,
+:data:`MAX_NODES` values (aliases expanded) or :data:`MAX_DEPTH` levels; sizes are bounded (every
+integer to int64, widths and counts to the limits below, the weights to :data:`MAX_WEIGHTS`) so that
+no later stage overflows or hangs; floats are finite; echoed values are cut (:func:`~scaletool.errors.echo`).
 """
 from __future__ import annotations
 
@@ -14,24 +23,62 @@ import difflib
 import hashlib
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, echo, shorten
 from scaletool.resources import RECIPE, find_recipe
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# data.source=text: 256 byte ids + <|endoftext|> (scaletool.train.data.ByteTokenizer; a test keeps them equal)
+BYTE_VOCAB = 257
+
+# Size limits. Each is far above any published model (widest d_model ~16k-25k, deepest ~1,000 layers,
+# longest context ~10M tokens, most experts ~1M in PEER, ~2·10^12 weights) and low enough that no weight
+# tensor's element count overflows int64 and that `count` builds the layers in seconds.
+MAX_LAYERS = 4096
+MAX_WIDTH = 2**20       # d_model, head dims, latent ranks, FFN widths, regression features
+MAX_HEADS = 2**16
+MAX_EXPERTS = 2**20
+MAX_VOCAB = 2**32       # token ids are at most uint32
+MAX_SEQ_LEN = 2**24     # the RoPE table holds max_seq_len rows
+MAX_WEIGHTS = 10**15    # bound on the weights of one model (see weights_bound)
+INT64 = 2**63
+
+# Untrusted YAML: a recipe or sweep file is a few kilobytes and a few hundred values.
+MAX_YAML_BYTES = 2**20
+MAX_NODES = 100_000
+MAX_DEPTH = 64
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        """Every integer fits int64 (torch's index type): a step count or seed of 10**30 fails here, not in torch."""
+        if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
+            raise ValueError("must fit a 64-bit integer")
+        return value
 
 
-NonNeg = Field(ge=0)
+def _derive(cfg: BaseModel, key: str, value: Any) -> None:
+    """Set a derived field without marking it as given: ``model_dump(exclude_unset=True)`` stays what
+    the user wrote, so re-validating it with one key changed derives the others afresh."""
+    cfg.__dict__[key] = value
+
+
+def _width(default: int | None, description: str = "", zero_ok: bool = False) -> Any:
+    """A width or rank field: positive (or >= 0), at most MAX_WIDTH."""
+    bound = {"ge": 0} if zero_ok else {"gt": 0}
+    return Field(default, le=MAX_WIDTH, description=description, **bound)
 
 
 MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -43,39 +90,42 @@ class ModelConfig(_Section):
     """The network. Names match DeepSeek-V2/V3 and Llama configs where they overlap."""
 
     attention: Literal["mha", "gqa", "mqa", "mla"] = "mha"
-    d_model: int = Field(512, gt=0)
-    n_layers: int = Field(8, gt=0)
-    n_heads: int = Field(8, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0, description="KV heads (gqa); mha: n_heads, mqa: 1")
-    head_dim: int | None = Field(None, gt=0, description="default d_model // n_heads")
-    kv_lora_rank: int = Field(0, ge=0, description="MLA latent width; must be > 0 for mla, 0 otherwise")
-    q_lora_rank: int = Field(0, ge=0, description="MLA query latent width; 0 = full-rank query")
-    qk_nope_head_dim: int | None = Field(None, gt=0, description="MLA: no-RoPE part of q/k; default head_dim")
-    qk_rope_head_dim: int | None = Field(
-        None, gt=0, description="rotary dims per head; mla: the shared RoPE key (default head_dim // 2), "
-        "others: rotated part of each head (default head_dim)")
-    v_head_dim: int | None = Field(None, gt=0, description="MLA: value head dim; default head_dim")
+    d_model: int = _width(512)
+    n_layers: int = Field(8, gt=0, le=MAX_LAYERS)
+    n_heads: int = Field(8, gt=0, le=MAX_HEADS)
+    n_kv_heads: int | None = Field(None, gt=0, le=MAX_HEADS, description="gqa: KV heads; mha, mla: n_heads, mqa: 1")
+    head_dim: int | None = _width(None, "default d_model // n_heads")
+    kv_lora_rank: int = _width(0, "mla: KV latent width (> 0)", zero_ok=True)
+    q_lora_rank: int = _width(0, "mla: query latent width; 0 = full-rank query", zero_ok=True)
+    qk_nope_head_dim: int | None = _width(None, "mla: no-RoPE part of q/k; default head_dim")
+    qk_rope_head_dim: int | None = _width(
+        None, "mla: the shared RoPE key (default head_dim // 2); others: derived, "
+        "partial_rotary_factor · head_dim")
+    v_head_dim: int | None = _width(None, "mla: value head dim; default head_dim")
+    partial_rotary_factor: float = Field(
+        1.0, gt=0, le=1, description="mha/gqa/mqa: fraction of each q/k head RoPE rotates (HF's name)")
     qkv_bias: bool = Field(False, description="mha/gqa/mqa: bias on the q, k, v projections (Qwen2)")
     ffn: Literal["swiglu", "gelu", "relu", "moe"] = "swiglu"
-    intermediate_size: int = Field(2048, gt=0, description="dense FFN width (moe: of the first_k_dense_replace layers)")
+    intermediate_size: int = _width(2048, "dense FFN width (moe: of the first_k_dense_replace layers)")
     # Mixture of experts (ffn=moe), DeepSeek-V2/V3 names; see scaletool/model/moe.py.
-    n_routed_experts: int = Field(0, ge=0, description="moe: routed experts per MoE layer")
-    n_shared_experts: int = Field(0, ge=0, description="moe: always-active experts, one SwiGLU of n·moe_intermediate_size")
-    num_experts_per_tok: int = Field(0, ge=0, description="moe: routed experts per token (top-k)")
-    moe_intermediate_size: int = Field(0, ge=0, description="moe: width of one expert's SwiGLU")
-    first_k_dense_replace: int = Field(0, ge=0, description="moe: leading layers with the dense FFN instead")
+    n_routed_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="moe: routed experts per MoE layer")
+    n_shared_experts: int = Field(0, ge=0, le=MAX_EXPERTS,
+                                  description="moe: always-active experts, one SwiGLU of n·moe_intermediate_size")
+    num_experts_per_tok: int = Field(0, ge=0, le=MAX_EXPERTS, description="moe: routed experts per token (top-k)")
+    moe_intermediate_size: int = _width(0, "moe: width of one expert's SwiGLU", zero_ok=True)
+    first_k_dense_replace: int = Field(0, ge=0, le=MAX_LAYERS, description="moe: leading layers with the dense FFN")
     scoring_func: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="moe: router scores; sigmoid adds V3's selection bias (a buffer, no gradient)")
     norm_topk_prob: bool = Field(False, description="moe: renormalise the top-k gate weights to sum to 1")
     routed_scaling_factor: float = Field(1.0, gt=0, description="moe: multiplies the routed experts' gate weights")
-    n_group: int = Field(1, gt=0, description="moe: expert groups for group-limited routing (1 = off)")
-    topk_group: int = Field(1, gt=0, description="moe: groups a token may route to")
+    n_group: int = Field(1, gt=0, le=MAX_EXPERTS, description="moe: expert groups for group-limited routing (1 = off)")
+    topk_group: int = Field(1, gt=0, le=MAX_EXPERTS, description="moe: groups a token may route to")
     aux_loss_alpha: float = Field(0.0, ge=0, description="moe: weight of the sequence-wise expert balance loss")
     bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
     capacity_factor: float = Field(
         1.25, gt=0, description="moe: expert capacity = ceil(factor·tokens·top-k / experts); >= experts/top-k never drops")
-    vocab_size: int = Field(32000, gt=0)
-    max_seq_len: int = Field(2048, gt=0)
+    vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB)
+    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN)
     rope_theta: float = Field(10000.0, gt=0)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = Field(1e-6, gt=0)
@@ -83,10 +133,15 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     task: Literal["lm", "regression"] = "lm"
-    n_features: int = Field(20, gt=0, description="regression: input features per time step")
-    horizon: int = Field(10, gt=0, description="regression: future values predicted")
+    n_features: int = _width(20, "regression: input features per time step")
+    horizon: int = _width(10, "regression: future values predicted")
     feature_groups: list[int] | None = Field(
         None, description="regression: sizes of the feature groups embedded separately; default 4 near-equal groups")
+    notes: list[str] = Field(default_factory=list, description="free text kept with the recipe (from-hf records "
+                             "what it imported without modelling); not part of the result key")
+
+    # given value of each inactive key (a key of another attention or FFN type), see resolve_kinds
+    _inactive: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _resolve(self) -> ModelConfig:
@@ -95,94 +150,35 @@ class ModelConfig(_Section):
             if self.d_model % self.n_heads:
                 problems.append(f"model.d_model: {self.d_model} is not divisible by n_heads={self.n_heads} "
                                 "(set model.head_dim to decouple them)")
-            self.head_dim = max(self.d_model // self.n_heads, 1)
-        hd = self.head_dim
-        a = self.attention
-        if a == "mha":
-            if self.n_kv_heads not in (None, self.n_heads):
-                problems.append(f"model.n_kv_heads: {self.n_kv_heads} contradicts attention=mha "
-                                f"(which has n_kv_heads = n_heads = {self.n_heads}); use attention=gqa")
-            self.n_kv_heads = self.n_heads
-        elif a == "mqa":
-            if self.n_kv_heads not in (None, 1):
-                problems.append(f"model.n_kv_heads: {self.n_kv_heads} contradicts attention=mqa (which has 1 KV head)")
-            self.n_kv_heads = 1
-        elif a == "gqa":
-            if self.n_kv_heads is None:
-                problems.append("model.n_kv_heads: required for attention=gqa")
-                self.n_kv_heads = self.n_heads
-            elif self.n_heads % self.n_kv_heads:
-                problems.append(f"model.n_heads: {self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        else:  # mla
-            if self.n_kv_heads not in (None, self.n_heads):
-                problems.append("model.n_kv_heads: not used by attention=mla (every head reads the shared latent)")
-            self.n_kv_heads = self.n_heads
-            if self.kv_lora_rank == 0:
-                problems.append("model.kv_lora_rank: must be > 0 for attention=mla (the KV latent width)")
-        if a == "mla" and self.qkv_bias:
-            problems.append("model.qkv_bias: not used by attention=mla (DeepSeek's projections have no bias)")
-        if a != "mla":
-            for key in ("kv_lora_rank", "q_lora_rank"):
-                if getattr(self, key):
-                    problems.append(f"model.{key}: only used by attention=mla, got {getattr(self, key)} with attention={a}")
-            for key in ("qk_nope_head_dim", "v_head_dim"):
-                if getattr(self, key) is not None:
-                    problems.append(f"model.{key}: only used by attention=mla (attention={a} uses head_dim)")
-            if self.qk_rope_head_dim is None:
-                self.qk_rope_head_dim = hd
-            elif self.qk_rope_head_dim > hd:
-                problems.append(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} is larger than the head "
-                                f"(head_dim={hd})")
-        else:
-            if self.qk_nope_head_dim is None:
-                self.qk_nope_head_dim = hd
-            if self.v_head_dim is None:
-                self.v_head_dim = hd
-            if self.qk_rope_head_dim is None:
-                self.qk_rope_head_dim = max(2, hd // 2 // 2 * 2)
-        if self.qk_rope_head_dim % 2:
-            problems.append(f"model.qk_rope_head_dim: {self.qk_rope_head_dim} is odd; RoPE rotates pairs of dims")
-        problems += self._moe_problems()
+            _derive(self, "head_dim", max(self.d_model // self.n_heads, 1))
+        problems += resolve_kinds(self)
         if self.task == "regression":
-            if self.feature_groups is None:
-                n, g = self.n_features, min(4, self.n_features)
-                self.feature_groups = [n // g + (1 if i < n % g else 0) for i in range(g)]
-            if any(s <= 0 for s in self.feature_groups):
-                problems.append(f"model.feature_groups: sizes must be positive, got {self.feature_groups}")
-            elif sum(self.feature_groups) != self.n_features:
-                problems.append(f"model.feature_groups: sizes sum to {sum(self.feature_groups)}, "
-                                f"not n_features={self.n_features}")
-            if len(self.feature_groups) > self.d_model:
-                problems.append("model.feature_groups: more groups than d_model channels")
+            problems += self._regression_problems()
+        if not problems and (bound := weights_bound(self)) > MAX_WEIGHTS:
+            problems.append(f"model: up to {bound:.3g} weights (n_layers={self.n_layers}, d_model={self.d_model}, "
+                            f"vocab_size={self.vocab_size}, ...), past the {MAX_WEIGHTS:.0e} that scaletool models "
+                            "(the largest published models have ~2e12)")
         if problems:
             raise RecipeError(problems)
         return self
 
-    def _moe_problems(self) -> list[str]:
-        if self.ffn != "moe":
-            defaults = type(self).model_fields
-            return [f"model.{k}: only used by ffn=moe (ffn={self.ffn})" for k in MOE_FIELDS
-                    if getattr(self, k) != defaults[k].default]
-        E, k, G = self.n_routed_experts, self.num_experts_per_tok, self.n_group
-        problems = [f"model.{key}: must be > 0 for ffn=moe" for key in
-                    ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not getattr(self, key)]
-        if E and k > E:
-            problems.append(f"model.num_experts_per_tok: top-{k} of {E} routed experts is impossible")
-        if self.first_k_dense_replace >= self.n_layers:
-            problems.append(f"model.first_k_dense_replace: {self.first_k_dense_replace} leaves no MoE layer "
-                            f"(n_layers={self.n_layers})")
-        if E and E % G:
-            problems.append(f"model.n_group: {E} routed experts do not split into {G} groups")
-        elif self.topk_group > G:
-            problems.append(f"model.topk_group: {self.topk_group} is more than n_group={G}")
-        elif E and k > self.topk_group * (E // G):
-            problems.append(f"model.num_experts_per_tok: top-{k} does not fit in topk_group={self.topk_group} "
-                            f"groups of {E // G} experts")
-        elif G > 1 and self.scoring_func == "sigmoid" and E // G < 2:
-            problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
-        if self.bias_update_speed and self.scoring_func != "sigmoid":
-            problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
-        return problems
+    def _regression_problems(self) -> list[str]:
+        if self.feature_groups is None:
+            n, g = self.n_features, min(4, self.n_features)
+            _derive(self, "feature_groups", [n // g + (1 if i < n % g else 0) for i in range(g)])
+        groups = self.feature_groups
+        if any(s <= 0 for s in groups):
+            return [f"model.feature_groups: sizes must be positive, got {echo(groups)}"]
+        if sum(groups) != self.n_features:
+            return [f"model.feature_groups: sizes sum to {sum(groups)}, not n_features={self.n_features}"]
+        if len(groups) > self.d_model:
+            return ["model.feature_groups: more groups than d_model channels"]
+        return []
+
+    @property
+    def inactive(self) -> dict[str, Any]:
+        """Keys given for another attention or FFN type, with the values given (the fields hold defaults)."""
+        return dict(self._inactive)
 
     @property
     def n_moe_layers(self) -> int:
@@ -213,6 +209,144 @@ class ModelConfig(_Section):
         w = [self.d_model // g] * g
         w[-1] += self.d_model - sum(w)
         return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and FFN kinds: the keys each reads, and how it resolves them
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One value of a switch key (``model.attention`` or ``model.ffn``).
+
+    ``reads``: the switch-specific keys this kind uses; a key that another kind of the same switch reads
+    is inactive under this one. ``resolve`` fills the kind's derived fields and returns its problems.
+    Each attention kind's closed forms, module and cache can sit beside these as further fields.
+    """
+
+    reads: tuple[str, ...]
+    resolve: Callable[[ModelConfig], list[str]]
+
+
+def _rotary(m: ModelConfig) -> list[str]:
+    """MHA family: RoPE rotates the first int(head_dim · partial_rotary_factor) channels of each q/k head
+    (Hugging Face's rule for partial_rotary_factor)."""
+    rotated = int(m.head_dim * m.partial_rotary_factor)
+    _derive(m, "qk_rope_head_dim", rotated)
+    if rotated < 2 or rotated % 2:
+        return [f"model.partial_rotary_factor: {m.partial_rotary_factor} of head_dim={m.head_dim} rotates {rotated} "
+                "channels; RoPE rotates pairs, so it needs an even number >= 2"]
+    return []
+
+
+def _mha(m: ModelConfig) -> list[str]:
+    _derive(m, "n_kv_heads", m.n_heads)
+    return _rotary(m)
+
+
+def _mqa(m: ModelConfig) -> list[str]:
+    _derive(m, "n_kv_heads", 1)
+    return _rotary(m)
+
+
+def _gqa(m: ModelConfig) -> list[str]:
+    problems = _rotary(m)
+    if m.n_kv_heads is None:
+        _derive(m, "n_kv_heads", m.n_heads)
+        return ["model.n_kv_heads: required for attention=gqa"] + problems
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_heads: {m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}")
+    return problems
+
+
+def _mla(m: ModelConfig) -> list[str]:
+    """DeepSeek-V2/V3: every head reads the shared latent; the no-RoPE and value dims default to head_dim,
+    the shared RoPE key to half of it (even)."""
+    hd = m.head_dim
+    _derive(m, "n_kv_heads", m.n_heads)
+    for key, default in (("qk_nope_head_dim", hd), ("v_head_dim", hd), ("qk_rope_head_dim", max(2, hd // 4 * 2))):
+        if getattr(m, key) is None:
+            _derive(m, key, default)
+    problems = []
+    if m.kv_lora_rank == 0:
+        problems.append("model.kv_lora_rank: must be > 0 for attention=mla (the KV latent width)")
+    if m.qk_rope_head_dim % 2:
+        problems.append(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} is odd; RoPE rotates pairs of dims")
+    return problems
+
+
+def _moe(m: ModelConfig) -> list[str]:
+    E, k, G = m.n_routed_experts, m.num_experts_per_tok, m.n_group
+    problems = [f"model.{key}: must be > 0 for ffn=moe" for key in
+                ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size") if not getattr(m, key)]
+    if E and k > E:
+        problems.append(f"model.num_experts_per_tok: top-{k} of {E} routed experts is impossible")
+    if m.first_k_dense_replace >= m.n_layers:
+        problems.append(f"model.first_k_dense_replace: {m.first_k_dense_replace} leaves no MoE layer "
+                        f"(n_layers={m.n_layers}); a dense model is ffn=swiglu")
+    if E and E % G:
+        problems.append(f"model.n_group: {E} routed experts do not split into {G} groups")
+    elif m.topk_group > G:
+        problems.append(f"model.topk_group: {m.topk_group} is more than n_group={G}")
+    elif E and k > m.topk_group * (E // G):
+        problems.append(f"model.num_experts_per_tok: top-{k} does not fit in topk_group={m.topk_group} "
+                        f"groups of {E // G} experts")
+    elif G > 1 and m.scoring_func == "sigmoid" and E // G < 2:
+        problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
+    if m.bias_update_speed and m.scoring_func != "sigmoid":
+        problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
+    return problems
+
+
+_MHA_FAMILY = ("qkv_bias", "partial_rotary_factor")
+ATTENTION_KINDS: dict[str, Kind] = {
+    "mha": Kind(_MHA_FAMILY, _mha),
+    "gqa": Kind(("n_kv_heads", *_MHA_FAMILY), _gqa),
+    "mqa": Kind(_MHA_FAMILY, _mqa),
+    "mla": Kind(("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), _mla),
+}
+FFN_KINDS: dict[str, Kind] = {
+    "swiglu": Kind((), lambda m: []),
+    "gelu": Kind((), lambda m: []),
+    "relu": Kind((), lambda m: []),
+    "moe": Kind(MOE_FIELDS, _moe),
+}
+SWITCHES: dict[str, dict[str, Kind]] = {"attention": ATTENTION_KINDS, "ffn": FFN_KINDS}
+
+
+def resolve_kinds(m: ModelConfig) -> list[str]:
+    """Deactivate the keys of the kinds not selected (reset to their defaults, given values kept in
+    ``m.inactive``), then let the selected kinds derive their fields. A key given with its default or
+    with the value the selected kind derives anyway (a resolved recipe read back) is not reported."""
+    fields = type(m).model_fields
+    given: dict[str, Any] = {}
+    for switch, kinds in SWITCHES.items():
+        kind = kinds[getattr(m, switch)]
+        others = {key for k in kinds.values() for key in k.reads} - set(kind.reads)
+        for key in sorted(others & m.model_fields_set):
+            given[key] = getattr(m, key)
+            _derive(m, key, copy.deepcopy(fields[key].default))
+            m.model_fields_set.discard(key)
+    problems = ATTENTION_KINDS[m.attention].resolve(m) + FFN_KINDS[m.ffn].resolve(m)
+    m._inactive = {k: v for k, v in given.items() if v != fields[k].default and v != getattr(m, k)}
+    return problems
+
+
+def weights_bound(m: ModelConfig) -> int:
+    """An upper bound on the model's weights (within ~2× of the exact count, which is
+    ``analytic.param_counts``): cheap for any sizes, so absurd models are refused before anything
+    builds or counts them. Per layer: four d_model × (heads · widest head) projections with biases,
+    MLA's latent projections and norms, the widest FFN with its router, the norms; plus the vocabulary
+    matrices (or the regression embedding and head)."""
+    d, H = m.d_model, m.n_heads
+    attn = 4 * (d + 1) * H * max(m.qk_head_dim, m.v_dim)
+    if m.attention == "mla":
+        heads = H * (m.qk_nope_head_dim + m.v_head_dim + m.qk_head_dim)
+        attn += (d + 1 + heads) * (m.kv_lora_rank + m.q_lora_rank + m.qk_rope_head_dim)
+    experts = (m.n_routed_experts + m.n_shared_experts) * m.moe_intermediate_size + m.n_routed_experts
+    ffn = 3 * d * (m.intermediate_size + experts)
+    outer = 2 * m.vocab_size * d if m.task == "lm" else (m.n_features + m.horizon + 5) * d + m.horizon
+    return outer + 2 * d + m.n_layers * (attn + ffn + 4 * d)
 
 
 def expert_capacity(cfg: ModelConfig, tokens: int) -> int:
@@ -265,6 +399,31 @@ class ParallelConfig(_Section):
     expert_parallel: bool = Field(False, description="fsdp, ffn=moe: each rank keeps n_routed_experts / world_size "
                                   "experts; tokens move by all-to-all")
 
+    @field_validator("deepspeed")
+    @classmethod
+    def _plain_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The passthrough becomes DeepSpeed's JSON config: string keys, finite numbers, no YAML dates or sets."""
+        stack: list[tuple[str, Any]] = [("", value)]
+        while stack:
+            where, v = stack.pop()
+            if isinstance(v, dict):
+                for k, sub in v.items():
+                    if not isinstance(k, str):
+                        raise ValueError(f"{where + ': ' if where else ''}key {echo(k)} is not a string")
+                    stack.append((f"{where}.{_key_text(k)}" if where else _key_text(k), sub))
+            elif isinstance(v, list):
+                stack.extend((f"{where}[{i}]", sub) for i, sub in enumerate(v))
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{where}: {v} is not a finite number")
+            elif not isinstance(v, (str, int, float, bool, type(None))):
+                raise ValueError(f"{where}: a {type(v).__name__} is not a JSON value")
+        return value
+
+
+# Keys only one engine uses: set (to a non-default value) under another engine, they are errors.
+ENGINE_KEYS = {"zero_stage": "deepspeed", "offload_optimizer": "deepspeed", "offload_params": "deepspeed",
+               "deepspeed": "deepspeed", "cpu_offload": "fsdp"}
+
 
 class DataConfig(_Section):
     source: Literal["synthetic", "text", "tokens", "csv"] = Field(
@@ -315,38 +474,148 @@ class Recipe(_Section):
             problems.append(f"data.source: {d.source} is for task=lm; regression takes synthetic or csv")
         if d.source in ("text", "tokens", "csv") and not d.path:
             problems.append(f"data.path: required for data.source={d.source}")
+        if m.task == "lm" and d.source == "text" and m.vocab_size < BYTE_VOCAB:
+            problems.append(f"model.vocab_size: {m.vocab_size} is too small for the byte-level tokenizer of "
+                            f"data.source=text (needs >= {BYTE_VOCAB}: 256 bytes + specials)")
+        if m.task == "lm" and d.source == "synthetic" and m.vocab_size < 4:
+            problems.append(f"model.vocab_size: {m.vocab_size} is too small for synthetic tokens (need >= 4)")
         if self.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        if self.parallel.expert_parallel and m.ffn != "moe":
-            problems.append("parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)")
-        elif self.parallel.expert_parallel and self.parallel.engine != "fsdp":
-            problems.append(f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
-                            f"beside FSDP2's), not engine={self.parallel.engine}")
         pr = self.profile
         if pr.enabled and pr.wait + pr.warmup + pr.active > self.train.steps:
             problems.append(f"profile: the schedule needs wait + warmup + active = {pr.wait + pr.warmup + pr.active} "
                             f"steps, but train.steps is {self.train.steps}")
         if pr.ranks != "all" and (not pr.ranks or min(pr.ranks) < 0):
-            problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {pr.ranks}")
+            problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {echo(pr.ranks)}")
+        problems += self._parallel_problems()
         if problems:
             raise RecipeError(problems)
         return self
+
+    def _parallel_problems(self) -> list[str]:
+        p, m = self.parallel, self.model
+        if p.expert_parallel and m.ffn != "moe":
+            return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
+        if p.expert_parallel and p.engine != "fsdp":
+            return [f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
+                    f"beside FSDP2's), not engine={p.engine}"]
+        return []
+
+    def engine_problems(self, world_size: int | None = None) -> list[str]:
+        """The engine rules train applies before it builds anything: keys only another engine uses, and
+        DeepSpeed's offload and passthrough rules. ``recipe check`` runs them without a world size; a
+        launch passes it (DeepSpeed's train_batch_size) and adds its own (engines.check_recipe).
+        Other commands (estimate, count, decode) do not use the engine and do not apply them."""
+        p = self.parallel
+        defaults = type(p).model_fields
+        problems = [f"parallel.{key}: only used by engine={engine}, but parallel.engine={p.engine}"
+                    for key, engine in ENGINE_KEYS.items()
+                    if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
+        if p.engine == "deepspeed":
+            problems += deepspeed_problems(self, world_size)
+        return problems
 
     @property
     def seq_len(self) -> int:
         return self.train.seq_len or self.model.max_seq_len
 
+    @property
+    def inactive(self) -> dict[str, Any]:
+        """Dotted key -> given value of every inactive key (another attention or FFN type's)."""
+        return {f"model.{k}": v for k, v in self.model.inactive.items()}
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
+
+    def given(self) -> dict:
+        """The keys the user set, as a raw recipe mapping, inactive ones with their given values: what to
+        re-validate with a key changed (derived fields are derived again)."""
+        raw = self.model_dump(mode="json", exclude_unset=True)
+        for k, v in self.model.inactive.items():
+            raw.setdefault("model", {})[k] = v
+        return raw
 
     def digest(self, extra: str = "") -> str:
         """Stable short hash of the resolved recipe (plus ``extra``), for result keys.
 
         Fields equal to their defaults are left out, so adding a new field with a default to the
-        recipe schema keeps the keys of earlier results (a sweep resumes instead of redoing them).
+        recipe schema keeps the keys of earlier results (a sweep resumes instead of redoing them);
+        inactive keys hold their defaults and ``model.notes`` is left out, so neither changes a key.
         """
-        blob = json.dumps(self.model_dump(mode="json", exclude_defaults=True), sort_keys=True) + extra
+        data = self.model_dump(mode="json", exclude_defaults=True, exclude={"model": {"notes"}})
+        blob = json.dumps(data, sort_keys=True) + extra
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed: the keys a recipe decides, and the passthrough rules
+
+
+def deepspeed_settings(recipe: Recipe, world_size: int | None = None) -> dict[str, tuple[Any, str]]:
+    """The DeepSpeed config keys the recipe decides: dotted key -> (value, the recipe field it comes from).
+    ``train_batch_size`` depends on the world size and is left out without one."""
+    t, p, m = recipe.train, recipe.parallel, recipe.model
+    derived: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (t.grad_accum_steps, "train.grad_accum_steps"),
+        "gradient_clipping": (t.grad_clip, "train.grad_clip"),
+        "bf16.enabled": (m.dtype == "bf16", "model.dtype"),
+        "fp16.enabled": (m.dtype == "fp16", "model.dtype"),
+        "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
+        "zero_optimization.offload_optimizer.device": ("cpu" if p.offload_optimizer else "none",
+                                                       "parallel.offload_optimizer"),
+    }
+    if world_size is not None:
+        derived["train_batch_size"] = (t.micro_batch_size * t.grad_accum_steps * world_size,
+                                       "train.micro_batch_size × train.grad_accum_steps × world size")
+    if p.zero_stage == 3:
+        derived["zero_optimization.offload_param.device"] = ("cpu" if p.offload_params else "none",
+                                                             "parallel.offload_params")
+    if p.offload_optimizer:
+        derived.update({
+            "optimizer.type": ("AdamW", "the AdamW of train.*"),
+            "optimizer.params.lr": (t.lr, "train.lr"),
+            "optimizer.params.betas": ([t.beta1, t.beta2], "train.beta1/beta2"),
+            "optimizer.params.weight_decay": (t.weight_decay, "train.weight_decay"),
+        })
+    return derived
+
+
+def flatten_dotted(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten_dotted(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def deepspeed_problems(recipe: Recipe, world_size: int | None = None) -> list[str]:
+    """One line per ``parallel.deepspeed`` passthrough key that contradicts the recipe, and per offload
+    setting ZeRO cannot do; without a world size, all but the train_batch_size conflict."""
+    p = recipe.parallel
+    problems = []
+    if p.offload_params and p.zero_stage != 3:
+        problems.append(f"parallel.offload_params: needs parallel.zero_stage=3 (got {p.zero_stage})")
+    if p.offload_optimizer and p.zero_stage == 0:
+        problems.append("parallel.offload_optimizer: needs parallel.zero_stage >= 1")
+    passthrough = dict(p.deepspeed)
+    if passthrough.pop("scheduler", None) is not None:
+        problems.append("parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr, "
+                        "train.warmup_steps and train.min_lr_ratio; remove it")
+    if passthrough.get("optimizer") is not None and not p.offload_optimizer:
+        passthrough.pop("optimizer")
+        problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
+                        "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
+    derived = deepspeed_settings(recipe, world_size)
+    for key, value in flatten_dotted(passthrough).items():
+        if key in derived and derived[key][0] != value:
+            problems.append(f"parallel.deepspeed.{key}={echo(value)} conflicts with {derived[key][1]} "
+                            f"(= {derived[key][0]!r}); set it in one place")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,20 +635,29 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
+def _key_text(part: Any) -> str:
+    """A key of the location path, cut for the message (a key can be a megabyte string)."""
+    return shorten(part, 60) if isinstance(part, (str, int)) else echo(part)
+
+
 def _describe(err: dict, source: str) -> str:
     loc = tuple(err["loc"])
-    where = ".".join(str(p) for p in loc) or "recipe"
+    where = ".".join(_key_text(p) for p in loc) or "recipe"
     if err["type"] == "extra_forbidden":
-        key = str(loc[-1])
+        key = str(loc[-1])[:200]
         known = _fields_of(Recipe, loc[:-1])
         hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        tip = f"; did you mean '{hint[0]}'?" if hint else (f"; known keys: {', '.join(known)}" if known else "")
+        if hint:
+            tip = f"; did you mean '{hint[0]}'?"
+        elif 0 < len(known) <= 12:
+            tip = f"; known keys: {', '.join(known)}"
+        else:  # a long list would bury the line: point at where the keys are listed
+            tip = f"; `scaletool recipe show` lists the keys of {'.'.join(map(str, loc[:-1])) or 'a recipe'}"
         return f"{source}: {where}: unknown key{tip}"
-    if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), RecipeError):
-        return None  # expanded by the caller
     got = err.get("input")
-    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
-    return f"{source}: {where}: {err['msg']}{got_s}"
+    got_s = "" if isinstance(got, dict) else f" (got {echo(got)})"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"{source}: {where}: {msg}{got_s}"
 
 
 def _problems_from(exc: ValidationError, source: str) -> list[str]:
@@ -393,60 +671,144 @@ def _problems_from(exc: ValidationError, source: str) -> list[str]:
     return lines
 
 
+class _SafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """The safe loader (libyaml's when present: it also caps nesting depth), refusing duplicate keys,
+    which plain YAML resolves silently to the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {echo(key_node.value)} (first at line {seen[key] + 1})",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+
+def check_tree(data: Any, source: str) -> None:
+    """Refuse data whose tree, aliases expanded, has more than MAX_NODES values or MAX_DEPTH levels, or
+    that contains itself (``a: &a [*a]``).
+
+    The loader shares an aliased object instead of copying it, so a 700-byte file of nested aliases
+    loads instantly, yet stands for 10^9 values to anything that walks it (validation, messages,
+    hashing, JSON). Sizes are memoised per object: one pass over the distinct objects."""
+    size: dict[int, tuple[int, int]] = {}  # id -> (values, depth) of the expanded subtree
+    open_: set[int] = set()  # the containers on the path from the root
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    while stack:
+        obj, leaving = stack.pop()
+        if isinstance(obj, dict):
+            kids = [x for kv in obj.items() for x in kv]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            kids = list(obj)
+        else:
+            continue  # a scalar: one value, depth 1
+        key = id(obj)
+        if leaving:
+            sub = [size.get(id(k), (1, 1)) for k in kids]
+            values, depth = 1 + sum(s[0] for s in sub), 1 + max((s[1] for s in sub), default=0)
+            if values > MAX_NODES:
+                raise RecipeError(f"{source}: more than {MAX_NODES:,} values once YAML aliases are expanded "
+                                  "(a recipe has about a hundred); refusing it")
+            if depth > MAX_DEPTH:
+                raise RecipeError(f"{source}: nested more than {MAX_DEPTH} levels deep; refusing it")
+            size[key] = (values, depth)
+            open_.discard(key)
+            continue
+        if key in size:
+            continue
+        if key in open_:
+            raise RecipeError(f"{source}: a YAML alias refers to a mapping or list that contains it (a cycle)")
+        open_.add(key)
+        stack.append((obj, True))
+        stack.extend((k, False) for k in kids)
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    """Parse YAML text safely and bounded; problems become one-line RecipeErrors naming ``source``."""
+    try:
+        data = yaml.load(text, Loader=_SafeLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{source}: malformed YAML{where}: {what[:200]}") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
+        raise RecipeError(f"{source}: malformed YAML: {str(e).splitlines()[0][:200]}") from None
+    check_tree(data, source)
+    return data
+
+
 def parse_override(item: str) -> tuple[str, Any]:
     """``model.kv_lora_rank=128`` -> (``model.kv_lora_rank``, 128); the value is read as YAML."""
     if "=" not in item:
-        raise RecipeError(f"--set {item!r}: expected KEY=VALUE with a dotted key, e.g. model.kv_lora_rank=128")
+        raise RecipeError(f"--set {echo(item)}: expected KEY=VALUE with a dotted key, e.g. model.kv_lora_rank=128")
     key, _, raw = item.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
+        value = load_yaml_text(raw, f"--set {_key_text(key)}") if raw.strip() else None
+    except RecipeError as e:
+        if "malformed YAML" not in e.problems[0]:
+            raise
+        value = raw  # not YAML: the text itself (validation says if a string does not fit)
     return key, value
 
 
 def set_dotted(raw: dict, key: str, value: Any) -> None:
     """Set ``raw['a']['b'] = value`` for ``key='a.b'``; unknown top-level sections are errors."""
     parts = key.split(".")
+    shown = _key_text(key)
+    if not all(parts):
+        raise RecipeError(f"override {shown}: a dotted key needs a name at every level, e.g. model.d_model")
     if parts[0] not in SECTIONS:
-        hint = difflib.get_close_matches(parts[0], SECTIONS, n=1)
+        hint = difflib.get_close_matches(parts[0][:200], SECTIONS, n=1)
         tip = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(SECTIONS)}"
-        raise RecipeError(f"override {key}: unknown section '{parts[0]}'{tip}")
+        raise RecipeError(f"override {shown}: unknown section {_key_text(parts[0])!r}{tip}")
     node = raw
     for p in parts[:-1]:
         nxt = node.get(p)
         if nxt is None:
             nxt = node[p] = {}
         if not isinstance(nxt, dict):
-            raise RecipeError(f"override {key}: '{p}' is not a mapping")
+            raise RecipeError(f"override {shown}: '{_key_text(p)}' is not a mapping")
         node = nxt
     node[parts[-1]] = value
 
 
 def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping with the safe loader; problems become one-line RecipeErrors."""
+    """Read a YAML mapping (a recipe or sweep file) safely; problems become one-line RecipeErrors."""
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
+    shown = shorten(p)
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(f"{p}: malformed YAML{where}: {what}") from None
-    except UnicodeDecodeError:
-        raise RecipeError(f"{p}: not a text file") from None
+        if not p.is_file():  # a directory, FIFO or device (/dev/zero) would block or never end
+            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
+        with open(p, "rb") as f:
+            blob = f.read(MAX_YAML_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
+    if len(blob) > MAX_YAML_BYTES:
+        raise RecipeError(f"{shown}: larger than {MAX_YAML_BYTES // 1024} KiB; a recipe or sweep file is a few KiB")
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{shown}: not a UTF-8 text file (byte {e.start})") from None
+    data = load_yaml_text(text, shown)
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{p}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+        raise RecipeError(f"{shown}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
     return data
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Validate a raw mapping; every problem becomes one line of the RecipeError."""
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: a recipe is a mapping of sections, got {type(raw).__name__}")
+    check_tree(raw, source)
     if {"grid", "modes"} & raw.keys() and not set(SECTIONS) & raw.keys():
         raise RecipeError(f"{source}: this is a sweep file (it has grid/modes, no recipe sections); "
                           "run it with `scaletool sweep`")
@@ -464,7 +826,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
     ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
     raw = read_yaml(find_recipe(path, RECIPE))
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
-    return recipe_from_dict(raw, str(path))
+    return recipe_from_dict(raw, shorten(path))
 
 
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:

@@ -4,12 +4,15 @@
   problem. The CLI prints each as ``error: ...`` and exits with status 2.
 - :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
+- :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
 """
 from __future__ import annotations
 
 import os
 import re
+import reprlib
 import socket
+from typing import Any
 
 
 class RecipeError(ValueError):
@@ -18,6 +21,32 @@ class RecipeError(ValueError):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+# Input echoed in a message can be anything a file holds (a megabyte string, a 10**4000 integer, an alias
+# tree of a billion nodes): reprlib cuts strings, numbers and containers and visits only what it shows.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+_SHORT.maxlong = 24
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 6
+_SHORT.maxdict = 4
+_SHORT.maxlevel = 2
+
+
+def shorten(text: str, limit: int = 160) -> str:
+    """``text`` as it is up to ``limit`` characters, else its start and end around '...' (for paths and keys,
+    which read best unquoted)."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:limit // 2 - 2]}...{text[-(limit // 2 - 1):]}"
+
+
+def echo(value: Any) -> str:
+    """``repr(value)``, bounded for a one-line message: long strings, numbers and containers are cut with '...'."""
+    try:
+        text = _SHORT.repr(value)
+    except ValueError:  # an int too long for a decimal repr (sys.get_int_max_str_digits)
+        return f"<a {value.bit_length()}-bit integer>" if isinstance(value, int) else f"<{type(value).__name__}>"
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 # Gloo and c10d prefix messages with the C++ source location: "[/__w/pytorch/.../pair.cc:553] ".

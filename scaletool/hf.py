@@ -2,65 +2,144 @@
 
 Llama, Mistral, Qwen2/Qwen3-style dense models and DeepSeek-V2/V3, the latter with their
 mixture-of-experts FFNs (routing: V2's softmax with greedy or group-limited top-k, V3's sigmoid with
-the selection bias and group-limited ``noaux_tc``). A setting the model family does not implement
-(RoPE scaling, sliding windows, V3's multi-token-prediction module, FP8 weights...) is an error that
-names it; ``drop`` lists the features the user accepts to lose, and the result records what was
-dropped. ``--drop moe`` on a DeepSeek config imports its dense twin (every layer the dense FFN).
+the selection bias and group-limited ``noaux_tc``).
+
+What the model family does not implement is handled by what it costs:
+
+- settings that change no parameter, FLOP or KV-cache figure import with a note in ``model.notes``
+  (RoPE scaling of the llama3, yarn, linear and dynamic kinds, which only rescale rotation
+  frequencies), and so does V3's multi-token-prediction module, which the figures leave out;
+- settings that would change the figures (sliding windows, extra biases, FP8 weights, other RoPE
+  scalings...) are errors naming them; ``drop`` lists those the user accepts to lose, recorded in
+  the notes. ``--drop moe`` on a DeepSeek config imports its dense twin (every layer the dense FFN).
+
+The file is untrusted input: every key is type-checked (an error line names the key and what it
+holds), and the file is refused past :data:`MAX_CONFIG_BYTES`.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from scaletool.config import RecipeError, recipe_from_dict
+from scaletool.config import RecipeError, check_tree, recipe_from_dict
+from scaletool.errors import echo, shorten
 
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
 DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "gelu", "gelu_new": "gelu", "relu": "relu"}
+MAX_CONFIG_BYTES = 4 * 2**20  # a config.json is a few KiB
 
-# feature name -> (predicate on the config, what it is)
+# RoPE scalings that only rescale the rotation frequencies (Llama 3.1's llama3, YaRN, linear position
+# interpolation, dynamic NTK): no weight, no FLOP and no cached number changes.
+FREE_ROPE_SCALINGS = ("llama3", "yarn", "linear", "dynamic")
+
+# feature name -> (predicate on the config, what it is); each is an error unless dropped
 _UNSUPPORTED = {
     "moe": (lambda c: bool(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts")),
             "mixture-of-experts FFN layers"),  # supported for DeepSeek types (_MOE_KEYS)
-    "rope_scaling": (lambda c: bool(c.get("rope_scaling")), "RoPE scaling (YaRN / llama3 / linear)"),
+    "rope_scaling": (lambda c: _rope_kind(c) not in (None, "default", *FREE_ROPE_SCALINGS),
+                     "RoPE scaling of this kind (llama3, yarn, linear and dynamic import with a note)"),
     "sliding_window": (lambda c: bool(c.get("sliding_window")) and c.get("use_sliding_window", True),
                        "sliding-window attention"),
     "attention_bias": (lambda c: bool(c.get("attention_bias")) and c.get("model_type") not in ("qwen2",),
                        "biases on every attention projection (o_proj included)"),
     "mlp_bias": (lambda c: bool(c.get("mlp_bias")), "biases in the MLP"),
-    "mtp": (lambda c: bool(c.get("num_nextn_predict_layers")), "multi-token-prediction modules"),
     "quantization": (lambda c: bool(c.get("quantization_config")),
                      "quantized weights (e.g. V3's FP8 blocks); the recipe models its dtype's weights"),
     "batch_aux_loss": (lambda c: c.get("seq_aux") is False and bool(c.get("aux_loss_alpha")),
                        "batch-wise balance loss (seq_aux: false); scaletool's is sequence-wise"),
 }
-# DeepSeek config key -> recipe key, copied as they are
-_MOE_KEYS = {"n_routed_experts": "n_routed_experts", "n_shared_experts": "n_shared_experts",
-             "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size",
-             "first_k_dense_replace": "first_k_dense_replace", "norm_topk_prob": "norm_topk_prob",
-             "routed_scaling_factor": "routed_scaling_factor", "aux_loss_alpha": "aux_loss_alpha"}
+# DeepSeek config key -> (recipe key, type)
+_MOE_KEYS = {"n_routed_experts": int, "n_shared_experts": int, "num_experts_per_tok": int,
+             "moe_intermediate_size": int, "first_k_dense_replace": int, "norm_topk_prob": bool,
+             "routed_scaling_factor": float, "aux_loss_alpha": float}
 # topk_method -> the router scoring its group scores assume (see scaletool.model.moe)
 _TOPK_METHODS = {"greedy": None, "group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 
 
-def _get(cfg: dict, key: str, *alts: str, default: Any = None):
-    for k in (key, *alts):
-        if cfg.get(k) is not None:
-            return cfg[k]
-    return default
+def _rope_kind(cfg: dict) -> Any:
+    """``rope_scaling``'s type (``rope_type``, or ``type`` in older configs); None without scaling."""
+    rs = cfg.get("rope_scaling")
+    if not rs:
+        return None
+    return rs.get("rope_type", rs.get("type")) if isinstance(rs, dict) else "(not an object)"
+
+
+class _Fields:
+    """Typed reads of a config's keys; each wrong type or missing key becomes one problem line."""
+
+    _MISSING = object()
+
+    def __init__(self, cfg: dict):
+        self.cfg, self.problems = cfg, []
+
+    def _raw(self, keys: tuple[str, ...], default: Any) -> tuple[str, Any]:
+        for k in keys:
+            if self.cfg.get(k) is not None:
+                return k, self.cfg[k]
+        if default is self._MISSING:
+            self.problems.append(f"{keys[0]}: missing")
+        return keys[0], None if default is self._MISSING else default
+
+    def _bad(self, key: str, value: Any, expected: str) -> None:
+        self.problems.append(f"{key}: expected {expected}, got {type(value).__name__} {echo(value)}")
+
+    def integer(self, *keys: str, default: Any = _MISSING, minimum: int = 1) -> int | None:
+        key, v = self._raw(keys, default)
+        if v is None or v is default:
+            return v
+        if isinstance(v, float) and v.is_integer():  # 4096.0, as some exporters write
+            v = int(v)
+        if not isinstance(v, int) or isinstance(v, bool):
+            return self._bad(key, v, "an integer")
+        if v < minimum:
+            self.problems.append(f"{key}: must be at least {minimum}, got {echo(v)}")
+            return None
+        return v
+
+    def number(self, *keys: str, default: Any = _MISSING) -> float | None:
+        key, v = self._raw(keys, default)
+        if v is None or v is default:
+            return v
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return self._bad(key, v, "a finite number")
+        return float(v)
+
+    def string(self, *keys: str, default: Any = _MISSING) -> str | None:
+        key, v = self._raw(keys, default)
+        if v is not None and not isinstance(v, str):
+            return self._bad(key, v, "a string")
+        return v
+
+    def flag(self, *keys: str, default: Any = _MISSING) -> bool | None:
+        key, v = self._raw(keys, default)
+        if v is not None and not isinstance(v, bool):
+            return self._bad(key, v, "true or false")
+        return v
+
+    def check(self) -> None:
+        if self.problems:
+            raise RecipeError(self.problems)
 
 
 def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
-    """Translate one HF config; returns (model section, features dropped)."""
-    mtype = cfg.get("model_type")
+    """Translate one HF config; returns (model section, features dropped). Notes on what was imported
+    without being modelled are in the section's ``notes``."""
+    f = _Fields(cfg)
+    mtype = f.string("model_type")
+    f.check()
     if mtype not in DENSE_TYPES | DEEPSEEK_TYPES:
         known = ", ".join(sorted(DENSE_TYPES | DEEPSEEK_TYPES))
-        raise RecipeError(f"model_type {mtype!r} is not supported (known: {known})")
+        raise RecipeError(f"model_type {echo(mtype)} is not supported (known: {known})")
+    if "mtp" in drop:
+        raise RecipeError("--drop mtp: nothing to drop: multi-token-prediction modules import with a note "
+                          "(the figures leave them out)")
     unknown_drop = set(drop) - set(_UNSUPPORTED)
     if unknown_drop:
-        raise RecipeError(f"--drop {', '.join(sorted(unknown_drop))}: unknown feature "
+        raise RecipeError(f"--drop {echo(', '.join(sorted(unknown_drop)))[1:-1]}: unknown feature "
                           f"(droppable: {', '.join(_UNSUPPORTED)})")
     present = [name for name, (pred, _) in _UNSUPPORTED.items() if pred(cfg)]
     supported = {"moe"} if mtype in DEEPSEEK_TYPES else set()
@@ -68,82 +147,158 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
     if missing:
         raise RecipeError([f"{n}: {_UNSUPPORTED[n][1]} not supported by scaletool's model family "
                            f"(pass --drop {n} to import without it)" for n in missing])
-    act = cfg.get("hidden_act", "silu")
-    if act not in _ACTS:
-        raise RecipeError(f"hidden_act {act!r} not supported (known: {', '.join(_ACTS)})")
-    m: dict[str, Any] = {
-        "d_model": cfg["hidden_size"],
-        "n_layers": cfg["num_hidden_layers"],
-        "n_heads": cfg["num_attention_heads"],
-        "ffn": _ACTS[act],
-        "intermediate_size": cfg["intermediate_size"],
-        "vocab_size": cfg["vocab_size"],
-        "max_seq_len": _get(cfg, "max_position_embeddings", default=2048),
-        "rope_theta": float(_get(cfg, "rope_theta", default=10000.0)),
-        "norm_eps": float(_get(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "dtype": _DTYPES.get(_get(cfg, "torch_dtype", "dtype", default="bfloat16"), "bf16"),
-    }
+    m = _common(f)
+    f.check()
+    notes = _rope_notes(cfg)
     if mtype in DEEPSEEK_TYPES:
-        m.update(attention="mla", kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank") or 0,
-                 qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                 v_head_dim=cfg["v_head_dim"])
-        if "moe" in present and "moe" not in drop:
-            m.update(_deepseek_moe(cfg))
+        m.update(_deepseek(f, cfg, moe="moe" in present and "moe" not in drop, notes=notes))
     else:
-        kv = _get(cfg, "num_key_value_heads", default=m["n_heads"])
-        m["attention"] = "mha" if kv == m["n_heads"] else ("mqa" if kv == 1 else "gqa")
-        if m["attention"] == "gqa":
-            m["n_kv_heads"] = kv
-        hd = cfg.get("head_dim")
-        if hd and hd != m["d_model"] // m["n_heads"]:
-            m["head_dim"] = hd
-        partial = cfg.get("partial_rotary_factor")
-        if partial and partial != 1.0:
-            m["qk_rope_head_dim"] = int((hd or m["d_model"] // m["n_heads"]) * partial)
-        if mtype == "qwen2" or (cfg.get("attention_bias") and mtype in ("qwen2",)):
-            m["qkv_bias"] = True
+        m.update(_dense_attention(f, m, mtype))
+    f.check()
     dropped = [n for n in present if n in drop]
+    notes += [f"--drop {n}: imported without {_UNSUPPORTED[n][1]}" for n in dropped]
+    if notes:
+        m["notes"] = notes
     return m, dropped
 
 
-def _deepseek_moe(cfg: dict) -> dict:
+def _common(f: _Fields) -> dict[str, Any]:
+    m = {
+        "d_model": f.integer("hidden_size"),
+        "n_layers": f.integer("num_hidden_layers"),
+        "n_heads": f.integer("num_attention_heads"),
+        "intermediate_size": f.integer("intermediate_size"),
+        "vocab_size": f.integer("vocab_size"),
+        "max_seq_len": f.integer("max_position_embeddings", default=2048),
+        "rope_theta": f.number("rope_theta", default=10000.0),
+        "norm_eps": f.number("rms_norm_eps", "layer_norm_eps", default=1e-6),
+        "tie_embeddings": f.flag("tie_word_embeddings", default=False),
+    }
+    act = f.string("hidden_act", default="silu")
+    dtype = f.string("torch_dtype", "dtype", default="bfloat16")
+    if act is not None and act not in _ACTS:
+        f.problems.append(f"hidden_act {echo(act)} not supported (known: {', '.join(_ACTS)})")
+    elif act is not None:
+        m["ffn"] = _ACTS[act]
+    if dtype is not None and dtype not in _DTYPES:
+        f.problems.append(f"torch_dtype {echo(dtype)} not supported (known: {', '.join(_DTYPES)})")
+    elif dtype is not None:
+        m["dtype"] = _DTYPES[dtype]
+    return m
+
+
+def _rope_notes(cfg: dict) -> list[str]:
+    kind = _rope_kind(cfg)
+    if kind not in FREE_ROPE_SCALINGS:
+        return []
+    rs = cfg["rope_scaling"]
+    detail = ", ".join(f"{k} {echo(rs[k])}" for k in ("factor", "original_max_position_embeddings") if k in rs)
+    return [f"rope_scaling {kind} ({detail}): rescales RoPE frequencies for long contexts; it changes no "
+            "parameter, FLOP or KV-cache figure, and the model here uses plain RoPE"]
+
+
+def _dense_attention(f: _Fields, m: dict, mtype: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    kv = f.integer("num_key_value_heads", default=m["n_heads"])
+    hd = f.integer("head_dim", default=None)
+    partial = f.number("partial_rotary_factor", default=None)
+    if kv is None or m["n_heads"] is None:
+        return out
+    out["attention"] = "mha" if kv == m["n_heads"] else ("mqa" if kv == 1 else "gqa")
+    if out["attention"] == "gqa":
+        out["n_kv_heads"] = kv
+    if hd and m["d_model"] and hd != m["d_model"] // m["n_heads"]:
+        out["head_dim"] = hd
+    if partial is not None and partial != 1.0:
+        out["partial_rotary_factor"] = partial
+    if mtype == "qwen2":
+        out["qkv_bias"] = True
+    return out
+
+
+def _deepseek(f: _Fields, cfg: dict, *, moe: bool, notes: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "attention": "mla", "kv_lora_rank": f.integer("kv_lora_rank"),
+        "q_lora_rank": f.integer("q_lora_rank", default=0, minimum=0),
+        "qk_nope_head_dim": f.integer("qk_nope_head_dim"), "qk_rope_head_dim": f.integer("qk_rope_head_dim"),
+        "v_head_dim": f.integer("v_head_dim")}
+    mtp = f.integer("num_nextn_predict_layers", default=0, minimum=0)
+    if mtp:
+        notes.append(f"num_nextn_predict_layers {mtp}: multi-token prediction is not modelled (each module adds one "
+                     "MoE block and a 2*d_model x d_model projection, sharing the embedding and LM head; used in "
+                     "training and for speculative decoding); the figures are the main model's")
+    if not moe:
+        return out
+    layers, dense = f.integer("num_hidden_layers"), f.integer("first_k_dense_replace", default=0, minimum=0)
+    if layers is not None and dense is not None and dense >= layers:
+        notes.append(f"first_k_dense_replace {dense} >= num_hidden_layers {layers}: every layer is dense (transformers "
+                     "builds no MoE layer), imported as the dense FFN")
+        return out
+    out.update(_deepseek_moe(f, cfg))
+    return out
+
+
+def _deepseek_moe(f: _Fields, cfg: dict) -> dict:
     """The MoE keys of a DeepSeek-V2/V3 config as recipe keys; routing it cannot express is an error."""
-    if cfg.get("moe_layer_freq", 1) != 1:
-        raise RecipeError(f"moe_layer_freq {cfg['moe_layer_freq']}: MoE in every n-th layer is not supported "
+    freq = f.integer("moe_layer_freq", default=1)
+    method = f.string("topk_method", default="greedy")
+    scoring = f.string("scoring_func", default="softmax")
+    readers = {int: lambda k: f.integer(k, default=None, minimum=0), bool: lambda k: f.flag(k, default=None),
+               float: lambda k: f.number(k, default=None)}
+    m = {key: readers[kind](key) for key, kind in _MOE_KEYS.items()}
+    m = {k: v for k, v in m.items() if v is not None}
+    f.check()
+    if freq != 1:
+        raise RecipeError(f"moe_layer_freq {freq}: MoE in every n-th layer is not supported "
                           "(scaletool: every layer after first_k_dense_replace)")
-    method = cfg.get("topk_method", "greedy")
-    scoring = cfg.get("scoring_func", "softmax")
     if method not in _TOPK_METHODS:
-        raise RecipeError(f"topk_method {method!r} not supported (known: {', '.join(_TOPK_METHODS)})")
+        raise RecipeError(f"topk_method {echo(method)} not supported (known: {', '.join(_TOPK_METHODS)})")
     if scoring not in ("softmax", "sigmoid"):
-        raise RecipeError(f"scoring_func {scoring!r} not supported (known: softmax, sigmoid)")
+        raise RecipeError(f"scoring_func {echo(scoring)} not supported (known: softmax, sigmoid)")
     if _TOPK_METHODS[method] not in (None, scoring):
         raise RecipeError(f"topk_method {method} with scoring_func {scoring}: scaletool scores groups as "
                           f"{method} does only with scoring_func {_TOPK_METHODS[method]}")
-    m = {ours: cfg[theirs] for theirs, ours in _MOE_KEYS.items() if cfg.get(theirs) is not None}
     m.update(ffn="moe", scoring_func=scoring)
     if method != "greedy":  # greedy ignores n_group / topk_group
-        m.update(n_group=cfg.get("n_group") or 1, topk_group=cfg.get("topk_group") or 1)
+        m.update(n_group=f.integer("n_group", default=1), topk_group=f.integer("topk_group", default=1))
     return m
+
+
+def read_config(path: str | Path) -> dict:
+    """A config.json as a dict; a missing, special, huge, non-UTF-8 or malformed file is one error line."""
+    p = Path(path)
+    shown = shorten(p)
+    try:
+        if not p.is_file():
+            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
+        with open(p, "rb") as fh:
+            blob = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
+    if len(blob) > MAX_CONFIG_BYTES:
+        raise RecipeError(f"{shown}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
+    try:
+        cfg = json.loads(blob.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{shown}: not UTF-8 text (byte {e.start}); a config.json is UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{shown}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
+        raise RecipeError(f"{shown}: malformed JSON: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(cfg, dict):
+        raise RecipeError(f"{shown}: expected a JSON object, got {type(cfg).__name__}")
+    check_tree(cfg, shown)
+    return cfg
 
 
 def recipe_from_hf(path: str | Path, drop: tuple[str, ...] = ()) -> tuple[dict, list[str]]:
     """Read a config.json and return a validated recipe dict (``model`` section filled) and the drops."""
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"{p}: no such file")
-    try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise RecipeError(f"{p}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    if not isinstance(cfg, dict):
-        raise RecipeError(f"{p}: expected a JSON object")
+    cfg = read_config(path)
+    shown = shorten(path)
     try:
         model, dropped = model_section(cfg, drop)
-    except KeyError as e:
-        raise RecipeError(f"{p}: missing key {e.args[0]!r}") from None
-    raw = {"model": model}
-    recipe = recipe_from_dict(raw, str(p))  # validate now: a bad config fails here, not later
+    except RecipeError as e:
+        raise RecipeError([f"{shown}: {p}" for p in e.problems]) from None
+    recipe = recipe_from_dict({"model": model}, shown)  # validate now: a bad config fails here, not later
     out = {"model": {k: v for k, v in recipe.model.model_dump().items() if k in model}}
     return out, dropped

@@ -10,7 +10,9 @@ import click
 
 from scaletool.fmt import emit_json, stdout_to_stderr  # noqa: F401 (the commands' JSON writer)
 
-recipe_argument = click.argument("recipe", type=click.Path(dir_okay=False, path_type=str))
+# A plain string: config.read_yaml checks the path itself, so a directory or a FIFO gets the same
+# one-line `error:` as every other recipe problem instead of click's usage message.
+recipe_argument = click.argument("recipe", metavar="RECIPE")
 
 set_option = click.option(
     "--set", "overrides", multiple=True, metavar="KEY=VALUE",

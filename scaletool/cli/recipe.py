@@ -1,13 +1,16 @@
 """``scaletool recipe``: check, show and import recipes."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 import yaml
 
-from scaletool.cli.options import emit_json, json_option, recipe_argument, set_option
-from scaletool.config import load_recipe
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.config import SWITCHES, Recipe, RecipeError, load_recipe
+from scaletool.errors import echo, shorten
+from scaletool.results.recipe import RecipeResult
 
 
 @click.group()
@@ -15,50 +18,123 @@ def recipe() -> None:
     """Validate, resolve and import recipes."""
 
 
+def _inactive_lines(r: Recipe) -> list[str]:
+    lines = []
+    for key, value in r.inactive.items():
+        name = key.removeprefix("model.")
+        for switch, kinds in SWITCHES.items():
+            readers = "/".join(k for k, kind in kinds.items() if name in kind.reads)
+            if readers:
+                lines.append(f"inactive: {key} = {echo(value)} (read by {switch}={readers}; this recipe has "
+                             f"{switch}={getattr(r.model, switch)})")
+    return lines
+
+
+def _result(path: str, r: Recipe) -> RecipeResult:
+    return RecipeResult(source=path, recipe=r.to_dict(), inactive=r.inactive, digest=r.digest())
+
+
 @recipe.command("check")
 @recipe_argument
 @set_option
-def check(recipe: str, overrides: tuple[str, ...]) -> None:
-    """Validate RECIPE; print 'ok' or one line per problem (exit 2)."""
-    load_recipe(recipe, overrides)
+def check(recipe: str, overrides: tuple[str, ...]) -> RecipeResult:
+    """Validate RECIPE with every rule train applies before launching; print 'ok' or one line per
+    problem (exit 2). Keys of another attention or FFN type are listed as inactive.
+
+    \b
+    Examples:
+      scaletool recipe check recipes/mla-1b.yaml
+      scaletool recipe check recipes/mla-1b.yaml --set model.attention=mha   # MLA keys become inactive
+    """
+    r = load_recipe(recipe, overrides)
+    problems = r.engine_problems()
+    if problems:
+        raise RecipeError([f"{shorten(recipe)}: {p}" for p in problems])
     click.echo(f"{recipe}: ok")
+    for line in _inactive_lines(r):
+        click.echo(f"  {line}")
+    return deliver(_result(recipe, r))
 
 
 @recipe.command("show")
 @recipe_argument
 @set_option
 @json_option
-def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Print RECIPE with every default and derived field resolved."""
+def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> RecipeResult:
+    """Print RECIPE with every default and derived field resolved.
+
+    Keys given for another attention or FFN type follow as comments (inactive: the recipe holds their
+    defaults). --json prints {recipe, inactive, digest, ...}.
+
+    \b
+    Examples:
+      scaletool recipe show recipes/tiny.yaml --set model.attention=gqa --set model.n_kv_heads=2
+      scaletool recipe show recipes/deepseek-v3.yaml --json
+    """
     r = load_recipe(recipe, overrides)
-    if as_json:
-        emit_json(r.to_dict())
-    else:
-        click.echo(yaml.safe_dump(r.to_dict(), sort_keys=False), nl=False)
+    result = deliver(_result(recipe, r), as_json)
+    if not as_json:
+        text = yaml.safe_dump(r.to_dict(), sort_keys=False, width=100, allow_unicode=True)
+        text += "".join(f"# {line}\n" for line in _inactive_lines(r))
+        click.echo(text, nl=False)
+    return result
+
+
+def _output_path(output: str) -> Path:
+    """Where from-hf may write: checked before anything is imported, so a bad path wastes nothing."""
+    out = Path(output)
+    shown = shorten(output)
+    try:
+        if out.is_dir():
+            raise RecipeError(f"-o {shown}: is a directory; give a file name, e.g. {shown}/recipe.yaml")
+        if not out.parent.is_dir():
+            raise RecipeError(f"-o {shown}: directory {shorten(out.parent)} does not exist")
+        if out.exists() and not out.is_file():
+            raise RecipeError(f"-o {shown}: not a regular file")
+    except OSError as e:  # a name too long for the filesystem, a loop of links
+        raise RecipeError(f"-o {shown}: {e.strerror or e}") from None
+    return out
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write via a temporary file in the same directory and rename: a failure leaves no partial recipe."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise RecipeError(f"-o {shorten(path)}: cannot write: {e.strerror or e}") from None
 
 
 @recipe.command("from-hf")
-@click.argument("config_json", type=click.Path(dir_okay=False, path_type=str))
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), help="Write the recipe here (default stdout).")
+@click.argument("config_json", metavar="CONFIG_JSON")
+@click.option("-o", "--output", metavar="RECIPE", help="Write the recipe here (default stdout).")
 @click.option("--drop", multiple=True, metavar="FEATURE",
-              help="Import anyway without this feature (rope_scaling, mtp, quantization, moe, ...); repeatable.")
-def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> None:
+              help="Import anyway without this feature (sliding_window, quantization, moe, ...); repeatable.")
+def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> dict:
     """Turn a Hugging Face CONFIG_JSON (Llama/Mistral/Qwen2 dense, DeepSeek-V2/V3) into a recipe.
 
-    DeepSeek configs keep their mixture-of-experts FFN and routing. Features the model family lacks
-    (RoPE scaling, V3's MTP module, FP8 weights, ...) are an error naming them, unless passed with
-    --drop; the recipe then records what was dropped in a comment. --drop moe on a DeepSeek config
-    imports its dense twin.
+    DeepSeek configs keep their mixture-of-experts FFN and routing. What changes no figure imports
+    with a note kept in model.notes (RoPE scaling of the llama3, yarn, linear and dynamic kinds;
+    V3's multi-token-prediction module, which the figures leave out). Features that would change the
+    figures (sliding windows, FP8 weights, extra biases, ...) are an error naming them, unless passed
+    with --drop; the notes then record the drop. --drop moe on a DeepSeek config imports its dense twin.
+
+    \b
+    Examples:
+      scaletool recipe from-hf Llama-3.1-8B/config.json -o llama3.1-8b.yaml
+      scaletool recipe from-hf DeepSeek-V3/config.json --drop quantization -o v3.yaml
     """
     from scaletool.hf import recipe_from_hf
 
-    raw, dropped = recipe_from_hf(config_json, tuple(drop))
-    head = f"# Imported from {Path(config_json).name} by `scaletool recipe from-hf`.\n"
-    if dropped:
-        head += f"# Dropped (not modelled): {', '.join(dropped)}\n"
-    text = head + yaml.safe_dump(raw, sort_keys=False)
-    if output:
-        Path(output).write_text(text)
+    out = _output_path(output) if output else None
+    raw, _ = recipe_from_hf(config_json, tuple(drop))
+    text = f"# Imported from {Path(config_json).name} by `scaletool recipe from-hf`.\n"
+    text += yaml.safe_dump(raw, sort_keys=False, width=100, allow_unicode=True)
+    if out is not None:
+        _write_atomically(out, text)
         click.echo(f"wrote {output}", err=True)
     else:
         click.echo(text, nl=False)
+    return raw

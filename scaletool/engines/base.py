@@ -12,7 +12,9 @@ from scaletool.engines.dist import DistEnv
 
 
 def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) -> None:
-    """Problems of a recipe that only show at launch; one RecipeError line each."""
+    """Problems of a recipe that train refuses before building anything, one RecipeError line each: the
+    engine rules ``recipe check`` runs too (:meth:`Recipe.engine_problems`), with the world size now known,
+    and those of the launch itself."""
     p = recipe.parallel
     given = p.model_fields_set
     problems = []
@@ -22,14 +24,7 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
     if local_world_size is not None and "nproc_per_node" in given and p.nproc_per_node != local_world_size:
         problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
                         f"{local_world_size} processes per node; make them agree (or drop the key)")
-    only = {"zero_stage": "deepspeed", "offload_optimizer": "deepspeed", "offload_params": "deepspeed",
-            "deepspeed": "deepspeed", "cpu_offload": "fsdp"}
-    for key, engine in only.items():
-        if key in given and p.engine != engine and getattr(p, key) not in (False, {}):
-            problems.append(f"parallel.{key}: only used by engine={engine}, but parallel.engine={p.engine}")
-    if p.engine == "deepspeed":
-        from scaletool.engines.deepspeed import deepspeed_config
-        problems += deepspeed_config(recipe, world_size)[1]
+    problems += recipe.engine_problems(world_size)
     if problems:
         raise RecipeError(problems)
 

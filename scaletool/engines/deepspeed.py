@@ -4,7 +4,9 @@ The DeepSpeed config is built from the recipe (micro-batch, accumulation, clippi
 ZeRO stage, offload) on top of defaults of our own; ``parallel.deepspeed`` is then merged in
 unchanged. A passthrough key that contradicts a recipe field is reported, one line per key,
 instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
-engine, so a DeepSpeed ``scheduler`` section is a conflict too.
+engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
+:mod:`scaletool.config` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
+runs them; only ``train_batch_size`` waits for the world size.
 
 The optimizer is torch's AdamW (fused on CUDA), handed to DeepSpeed as a client optimizer; with
 ``offload_optimizer`` DeepSpeed's own CPU Adam (declared in the config) runs the step on the CPU.
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
-from scaletool.config import Recipe
+from scaletool.config import Recipe, deepspeed_problems, deepspeed_settings, flatten_dotted
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
@@ -35,17 +37,6 @@ DEFAULTS = {
 }
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def _set(d: dict, dotted: str, value) -> None:
     *parents, leaf = dotted.split(".")
     for p in parents:
@@ -54,53 +45,17 @@ def _set(d: dict, dotted: str, value) -> None:
 
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
-    """(config, problems): the DeepSpeed config for ``recipe`` and one line per passthrough conflict."""
-    t, p, m = recipe.train, recipe.parallel, recipe.model
-    derived: dict[str, tuple[object, str]] = {
-        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (t.grad_accum_steps, "train.grad_accum_steps"),
-        "train_batch_size": (t.micro_batch_size * t.grad_accum_steps * world_size,
-                             "train.micro_batch_size × train.grad_accum_steps × world size"),
-        "gradient_clipping": (t.grad_clip, "train.grad_clip"),
-        "bf16.enabled": (m.dtype == "bf16", "model.dtype"),
-        "fp16.enabled": (m.dtype == "fp16", "model.dtype"),
-        "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
-        "zero_optimization.offload_optimizer.device": ("cpu" if p.offload_optimizer else "none",
-                                                       "parallel.offload_optimizer"),
-    }
-    if p.zero_stage == 3:
-        derived["zero_optimization.offload_param.device"] = ("cpu" if p.offload_params else "none",
-                                                             "parallel.offload_params")
-    if p.offload_optimizer:
-        derived.update({
-            "optimizer.type": ("AdamW", "the AdamW of train.*"),
-            "optimizer.params.lr": (t.lr, "train.lr"),
-            "optimizer.params.betas": ([t.beta1, t.beta2], "train.beta1/beta2"),
-            "optimizer.params.weight_decay": (t.weight_decay, "train.weight_decay"),
-        })
-    problems = []
-    if p.offload_params and p.zero_stage != 3:
-        problems.append(f"parallel.offload_params: needs parallel.zero_stage=3 (got {p.zero_stage})")
-    if p.offload_optimizer and p.zero_stage == 0:
-        problems.append("parallel.offload_optimizer: needs parallel.zero_stage >= 1")
+    """(config, problems): the DeepSpeed config for ``recipe`` and one line per passthrough conflict
+    (:func:`scaletool.config.deepspeed_problems`; a validated recipe can only still conflict on
+    ``train_batch_size``, which needs the world size)."""
+    derived = deepspeed_settings(recipe, world_size)
     config = copy.deepcopy(DEFAULTS)
     for key, (value, _) in derived.items():
         _set(config, key, value)
-    passthrough = dict(p.deepspeed)
-    if passthrough.pop("scheduler", None) is not None:
-        problems.append("parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr, "
-                        "train.warmup_steps and train.min_lr_ratio; remove it")
-    if "optimizer" in passthrough and not p.offload_optimizer:
-        passthrough.pop("optimizer")
-        problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
-                        "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
-    for key, value in _flatten(passthrough).items():
-        if key in derived and derived[key][0] != value:
-            problems.append(f"parallel.deepspeed.{key}={value!r} conflicts with {derived[key][1]} "
-                            f"(= {derived[key][0]!r}); set it in one place")
-            continue
-        _set(config, key, value)
-    return config, problems
+    for key, value in flatten_dotted(recipe.parallel.deepspeed).items():
+        if key not in derived or derived[key][0] == value:
+            _set(config, key, value)
+    return config, deepspeed_problems(recipe, world_size)
 
 
 class DeepSpeedEngine(Engine):

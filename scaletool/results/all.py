@@ -1,5 +1,6 @@
 """Imports every result module so that each registers its kinds (see :func:`scaletool.results.registered`)."""
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
+import scaletool.results.recipe  # noqa: F401
 import scaletool.results.report  # noqa: F401
 import scaletool.results.sweep  # noqa: F401

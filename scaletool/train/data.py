@@ -23,6 +23,7 @@ Sources (``data.source``):
 from __future__ import annotations
 
 import math
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -203,8 +204,35 @@ def make_source(recipe: Recipe, rank: int, world_size: int) -> Source:
             raise RecipeError(f"model.vocab_size: {m.vocab_size} is too small for the byte-level tokenizer "
                               f"of data.source=text (needs >= {tok.vocab_size}: 256 bytes + specials)")
         return TokenWindows(recipe, rank, world_size, _text_tokens(p, tok), str(p))
-    item = np.dtype(d.token_dtype).itemsize
-    if p.is_dir() or p.stat().st_size % item or p.stat().st_size == 0:
-        raise RecipeError(f"data.path: {p} is not a flat {d.token_dtype} token file "
-                          f"(size {p.stat().st_size} bytes is not a multiple of {item})")
-    return TokenWindows(recipe, rank, world_size, np.memmap(p, dtype=d.token_dtype, mode="r"), str(p))
+    return TokenWindows(recipe, rank, world_size, token_file(p, d.token_dtype), str(p))
+
+
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def token_file(path: Path, dtype: str) -> np.memmap:
+    """``path`` memory-mapped as a flat array of ``dtype`` token ids. Anything else (a directory, a
+    device such as /dev/zero, a FIFO, an empty file, a size that is no whole number of ids, a file that
+    cannot be read) is one RecipeError naming what is wrong, checked before the file is opened."""
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise RecipeError(f"data.path: {path}: cannot read: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise RecipeError(f"data.path: {path} is a directory; data.source=tokens reads one flat file of token ids "
+                          "(data.source=text reads a directory of *.txt)")
+    kind = next((what for test, what in _NOT_REGULAR if test(st.st_mode)), None)
+    if kind is not None:
+        raise RecipeError(f"data.path: {path} is {kind}, not a regular file; data.source=tokens memory-maps a flat "
+                          "file of token ids")
+    item = np.dtype(dtype).itemsize
+    if st.st_size == 0:
+        raise RecipeError(f"data.path: {path} is empty; data.source=tokens needs a flat file of {dtype} token ids")
+    if st.st_size % item:
+        raise RecipeError(f"data.path: {path} holds {st.st_size} bytes, not a whole number of {item}-byte {dtype} "
+                          "token ids; is data.token_dtype right?")
+    try:
+        return np.memmap(path, dtype=dtype, mode="r")
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"data.path: {path}: cannot read: {getattr(e, 'strerror', None) or e}") from None

@@ -213,7 +213,6 @@ def test_trains_on_cpu():
     ({"n_group": 4, "topk_group": 5}, "model.topk_group: 5 is more than n_group=4"),
     ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "does not fit in topk_group=1 groups of 2 experts"),
     ({"bias_update_speed": 0.001}, "model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid"),
-    ({"ffn": "swiglu"}, "model.n_routed_experts: only used by ffn=moe (ffn=swiglu)"),
 ])
 def test_validation_lines(extra, message):
     with pytest.raises(RecipeError) as e:

@@ -41,16 +41,18 @@ def test_grid_times_zip_expands_in_order_and_skips_invalid_combinations(write_sw
         {"model.attention": "mha", "train.seed": 1, "model.kv_lora_rank": 0, "model.intermediate_size": 128},
         {"model.attention": "mha", "train.seed": 1, "model.kv_lora_rank": 0, "model.intermediate_size": 256}]
     skipped = {p.label: p.reason for p in points if p.skipped}
-    # mha with a latent rank, mla without one: both invalid, both kept with the validator's reason
-    assert set(skipped) == {"attention=mha seed=1 kv_lora_rank=16 intermediate_size=128",
-                            "attention=mha seed=1 kv_lora_rank=16 intermediate_size=256",
-                            "attention=mla seed=2 kv_lora_rank=0 intermediate_size=128",
+    # mla without a latent rank is invalid, kept with the validator's reason
+    assert set(skipped) == {"attention=mla seed=2 kv_lora_rank=0 intermediate_size=128",
                             "attention=mla seed=2 kv_lora_rank=0 intermediate_size=256"}
     assert all("kv_lora_rank" in why for why in skipped.values())
     ok = [p for p in points if not p.skipped]
-    assert [p.recipe.model.intermediate_size for p in ok] == [128, 256, 128, 256]
-    assert len({p.point_id for p in points}) == len(points)
-    assert len({p.key(m, []) for p in ok for m in ("estimate", "count")}) == 2 * len(ok)
+    assert [p.recipe.model.intermediate_size for p in ok] == [128, 256, 128, 256, 128, 256]
+    # mha with a latent rank: the key is inactive, so the point is the same recipe as mha without one
+    assert [p.recipe.inactive for p in ok[:4]] == [{}, {}, {"model.kv_lora_rank": 16}, {"model.kv_lora_rank": 16}]
+    assert [p.point_id for p in ok[:2]] == [p.point_id for p in ok[2:4]]
+    distinct = ok[:2] + ok[4:]
+    assert len({p.point_id for p in distinct + [p for p in points if p.skipped]}) == 6
+    assert len({p.key(m, []) for p in distinct for m in ("estimate", "count")}) == 2 * len(distinct)
 
 
 def test_zip_as_point_list_and_stable_keys(write_sweep):
@@ -128,15 +130,15 @@ def test_match_params_unreachable_target_skips_the_point(write_sweep):
 
 
 def test_dry_run_lists_points_as_json(write_sweep, tmp_path):
-    path = write_sweep({"set": AS_MHA, "zip": [{"model.attention": "mha"}, {"model.kv_lora_rank": 8}],
+    path = write_sweep({"set": AS_MHA, "zip": [{"model.attention": "mha"}, {"model.attention": "gqa"}],
                         "modes": ["estimate", "count"]})
     res = CliRunner().invoke(main, ["sweep", str(path), "--dry-run", "--json", "-o", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     runs = json.loads(res.output)["runs"]
     assert [(r["label"], r["mode"], r["state"], r["will_run"]) for r in runs] == [
         ("attention=mha", "estimate", "pending", True), ("attention=mha", "count", "pending", True),
-        ("kv_lora_rank=8", "estimate", "skipped", False), ("kv_lora_rank=8", "count", "skipped", False)]
-    assert "only used by attention=mla" in runs[2]["reason"]
+        ("attention=gqa", "estimate", "skipped", False), ("attention=gqa", "count", "skipped", False)]
+    assert "n_kv_heads: required for attention=gqa" in runs[2]["reason"]
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 
 
