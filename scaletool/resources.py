@@ -19,7 +19,7 @@ import importlib.resources
 import re
 from pathlib import Path
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, shorten
 
 RECIPE, SWEEP = "recipe", "sweep"
 # A sweep file names its base recipe at the top level; a model recipe has only sections (model, train, ...).
@@ -67,15 +67,18 @@ def find_recipe(arg: str | Path, kind: str = RECIPE) -> Path:
     A shipped file of the other kind is returned too (its loader then says what it is); a name that is
     neither gives one line with the closest shipped name and all of them."""
     path = Path(arg)
-    if path.exists():
-        return path
+    try:
+        if path.exists():
+            return path
+    except OSError as e:  # a name too long for the filesystem, say
+        raise RecipeError(f"{shorten(arg)}: {e.strerror or e}") from None
     name = _shipped_name(str(arg))
     if name is None:
-        raise RecipeError(f"{arg}: no such file")
+        raise RecipeError(f"{shorten(arg)}: no such file")
     other = SWEEP if kind == RECIPE else RECIPE
     mine, theirs = shipped(kind), shipped(other)
     if name in mine or name in theirs:
         return mine.get(name) or theirs[name]
     close = difflib.get_close_matches(name, [*mine, *theirs], n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
-    raise RecipeError(f"{arg}: no such file, nor a shipped {kind}; {hint}shipped {kind}s: {', '.join(mine)}")
+    raise RecipeError(f"{shorten(arg)}: no such file, nor a shipped {kind}; {hint}shipped {kind}s: {', '.join(mine)}")

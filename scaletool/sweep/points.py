@@ -99,15 +99,29 @@ def expand(sweep: Sweep) -> list[Point]:
 
 
 def _refuse_duplicates(points: list[Point]) -> None:
-    """Two points that resolve to the same recipe would share results and one report row: an error
-    naming both (``128`` and ``128.0``, a value equal to the default it replaces, a solved key)."""
+    """Two points that resolve to the same recipe would share results and one report row.
+
+    Where they differ only in keys the recipe leaves inactive (``kv_lora_rank`` of an MHA point, a MoE key
+    of a dense FFN), the later point is kept as skipped, its reason naming the point it repeats and the
+    inactive keys, so the sweep and the report say so. Any other collision (``128`` and ``128.0``, a value
+    equal to the default it replaces, a solved key) is an error naming both points.
+    """
     first: dict[str, Point] = {}
     problems = []
-    for p in points:
+    for i, p in enumerate(points):
         other = first.setdefault(p.point_id, p)
-        if other is not p:
-            problems.append(f"points {other.index} ({_short(other.label)}) and {p.index} ({_short(p.label)}) resolve "
-                            "to the same recipe; drop one of the values")
+        if other is p:
+            continue
+        differ = {k for k in {**other.values, **p.values} if other.values.get(k) != p.values.get(k)}
+        inactive = set(p.recipe.inactive) | set(other.recipe.inactive)
+        if differ and differ <= inactive:
+            why = ", ".join(sorted(differ))
+            points[i] = Point(p.index, p.values, p.label, None, p.raw, match_params=p.match_params,
+                              reason=f"same recipe as point {other.index} ({_short(other.label)}): {why} inactive "
+                                     f"for attention={p.recipe.model.attention}, ffn={p.recipe.model.ffn}")
+            continue
+        problems.append(f"points {other.index} ({_short(other.label)}) and {p.index} ({_short(p.label)}) resolve "
+                        "to the same recipe; drop one of the values")
     if problems:
         raise RecipeError(problems)
 

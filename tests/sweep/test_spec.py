@@ -41,18 +41,26 @@ def test_grid_times_zip_expands_in_order_and_skips_invalid_combinations(write_sw
         {"model.attention": "mha", "train.seed": 1, "model.kv_lora_rank": 0, "model.intermediate_size": 128},
         {"model.attention": "mha", "train.seed": 1, "model.kv_lora_rank": 0, "model.intermediate_size": 256}]
     skipped = {p.label: p.reason for p in points if p.skipped}
-    # mla without a latent rank is invalid, kept with the validator's reason
+    # mla without a latent rank is invalid, kept with the validator's reason; mha with a latent rank is the
+    # same recipe as mha without one (the key is inactive): kept as skipped, naming the point it repeats
     assert set(skipped) == {"attention=mla seed=2 kv_lora_rank=0 intermediate_size=128",
-                            "attention=mla seed=2 kv_lora_rank=0 intermediate_size=256"}
+                            "attention=mla seed=2 kv_lora_rank=0 intermediate_size=256",
+                            "attention=mha seed=1 kv_lora_rank=16 intermediate_size=128",
+                            "attention=mha seed=1 kv_lora_rank=16 intermediate_size=256"}
+    assert skipped["attention=mha seed=1 kv_lora_rank=16 intermediate_size=128"].startswith(
+        "same recipe as point 0 (attention=mha seed=1 kv_lora_rank=0 intermediate_size=128): model.kv_lora_rank inactive")
     assert all("kv_lora_rank" in why for why in skipped.values())
     ok = [p for p in points if not p.skipped]
-    assert [p.recipe.model.intermediate_size for p in ok] == [128, 256, 128, 256, 128, 256]
-    # mha with a latent rank: the key is inactive, so the point is the same recipe as mha without one
-    assert [p.recipe.inactive for p in ok[:4]] == [{}, {}, {"model.kv_lora_rank": 16}, {"model.kv_lora_rank": 16}]
-    assert [p.point_id for p in ok[:2]] == [p.point_id for p in ok[2:4]]
-    distinct = ok[:2] + ok[4:]
-    assert len({p.point_id for p in distinct + [p for p in points if p.skipped]}) == 6
-    assert len({p.key(m, []) for p in distinct for m in ("estimate", "count")}) == 2 * len(distinct)
+    assert [p.recipe.model.intermediate_size for p in ok] == [128, 256, 128, 256]
+    assert len({p.point_id for p in points}) == 8
+    assert len({p.key(m, []) for p in ok for m in ("estimate", "count")}) == 2 * len(ok)
+
+
+def test_points_that_collide_beyond_inactive_keys_are_an_error(write_sweep):
+    with pytest.raises(RecipeError, match=r"points 0 \(intermediate_size=128\) and 1 \(intermediate_size=128.0\) "
+                                          "resolve to the same recipe"):
+        expand(load_sweep(write_sweep({"set": AS_MHA, "grid": {"model.intermediate_size": [128, 128.0]},
+                                       "modes": ["estimate"]})))
 
 
 def test_zip_as_point_list_and_stable_keys(write_sweep):
@@ -208,7 +216,7 @@ def test_the_dry_run_table_fits_the_terminal(write_sweep):
         print_plan(sweep_plan(path), con)
         text = con.export_text()
         assert max(len(line) for line in text.splitlines()) <= width
-        assert "…" not in text and "only" in text  # long cells fold; nothing is cut off
+        assert "…" not in text and "64-bit" in text  # long cells fold; nothing is cut off
 
 
 def test_each_mode_runs_its_command_with_a_result_file_and_its_gpu_needs(write_sweep, tmp_path):
