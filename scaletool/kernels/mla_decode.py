@@ -14,8 +14,10 @@ Two implementations, selected by ``kernel``:
 - ``triton``: a fused split-KV kernel (flash-decoding, as FlashMLA does for DeepSeek): each program
   loads a tile of c_kv and k_pe once, scores all heads of one sequence against it (the heads share
   the latent, so one tile serves 16 of them), keeps an online softmax and accumulates the weighted
-  latents; a small torch reduction then merges the splits by their log-sum-exp. The cache is read
-  once per step, which is what makes the step run near HBM bandwidth.
+  latents; a second small kernel merges the splits by their log-sum-exp (one launch: the plain
+  torch merge, :func:`merge_splits`, kept as its reference, is eight launches, which cost ~30 µs a
+  layer, as much as the attention itself at 4K context and batch 1). The cache is read once per
+  step, which is what makes the step run near HBM bandwidth.
 
 ``auto`` takes Triton on CUDA for 16-bit caches whose latent and RoPE widths are powers of two
 (``tl.arange`` and ``tl.dot`` need them, ≥ 16), else the reference. Triton is imported lazily and
@@ -105,43 +107,59 @@ class KernelConfig:
 
     ``block_s``: cached positions per loop iteration (one tile of block_s × (C + R) is loaded per
     iteration); ``num_warps``, ``num_stages``: Triton's warps per program and software-pipelining
-    depth (tiles in flight); ``programs_per_sm``: the split-KV target, splits are added until
-    B · splits · head_blocks reaches this many programs per SM; ``min_split``: no split shorter
-    than this many positions (each split costs a query load and a (H, C) fp32 partial written and
-    merged, about 5% of a 1,024-position split's cache bytes at C = 512).
+    depth (tiles in flight); ``programs_per_sm``: the split-KV target, the sequence is split into
+    as many pieces as fit B · splits · head_blocks within this many programs per SM (never past it:
+    a second, mostly empty wave costs more than the splits gain); ``n_splits``: a fixed split count
+    instead (what a benchmark sweeps); ``min_split``, ``max_splits``: no split shorter than
+    ``min_split`` positions and no more than ``max_splits`` of them (each split costs a query load
+    and an (H, C) fp32 partial written and merged: 32 KB at H = 16, C = 512, against 73 KB of cache
+    in a 64-position split, so short splits pay only where the batch is too small to fill the card
+    and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
     """
 
     block_s: int = 64
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
-    programs_per_sm: float = 4.0
-    min_split: int = 256
+    programs_per_sm: float = 2.0
+    min_split: int = 64
+    max_splits: int = 128
+    n_splits: int | None = None
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
         """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs."""
-        want = _cdiv(int(self.programs_per_sm * sms), B * _cdiv(H, _BLOCK_H))
-        n = max(1, min(want, S // self.min_split))
+        want = self.n_splits or int(self.programs_per_sm * sms) // (B * _cdiv(H, _BLOCK_H))
+        n = max(1, min(want, self.max_splits, S // self.min_split))
         # split lengths are whole tiles so no split but the last is ragged and none is empty
         split_len = _cdiv(_cdiv(S, n), self.block_s) * self.block_s
         return _cdiv(S, split_len), split_len
 
 
 def choose_config(B: int, H: int, S: int, device: torch.device) -> KernelConfig:
-    """The launch shape for a (B, H, S) call on ``device``; the defaults' reasoning, for H100 and H200.
+    """The launch shape for a (B, H, S) call on ``device``: one shape whose split count follows (B, S).
 
-    Both cards have 132 SMs with 228 KB of shared memory each and differ in bandwidth (H100 SXM
-    3.35 TB/s, H200 4.8 TB/s), so the same tiles serve both; the H200 needs about 1.4× more bytes in
-    flight (Little's law at ~0.7 µs DRAM latency: ~2.3 MB on H100, ~3.4 MB on H200, i.e. 18-26 KB per
-    SM), which a 64-position tile (64 × 576 × 2 B = 72 KB) covers with one program per SM already.
-    The kernel is not purely memory-bound: per cached token it does 2 × 16 heads × 512 × 2 ≈ 33 kFLOP
-    of mma.sync work (M = 16 rows: Triton uses wgmma only from M = 64) against 1,152 bytes, ~29 FLOP
-    per byte, so at 4.8 TB/s it needs ~140 TFLOP/s of dense bf16 and the issue rate of the warps
-    matters: 8 warps spread the (16 × 512) fp32 accumulator at 32 registers per thread and keep
-    every SM sub-partition issuing, where 4 warps leave one per sub-partition. Two pipeline stages
-    (2 × 72 KB) fit beside that; three would leave no room for a second program per SM.
-    Short contexts at small batch give few programs, so the sequence is split until there are about
-    4 programs per SM (the tail wave then costs < 25%), but no split shorter than 256 positions.
-    ``recipes/benchmarks/decode_bandwidth.py`` measures these choices against the alternatives.
+    Both target cards have 132 SMs with 228 KB of shared memory each and differ in bandwidth (H100
+    SXM 3.35 TB/s, H200 4.8 TB/s), so one choice serves both. The kernel is not purely memory-bound:
+    per cached token it does 2 × 16 heads × 512 × 2 ≈ 33 kFLOP of mma.sync work (M = 16 rows:
+    Triton uses wgmma only from M = 64) against 1,152 bytes. Measured with
+    ``recipes/benchmarks/decode_bandwidth.py`` on an H100 (2026-11-26, torch 2.11, Triton 3.6, one
+    layer of mla-1b; TB/s of cache read, datasheet 3.35, device copy 3.01):
+
+    - 4 warps, 64-position tiles, 2 stages: 3.02 TB/s (90% of the datasheet, the copy's rate) at 32K ×
+      128 and 2.49 at 4K × 128; 8 warps lose 5-30% at every batch >= 8; 32-position tiles and a
+      third stage are within 2%.
+    - Splits fill two programs per SM once and no more: the rate follows how evenly the programs
+      fill whole waves of two per SM. On an H200 at 32K × 32, 8 splits (256 programs) read 4.04 TB/s,
+      5 (160) 3.30, 6 (192) 3.71, 12 (384) 3.40, 17 (544) 3.78; at 32K × 128, 2 splits 4.37 TB/s
+      (91%, the device copy reads 4.25) and 1 split 3.12. The H100 agrees where measured (32K × 8: 32 splits 2.38 TB/s, 17 2.29;
+      × 128: 2 splits 3.02). The earlier target of 4 programs per SM, rounded up, gave 2.80 instead of
+      3.02 at 32K × 128 on the H100; with the per-shape choice and the fused merge, mla-1b's whole
+      decode step at 32K reads at 85% (H100, batch 130) and 82% (H200, batch 232) of the datasheet.
+    - Splits down to 64 positions, at most 128: at batch 1 and 4K, 64 splits of 64 take 19 µs against
+      83 µs for 16 of 256 (latency, not bytes); 128 is the most measured (32K × 1: 1.0 TB/s).
+
+    The H100 run in issue 16 (49% at 32K) predates this. Its autotuner, keyed on the latent width alone,
+    kept whichever config won at the first (4K warm-up) shape; dropping it for a fixed shape already
+    gave 77% on an H100, so that choice was most likely the cause.
     """
     return KernelConfig()
 
@@ -157,7 +175,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     """The fused split-KV kernel; same contract as :func:`latent_attention_reference`.
 
     With ``lengths`` the grid is sized for the full S (static under a CUDA graph) and programs
-    whose split starts past a sequence's length return at once. No host synchronisation.
+    whose split starts past a sequence's length read no cache. No host synchronisation.
     """
     if triton is None:
         raise RuntimeError("the Triton MLA decode kernel needs the triton package")
@@ -180,12 +198,28 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return merge_splits(o_part, lse_part).to(q_lat.dtype)
+    return merge_splits_triton(o_part, lse_part, q_lat.dtype)
+
+
+def merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`merge_splits` in one launch, written in ``dtype``: programs over (B, H, C / 128)."""
+    B, n_splits, H, C = o_part.shape
+    out = torch.empty(B, H, C, device=o_part.device, dtype=dtype)
+    block_c = min(_MERGE_BLOCK_C, C)
+    _merge_kernel[(B, H, C // block_c)](
+        o_part, lse_part, out, n_splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        BLOCK_C=block_c, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=4)
+    return out
+
+
+_MERGE_BLOCK_C = 128  # latent channels per merge program: B·H·C/128 programs, enough at batch 1
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
     """Combine per-split outputs (B, splits, H, C), each softmax-normalised over its own keys, by
-    their log2-sum-exp (B, splits, H); an empty split carries lse = -inf and weighs nothing."""
+    their log2-sum-exp (B, splits, H); an empty split carries lse = -inf and weighs nothing.
+    The reference for the fused merge kernel."""
     w = torch.exp2(lse_part - lse_part.amax(1, keepdim=True))  # (B, splits, H); split 0 is never empty
     return (o_part * w[..., None]).sum(1) / w.sum(1)[..., None]  # (B, H, C)
 
@@ -234,3 +268,23 @@ if triton is not None:
         tl.store(out_ptr, acc / tl.where(filled, l_i, 1.0)[:, None], mask=h_ok[:, None])
         lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
+
+    @triton.jit
+    def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,
+                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h, cb = tl.program_id(1), tl.program_id(2)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        all_s = tl.arange(0, BLOCK_SPLITS)
+        lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=all_s < n_splits, other=float("-inf"))
+        m = tl.max(lse, 0)  # finite: split 0 holds position 0
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for s0 in range(0, n_splits, SPLIT_CHUNK):
+            offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
+            ok = offs_s < n_splits
+            w = tl.exp2(tl.load(lse_part + b * s_lb + offs_s * s_ls + h, mask=ok, other=float("-inf")) - m)
+            o = tl.load(o_part + b * s_ob + offs_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=ok[:, None],
+                        other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+        tl.store(out + b * s_yb + h * s_yh + offs_c, (acc / denom).to(out.dtype.element_ty))

@@ -91,3 +91,14 @@ def test_triton_kernel_reads_device_lengths(cfg):
                                               lengths=lengths)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,splits,C", [(1, 1, 512), (3, 37, 512), (2, 600, 64)])
+def test_fused_merge_equals_the_torch_merge(B, splits, C):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    o_part = torch.randn(B, splits, 16, C, generator=g, device="cuda")
+    lse = torch.randn(B, splits, 16, generator=g, device="cuda") * 4
+    lse[:, splits // 2 + 1:] = float("-inf")  # trailing splits past the sequence's length
+    out = kernels.merge_splits_triton(o_part, lse, torch.bfloat16)
+    torch.testing.assert_close(out.float(), kernels.merge_splits(o_part, lse), atol=2e-2, rtol=2e-2)
