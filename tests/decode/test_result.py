@@ -9,7 +9,9 @@ from conftest import ROOT
 from scaletool.results import ResultLoadError, load_result
 from scaletool.results.decode import DecodeResult
 
-OLD = sorted((ROOT / "recipes" / "benchmarks" / "results").glob("decode-h200-*.json"))
+RESULTS = ROOT / "recipes" / "benchmarks" / "results"
+OLD = [RESULTS / f"decode-h200-{name}.json" for name in ("mha-1b", "mla-1b", "mla-1b-torch", "mla-1b-naive")]
+NEW = sorted(p for p in RESULTS.glob("decode-h[12]00-*-1b-*.json") if p not in OLD)
 
 
 def _fixture_decode_results():
@@ -26,6 +28,12 @@ def test_the_committed_h200_benchmark_results_load(path):
     assert res.device.name.startswith("NVIDIA H200") and res.timing.rule.startswith("schema 1")
     for p, raw in zip(res.points, old["points"]):
         assert p.decode_tokens_per_s == raw.get("decode_tokens_per_s") and p.decode_step_s is None
+
+
+@pytest.mark.parametrize("path", NEW, ids=[p.name for p in NEW])
+def test_the_committed_typed_results_load_as_they_are(path):
+    res = load_result(json.loads(path.read_text()), str(path))
+    assert isinstance(res, DecodeResult) and res.points and all(p.decode_step_s.n >= 3 for p in res.points)
 
 
 def test_sweep_fixture_results_load_and_round_trip():
