@@ -115,3 +115,18 @@ def test_mode_not_the_cache_picks_the_algorithm():
         model.step(tokens, 0, latent, DecodeMode("naive"))
     with pytest.raises(ValueError, match="kernel must be one of"):
         DecodeMode("absorbed", "cuda")
+
+
+def test_trust_checkpoint_reaches_a_loader_that_takes_it(monkeypatch):
+    import scaletool.train.checkpoint as ckpt
+
+    seen = {}
+
+    def loader(path, model, trust_checkpoint=False):
+        seen.update(path=path, trust=trust_checkpoint)
+        return model
+
+    monkeypatch.setattr(ckpt, "load_model_weights", loader)
+    r = load_recipe(RECIPES / "tiny.yaml")
+    model = api._decode_model(r, torch.device("cpu"), 0, "some/dir", True)
+    assert seen == {"path": "some/dir", "trust": True} and not model.training
