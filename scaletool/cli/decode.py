@@ -61,7 +61,7 @@ class _Contexts(click.ParamType):
 @click.command()
 @recipe_argument
 @set_option
-@click.option("--batch", "batches", type=_Batches(), default="1", show_default=True,
+@click.option("--batch", "batches", type=_Batches(), default="1", show_default=True, metavar="B[,B2,...]|max",
               help="Sequences decoded together, comma-separated; 'max': the largest batch whose weights + KV cache "
                    "fit --memory-budget at each context (analytic fit). '1,max' measures both.")
 @click.option("--context", "contexts", type=_Contexts(), default=None,
@@ -86,7 +86,7 @@ class _Contexts(click.ParamType):
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
               help="Weights from a `scaletool train` checkpoint directory (default: random, seeded).")
 @click.option("--trust-checkpoint", is_flag=True,
-              help="Allow checkpoint formats that can only be read by unpickling (DeepSpeed ZeRO files): "
+              help="Allow checkpoint formats that can only be read by unpickling (DeepSpeed ZeRO-3 partitions): "
                    "unpickling runs code, so only for checkpoints you made.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random weights and the prompt.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=4096, show_default=True,
