@@ -37,9 +37,9 @@ class DecodePoint(_Part):
     kv_cache_bytes_measured: int | None = None
     kv_cache_bytes_allocator: int | None = None
     kv_cache_rel_error: float | None = None
-    prefill_s: Spread | None = None  # seconds per prefill of the whole prompt
+    prefill_s: Spread | None = None  # seconds per prefill of ONE prompt of `context` tokens (rows 1.. are copies)
     prefill_runs_excluded: int | None = None
-    prefill_tokens_per_s: float | None = None  # context / median prefill
+    prefill_tokens_per_s: float | None = None  # context / median prefill (not batch × context)
     decode_step_s: Spread | None = None  # seconds per decode step of the whole batch
     warmup_steps_excluded: int | None = None
     decode_tokens_per_s: float | None = None  # batch / median step
@@ -86,22 +86,27 @@ class MemoryFit(_Part):
 
 @register
 class DecodeResult(Result):
-    """The decode benchmark of one recipe on one device."""
+    """The decode benchmark of one recipe on one device.
+
+    ``scaletool decode`` fills every field; those describing the run (attention, dtype, settings,
+    weights, kv_cache, timing) default to empty so that partial documents (hand-written, or another
+    tool's) still load and are read for their points.
+    """
 
     SCHEMA_VERSION: ClassVar[int] = 2
     kind: Literal["decode"] = "decode"
     schema_version: int = 2
-    attention: str
-    mla_mode: str | None = None
-    device: DecodeDevice
-    dtype: str
-    settings: dict[str, Any]
-    weights_bytes: int
-    weights_bytes_read_per_step: int
-    kv_cache: dict[str, Any]  # scaletool estimate's kv_cache section
     points: list[DecodePoint]
+    device: DecodeDevice
+    attention: str | None = None
+    mla_mode: str | None = None
+    dtype: str | None = None
+    settings: dict[str, Any] = {}
+    weights_bytes: int | None = None
+    weights_bytes_read_per_step: int | None = None
+    kv_cache: dict[str, Any] = {}  # scaletool estimate's kv_cache section
     memory_fit: MemoryFit | None = None
-    timing: DecodeTiming
+    timing: DecodeTiming | None = None
     recipe: str | None = None
     checkpoint: str | None = None
     cuda_graph: bool = False  # decode steps replayed from a CUDA graph

@@ -45,6 +45,14 @@ def test_sweep_fixture_results_load_and_round_trip():
         assert again == res and again.points[0].prefill_tokens_per_s == old["points"][0]["prefill_tokens_per_s"]
 
 
+def test_a_partial_document_loads_for_its_points():
+    doc = {"kind": "decode", "device": {"type": "cuda", "name": "x"},
+           "points": [{"attention": "mla", "batch": 8, "context": 1024,
+                       "decode_step_s": {"median": 0.002, "p10": 0.0019, "p90": 0.0022, "n": 12}}]}
+    res = load_result(doc)
+    assert res.points[0].decode_step_s.n == 12 and res.attention is None and res.timing.rule.startswith("schema 1")
+
+
 def test_a_newer_or_broken_document_is_refused_with_a_line():
     with pytest.raises(ResultLoadError, match="newer scaletool"):
         load_result({"kind": "decode", "schema_version": 99})
