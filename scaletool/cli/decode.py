@@ -1,27 +1,44 @@
-"""``scaletool decode``: prefill and decode a recipe's model; KV cache, speed and bandwidth, measured."""
+"""``scaletool decode``: prefill and decode a recipe's model; KV cache, speed and bandwidth, measured.
+
+Parses options and calls :func:`scaletool.api.decode`; torch is imported only when the command runs.
+"""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import click
+from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
-from scaletool.config import load_recipe
 from scaletool.fmt import gib, pct, si
+from scaletool.stats import MIN_SAMPLES
 
 
-class _Batch(click.ParamType):
-    name = "B|max"
+def _token_count(p: str) -> int | None:
+    mult = 1024 if p.endswith("k") else 1
+    digits = p[:-1] if mult > 1 else p
+    return int(digits) * mult if digits.isdigit() and int(digits) > 0 else None
+
+
+class _Batches(click.ParamType):
+    name = "B[,B2,...]|max"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value is None:
+        if isinstance(value, tuple):
             return value
-        if value == "max":
-            return None
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-        self.fail(f"{value!r} is neither a positive integer nor 'max'", param, ctx)
+        out = []
+        for p in (p.strip().lower() for p in str(value).split(",") if p.strip()):
+            if p == "max":
+                out.append("max")
+            elif p.isdigit() and int(p) > 0:
+                out.append(int(p))
+            else:
+                self.fail(f"{p!r} is neither a positive integer nor 'max'", param, ctx)
+        if not out:
+            self.fail("give at least one batch size", param, ctx)
+        return tuple(out)
 
 
 class _Contexts(click.ParamType):
@@ -30,14 +47,12 @@ class _Contexts(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        parts = [p.strip().lower() for p in str(value).split(",") if p.strip()]
         out = []
-        for p in parts:
-            mult = 1024 if p.endswith("k") else 1
-            digits = p[:-1] if mult > 1 else p
-            if not digits.isdigit() or int(digits) == 0:
+        for p in (p.strip().lower() for p in str(value).split(",") if p.strip()):
+            n = _token_count(p)
+            if n is None:
                 self.fail(f"{p!r} is not a positive token count (e.g. 4096 or 32k)", param, ctx)
-            out.append(int(digits) * mult)
+            out.append(n)
         if not out:
             self.fail("give at least one context length", param, ctx)
         return tuple(out)
@@ -46,15 +61,16 @@ class _Contexts(click.ParamType):
 @click.command()
 @recipe_argument
 @set_option
-@click.option("--batch", type=_Batch(), default="1", show_default=True,
-              help="Sequences decoded together; 'max': the largest batch whose weights + KV cache fit "
-                   "--memory-budget at each context (analytic fit).")
+@click.option("--batch", "batches", type=_Batches(), default="1", show_default=True, metavar="B[,B2,...]|max",
+              help="Sequences decoded together, comma-separated; 'max': the largest batch whose weights + KV cache "
+                   "fit --memory-budget at each context (analytic fit). '1,max' measures both.")
 @click.option("--context", "contexts", type=_Contexts(), default=None,
               help="Prompt lengths to measure, comma-separated (4096,32k). Default: model.max_seq_len. "
                    "Longer than max_seq_len extends the RoPE tables for decoding (plain extrapolation).")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Decode steps timed per context (after warm-up steps).")
-@click.option("--device", default=None, help="cuda or cpu (default: cuda when available).")
+              help="Decode steps timed per point (after the warm-up steps).")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Where to run (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Weights and cache dtype (default: model.dtype of the recipe).")
 @click.option("--mla-mode", type=click.Choice(["absorbed", "naive"]), default="absorbed", show_default=True,
@@ -62,130 +78,140 @@ class _Contexts(click.ParamType):
                    "absorbed; naive caches up-projected per-head K and V.")
 @click.option("--mla-kernel", type=click.Choice(["auto", "triton", "torch"]), default="auto", show_default=True,
               help="Absorbed MLA decode attention: fused Triton kernel (CUDA, 16-bit) or the torch reference.")
+@click.option("--cuda-graph/--no-cuda-graph", default=None,
+              help="Replay each decode step from a CUDA graph (default: on with CUDA). --no-cuda-graph runs the "
+                   "eager reference path.")
 @click.option("--memory-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
               help="Weights from a `scaletool train` checkpoint directory (default: random, seeded).")
+@click.option("--trust-checkpoint", is_flag=True,
+              help="Allow checkpoint formats that can only be read by unpickling (DeepSpeed ZeRO-3 partitions): "
+                   "unpickling runs code, so only for checkpoints you made.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for random weights and the prompt.")
 @click.option("--prefill-chunk", type=click.IntRange(min=1), default=4096, show_default=True,
               help="Prompt tokens per prefill forward pass (bounds activation memory).")
 @click.option("--warmup-steps", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Untimed decode steps before the timed ones.")
+              help="Decode steps always excluded from timing (more are, while slower than the settled level).")
+@click.option("--prefill-repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed prefills per point, after one warm-up prefill.")
 @json_option
-def decode(recipe: str, overrides: tuple[str, ...], batch: int | None, contexts: tuple[int, ...] | None,
+def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str, mla_kernel: str,
-           memory_budget: float | None, checkpoint: str | None, seed: int, prefill_chunk: int, warmup_steps: int,
-           as_json: bool) -> None:
+           cuda_graph: bool | None, memory_budget: float | None, checkpoint: str | None, trust_checkpoint: bool,
+           seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
 
     \b
-    For each context length N: the KV-cache bytes allocated (cache tensors and CUDA allocator) next
-    to the analytic bytes per token of `scaletool estimate`; prefill tokens/s; decode tokens/s and
-    ms/token over --new-tokens steps for --batch sequences; the bandwidth a decode step achieves
-    (weights + cache read per step over its time) against the card's peak HBM bandwidth; and the
-    largest batch per context that fits --memory-budget, per attention type (analytic).
+    For each context length N and batch B: the KV-cache bytes allocated (cache tensors and CUDA
+    allocator) next to the analytic bytes per token of `scaletool estimate`; prefill tokens/s and
+    decode tokens/s with their spread (median of per-step times, p10-p90, warm-up excluded by
+    rule); the bandwidth a decode step achieves (weights + cache read per step over the median
+    step) against the card's peak HBM bandwidth; and the largest batch per context that fits
+    --memory-budget, per attention type (analytic).
 
     \b
     Examples:
       scaletool decode recipes/tiny.yaml --context 32,64 --new-tokens 8 --device cpu
-      scaletool decode recipes/mla-1b.yaml --batch max --context 32k --dtype bf16 --json
-      scaletool decode recipes/mla-1b.yaml --mla-mode naive --batch 4 --context 4096,32768
+      scaletool decode recipes/mla-1b.yaml --batch 1,max --context 4k,32k --dtype bf16 --json
+      scaletool decode recipes/mla-1b.yaml --mla-mode naive --batch 4 --no-cuda-graph
     """
-    import torch
+    from scaletool import api
 
-    from scaletool.decode.bench import DecodeSettings, run_decode
-    from scaletool.decode.generate import require_lm
-    from scaletool.kernels.mla_decode import triton_supports
-    from scaletool.model import build_model
+    if "max" in batches and memory_budget is None and device != "cuda":
+        import torch
 
-    r = load_recipe(recipe, overrides, extra={"model.dtype": dtype} if dtype else None)
-    cfg = r.model
-    require_lm(cfg)
-    if mla_mode == "naive" and cfg.attention != "mla":
-        raise click.BadParameter(f"naive is for attention=mla recipes; this one is {cfg.attention}",
-                                 param_hint="--mla-mode")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise click.BadParameter(str(e), param_hint="--device") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise click.BadParameter("cuda requested but no CUDA device is available", param_hint="--device")
-    if dev.type not in ("cuda", "cpu"):
-        raise click.BadParameter(f"{device}: decode runs on cuda or cpu", param_hint="--device")
-    from scaletool.model.layers import TORCH_DTYPES
-
-    torch_dtype = TORCH_DTYPES[cfg.dtype]
-    if mla_kernel == "triton" and cfg.attention == "mla" and mla_mode == "absorbed":
-        why = triton_supports(dev, torch_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        if why:
-            raise click.BadParameter(f"the fused kernel cannot run here: {why}", param_hint="--mla-kernel")
-    contexts = contexts or (cfg.max_seq_len,)
-    budget = int(memory_budget * 2**30) if memory_budget else (
-        torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None)
-    settings = DecodeSettings(batch=batch, contexts=contexts, new_tokens=new_tokens, mla_mode=mla_mode,
-                              kernel=mla_kernel, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps, seed=seed)
-
-    model = build_model(cfg, dev, seed=seed, sdpa_backend=r.train.sdpa_backend)
-    if checkpoint:
-        from scaletool.train.checkpoint import load_model_weights
-        load_model_weights(checkpoint, model)
-    model = model.to(torch_dtype).eval()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-    err = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        res = run_decode(cfg, model, settings, budget_bytes=budget, progress=progress)
-    res["recipe"] = recipe
-    res["checkpoint"] = checkpoint
+        if device == "cpu" or not torch.cuda.is_available():
+            raise click.BadParameter("'max' needs --memory-budget GiB on CPU (the default budget is the GPU's "
+                                     "memory)", param_hint="--batch")
+    with _progress() as progress:
+        res = api.decode(recipe, overrides=overrides, contexts=contexts, batch=batches, new_tokens=new_tokens,
+                         device=device, dtype=dtype, mla_mode=mla_mode, mla_kernel=mla_kernel, cuda_graph=cuda_graph,
+                         memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
+                         seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
+                         prefill_repeats=prefill_repeats, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, Console())
     return res
 
 
-def print_decode(res: dict, con: Console) -> None:
-    dev = res["device"]
-    con.print(f"[bold]{res['attention']}[/] on {dev['name']}, {res['dtype']}; "
-              f"weights {gib(res['weights_bytes'])}; analytic cache {res['kv_cache']['bytes_per_token']:,} B/token "
-              f"({res['kv_cache']['compression_ratio']:.2f}× smaller than MHA with the same heads)")
-    t = Table(title=f"Decode ({res['timing']})", title_justify="left")
-    ok = [p for p in res["points"] if "error" not in p]
-    alloc = any(p["kv_cache_bytes_allocator"] is not None for p in ok)
-    peak = dev["peak_bandwidth_bytes_per_s"] is not None
-    cols = ["ctx", "batch", "cache", "analytic", "Δ"] + (["alloc"] if alloc else []) + [
-        "prefill tok/s", "decode tok/s", "ms/tok", "read/s"] + (["%peak"] if peak else [])
-    for c in cols:
-        t.add_column(c, justify="right")
-    kernels = set()
-    for p in res["points"]:
-        if "error" in p:
-            t.add_row(f"{p['context']:,}", str(p["batch"]), f"[red]{p['error']}", *[""] * (len(cols) - 3))
+@contextmanager
+def _progress():
+    """A progress callback: a transient rich bar on a terminal, plain lines when stderr is piped."""
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        def line(done, total, description):
+            if done < total:
+                click.echo(f"[{done + 1}/{total}] {description}", err=True)
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bar:
+        task = bar.add_task("decode", total=None)
+        yield lambda done, total, description: bar.update(task, completed=done, total=total, description=description)
+
+
+def _table(title: str, columns: list[str]) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in columns:
+        t.add_column(c, justify="right", overflow="fold")
+    return t
+
+
+def _spread_pct(s) -> str:
+    """Half the p10-p90 range in percent; '-' below the samples a spread needs (scaletool.stats)."""
+    return "-" if s is None or s.n < MIN_SAMPLES else f"±{100 * s.rel_halfwidth:.0f}%"
+
+
+def print_decode(res, con: Console) -> None:
+    """The human tables: speed per point, the cache against the analytic bytes, the largest batches."""
+    dev, kv = res.device, res.kv_cache
+    con.print(f"[bold]{res.attention}[/] on {dev.name}, {res.dtype}; weights {gib(res.weights_bytes)}; analytic "
+              f"cache {kv['bytes_per_token']:,} B/token ({kv['compression_ratio']:.2f}× smaller than MHA with the "
+              "same heads)")
+    ok = [p for p in res.points if p.ok]
+    peak = dev.peak_bandwidth_bytes_per_s is not None
+    t = _table("Decode (median; ± is half the p10-p90 range)",
+               ["ctx", "batch", "prefill\ntok/s", "±", "decode\ntok/s", "±", "ms/step", "read/s"]
+               + (["of peak"] if peak else []))
+    for p in res.points:
+        if not p.ok:
+            t.add_row(f"{p.context:,}", str(p.batch), f"[red]{p.error}")
             continue
-        kernels.add(p["attention_kernel"])
-        row = [f"{p['context']:,}", str(p["batch"]), gib(p["kv_cache_bytes_measured"]),
-               gib(p["kv_cache_bytes_analytic"]), pct(p["kv_cache_rel_error"])]
-        row += [gib(p["kv_cache_bytes_allocator"])] if alloc else []
-        row += [si(p["prefill_tokens_per_s"]), si(p["decode_tokens_per_s"]), f"{p['decode_ms_per_token']:.3g}",
-                si(p["decode_bandwidth_bytes_per_s"], "B")]
-        row += [f"{100 * p['decode_bandwidth_fraction_of_peak']:.0f}%"] if peak else []
-        t.add_row(*row)
+        t.add_row(f"{p.context:,}", f"{p.batch:,}", si(p.prefill_tokens_per_s), _spread_pct(p.prefill_s),
+                  si(p.decode_tokens_per_s), _spread_pct(p.decode_step_s), f"{p.decode_ms_per_token:.3g}",
+                  si(p.decode_bandwidth_bytes_per_s, "B"),
+                  *([f"{100 * p.decode_bandwidth_fraction_of_peak:.0f}%"] if peak else []))
     con.print(t)
-    for k in sorted(kernels):
+    alloc = any(p.kv_cache_bytes_allocator is not None for p in ok)
+    t = _table("KV cache (prompt + warm-up + new tokens)",
+               ["ctx", "batch", "measured", "analytic", "Δ"] + (["allocator"] if alloc else []))
+    for p in ok:
+        t.add_row(f"{p.context:,}", f"{p.batch:,}", gib(p.kv_cache_bytes_measured), gib(p.kv_cache_bytes_analytic),
+                  pct(p.kv_cache_rel_error), *([gib(p.kv_cache_bytes_allocator)] if alloc else []))
+    if ok:
+        con.print(t)
+    for k in sorted({p.attention_kernel for p in ok}):
         con.print(f"• attention kernel: {k}")
-    if dev["peak_bandwidth_bytes_per_s"] is None:
-        con.print(f"• {dev['peak_bandwidth_source']}")
-    extended = [p["rope_extended_to"] for p in res["points"] if p.get("rope_extended_to")]
+    graphs = {p.cuda_graph for p in ok}
+    con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"
+                                    if graphs == {False} else "CUDA graph at some points, eager at others"))
+    con.print(f"• timing: {res.timing.clock}; warm-up excluded: {res.timing.rule}")
+    if res.threads is not None:
+        con.print(f"• CPU threads: {res.threads}")
+    if not peak:
+        con.print(f"• {dev.peak_bandwidth_source}")
+    extended = [p.rope_extended_to for p in res.points if p.rope_extended_to]
     if extended:
         con.print(f"• RoPE tables extended to {max(extended):,} positions (past model.max_seq_len)")
-    fit = res["memory_fit"]
+    fit = res.memory_fit
     if fit:
-        t = Table(title=f"Largest batch in {gib(fit['budget_bytes'])} ({fit['basis']})", title_justify="left")
-        for c in ("attention", "context", "cache/token", "max batch", "batch × context"):
-            t.add_column(c, justify="right")
-        for row in fit["rows"]:
-            t.add_row(row["attention"], f"{row['context']:,}", f"{row['kv_cache_bytes_per_token']:,} B",
-                      str(row["max_batch"]), f"{row['max_batch_x_context']:,}")
+        t = _table(f"Largest batch in {gib(fit.budget_bytes)} ({fit.basis})",
+                   ["attention", "context", "cache/token", "max batch", "batch × context"])
+        for row in fit.rows:
+            t.add_row(row.attention, f"{row.context:,}", f"{row.kv_cache_bytes_per_token:,} B", f"{row.max_batch:,}",
+                      f"{row.max_batch_x_context:,}")
         con.print(t)

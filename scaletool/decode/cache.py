@@ -1,9 +1,15 @@
 """Preallocated static KV caches, one small module per layer (gpt-fast's layout).
 
 Buffers are allocated once to ``max_batch × max_len`` and registered non-persistent, so they follow
-``.to()`` but never enter a checkpoint. ``update(start_pos, ...)`` writes the new tokens' entries in
-place and returns views of everything cached up to them; rows ``[:b]`` are used when a call brings
+``.to()`` but never enter a checkpoint. ``update(pos, ...)`` writes the new tokens' entries in
+place; with an int ``pos`` it returns views of everything cached up to them, with a 0-dim device
+tensor (one token, the CUDA-graph path) it writes with ``index_copy_`` and returns the whole static
+buffers (the attention masks the positions past ``pos``). Rows ``[:b]`` are used when a call brings
 ``b <= max_batch`` sequences.
+
+A cache only stores: how attention reads it is the caller's ``DecodeMode``
+(``scaletool.model.attention``); ``layout`` says what it holds, so a mode given the wrong cache is
+refused rather than silently read another way.
 
 - :class:`KVCache` (``layout = "kv"``): k (B, KV, S, d_k) and v (B, KV, S, d_v) per KV head, for
   MHA/GQA/MQA and for MLA's naive mode (H heads of up-projected nope+rope keys and v values).
@@ -16,9 +22,18 @@ import torch
 import torch.nn as nn
 
 from scaletool.config import ModelConfig
-from scaletool.kernels.mla_decode import KERNELS
+from scaletool.model.attention import MLA_MODES
 
-MLA_MODES = ("absorbed", "naive")
+
+def _write(buf: torch.Tensor, dim: int, pos: int | torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Write ``new`` into rows ``[:b]`` of ``buf`` at positions pos.. along ``dim``; return the rows
+    up to the last written position (int ``pos``) or whole (tensor ``pos``)."""
+    rows, new = buf[:new.shape[0]], new.to(buf.dtype)
+    if isinstance(pos, torch.Tensor):
+        return rows.index_copy_(dim, pos.reshape(1), new)
+    end = pos + new.shape[dim]
+    rows.narrow(dim, pos, new.shape[dim]).copy_(new)
+    return rows.narrow(dim, 0, end)
 
 
 class KVCache(nn.Module):
@@ -32,42 +47,31 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(max_batch, n_kv_heads, max_len, v_dim, dtype=dtype, device=device),
                              persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k (b,T,KV,d_k), v (b,T,KV,d_v) at positions start_pos..; return (b,KV,start_pos+T,·) views."""
-        b, T = k.shape[:2]
-        end = start_pos + T
-        self.k[:b, :, start_pos:end] = k.transpose(1, 2)
-        self.v[:b, :, start_pos:end] = v.transpose(1, 2)
-        return self.k[:b, :, :end], self.v[:b, :, :end]
+    def update(self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k (b,T,KV,d_k), v (b,T,KV,d_v) at positions pos..; return (b,KV,S,·) views (module docstring)."""
+        return _write(self.k, 2, pos, k.transpose(1, 2)), _write(self.v, 2, pos, v.transpose(1, 2))
 
 
 class LatentCache(nn.Module):
-    """MLA latent cache; ``kernel`` (auto | triton | torch) picks how the absorbed step reads it."""
+    """MLA's latent cache: c_kv and the shared rotated RoPE key, nothing per head."""
 
     layout = "latent"
 
     def __init__(self, max_batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, kernel: str = "auto"):
+                 dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        self.kernel = kernel
         self.register_buffer("c_kv", torch.zeros(max_batch, max_len, kv_lora_rank, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("k_pe", torch.zeros(max_batch, max_len, rope_dim, dtype=dtype, device=device),
                              persistent=False)
 
-    def update(self, start_pos: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write c_kv (b,T,c), k_pe (b,T,rope) at positions start_pos..; return (b,start_pos+T,·) views."""
-        b, T = c_kv.shape[:2]
-        end = start_pos + T
-        self.c_kv[:b, start_pos:end] = c_kv
-        self.k_pe[:b, start_pos:end] = k_pe
-        return self.c_kv[:b, :end], self.k_pe[:b, :end]
+    def update(self, pos: int | torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write c_kv (b,T,c), k_pe (b,T,rope) at positions pos..; return (b,S,·) views (module docstring)."""
+        return _write(self.c_kv, 1, pos, c_kv), _write(self.k_pe, 1, pos, k_pe)
 
 
 def make_caches(cfg: ModelConfig, max_batch: int, max_len: int, *, dtype: torch.dtype,
-                device: torch.device | str, mla_mode: str = "absorbed", kernel: str = "auto") -> nn.ModuleList:
+                device: torch.device | str, mla_mode: str = "absorbed") -> nn.ModuleList:
     """One cache per layer for ``cfg``'s attention type; ``mla_mode`` is ignored for non-MLA models."""
     if mla_mode not in MLA_MODES:
         raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
@@ -77,7 +81,7 @@ def make_caches(cfg: ModelConfig, max_batch: int, max_len: int, *, dtype: torch.
             return KVCache(max_batch, max_len, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, dtype, device)
         if mla_mode == "naive":
             return KVCache(max_batch, max_len, cfg.n_heads, cfg.qk_head_dim, cfg.v_head_dim, dtype, device)
-        return LatentCache(max_batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device, kernel)
+        return LatentCache(max_batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device)
 
     return nn.ModuleList(one() for _ in range(cfg.n_layers))
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from scaletool.config import ModelConfig, RecipeError
 from scaletool.decode.cache import make_caches
+from scaletool.model.attention import DecodeMode
 from scaletool.model.transformer import Transformer
 
 
@@ -23,7 +24,7 @@ def require_lm(cfg: ModelConfig) -> None:
 
 
 def prefill(model: Transformer, tokens: torch.Tensor, caches: nn.ModuleList, start_pos: int = 0,
-            chunk: int = 4096) -> torch.Tensor:
+            chunk: int = 4096, mode: DecodeMode = DecodeMode()) -> torch.Tensor:
     """Feed a prompt (B, T) into the caches in chunks of ``chunk`` tokens; logits of its last token (B, vocab).
 
     Chunking bounds the activation memory of long prompts (a 32K prompt in one piece would need
@@ -31,7 +32,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, caches: nn.ModuleList, sta
     """
     logits = None
     for s in range(0, tokens.shape[1], chunk):
-        logits = model.step(tokens[:, s:s + chunk], start_pos + s, caches)
+        logits = model.step(tokens[:, s:s + chunk], start_pos + s, caches, mode)
     return logits
 
 
@@ -51,7 +52,8 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
 
 def decode(model: Transformer, caches: nn.ModuleList, token: torch.Tensor, start_pos: int, steps: int, *,
            temperature: float = 0.0, top_k: int | None = None, end_token: int | None = None,
-           check_every: int = 16, generator: torch.Generator | None = None) -> torch.Tensor:
+           check_every: int = 16, generator: torch.Generator | None = None,
+           mode: DecodeMode = DecodeMode()) -> torch.Tensor:
     """Generate up to ``steps`` tokens after ``token`` (B,), which sits at position ``start_pos``.
 
     Returns (B, n) tokens, n <= steps: the loop stops early once every sequence has produced
@@ -63,7 +65,7 @@ def decode(model: Transformer, caches: nn.ModuleList, token: torch.Tensor, start
     for i in range(steps):
         if done is not None and i % check_every == 0 and bool(done.all()):
             return out[:, :i]
-        token = sample(model.step(token[:, None], start_pos + i, caches), temperature, top_k, generator)
+        token = sample(model.step(token[:, None], start_pos + i, caches, mode), temperature, top_k, generator)
         if done is not None:
             token = token.masked_fill(done, end_token)
             done |= token == end_token
@@ -85,12 +87,13 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, *, t
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     B, T = prompt.shape
+    mode = DecodeMode(mla_mode, kernel)
     model.extend_rope(T + max_new_tokens)
     weight = next(model.parameters())
     caches = make_caches(model.cfg, B, T + max_new_tokens, dtype=weight.dtype, device=weight.device,
-                         mla_mode=mla_mode, kernel=kernel)
+                         mla_mode=mla_mode)
     gen = None if seed is None else torch.Generator(device=weight.device).manual_seed(seed)
-    first = sample(prefill(model, prompt, caches, chunk=chunk), temperature, top_k, gen)
+    first = sample(prefill(model, prompt, caches, chunk=chunk, mode=mode), temperature, top_k, gen)
     rest = decode(model, caches, first, T, max_new_tokens - 1, temperature=temperature, top_k=top_k,
-                  end_token=end_token, generator=gen)
+                  end_token=end_token, generator=gen, mode=mode)
     return torch.cat([prompt, first[:, None], rest], dim=1)

@@ -1,8 +1,11 @@
 """Attention of one new query per sequence over an MLA latent cache (the absorbed decode step).
 
 Each head h scores its absorbed query against the shared cache,
-``s[b,h,t] = (q_lat[b,h]·c_kv[b,t] + q_pe[b,h]·k_pe[b,t]) · scale``, and returns the
-softmax-weighted sum of the latents ``Σ_t p[b,h,t] · c_kv[b,t]`` (W_UV is applied by the caller).
+``s[b,h,t] = (q_lat[b,h]·c_kv[b,t] + q_pe[b,h]·k_pe[b,t]) · scale`` for ``t < length[b]``, and
+returns the softmax-weighted sum of the latents ``Σ_t p[b,h,t] · c_kv[b,t]`` (W_UV is applied by
+the caller). ``lengths`` (a device tensor, or None for "every cached position") is what lets a
+CUDA graph run the step over a static ``max_len`` cache: the length lives on the device, so the
+captured launch stays the same while the sequence grows.
 
 Two implementations, selected by ``kernel``:
 
@@ -11,16 +14,26 @@ Two implementations, selected by ``kernel``:
 - ``triton``: a fused split-KV kernel (flash-decoding, as FlashMLA does for DeepSeek): each program
   loads a tile of c_kv and k_pe once, scores all heads of one sequence against it (the heads share
   the latent, so one tile serves 16 of them), keeps an online softmax and accumulates the weighted
-  latents; a small torch reduction then merges the splits by their log-sum-exp. The cache is read
-  once per step, which is what makes the step run near HBM bandwidth.
+  latents; a second small kernel merges the splits by their log-sum-exp (one launch: the plain
+  torch merge, :func:`merge_splits`, kept as its reference, is eight launches, which cost ~30 µs a
+  layer, as much as the attention itself at 4K context and batch 1). The cache is read once per
+  step, which is what makes the step run near HBM bandwidth.
 
 ``auto`` takes Triton on CUDA for 16-bit caches whose latent and RoPE widths are powers of two
 (``tl.arange`` and ``tl.dot`` need them, ≥ 16), else the reference. Triton is imported lazily and
 guarded: a CPU box without it uses the reference.
+
+Tile shapes, warps, pipeline depth and the split count are chosen per shape by
+:func:`choose_config` (see its docstring for the reasoning); there is no autotuner, because an
+autotuner keyed on the latent width alone (as this kernel once was) keeps whatever config won at the
+first shape it saw (a 4K-context warm-up) for every later one, and one keyed on the batch and
+length re-tunes at every new context, which a CUDA graph capture cannot do.
+``recipes/benchmarks/decode_bandwidth.py`` sweeps these choices on a card.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -38,10 +51,23 @@ def triton_available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
+def _key_mask(lengths: torch.Tensor | None, B: int, S: int, device: torch.device) -> torch.Tensor | None:
+    """(B, S) True where position t < lengths[b]; None when every position counts."""
+    if lengths is None:
+        return None
+    return torch.arange(S, device=device)[None, :] < lengths.reshape(-1, 1).expand(B, 1)
+
+
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """q_lat (B,H,c), q_pe (B,H,r) over c_kv (B,S,c), k_pe (B,S,r) -> (B,H,c); softmax in fp32."""
+                               scale: float, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """q_lat (B,H,c), q_pe (B,H,r) over c_kv (B,S,c), k_pe (B,S,r) -> (B,H,c); softmax in fp32.
+
+    ``lengths``: None, or an integer tensor of shape (B,), (1,) or () with the valid prefix length.
+    """
     s = torch.einsum("bhc,bsc->bhs", q_lat, c_kv).float() + torch.einsum("bhr,bsr->bhs", q_pe, k_pe).float()
+    mask = _key_mask(lengths, c_kv.shape[0], c_kv.shape[1], c_kv.device)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
     p = (s * scale).softmax(-1).to(c_kv.dtype)  # (B, H, S)
     return torch.einsum("bhs,bsc->bhc", p, c_kv)
 
@@ -61,79 +87,174 @@ def triton_supports(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     scale: float, kernel: str = "auto") -> torch.Tensor:
+                     scale: float, kernel: str = "auto", lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch to the fused Triton kernel or the torch reference (see the module docstring)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     unsupported = kernel == "auto" and triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1])
     if kernel == "torch" or unsupported:
-        return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale)
-    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale)
+        return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the fused kernel for one call.
+
+    ``block_s``: cached positions per loop iteration (one tile of block_s × (C + R) is loaded per
+    iteration); ``num_warps``, ``num_stages``: Triton's warps per program and software-pipelining
+    depth (tiles in flight); ``programs_per_sm``: the split-KV target, the sequence is split into
+    as many pieces as fit B · splits · head_blocks within this many programs per SM (never past it:
+    a second, mostly empty wave costs more than the splits gain); ``n_splits``: a fixed split count
+    instead (what a benchmark sweeps); ``min_split``, ``max_splits``: no split shorter than
+    ``min_split`` positions and no more than ``max_splits`` of them (each split costs a query load
+    and an (H, C) fp32 partial written and merged: 32 KB at H = 16, C = 512, against 73 KB of cache
+    in a 64-position split, so short splits pay only where the batch is too small to fill the card
+    and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
+    """
+
+    block_s: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: float = 2.0
+    min_split: int = 64
+    max_splits: int = 128
+    n_splits: int | None = None
+
+    def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
+        """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs."""
+        want = self.n_splits or int(self.programs_per_sm * sms) // (B * _cdiv(H, _BLOCK_H))
+        n = max(1, min(want, self.max_splits, S // self.min_split))
+        # split lengths are whole tiles so no split but the last is ragged and none is empty
+        split_len = _cdiv(_cdiv(S, n), self.block_s) * self.block_s
+        return _cdiv(S, split_len), split_len
+
+
+def choose_config(B: int, H: int, S: int, device: torch.device) -> KernelConfig:
+    """The launch shape for a (B, H, S) call on ``device``: one shape whose split count follows (B, S).
+
+    Both target cards have 132 SMs with 228 KB of shared memory each and differ in bandwidth (H100
+    SXM 3.35 TB/s, H200 4.8 TB/s), so one choice serves both. The kernel is not purely memory-bound:
+    per cached token it does 2 × 16 heads × 512 × 2 ≈ 33 kFLOP of mma.sync work (M = 16 rows:
+    Triton uses wgmma only from M = 64) against 1,152 bytes. Measured with
+    ``recipes/benchmarks/decode_bandwidth.py`` on an H100 (2026-11-26, torch 2.11, Triton 3.6, one
+    layer of mla-1b; TB/s of cache read, datasheet 3.35, device copy 3.01):
+
+    - 4 warps, 64-position tiles, 2 stages: 3.02 TB/s (90% of the datasheet, the copy's rate) at 32K ×
+      128 and 2.49 at 4K × 128; 8 warps lose 5-30% at every batch >= 8; 32-position tiles and a
+      third stage are within 2%.
+    - Splits fill two programs per SM once and no more: the rate follows how evenly the programs
+      fill whole waves of two per SM. On an H200 at 32K × 32, 8 splits (256 programs) read 4.04 TB/s,
+      5 (160) 3.30, 6 (192) 3.71, 12 (384) 3.40, 17 (544) 3.78; at 32K × 128, 2 splits 4.37 TB/s
+      (91%, the device copy reads 4.25) and 1 split 3.12. The H100 agrees where measured (32K × 8: 32 splits 2.38 TB/s, 17 2.29;
+      × 128: 2 splits 3.02). The earlier target of 4 programs per SM, rounded up, gave 2.80 instead of
+      3.02 at 32K × 128 on the H100; with the per-shape choice and the fused merge, mla-1b's whole
+      decode step at 32K reads at 85% (H100, batch 130) and 82% (H200, batch 232) of the datasheet.
+    - Splits down to 64 positions, at most 128: at batch 1 and 4K, 64 splits of 64 take 19 µs against
+      83 µs for 16 of 256 (latency, not bytes); 128 is the most measured (32K × 1: 1.0 TB/s).
+
+    The H100 run in issue 16 (49% at 32K) predates this. Its autotuner, keyed on the latent width alone,
+    kept whichever config won at the first (4K warm-up) shape; dropping it for a fixed shape already
+    gave 77% on an H100, so that choice was most likely the cause.
+    """
+    return KernelConfig()
 
 
 @functools.cache
-def _target_programs(device: torch.device) -> int:
-    """Enough programs to fill the GPU a few times over (split-KV exists for small batches)."""
-    if device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """The fused split-KV kernel; same contract as :func:`latent_attention_reference`."""
+                            scale: float, lengths: torch.Tensor | None = None,
+                            config: KernelConfig | None = None) -> torch.Tensor:
+    """The fused split-KV kernel; same contract as :func:`latent_attention_reference`.
+
+    With ``lengths`` the grid is sized for the full S (static under a CUDA graph) and programs
+    whose split starts past a sequence's length read no cache. No host synchronisation.
+    """
     if triton is None:
         raise RuntimeError("the Triton MLA decode kernel needs the triton package")
     B, H, C = q_lat.shape
     S, R = c_kv.shape[1], k_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
-    head_blocks = triton.cdiv(H, _BLOCK_H)
-    # Split the sequence so B·splits·head_blocks programs cover the GPU; splits are multiples of the
-    # largest tile so no split is empty (an empty one would have no softmax mass to merge).
-    n_splits = max(1, min(triton.cdiv(_target_programs(c_kv.device), B * head_blocks), triton.cdiv(S, 256)))
-    split_len = triton.cdiv(triton.cdiv(S, n_splits), 64) * 64
-    n_splits = triton.cdiv(S, split_len)
+    cfg = config or choose_config(B, H, S, c_kv.device)
+    n_splits, split_len = cfg.splits(B, H, S, _sm_count(c_kv.device))
     o_part = torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
-    _latent_decode_kernel[(B, n_splits, head_blocks)](
-        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, H, S, split_len, scale,
+    if lengths is None:
+        len_ptr, len_stride = lse_part, 0  # unused: HAS_LENGTHS is off
+    else:
+        len_ptr = lengths.reshape(-1)
+        len_stride = 0 if len_ptr.numel() == 1 else 1
+    _latent_decode_kernel[(B, n_splits, triton.cdiv(H, _BLOCK_H))](
+        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, len_ptr, len_stride, H, S, split_len, scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        C=C, R=R, BLOCK_H=_BLOCK_H)
-    # Merge the splits: each holds a softmax normalised over its own keys and its log2-sum-exp.
-    w = torch.exp2(lse_part - lse_part.amax(1, keepdim=True))  # (B, splits, H)
-    out = (o_part * w[..., None]).sum(1) / w.sum(1)[..., None]  # (B, H, C)
-    return out.to(q_lat.dtype)
+        C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return merge_splits_triton(o_part, lse_part, q_lat.dtype)
+
+
+def merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`merge_splits` in one launch, written in ``dtype``: programs over (B, H, C / 128)."""
+    B, n_splits, H, C = o_part.shape
+    out = torch.empty(B, H, C, device=o_part.device, dtype=dtype)
+    block_c = min(_MERGE_BLOCK_C, C)
+    _merge_kernel[(B, H, C // block_c)](
+        o_part, lse_part, out, n_splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        BLOCK_C=block_c, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=4)
+    return out
+
+
+_MERGE_BLOCK_C = 128  # latent channels per merge program: B·H·C/128 programs, enough at batch 1
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
+    """Combine per-split outputs (B, splits, H, C), each softmax-normalised over its own keys, by
+    their log2-sum-exp (B, splits, H); an empty split carries lse = -inf and weighs nothing.
+    The reference for the fused merge kernel."""
+    w = torch.exp2(lse_part - lse_part.amax(1, keepdim=True))  # (B, splits, H); split 0 is never empty
+    return (o_part * w[..., None]).sum(1) / w.sum(1)[..., None]  # (B, H, C)
 
 
 if triton is not None:
-    @triton.autotune(
-        configs=[triton.Config({"BLOCK_S": bs}, num_warps=w, num_stages=st)
-                 for bs, w, st in ((32, 4, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3))],
-        key=["C", "R"])
     @triton.jit
-    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, H, S, split_len, sm_scale,
+    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
+                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                              HAS_LENGTHS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)
         h_ok = offs_h < H
-        q = tl.load(q_lat + b * s_qb + offs_h[:, None] * s_qh + offs_c[None, :], mask=h_ok[:, None], other=0.0)
-        qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+        if HAS_LENGTHS:
+            length = tl.minimum(tl.load(lengths + b * s_len).to(tl.int32), S)
+        else:
+            length = S
         start = sp * split_len
-        end = tl.minimum(start + split_len, S)
+        end = tl.minimum(start + split_len, length)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, C], tl.float32)
+        q = tl.load(q_lat + b * s_qb + offs_h[:, None] * s_qh + offs_c[None, :], mask=h_ok[:, None], other=0.0)
+        qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
         qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 is the hardware instruction
-        for s0 in range(start, end, BLOCK_S):
+        for s0 in range(start, end, BLOCK_S):  # empty for a split past the sequence's length
             offs_s = s0 + tl.arange(0, BLOCK_S)
             s_ok = offs_s < end
             kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
                          other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
-            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None], other=0.0)
+            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
+                         other=0.0)
             scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
             scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -142,6 +263,28 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m_i = m_new
+        filled = l_i > 0
         out_ptr = o_part + b * s_ob + sp * s_os + offs_h[:, None] * s_oh + offs_c[None, :]
-        tl.store(out_ptr, acc / l_i[:, None], mask=h_ok[:, None])
-        tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, m_i + tl.log2(l_i), mask=h_ok)
+        tl.store(out_ptr, acc / tl.where(filled, l_i, 1.0)[:, None], mask=h_ok[:, None])
+        lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
+        tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
+
+    @triton.jit
+    def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,
+                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h, cb = tl.program_id(1), tl.program_id(2)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        all_s = tl.arange(0, BLOCK_SPLITS)
+        lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=all_s < n_splits, other=float("-inf"))
+        m = tl.max(lse, 0)  # finite: split 0 holds position 0
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        acc = tl.zeros([BLOCK_C], tl.float32)
+        for s0 in range(0, n_splits, SPLIT_CHUNK):
+            offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
+            ok = offs_s < n_splits
+            w = tl.exp2(tl.load(lse_part + b * s_lb + offs_s * s_ls + h, mask=ok, other=float("-inf")) - m)
+            o = tl.load(o_part + b * s_ob + offs_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=ok[:, None],
+                        other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+        tl.store(out + b * s_yb + h * s_yh + offs_c, (acc / denom).to(out.dtype.element_ty))

@@ -4,14 +4,21 @@ Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materia
 also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
 tests check SDPA against it and the training-dynamics monitors read entropies from it.
 
-``decode(x, cos, sin, cache, start_pos)`` is the inference path: it appends the new tokens' keys
-(or MLA latents) to a preallocated cache (``scaletool.decode.cache``, any object with ``update``)
-and attends over everything cached so far. The training ``forward`` does not touch it.
+``decode(x, cos, sin, cache, pos, mode)`` is the inference path: it appends the new tokens' keys
+(or MLA latents) to a preallocated cache (``scaletool.decode.cache``: storage with
+``update(pos, ...)``) and attends over everything cached so far. ``mode`` (:class:`DecodeMode`) is
+the caller's choice of algorithm, as DeepSeek-V3 passes ``attn_impl``; the cache only stores, and
+one of the wrong kind for the mode is refused, never taken as a different choice. ``pos`` is a
+Python int (attend over the cached prefix: the reference path) or a 0-dim device tensor (one token
+per call, attention over the whole static cache with the positions past ``pos`` masked: shapes and
+launches no longer depend on the position, so a CUDA graph can replay the step). The training
+``forward`` does not touch any of it.
 """
 from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -20,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from scaletool.config import ModelConfig
-from scaletool.kernels.mla_decode import latent_attention
+from scaletool.kernels.mla_decode import KERNELS, latent_attention
 from scaletool.model.layers import RMSNorm, apply_rope
 
 _BACKENDS = {
@@ -37,6 +44,9 @@ def decode_backends(choice: str) -> list[SDPBackend]:
     'auto' puts cuDNN first: measured on an H200 (bf16, 1B MHA, 32K context, batch 32), a decode
     step reads the cache at 3.15 TB/s through cuDNN against 2.69 TB/s through flash and 2.49 TB/s
     through the memory-efficient kernel. A chosen backend is tried first, the rest stay as fallbacks.
+    Those steps were eager, where the key length grows every step; later measurements put a 42-54 ms
+    floor under every eager cuDNN step on H100 and H200 (15.6 ms with flash first at batch 1), which
+    the CUDA-graph decode (fixed shapes, the default on CUDA) does not have (recipes/benchmarks/decode.md).
     """
     order = ["cudnn", "flash", "efficient", "math"]
     first = "cudnn" if choice == "auto" else choice
@@ -67,14 +77,57 @@ def _sdpa(q, k, v, *, causal: bool, scale: float, dropout: float, enable_gqa: bo
                                               scale=scale, enable_gqa=enable_gqa)
 
 
-def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends):
-    """T new queries (B,H,T,D) over the S = start_pos + T cached keys (B,KV,S,D) and values.
+MLA_MODES = ("absorbed", "naive")
 
-    One query sees every cached key, so a decode step needs no mask. A prompt chunk after a cached
-    prefix needs the causal mask aligned bottom-right (query t sees keys up to S - T + t); SDPA's
-    ``is_causal`` aligns top-left, ``causal_lower_right`` keeps the fused kernels with the right mask.
+
+@dataclass(frozen=True)
+class DecodeMode:
+    """How attention decodes, chosen by the caller (DeepSeek-V3's ``attn_impl``, passed as an argument
+    instead of a module global, so two models in one process can decode differently).
+
+    ``mla``: ``absorbed`` attends over the latent cache with W_UK folded into the query and W_UV
+    applied after (reads kv_lora_rank + rope numbers per cached token); ``naive`` caches the
+    up-projected per-head K and V and runs plain attention. ``kernel``: how absorbed MLA's latent
+    attention runs (``scaletool.kernels.mla_decode``: auto, triton, torch). MHA/GQA/MQA have one
+    algorithm and read neither field.
+    """
+
+    mla: str = "absorbed"
+    kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.mla not in MLA_MODES:
+            raise ValueError(f"mla mode must be one of {MLA_MODES}, got {self.mla!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+
+def valid_length(pos: int | torch.Tensor) -> torch.Tensor | None:
+    """Keys a one-token step at device position ``pos`` may see (pos + 1); None for an int position,
+    whose cache views already end at the current token."""
+    return pos + 1 if isinstance(pos, torch.Tensor) else None
+
+
+def _expect_cache(cache, layout: str, mode: DecodeMode) -> None:
+    if cache.layout != layout:
+        raise ValueError(f"MLA decoding in mode {mode.mla!r} needs a {layout!r} cache, got a {cache.layout!r} one "
+                         f"(make_caches(..., mla_mode={mode.mla!r}) builds the right one)")
+
+
+def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends, length: torch.Tensor | None = None):
+    """T new queries (B,H,T,D) over S cached keys (B,KV,S,D) and values.
+
+    Without ``length`` the cache views end at the newest token (S = start_pos + T): one query sees
+    every cached key, so a decode step needs no mask. A prompt chunk after a cached prefix needs the
+    causal mask aligned bottom-right (query t sees keys up to S - T + t); SDPA's ``is_causal`` aligns
+    top-left, ``causal_lower_right`` keeps the fused kernels with the right mask. With ``length`` (a
+    device tensor, one query) S is the whole static cache and keys from ``length`` on are masked.
     """
     T, S = q.shape[2], k.shape[2]
+    if length is not None:
+        mask = (torch.arange(S, device=k.device) < length).view(1, 1, 1, S)
+        return _sdpa(q, k, v, causal=False, scale=scale, dropout=0.0, enable_gqa=enable_gqa, backends=backends,
+                     attn_mask=mask)
     mask = causal_lower_right(T, S) if 1 < T < S else None
     return _sdpa(q, k, v, causal=T == S and T > 1, scale=scale, dropout=0.0, enable_gqa=enable_gqa,
                  backends=backends, attn_mask=mask)
@@ -134,13 +187,17 @@ class Attention(nn.Module):
                   enable_gqa=self.n_kv_heads != self.n_heads, backends=self.backends)  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
-        """Causal attention of x (B,T,d) at positions start_pos.. over the cache, after appending its k, v."""
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+               mode: DecodeMode = DecodeMode()) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending its k, v.
+
+        One algorithm for every mode (``mode`` only matters to MLA)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        k, v = cache.update(start_pos, k, v)  # (B, KV, start_pos+T, hd)
+        k, v = cache.update(pos, k, v)  # (B, KV, S, hd): S = pos + T, or the static length
         y = _cached_sdpa(q.transpose(1, 2), k, v, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
-                         backends=self.decode_backends if T == 1 else self.backends)  # (B, H, T, hd)
+                         backends=self.decode_backends if T == 1 else self.backends,
+                         length=valid_length(pos))  # (B, H, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     @torch.no_grad()
@@ -218,14 +275,15 @@ class MLA(nn.Module):
                   backends=self.backends)  # (B, H, T, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
-        """Causal attention of x (B,T,d) at positions start_pos.. over the cache, after appending to it.
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+               mode: DecodeMode = DecodeMode()) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending to it.
 
-        A ``kv`` cache (mla-naive) holds up-projected per-head k and v: plain cached SDPA. A
-        ``latent`` cache holds c_kv and k_pe only. Decode steps (T = 1) then run absorbed, as
-        DeepSeek-V3's inference code does: W_UK (wkv_b's key rows) folds into the query,
-        q_nope·W_UK scores against c_kv directly, and W_UV maps the latent-weighted sum to values
-        afterwards, so the step reads (kv_lora_rank + rope) numbers per cached token instead of
+        ``mode.mla == "naive"``: the cache holds up-projected per-head k and v; plain cached SDPA.
+        ``"absorbed"``: the cache holds c_kv and k_pe only. Decode steps (T = 1) then run as
+        DeepSeek-V3's ``absorb`` mode: W_UK (wkv_b's key rows) folds into the query, q_nope·W_UK
+        scores against c_kv directly, and W_UV maps the latent-weighted sum to values afterwards,
+        so the step reads (kv_lora_rank + rope) numbers per cached token instead of
         H·(nope+rope+v). Prompt chunks (T > 1) are compute-bound, where absorption costs FLOPs
         (scores over kv_lora_rank instead of nope per head), so they up-project the cached latents
         and run fused SDPA, as DeepSeek's serving stacks prefill.
@@ -233,22 +291,29 @@ class MLA(nn.Module):
         B, T, _ = x.shape
         q_nope, q_pe = self.query(x, cos, sin)  # (B,T,H,nope), (B,T,H,rope)
         latent = self.latent(x, cos, sin)  # c_kv (B,T,c), k_pe (B,T,rope)
-        if cache.layout == "latent" and T == 1:
-            c_kv, k_pe = cache.update(start_pos, *latent)  # (B,S,c), (B,S,rope)
-            w_uk, w_uv = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).split(
-                [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
-            q_lat = torch.einsum("bhn,hnc->bhc", q_nope[:, 0], w_uk)
-            y_lat = latent_attention(q_lat, q_pe[:, 0], c_kv, k_pe, self.scale, kernel=cache.kernel)  # (B,H,c)
-            y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
+        if mode.mla == "naive":
+            _expect_cache(cache, "kv", mode)
+            k, v = cache.update(pos, *self.expand(*latent))  # (B,H,S,qk), (B,H,S,v)
         else:
-            if cache.layout == "kv":
-                k, v = cache.update(start_pos, *self.expand(*latent))  # (B,H,S,qk), (B,H,S,v)
-            else:
-                k, v = (t.transpose(1, 2) for t in self.expand(*cache.update(start_pos, *latent)))
-            q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
-            y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False,
-                             backends=self.decode_backends if T == 1 else self.backends).transpose(1, 2)  # (B,T,H,v)
+            _expect_cache(cache, "latent", mode)
+            c_kv, k_pe = cache.update(pos, *latent)  # (B,S,c), (B,S,rope)
+            if T == 1:
+                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], c_kv, k_pe, valid_length(pos), mode.kernel)
+            k, v = (t.transpose(1, 2) for t in self.expand(c_kv, k_pe))
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
+        y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False, length=valid_length(pos),
+                         backends=self.decode_backends if T == 1 else self.backends).transpose(1, 2)  # (B,T,H,v)
         return self.wo(y.reshape(B, T, self.n_heads * self.v_dim))
+
+    def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, kernel: str) -> torch.Tensor:
+        """One query per sequence, q_nope (B,H,nope), q_pe (B,H,rope), over the latent cache -> (B,1,d)."""
+        B = q_nope.shape[0]
+        w_uk, w_uv = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).split(
+            [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+        y_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length)  # (B,H,c)
+        y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
+        return self.wo(y.reshape(B, 1, self.n_heads * self.v_dim))
 
     @torch.no_grad()
     def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletool.config import ModelConfig
-from scaletool.model.attention import make_attention
+from scaletool.model.attention import DecodeMode, make_attention
 from scaletool.model.layers import RotaryEmbedding, make_norm
 from scaletool.model.moe import MoE, aux_loss, make_ffn
 
@@ -34,9 +34,10 @@ class Block(nn.Module):
         x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, causal))
         return x + self.drop(self.ffn(self.ffn_norm(x)))
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start_pos: int) -> torch.Tensor:
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+             mode: DecodeMode) -> torch.Tensor:
         """Inference: causal attention over ``cache`` (appended to), no dropout."""
-        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, start_pos)
+        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, pos, mode)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -173,21 +174,30 @@ class Transformer(nn.Module):
     # -- incremental decoding (task=lm) ----------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, start_pos: int, caches, all_logits: bool = False) -> torch.Tensor:
-        """Run tokens (B, T) at positions start_pos.. against per-layer ``caches`` (appending to them).
+    def step(self, tokens: torch.Tensor, pos: int | torch.Tensor, caches, mode: DecodeMode = DecodeMode(),
+             all_logits: bool = False) -> torch.Tensor:
+        """Run tokens (B, T) at positions pos.. against per-layer ``caches`` (appending to them).
 
         Returns logits (B, vocab) of the last position, or (B, T, vocab) with ``all_logits``. The
-        caches come from ``scaletool.decode.cache.make_caches``; positions must fit the RoPE table
-        (see :meth:`extend_rope`).
+        caches come from ``scaletool.decode.cache.make_caches`` (built for ``mode.mla``); positions
+        must fit the RoPE table (see :meth:`extend_rope`). ``pos`` is an int, or a 0-dim integer
+        device tensor for one token per call over the static caches (CUDA-graph friendly: no host
+        reads; the caller keeps pos below the caches' length and the RoPE table).
         """
         T = tokens.shape[1]
-        if start_pos + T > self.rope.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + T} exceed the RoPE table ({self.rope.max_seq_len}); "
-                             "call extend_rope first")
+        if isinstance(pos, torch.Tensor):
+            if T != 1:
+                raise ValueError(f"a device-tensor position decodes one token per call, got {T}")
+            at = pos.reshape(1)
+            cos, sin = self.rope.cos.index_select(0, at), self.rope.sin.index_select(0, at)
+        else:
+            if pos + T > self.rope.max_seq_len:
+                raise ValueError(f"positions up to {pos + T} exceed the RoPE table ({self.rope.max_seq_len}); "
+                                 "call extend_rope first")
+            cos, sin = self.rope(pos, T)
         h = self.tok_embeddings(tokens)
-        cos, sin = self.rope(start_pos, T)
         for layer, cache in zip(self.layers, caches):
-            h = layer.step(h, cos, sin, cache, start_pos)
+            h = layer.step(h, cos, sin, cache, pos, mode)
         return self.lm_head(self.norm(h if all_logits else h[:, -1]))
 
     def extend_rope(self, max_len: int) -> None:

@@ -1,4 +1,5 @@
 """Imports every result module so that each registers its kinds (see :func:`scaletool.results.registered`)."""
+import scaletool.results.decode  # noqa: F401
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
 import scaletool.results.recipe  # noqa: F401

@@ -58,8 +58,21 @@ def test_replicate_first_row_copies_the_prompt_prefix_only():
             assert torch.equal(s[1], s[0]) and torch.equal(s[2], s[0]) and not rest.any()
 
 
+def test_a_device_position_writes_one_token_and_returns_the_whole_static_buffers():
+    c = LatentCache(2, 6, 4, 2, torch.float32, "cpu")
+    c_kv, k_pe = torch.randn(2, 1, 4), torch.randn(2, 1, 2)
+    full_c, full_pe = c.update(torch.tensor(3), c_kv, k_pe)
+    assert full_c.shape == (2, 6, 4) and full_pe.shape == (2, 6, 2)  # static: shape independent of the position
+    assert torch.equal(full_c[:, 3], c_kv[:, 0]) and not full_c[:, :3].any() and not full_c[:, 4:].any()
+    kv = KVCache(1, 5, 2, 3, 3, torch.float32, "cpu")
+    k = torch.randn(1, 1, 2, 3)
+    full_k, _ = kv.update(torch.tensor(4), k, k)
+    assert full_k.shape == (1, 2, 5, 3) and torch.equal(full_k[0, :, 4], k[0, 0])
+    ref = KVCache(1, 5, 2, 3, 3, torch.float32, "cpu")
+    ref.update(4, k, k)  # the int path writes the same place
+    assert torch.equal(ref.k, kv.k)
+
+
 def test_bad_modes_are_rejected():
     with pytest.raises(ValueError, match="mla_mode"):
         make_caches(tiny_cfg("mla"), 1, 4, dtype=torch.float32, device="cpu", mla_mode="latent")
-    with pytest.raises(ValueError, match="kernel"):
-        LatentCache(1, 4, 16, 8, torch.float32, "cpu", kernel="cuda")

@@ -16,6 +16,7 @@ from scaletool.config import RecipeError, load_recipe
 from scaletool.decode.cache import make_caches
 from scaletool.decode.generate import generate, prefill, sample
 from scaletool.model import build_model
+from scaletool.model.attention import DecodeMode
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=0.0)}
 
@@ -24,8 +25,9 @@ def _incremental_logits(model, cfg, mode, tokens, split, dtype):
     """Prefill tokens[:, :split] in chunks of 5 (so later chunks attend to a cached prefix), then one step per token."""
     B, T = tokens.shape
     caches = make_caches(cfg, B, T, dtype=dtype, device="cpu", mla_mode=mode)
-    chunks = [model.step(tokens[:, s:min(s + 5, split)], s, caches, all_logits=True) for s in range(0, split, 5)]
-    steps = [model.step(tokens[:, i:i + 1], i, caches) for i in range(split, T)]
+    m = DecodeMode(mode)
+    chunks = [model.step(tokens[:, s:min(s + 5, split)], s, caches, m, all_logits=True) for s in range(0, split, 5)]
+    steps = [model.step(tokens[:, i:i + 1], i, caches, m) for i in range(split, T)]
     return torch.cat(chunks + [torch.stack(steps, 1)], 1)
 
 
@@ -46,9 +48,11 @@ def test_absorbed_mla_reproduces_naive_mla_step_by_step():
     tokens = torch.randint(0, cfg.vocab_size, (3, 20), generator=torch.Generator().manual_seed(2))
     absorbed = make_caches(cfg, 3, 20, dtype=torch.float32, device="cpu", mla_mode="absorbed")
     naive = make_caches(cfg, 3, 20, dtype=torch.float32, device="cpu", mla_mode="naive")
-    torch.testing.assert_close(prefill(model, tokens[:, :8], absorbed), prefill(model, tokens[:, :8], naive))
+    naive_mode = DecodeMode("naive")
+    torch.testing.assert_close(prefill(model, tokens[:, :8], absorbed),
+                               prefill(model, tokens[:, :8], naive, mode=naive_mode))
     for i in range(8, 20):
-        a, n = model.step(tokens[:, i:i + 1], i, absorbed), model.step(tokens[:, i:i + 1], i, naive)
+        a, n = model.step(tokens[:, i:i + 1], i, absorbed), model.step(tokens[:, i:i + 1], i, naive, naive_mode)
         torch.testing.assert_close(a, n, **TOL[torch.float32])
     # The absorbed cache really is the latent: (32 + 8) numbers per token and layer against 4·(24 + 16).
     assert sum(b.numel() for b in absorbed.buffers()) * 4 == sum(b.numel() for b in naive.buffers())

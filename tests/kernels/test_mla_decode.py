@@ -31,6 +31,45 @@ def test_auto_falls_back_to_the_reference_where_the_kernel_cannot_run():
                                kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.2))
 
 
+def test_lengths_mask_the_positions_past_each_sequence():
+    q_lat, q_pe, c_kv, k_pe = _inputs(3, 4, 32, 16, 12, torch.float32)
+    lengths = torch.tensor([12, 5, 1])
+    out = kernels.latent_attention(q_lat, q_pe, c_kv, k_pe, 0.3, kernel="torch", lengths=lengths)
+    for b, n in enumerate(lengths.tolist()):
+        want = kernels.latent_attention_reference(q_lat[b:b + 1], q_pe[b:b + 1], c_kv[b:b + 1, :n], k_pe[b:b + 1, :n], 0.3)
+        torch.testing.assert_close(out[b:b + 1], want)
+    one = kernels.latent_attention(q_lat, q_pe, c_kv, k_pe, 0.3, kernel="torch", lengths=torch.tensor(5))
+    torch.testing.assert_close(one, kernels.latent_attention_reference(q_lat, q_pe, c_kv[:, :5], k_pe[:, :5], 0.3))
+
+
+@pytest.mark.parametrize("B,H,S", [(1, 16, 5), (1, 16, 32768), (130, 16, 32768), (2000, 16, 4096), (3, 128, 4096),
+                                   (7, 20, 333)])
+@pytest.mark.parametrize("cfg", [kernels.KernelConfig(), kernels.KernelConfig(block_s=32, programs_per_sm=1),
+                                 kernels.KernelConfig(programs_per_sm=16, min_split=64)])
+def test_splits_cover_the_sequence_in_whole_tiles_and_none_is_empty(B, H, S, cfg):
+    n, split_len = cfg.splits(B, H, S, sms=132)
+    assert split_len % cfg.block_s == 0 and (n - 1) * split_len < S <= n * split_len
+    assert n == 1 or split_len >= min(cfg.min_split, S)
+    programs = B * n * -(-H // 16)
+    assert n == 1 or programs <= cfg.programs_per_sm * 132 + B * -(-H // 16)  # splits stop at the target
+
+
+def test_merging_splits_equals_one_softmax_over_all_keys():
+    q_lat, q_pe, c_kv, k_pe = _inputs(2, 3, 16, 8, 10, torch.float32)
+    whole = kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.5)
+    parts, lse = [], []
+    for lo, hi in ((0, 4), (4, 10), (10, 10)):  # the last split is empty, as past a sequence's length
+        s = (torch.einsum("bhc,bsc->bhs", q_lat, c_kv[:, lo:hi]) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe[:, lo:hi])) * 0.5
+        if hi > lo:
+            parts.append(s.softmax(-1) @ c_kv[:, lo:hi])
+            lse.append(torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0)))
+        else:
+            parts.append(torch.zeros_like(whole))
+            lse.append(torch.full(whole.shape[:2], float("-inf")))
+    merged = kernels.merge_splits(torch.stack(parts, 1), torch.stack(lse, 1))
+    torch.testing.assert_close(merged, whole)
+
+
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("B,H,S", [(3, 16, 1000), (1, 16, 5), (130, 16, 4096), (2, 20, 333), (4, 4, 64)])
 def test_triton_kernel_matches_the_reference(B, H, S):
@@ -38,3 +77,28 @@ def test_triton_kernel_matches_the_reference(B, H, S):
     got = kernels.latent_attention(q_lat, q_pe, c_kv, k_pe, 1 / 192 ** 0.5, kernel="triton")
     want = kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(), k_pe.float(), 1 / 192 ** 0.5)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("cfg", [None, kernels.KernelConfig(block_s=32, num_warps=4, num_stages=3),
+                                 kernels.KernelConfig(programs_per_sm=16, min_split=64)])
+def test_triton_kernel_reads_device_lengths(cfg):
+    B, H, S = 5, 16, 3000
+    q_lat, q_pe, c_kv, k_pe = _inputs(B, H, 512, 64, S, torch.bfloat16, device="cuda", seed=1)
+    lengths = torch.tensor([3000, 1, 64, 65, 2999], device="cuda", dtype=torch.int32)
+    got = kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg)
+    want = kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(), k_pe.float(), 0.07,
+                                              lengths=lengths)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,splits,C", [(1, 1, 512), (3, 37, 512), (2, 600, 64)])
+def test_fused_merge_equals_the_torch_merge(B, splits, C):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    o_part = torch.randn(B, splits, 16, C, generator=g, device="cuda")
+    lse = torch.randn(B, splits, 16, generator=g, device="cuda") * 4
+    lse[:, splits // 2 + 1:] = float("-inf")  # trailing splits past the sequence's length
+    out = kernels.merge_splits_triton(o_part, lse, torch.bfloat16)
+    torch.testing.assert_close(out.float(), kernels.merge_splits(o_part, lse), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,112 @@
+"""What a decode run needs in memory, from the analytic model: the largest batch per context that fits
+a budget, and the refusal of a run that cannot fit before anything is allocated.
+
+Everything here is closed-form (``scaletool.analytic``): weights from the exact parameter count,
+the KV cache from its bytes per token (DeepSeek-V2, Table 1), at the decode dtype.
+"""
+from __future__ import annotations
+
+import os
+
+from scaletool.analytic import kv_cache, matmul_params, param_counts
+from scaletool.config import ModelConfig
+from scaletool.errors import RecipeError
+from scaletool.fmt import gib
+
+# Held back from a memory budget for what the analytic fit does not count: prefill activations of
+# one chunk, attention workspaces, logits, allocator fragmentation.
+RESERVE_FRACTION = 0.05
+
+
+def cache_label(cfg: ModelConfig, mla_mode: str) -> str:
+    """The attention type as reported: mha/gqa/mqa/mla, and mla-naive for the uncompressed cache."""
+    return "mla-naive" if cfg.attention == "mla" and mla_mode == "naive" else cfg.attention
+
+
+def cache_bytes_per_token(cfg: ModelConfig, mla_mode: str) -> int:
+    """Analytic cache bytes per token, all layers, at cfg.dtype (``scaletool estimate``'s figure)."""
+    kv = kv_cache(cfg)
+    return kv["naive_bytes_per_token"] if cache_label(cfg, mla_mode) == "mla-naive" else kv["bytes_per_token"]
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of all parameters at the decode dtype: what must stay resident."""
+    return param_counts(cfg)["total"] * cfg.dtype_bytes
+
+
+def weight_bytes_per_step(cfg: ModelConfig) -> int:
+    """Weight bytes a decode step reads: every matmul weight once (the LM head included); the
+    embedding lookup gathers B rows, norms are negligible."""
+    return matmul_params(cfg) * cfg.dtype_bytes
+
+
+def cache_positions(context: int, warmup_steps: int, new_tokens: int) -> int:
+    """Positions a point's caches (and RoPE table) hold: the prompt, then every decode step, the
+    warm-up steps included (they run at their own positions before the timed ones)."""
+    return context + warmup_steps + new_tokens
+
+
+def memory_fit(cfg: ModelConfig, budget_bytes: int, contexts: tuple[int, ...], extra_positions: int) -> dict:
+    """Largest batch per context that fits ``budget_bytes``: analytic weights + KV cache, per attention type.
+
+    Purely analytic (no allocation): batch = (budget − reserve − weights) / (cache bytes per token ×
+    (context + extra_positions)), with ``RESERVE_FRACTION`` of the budget held back for activations
+    and workspaces. An MLA recipe gets rows for its latent cache and for the naive per-head cache.
+    """
+    reserve = int(RESERVE_FRACTION * budget_bytes)
+    weights = weight_bytes(cfg)
+    modes = ("absorbed", "naive") if cfg.attention == "mla" else ("absorbed",)
+    rows = []
+    for mode in modes:
+        per_token = cache_bytes_per_token(cfg, mode)
+        for n in contexts:
+            free = budget_bytes - reserve - weights
+            max_batch = max(free // (per_token * (n + extra_positions)), 0)
+            rows.append({"attention": cache_label(cfg, mode), "context": n, "kv_cache_bytes_per_token": per_token,
+                         "weights_bytes": weights, "max_batch": int(max_batch),
+                         "max_batch_x_context": int(max_batch * n),
+                         "kv_cache_bytes_at_max_batch": int(max_batch * per_token * (n + extra_positions))})
+    return {"budget_bytes": budget_bytes, "reserve_bytes": reserve,
+            "basis": f"analytic: weights + KV cache at {cfg.dtype}, {RESERVE_FRACTION:.0%} of the budget reserved "
+                     "for activations and workspaces", "rows": rows}
+
+
+def available_memory(device) -> tuple[int | None, str]:
+    """Bytes a run may still allocate on ``device`` and where the figure comes from (None: unknown)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free, "free CUDA memory (cudaMemGetInfo)"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages (sysconf)"
+    except (ValueError, OSError, AttributeError):
+        return None, "unknown"
+
+
+def check_memory(cfg: ModelConfig, largest_cache_bytes: int, device, *, init_fp32: bool = True) -> None:
+    """Refuse, naming the figures, a run whose weights and largest KV cache exceed the memory available.
+
+    Weights are built in fp32 and then cast (``init_fp32``), so for a moment both copies are
+    resident; they are gone before the first cache is allocated, and points run one at a time: the
+    peak is the weights plus the larger of the fp32 copy and the largest point's cache.
+    """
+    fp32 = param_counts(cfg)["total"] * 4 if init_fp32 and cfg.dtype_bytes != 4 else 0
+    weights = weight_bytes(cfg)
+    need = weights + max(fp32, largest_cache_bytes)
+    have, source = available_memory(device)
+    if have is None or need <= have:
+        return
+    parts = [f"weights {gib(weights)} at {cfg.dtype}"]
+    parts += [f"{gib(fp32)} more while they are initialised in fp32"] if fp32 else []
+    parts += [f"KV cache {gib(largest_cache_bytes)} at the largest point"]
+    raise RecipeError(f"decode needs about {gib(need)} ({', '.join(parts)}), more than the {gib(have)} available "
+                      f"on {device} ({source}); lower the batch, the context or the model size")

@@ -1,0 +1,97 @@
+"""Greedy decode steps of a whole batch, one call per step: the eager reference and the CUDA graph.
+
+Both keep the current tokens on the device (greedy argmax, no host reads), so a timed loop around
+``step()`` never waits for the GPU.
+
+- :class:`EagerSteps`: the position is a Python int and attention reads the cache prefix up to it
+  (``Transformer.step``'s slicing path). This is the reference.
+- :class:`GraphSteps`: gpt-fast's decode loop. Token and position live in device tensors, the
+  caches are static (every shape fixed at ``max_len``), attention masks the positions past the
+  current one (the Triton latent kernel reads a device-side length and skips them), and the step
+  ends by writing the next token and advancing the position in place. On CUDA that step is
+  captured once in a CUDA graph and every ``step()`` is one ``replay()``: a 16-layer step is
+  hundreds of kernel launches, and at batch 1 mla-1b's eager step took 11-14 ms against 1.9-2.4 ms
+  replayed on an H100 and an H200 (recipes/benchmarks/decode.md). We capture
+  with ``torch.cuda.CUDAGraph`` directly rather than ``torch.compile(mode="reduce-overhead")``:
+  the same launch savings without a compile, and the eager kernels stay the ones measured.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from scaletool.model.attention import DecodeMode
+from scaletool.model.transformer import Transformer
+
+
+class EagerSteps:
+    """Greedy steps with an int position over the cache prefix (the reference path)."""
+
+    cuda_graph = False
+
+    def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
+        self.model, self.caches, self.mode = model, caches, mode
+        self.token, self.pos = token, pos  # (B,) the token at position pos, not yet in the caches
+
+    def step(self) -> None:
+        self.token = self.model.step(self.token[:, None], self.pos, self.caches, self.mode).argmax(-1)
+        self.pos += 1
+
+
+class GraphSteps:
+    """Greedy steps over the static caches with token and position as device tensors.
+
+    ``capture=True`` (CUDA only) records one step in a CUDA graph after two warm-up steps on a side
+    stream (Triton compilation, cuBLAS workspaces and SDPA kernel selection must happen before the
+    capture); the warm-up writes land at the positions the real steps overwrite next. Without
+    capture the same static step runs eagerly: what the CPU tests compare against the reference.
+    """
+
+    def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
+                 *, capture: bool):
+        self.model, self.caches, self.mode = model, caches, mode
+        self.token = token.clone()  # (B,) static: the graph reads and writes this storage
+        self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if capture:
+            self._capture()
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.graph is not None
+
+    def _static_step(self) -> None:
+        logits = self.model.step(self.token[:, None], self.pos, self.caches, self.mode)
+        self.token.copy_(logits.argmax(-1))
+        self.pos.add_(1)
+
+    def _capture(self) -> None:
+        if self.token.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        token, pos = self.token.clone(), self.pos.clone()
+        side = torch.cuda.Stream(self.token.device)
+        side.wait_stream(torch.cuda.current_stream(self.token.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._static_step()
+        torch.cuda.current_stream(self.token.device).wait_stream(side)
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._static_step()
+        self.graph = graph
+
+    def step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._static_step()
+
+
+def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
+               cuda_graph: bool) -> EagerSteps | GraphSteps:
+    """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, else the reference."""
+    if cuda_graph:
+        return GraphSteps(model, caches, mode, token, pos, capture=True)
+    return EagerSteps(model, caches, mode, token, pos)

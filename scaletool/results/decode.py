@@ -1,0 +1,127 @@
+"""``scaletool decode``'s result: one :class:`DecodePoint` per (context, batch) measured.
+
+Timed figures carry their spread (:class:`~scaletool.stats.Spread` of per-step seconds, warm-up
+excluded by ``scaletool.stats.settled_start``); rates and bandwidth derive from the median step.
+Schema versions: 1 is the untyped dict scaletool wrote before typed results (whole-loop times,
+``prefill_seconds`` and ``decode_seconds``, no per-step samples); 2 adds ``kind``, the spreads, the
+CUDA-graph flag and the thread count.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from scaletool.results.base import Result, register
+from scaletool.stats import Spread
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())
+
+
+class DecodePoint(_Part):
+    """One (context, batch) point; ``error`` set (and the measurements absent) when it could not run."""
+
+    attention: str  # mha | gqa | mqa | mla | mla-naive
+    batch: int
+    context: int
+    error: str | None = None
+    max_len: int | None = None  # cache positions: context + warm-up steps + new tokens
+    new_tokens: int | None = None
+    rope_extended_to: int | None = None
+    attention_kernel: str | None = None
+    cuda_graph: bool | None = None
+    kv_cache_bytes_per_token_analytic: int | None = None
+    kv_cache_bytes_analytic: int | None = None
+    kv_cache_bytes_measured: int | None = None
+    kv_cache_bytes_allocator: int | None = None
+    kv_cache_rel_error: float | None = None
+    prefill_s: Spread | None = None  # seconds per prefill of ONE prompt of `context` tokens (rows 1.. are copies)
+    prefill_runs_excluded: int | None = None
+    prefill_tokens_per_s: float | None = None  # context / median prefill (not batch × context)
+    decode_step_s: Spread | None = None  # seconds per decode step of the whole batch
+    warmup_steps_excluded: int | None = None
+    decode_tokens_per_s: float | None = None  # batch / median step
+    decode_tokens_per_s_spread: float | None = None  # p90/p10 - 1 of the per-step rate
+    decode_ms_per_token: float | None = None  # median step, ms
+    decode_bytes_per_step: int | None = None
+    decode_bandwidth_bytes_per_s: float | None = None
+    decode_bandwidth_fraction_of_peak: float | None = None
+    memory_peak_allocated_bytes: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class DecodeDevice(_Part):
+    type: str
+    name: str
+    peak_bandwidth_bytes_per_s: float | None = None
+    peak_bandwidth_source: str = ""
+
+
+class DecodeTiming(_Part):
+    clock: str  # what measured each step
+    rule: str  # which samples were excluded as warm-up
+
+
+class MemoryFitRow(_Part):
+    attention: str
+    context: int
+    kv_cache_bytes_per_token: int
+    weights_bytes: int
+    max_batch: int
+    max_batch_x_context: int
+    kv_cache_bytes_at_max_batch: int
+
+
+class MemoryFit(_Part):
+    budget_bytes: int
+    reserve_bytes: int
+    basis: str
+    rows: list[MemoryFitRow]
+
+
+@register
+class DecodeResult(Result):
+    """The decode benchmark of one recipe on one device.
+
+    ``scaletool decode`` fills every field; those describing the run (attention, dtype, settings,
+    weights, kv_cache, timing) default to empty so that partial documents (hand-written, or another
+    tool's) still load and are read for their points.
+    """
+
+    SCHEMA_VERSION: ClassVar[int] = 2
+    kind: Literal["decode"] = "decode"
+    schema_version: int = 2
+    points: list[DecodePoint]
+    device: DecodeDevice
+    attention: str | None = None
+    mla_mode: str | None = None
+    dtype: str | None = None
+    settings: dict[str, Any] = {}
+    weights_bytes: int | None = None
+    weights_bytes_read_per_step: int | None = None
+    kv_cache: dict[str, Any] = {}  # scaletool estimate's kv_cache section
+    memory_fit: MemoryFit | None = None
+    timing: DecodeTiming | None = None
+    recipe: str | None = None
+    checkpoint: str | None = None
+    cuda_graph: bool = False  # decode steps replayed from a CUDA graph
+    threads: int | None = None  # CPU intra-op threads (None on GPU)
+    notes: list[str] = []
+
+    @classmethod
+    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Version 1: no ``kind``; the timing a sentence; whole-loop times per point, no per-step
+        samples, so the spreads stay null and the rates are kept as they were measured."""
+        data = {**data, "kind": "decode"}
+        timing = data.get("timing")
+        if not isinstance(timing, dict):
+            data["timing"] = {"clock": str(timing or "unknown"),
+                              "rule": "schema 1: one time around the whole loop, no per-step samples"}
+        data["points"] = [{k: v for k, v in p.items() if k not in ("prefill_seconds", "decode_seconds")}
+                          for p in data.get("points") or [] if isinstance(p, dict)]
+        return data

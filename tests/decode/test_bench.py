@@ -1,0 +1,132 @@
+"""The decode benchmark's procedure: warm-up per point, timing samples, sizing and the memory refusal."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import RECIPES
+from tiny_variants import tiny_cfg, tiny_model
+
+from scaletool import api
+from scaletool.config import load_recipe
+from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
+from scaletool.decode.sizing import check_memory, memory_fit
+from scaletool.errors import RecipeError
+from scaletool.model.attention import DecodeMode
+
+COLD_S = 0.4  # what a cold first call costs in the test below: far above a tiny model's warm step (~1 ms)
+
+
+def _cold_per_shape(model):
+    """Make the first call of every input shape slow, as first kernel launches, autotuning and lazy
+    allocations are: a point that times such a call reports the cold cost instead of the model's."""
+    seen, step = set(), model.step
+
+    def slow_first(tokens, *args, **kwargs):
+        if tokens.shape not in seen:
+            seen.add(tokens.shape)
+            time.sleep(COLD_S)
+        return step(tokens, *args, **kwargs)
+
+    model.step = slow_first
+    return model
+
+
+def test_every_point_is_warmed_before_it_is_timed_so_no_point_is_cold():
+    """Issue 13: contexts 64,32,64 gave prefill 151 tokens/s at the first point and 49.5k at the third.
+
+    The mechanism, not CPU speed: a cold cost 100× a warm call lands in every point's excluded
+    warm-up and never in a timed sample (the first and third points then differ by CPU noise only).
+    """
+    cfg, model, _ = tiny_model("mla")
+    s = DecodeSettings(batches=(1,), contexts=(64, 32, 64), new_tokens=4, warmup_steps=1, prefill_repeats=3)
+    res = run_decode(cfg, _cold_per_shape(model), s, budget_bytes=None)
+    assert [p.context for p in res.points] == [64, 32, 64]
+    for p in res.points:
+        # the cold call fell into the excluded warm-up runs, never into the timed samples
+        assert p.prefill_s.n >= 2 and p.prefill_s.p90 < COLD_S / 4, p.prefill_s
+        assert p.decode_step_s.p90 < COLD_S / 4, p.decode_step_s
+        assert p.prefill_runs_excluded >= 1 and p.warmup_steps_excluded >= 1
+
+
+def test_a_slow_start_beyond_the_minimum_warm_up_is_excluded_by_rule():
+    cfg, model, _ = tiny_model("mqa")
+    calls = {"n": 0}
+    step = model.step
+
+    def slow_start(tokens, *args, **kwargs):  # the first 3 decode steps are slow, the minimum excludes 1
+        if tokens.shape[1] == 1:
+            calls["n"] += 1
+            if calls["n"] <= 3:
+                time.sleep(0.5)
+        return step(tokens, *args, **kwargs)
+
+    model.step = slow_start
+    s = DecodeSettings(batches=(2,), contexts=(16,), new_tokens=12, warmup_steps=1, prefill_repeats=1)
+    (p,) = run_decode(cfg, model, s, budget_bytes=None).points
+    # all three slow steps are out (a noisy fast one right after them may be too: the rule is one-sided)
+    assert 3 <= p.warmup_steps_excluded <= 6 and p.decode_step_s.n == 13 - p.warmup_steps_excluded
+    assert p.decode_step_s.p90 < 0.25
+
+
+def test_batches_and_max_resolve_per_context_and_max_needs_a_budget():
+    cfg = tiny_cfg("mla")
+    s = DecodeSettings(batches=(1, None, 1), contexts=(16, 64), new_tokens=4)
+    fit = memory_fit(cfg, 2**22, s.contexts, s.extra_positions)
+    plan = plan_points(cfg, s, fit)
+    biggest = {r["context"]: r["max_batch"] for r in fit["rows"] if r["attention"] == "mla"}
+    assert plan == [(16, 1), (16, biggest[16]), (64, 1), (64, biggest[64])]  # duplicates measured once
+    assert biggest[16] > biggest[64] > 1
+    with pytest.raises(RecipeError, match="needs a memory budget"):
+        plan_points(cfg, s, None)
+
+
+def test_the_memory_check_names_the_figures_and_passes_what_fits():
+    cfg = tiny_cfg("mla")
+    check_memory(cfg, 10 * 2**20, "cpu")  # 10 MiB of cache fits any machine running the tests
+    with pytest.raises(RecipeError) as e:
+        check_memory(cfg, 2**60, "cpu")
+    (line,) = e.value.problems
+    assert line.startswith("decode needs about ") and "KV cache 1073741824.00 GiB" in line and "available on cpu" in line
+
+
+def test_api_decode_returns_the_typed_result_for_a_recipe_object():
+    r = load_recipe(RECIPES / "tiny.yaml")
+    res = api.decode(r, contexts=[8], batch=[1, 2], new_tokens=2, device="cpu", warmup_steps=1, prefill_repeats=1,
+                     mla_kernel="torch")
+    assert res.kind == "decode" and [p.batch for p in res.points] == [1, 2] and res.recipe is None
+    assert res.settings["kernel"] == "torch" and res.threads >= 1
+    with pytest.raises(RecipeError, match="batch"):
+        api.decode(r, batch=[0], device="cpu")
+    with pytest.raises(RecipeError, match="mla_mode"):
+        api.decode(r, mla_mode="latent", device="cpu")
+
+
+def test_mode_not_the_cache_picks_the_algorithm():
+    """Issue 18: the decode algorithm came from the cache object's attributes; now the caller's mode
+    picks it, and a cache of the wrong kind for the mode is refused instead of silently followed."""
+    from scaletool.decode.cache import make_caches
+
+    cfg, model, _ = tiny_model("mla")
+    latent = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode="absorbed")
+    tokens = torch.randint(cfg.vocab_size, (1, 4))
+    with pytest.raises(ValueError, match="mode 'naive' needs a 'kv' cache, got a 'latent' one"):
+        model.step(tokens, 0, latent, DecodeMode("naive"))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        DecodeMode("absorbed", "cuda")
+
+
+def test_trust_checkpoint_reaches_a_loader_that_takes_it(monkeypatch):
+    import scaletool.train.checkpoint as ckpt
+
+    seen = {}
+
+    def loader(path, model, trust_checkpoint=False):
+        seen.update(path=path, trust=trust_checkpoint)
+        return model
+
+    monkeypatch.setattr(ckpt, "load_model_weights", loader)
+    r = load_recipe(RECIPES / "tiny.yaml")
+    model = api._decode_model(r, torch.device("cpu"), 0, "some/dir", True)
+    assert seen == {"path": "some/dir", "trust": True} and not model.training
