@@ -230,7 +230,7 @@ class DecodePoint(View):
     decode_tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
     decode_step_s: Spread | None = None  # one step decodes one token of every sequence in the batch
-    prefill_s: Spread | None = None  # one prefill of batch × context tokens
+    prefill_s: Spread | None = None  # one prompt of `context` tokens (the batch's other rows are copies)
 
     @property
     def decode_rate(self) -> Spread | None:
@@ -240,8 +240,8 @@ class DecodePoint(View):
 
     @property
     def prefill_rate(self) -> Spread | None:
-        if self.prefill_s is not None and self.batch and self.context:
-            return self.prefill_s.inverse(self.batch * self.context)
+        if self.prefill_s is not None and self.context:
+            return self.prefill_s.inverse(self.context)
         return one(self.prefill_tokens_per_s)
 
 

@@ -73,7 +73,7 @@ def decode_point(attention: str, context: int, step_times: list[float], prefill_
     return {"attention": attention, "batch": batch, "context": context, "max_len": context + new_tokens,
             "new_tokens": new_tokens, "kv_cache_bytes_measured": kv, "kv_cache_bytes_analytic": kv,
             "decode_step_s": step.model_dump(), "prefill_s": prefill.model_dump(),
-            "decode_tokens_per_s": batch / step.median, "prefill_tokens_per_s": batch * context / prefill.median,
+            "decode_tokens_per_s": batch / step.median, "prefill_tokens_per_s": context / prefill.median,
             "decode_tokens_per_s_spread": step.inverse(batch).ratio_spread}
 
 
