@@ -129,7 +129,7 @@ def test_regression_recipes_are_refused():
 def test_a_model_too_large_for_memory_is_refused_with_the_figure_before_allocating():
     """Issue 14: `decode` of a huge model on CPU was killed by the OOM killer; now it is refused."""
     res = run_cli("decode", TINY, "--device", "cpu", "--set", "model.d_model=1000000", "--set", "model.n_heads=4",
-                  "--set", "model.intermediate_size=4000000", timeout=120)
+                  "--set", "model.intermediate_size=1000000", timeout=120)
     assert res.returncode == 2, res.stderr
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith("error: decode needs about ") and "GiB" in line and "available on cpu" in line
