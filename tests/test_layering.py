@@ -29,9 +29,7 @@ LAYERS: list[set[str]] = [
 #: same-layer imports that are part of the design: (importer, imported)
 ALLOWED_SIDEWAYS: set[tuple[str, str]] = set()
 #: known violations being removed; each entry names the module pair. Keep this empty.
-PENDING: set[tuple[str, str]] = {
-    ("scaletool.train.loop", "scaletool.profile"),
-}
+PENDING: set[tuple[str, str]] = set()
 
 PKG = Path(scaletool.__file__).parent
 

@@ -7,7 +7,8 @@ parameter names do not depend on the wrapping (DDP, FSDP, compile, activation ch
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -15,11 +16,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scaletool.config import Recipe
+from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
+from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
@@ -100,11 +102,26 @@ class SingleEngine(Engine):
         return state
 
     def save(self, path: Path) -> None:
-        dcp.save(self._state(), checkpoint_id=str(path))
+        with _single_process_is_intended():
+            dcp.save(self._state(), checkpoint_id=str(path))
 
     def load(self, path: Path) -> None:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        model_shapes = {k: tuple(v.shape) for k, v in state["model"].items()}  # global shapes (DTensors too)
+        mismatch = shape_problem(path, dcp_shapes(path), model_shapes)
+        if mismatch:
+            raise RecipeError(mismatch)
+        with _single_process_is_intended():
+            dcp_load(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
+
+
+@contextmanager
+def _single_process_is_intended():
+    """DCP warns that "torch.distributed is disabled" whenever the single engine (no process group)
+    saves or loads; that is the intended use, and the user can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield

@@ -9,10 +9,9 @@ import time
 import pytest
 from conftest import RECIPES, run_cli
 
+from scaletool import api
 from scaletool.config import load_recipe
-from scaletool.engines import init_distributed
 from scaletool.profile.monitors import DynamicsMonitor
-from scaletool.train.loop import run
 
 TINY = str(RECIPES / "tiny.yaml")
 
@@ -86,18 +85,17 @@ def test_monitors_leave_step_times_unchanged(tmp_path, monkeypatch):
         return measure(self, step, weights)
 
     monkeypatch.setattr(DynamicsMonitor, "measure", slow_measure)
-    env = init_distributed("single")
     times = {False: [], True: []}
     for i, on in enumerate((False, False, True, False, True)):
         r = load_recipe(TINY, ["train.steps=8", f"profile.monitors.enabled={str(on).lower()}",
                                "profile.monitors.every=1"])
-        s = run(r, tmp_path / str(i), env, quiet=True)
-        measured = s["history"]["step_time_s"][r.train.measure_warmup_steps:]
+        s = api.train(r, out=tmp_path / str(i), quiet=True)
+        measured = s.history.step_time_s[r.train.measure_warmup_steps:]
         assert len(measured) == 6 and all(t > 0 for t in measured)
         if i:
             times[on] += measured
         if on:
-            assert s["dynamics"]["steps"] == list(range(8))
+            assert s.dynamics["steps"] == list(range(8))
     median = {on: sorted(ts)[len(ts) // 2] for on, ts in times.items()}
     # A leak would add the whole 0.25 s sleep to every step; load noise on a shared CI machine moves
     # either median by far less than half of it, in either direction.
