@@ -23,8 +23,10 @@ import io
 import pathlib
 import pickle
 import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -122,9 +124,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+@contextmanager
+def single_process_intended():
+    """DCP warns that "torch.distributed is disabled" whenever it saves or loads without a process group
+    (the single engine, weights for decoding); that is the intended use, and nobody can act on it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def dcp_load(state: dict, ckpt_dir: str | Path, *, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` into ``state`` with the restricted reader and planner."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    with single_process_intended():
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
 
 
 def dcp_problem(ckpt_dir: str | Path) -> str | None:

@@ -7,8 +7,7 @@ parameter names do not depend on the wrapping (DDP, FSDP, compile, activation ch
 """
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from scaletool.engines.apply import apply_activation_checkpointing, compile_bloc
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
-from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem
+from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
@@ -102,7 +101,7 @@ class SingleEngine(Engine):
         return state
 
     def save(self, path: Path) -> None:
-        with _single_process_is_intended():
+        with single_process_intended():
             dcp.save(self._state(), checkpoint_id=str(path))
 
     def load(self, path: Path) -> None:
@@ -111,17 +110,7 @@ class SingleEngine(Engine):
         mismatch = shape_problem(path, dcp_shapes(path), model_shapes)
         if mismatch:
             raise RecipeError(mismatch)
-        with _single_process_is_intended():
-            dcp_load(state, path)
+        dcp_load(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
-
-
-@contextmanager
-def _single_process_is_intended():
-    """DCP warns that "torch.distributed is disabled" whenever the single engine (no process group)
-    saves or loads; that is the intended use, and the user can do nothing about it."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
