@@ -104,7 +104,7 @@ def _wandb_options(spec: str | None):
     """``offline`` / ``online`` / ``mode:project`` (or the parent's :data:`WANDB_ENV`) -> WandbOptions."""
     import os
 
-    from scaletool.measure.metrics import WandbOptions
+    from scaletool.measure.metrics import WandbOptions, import_wandb
 
     spec = spec or os.environ.get(WANDB_ENV) or None
     if spec is None:
@@ -112,6 +112,7 @@ def _wandb_options(spec: str | None):
     mode, _, project = spec.partition(":")
     if mode not in ("offline", "online"):
         raise RecipeError(f"wandb {spec!r}: expected offline or online, optionally followed by :PROJECT")
+    import_wandb()  # missing: one line now, before anything runs
     return WandbOptions(mode=mode, project=project or "scaletool")
 
 

@@ -73,6 +73,19 @@ class WandbOptions:
     mode: str = "offline"
     project: str = "scaletool"
 
+    def __post_init__(self):
+        if self.mode not in ("offline", "online"):
+            raise RecipeError(f"wandb mode {self.mode!r}: expected offline or online")
+
+
+def import_wandb():
+    """The ``wandb`` module, or a one-line RecipeError saying how to install it."""
+    try:
+        import wandb
+    except ImportError:
+        raise RecipeError("wandb logging needs the wandb package: pip install 'scaletool[wandb]'") from None
+    return wandb
+
 
 class _WandbLogger:
     """Feeds one W&B run from the writer: the same scalars as TensorBoard, the summary's metrics at the end.
@@ -80,12 +93,7 @@ class _WandbLogger:
     The run id is derived from the run directory, so a resumed run continues the same W&B run."""
 
     def __init__(self, out_dir: Path, opts: WandbOptions, config: dict | None):
-        if opts.mode not in ("offline", "online"):
-            raise RecipeError(f"wandb mode {opts.mode!r}: expected offline or online")
-        try:
-            import wandb
-        except ImportError:
-            raise RecipeError("wandb logging needs the wandb package: pip install 'scaletool[wandb]'") from None
+        wandb = import_wandb()
         run_id = hashlib.sha1(str(out_dir.resolve()).encode()).hexdigest()[:16]
         self.run = wandb.init(project=opts.project, name=out_dir.name, id=run_id, resume="allow", dir=str(out_dir),
                               mode=opts.mode, config=config or {})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,14 +62,20 @@ class Stopped(Exception):
     """A termination signal arrived during training (see :func:`stop_on_signals`)."""
 
 
+# Set while a failing run writes its partial result: the process is ending anyway, and a stop signal
+# then (torchrun stops every rank as soon as one fails) must not cut that write short. Process-wide,
+# as signal handlers are.
+_ENDING = threading.Event()
+
+
 @contextmanager
 def stop_on_signals(signals=(signal.SIGTERM,)):
     """Turn the first SIGTERM into :class:`Stopped` raised in the main thread, so a stopped run still
-    writes its partial result; later ones are ignored while that happens. Main thread only."""
+    writes its partial result; later ones, and any while a failing run writes it, are ignored."""
     fired = []
 
     def handler(signum, _frame):
-        if not fired:
+        if not fired and not _ENDING.is_set():
             fired.append(signum)
             raise Stopped(f"stopped by {signal.Signals(signum).name}")
 
@@ -192,7 +199,11 @@ class Trainer:
         except BaseException as e:
             message = (f"{e} after {self.segment['end_step']} of {self.t.steps} steps" if isinstance(e, Stopped)
                        else describe(e))
-            self.result = self._finish("failed", message, collective=False)
+            _ENDING.set()
+            try:
+                self.result = self._finish("failed", message, collective=False)
+            finally:
+                _ENDING.clear()
             raise
         finally:
             self.sampler.stop()
