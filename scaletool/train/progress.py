@@ -1,7 +1,7 @@
 """Progress of the training steps on stderr: a rich bar on a terminal, plain lines when piped.
 
 A live bar redrawn into a pipe or a log file leaves one frozen line; there, a plain line is printed
-at every tenth of the run instead (and never more often than every ``min_interval_s``).
+at every tenth of the run instead, at most every ``min_interval_s`` (a run of a few seconds prints none).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class StepProgress:
             return
         now = time.perf_counter()
         due = self.done % self.every == 0 or self.done == self.total
-        if self.enabled and due and (now - self._last >= self.min_interval_s or self.done == self.total):
+        if self.enabled and due and now - self._last >= self.min_interval_s:
             self._last = now
             self.console.print(self.line(now - self._t0), markup=False, highlight=False)
 

@@ -34,6 +34,8 @@ def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["schema"] == "scaletool.profile.breakdown" and report["ranks"] == [0]
+    assert report["kind"] == "profile" and report["step_s"]["n"] == 2  # the 2 active steps, with their spread
+    assert report["step_s"]["p10"] <= report["step_s"]["median"] <= report["step_s"]["p90"]
 
     # the files as the plugin finds them: a run directory of <worker>[.<span>].pt.trace.json[.gz]
     traces = sorted((out / "profile" / "traces").iterdir())
