@@ -172,12 +172,12 @@ class Trainer:
             self._say(f"nothing to do: {self.out} already completed {self.start.finished.steps_completed} steps "
                       f"(train.steps={self.t.steps}); its summary.json is kept")
             return self.start.finished
-        for cb in self.callbacks:
-            cb.on_train_start(self.info)
-        self.writer.log(self._banner())
         status, message = "completed", None
         self.sampler.start()
         try:
+            for cb in self.callbacks:
+                cb.on_train_start(self.info)
+            self.writer.log(self._banner())
             with self.progress:
                 self.clock.restart()
                 for step in range(self.start_step, self.t.steps):
