@@ -85,9 +85,10 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
         return None
     deliver(report, as_json)
     if not as_json:
+        console = Console(soft_wrap=True)  # paths and notes stay on one line when piped
         if monitors:
-            _print_monitors(out, Console())
-        print_breakdown(report.model_dump(mode="json"), Console(), profile_dir(out) / BREAKDOWN_FILE)
+            _print_monitors(out, console)
+        print_breakdown(report.model_dump(mode="json"), console, profile_dir(out) / BREAKDOWN_FILE)
     return report
 
 

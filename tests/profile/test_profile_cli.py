@@ -132,3 +132,17 @@ def test_bad_options_fail_with_one_line():
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         f"error: {TINY}: profile: the schedule needs wait + warmup + active = 22 steps, but train.steps is 10"]
+
+
+def test_profile_prints_the_breakdown_and_what_the_monitors_found(tmp_path):
+    """In this process through click: the command calls api.profile (no re-invoked train, no fd juggling)."""
+    from click.testing import CliRunner
+
+    from scaletool.cli import main
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["profile", TINY, "--out", str(out), "--monitors",
+                                    "--set", "profile.monitors.every=5"])
+    assert res.exit_code == 0, res.output
+    assert "monitors: measured after steps 4, 9; no collapse warnings" in res.stdout
+    assert "By operator (ms per step)" in res.stdout and f"saved {out / 'profile' / 'breakdown.json'}" in res.stdout
