@@ -92,7 +92,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
                 raise RecipeError("callbacks: the ranks of a multi-process run are separate processes; pass "
                                   "callbacks to a run in this process (or to each rank's own train call)")
             return _train_local_ranks(recipe, overrides, r, nproc_per_node, Path(out or default_out(recipe)), resume,
-                                      peak_tflops, measure, wandb)
+                                      peak_tflops, measure, wandb, quiet)
     elif nproc_per_node is not None and nproc_per_node != le["local_world_size"]:
         raise RecipeError(f"nproc_per_node={nproc_per_node}: this process is one of {le['local_world_size']} local "
                           "ranks started by a launcher; leave it unset or make them agree")
@@ -147,7 +147,7 @@ def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure
 
 
 def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, nproc: int, out: Path, resume,
-                       peak_tflops, measure: bool, wandb: str | None):
+                       peak_tflops, measure: bool, wandb: str | None, quiet: bool):
     """Start ``nproc`` local ranks under torchrun (this process is their agent); rank 0's result."""
     import json
     import os
@@ -163,12 +163,14 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
     from scaletool.train.data import make_source
     from scaletool.train.resume import Resume, plan_start
     from scaletool.train.summary import failed_result
-    from scaletool.train.trainer import TrainFailed
+    from scaletool.train.trainer import TrainFailed, finished_note, say
 
     check_recipe(r, nproc, nproc)
     make_source(r, 0, nproc)  # a missing or malformed data file fails here, once, before any rank starts
     start = plan_start(out, r.train.steps, resume)  # refusals too: before anything starts or is written
     if start.finished is not None:
+        if not quiet:
+            say(finished_note(out, start.finished, r.train.steps))
         return start.finished
     if isinstance(recipe, Recipe):  # the ranks read the recipe from a file
         out.mkdir(parents=True, exist_ok=True)

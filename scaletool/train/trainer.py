@@ -169,8 +169,8 @@ class Trainer:
     def train(self) -> TrainResult:
         """Run steps ``start_step .. train.steps - 1``; return the result (also in ``summary.json``)."""
         if self.start.finished is not None:
-            self._say(f"nothing to do: {self.out} already completed {self.start.finished.steps_completed} steps "
-                      f"(train.steps={self.t.steps}); its summary.json is kept")
+            if self.env.is_main and not self.quiet:
+                say(finished_note(self.out, self.start.finished, self.t.steps))
             return self.start.finished
         status, message = "completed", None
         self.sampler.start()
@@ -289,10 +289,6 @@ class Trainer:
         return (f"{self.recipe.parallel.engine} on {self.env.world_size}× {self.device_name}{threads}: steps "
                 f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")
 
-    def _say(self, line: str) -> None:
-        if self.env.is_main and not self.quiet:
-            Console(stderr=True, highlight=False, soft_wrap=True).print(line, markup=False)
-
     def _finish(self, status: str, message: str | None, *, collective: bool) -> TrainResult:
         """Build the result, let callbacks add to it (not after a failure), write summary.json, close."""
         report = rank_report(self.env, self.sampler, self.nvml_since, self.resident, self.threads)
@@ -314,6 +310,16 @@ class Trainer:
             self.writer.log(f"error: {message}", echo=False)
         self.writer.close()
         return result
+
+
+def finished_note(out: Path, finished: TrainResult, steps: int) -> str:
+    return (f"nothing to do: {out} already completed {finished.steps_completed} steps (train.steps={steps}); "
+            "its summary.json is kept")
+
+
+def say(line: str) -> None:
+    """A line on stderr, whole (no wrapping at the console width when piped)."""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(line, markup=False)
 
 
 def _to_device(batch, device: torch.device):
