@@ -105,8 +105,11 @@ class Trainer:
         if start.finished is not None:
             return
         self.threads = pin_threads(env.local_world_size) if env.device.type == "cpu" else None
-        self.writer = MetricsWriter(self.out, enabled=env.is_main, tensorboard=measure, quiet=quiet,
-                                    start_step=self.start_step, wandb=wandb, config=recipe.to_dict())
+        try:
+            self.writer = MetricsWriter(self.out, enabled=env.is_main, tensorboard=measure, quiet=quiet,
+                                        start_step=self.start_step, wandb=wandb, config=recipe.to_dict())
+        except OSError as e:  # a file where the directory should be, no permission, a full disk
+            raise RecipeError(f"{self.out}: cannot write the run directory ({e.strerror or e})") from None
         try:
             self._build(peak_tflops, callbacks)
         except BaseException:

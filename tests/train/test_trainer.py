@@ -164,3 +164,11 @@ def test_library_messages_name_no_cli_flags(tmp_path):
     with pytest.raises(RecipeError) as err:
         api.train(TINY, out=tmp_path / "x", resume="required")
     assert "--" not in str(err.value) and not (tmp_path / "x").exists()
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    r = CliRunner().invoke(main, ["train", TINY, "--out", str(blocker / "run"), "--json"])
+    assert r.exit_code == 2 and r.stderr.strip().splitlines() == [
+        f"error: {blocker / 'run'}: cannot write the run directory (Not a directory)"]
