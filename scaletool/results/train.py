@@ -8,9 +8,10 @@ trained the run: a resumed run keeps the measurement of each) and ``failures`` (
 rank, root cause first). ``tokens_per_s`` and ``mfu`` come from the median step time.
 
 Version-1 documents (``summary.json`` files written before, without ``kind``) load through
-:meth:`TrainResult.migrate` (or :func:`load_train_summary` for kind-less ones): their recorded
-figures are kept as they were measured (a mean-based ``tokens_per_s``), and ``timing`` is derived
-from their per-step history by today's warm-up rule, marked as derived in ``timing.rule``.
+:meth:`TrainResult.migrate` (or :func:`load_train_summary` for kind-less ones): where they kept
+their per-step times, ``timing`` is derived by today's warm-up rule (marked as derived in
+``timing.rule``) and ``tokens_per_s`` and MFU follow the median step like new results; the recorded
+mean-based rate stays as ``metrics["throughput/tokens_per_s_window"]``.
 """
 from __future__ import annotations
 
@@ -122,20 +123,31 @@ class TrainResult(Result):
 
     @classmethod
     def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Schema 1 -> 2: derive ``timing`` and the per-step spread from the recorded step times."""
+        """Schema 1 -> 2. Where the per-step history was kept, ``timing`` is derived from it by today's
+        warm-up rule and the headline figures follow today's convention: ``tokens_per_s`` from the median
+        step, MFU scaled with it (it is proportional to tokens/s); the recorded mean-based figure is kept
+        as ``metrics["throughput/tokens_per_s_window"]``, which is what it measured."""
         data = dict(data)
+        metrics = dict(data.get("metrics") or {})
+        data.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))
         hist = data.get("history") or {}
         start = int(data.get("start_step") or 0)
         times = [t for s, t in zip(hist.get("step", []), hist.get("step_time_s", [])) if s >= start]
+        tokens = data.get("tokens_per_step")
         if data.get("timing") is None and times:
-            t = timing_of(times, int(data.get("measure_warmup_steps") or 0), data.get("tokens_per_step"))
-            t.rule = "derived on load from a schema-1 summary's step times (tokens_per_s keeps the recorded " \
-                     "mean-based figure): " + t.rule
+            t = timing_of(times, int(data.get("measure_warmup_steps") or 0), tokens)
+            t.rule = "derived on load from a schema-1 summary's step times: " + t.rule
             data["timing"] = t.model_dump(mode="json")
+            recorded = data.get("tokens_per_s")
             if t.tokens_per_s is not None:
-                data.setdefault("tokens_per_s_spread", t.tokens_per_s.ratio_spread)
-        metrics = data.get("metrics") or {}
-        data.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))
+                rate = t.tokens_per_s.median
+                metrics.setdefault("throughput/tokens_per_s_window", recorded)
+                for key in ("mfu", "mfu_full_attention"):
+                    if data.get(key) and recorded:
+                        data[key] *= rate / recorded
+                data.update(tokens_per_s=rate, tokens_per_s_spread=t.tokens_per_s.ratio_spread,
+                            measured_steps=t.step_s.n)
+        data["metrics"] = metrics
         return data
 
 

@@ -23,19 +23,22 @@ def test_there_are_old_documents_to_load():
 
 
 @pytest.mark.parametrize("path", OLD_SUMMARIES, ids=lambda p: p.name)
-def test_schema_1_summaries_load_with_their_figures_kept(path):
+def test_schema_1_summaries_load_in_todays_convention(path):
     raw = json.loads(path.read_text())
     r = load_train_summary(raw, str(path))
-    assert isinstance(r, TrainResult) and r.schema_version == 2 and r.kind == "train"
-    assert r.tokens_per_s == raw["tokens_per_s"] and r.mfu == raw["mfu"] and r.status == raw["status"]
-    assert r.mfu_full_attention == raw["metrics"]["flops/mfu_full_attention"]
+    assert isinstance(r, TrainResult) and r.schema_version == 2 and r.kind == "train" and r.status == raw["status"]
     times = [t for s, t in zip(raw["history"]["step"], raw["history"]["step_time_s"]) if s >= raw["start_step"]]
     if all(t is not None for t in times):  # derived by today's rule from the recorded step times
-        assert r.timing.step_s.n == len(times) - settled_start(times, raw["measure_warmup_steps"])
+        assert r.timing.step_s.n == r.measured_steps == len(times) - settled_start(times, raw["measure_warmup_steps"])
         assert r.timing.rule.startswith("derived on load from a schema-1 summary")
+        assert r.tokens_per_s == r.timing.tokens_per_s.median  # the median step, like new results
         assert r.tokens_per_s_spread == pytest.approx(r.timing.tokens_per_s.ratio_spread)
-    else:  # --no-measure: nothing to derive a spread from
-        assert r.timing.step_s is None
+        assert r.metrics["throughput/tokens_per_s_window"] == raw["tokens_per_s"]  # what was recorded, kept
+        scale = r.tokens_per_s / raw["tokens_per_s"]
+        for new, old in ((r.mfu, raw["mfu"]), (r.mfu_full_attention, raw["metrics"]["flops/mfu_full_attention"])):
+            assert new == (pytest.approx(old * scale) if old else old)  # MFU is proportional to tokens/s
+    else:  # --no-measure: nothing to derive a spread from, the recorded figures stand
+        assert r.timing.step_s is None and r.tokens_per_s == raw["tokens_per_s"] and r.mfu == raw["mfu"]
 
 
 @pytest.mark.parametrize("name, index, result", OLD_RECORDS, ids=[f"{n}:{i}" for n, i, _ in OLD_RECORDS])
