@@ -8,8 +8,6 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
-from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
-from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir
 
 
 def parse_ranks(text: str) -> str | list[int]:
@@ -88,6 +86,8 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
         console = Console(soft_wrap=True)  # paths and notes stay on one line when piped
         if monitors:
             _print_monitors(out, console)
+        from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir  # torch: only once the command runs
+
         print_breakdown(report.model_dump(mode="json"), console, profile_dir(out) / BREAKDOWN_FILE)
     return report
 
@@ -116,6 +116,8 @@ def _pct(x: float | None) -> str:
 
 def print_breakdown(report: dict, console: Console, path: Path | None = None) -> None:
     """The breakdown as rich tables: categories, modules, top operators, communication overlap."""
+    from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
+
     rec = report.get("recipe", {})
     console.print(f"[bold]{rec.get('attention', '?').upper()}[/] d_model={rec.get('d_model')} "
                   f"n_layers={rec.get('n_layers')} ffn={rec.get('ffn')}×{rec.get('intermediate_size')} "

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from scaletool.config import Recipe
     from scaletool.engines import DistEnv, Engine
     from scaletool.measure.metrics import MetricsWriter
