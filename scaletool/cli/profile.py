@@ -1,21 +1,17 @@
 """``scaletool profile``: train with ``torch.profiler`` on, then print the operator breakdown."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option, stdout_to_stderr
-from scaletool.config import RecipeError, load_recipe
-from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
-from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir
+from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 
 
-def parse_ranks(text: str) -> str:
-    """``all`` or ``0,2,3`` -> the YAML value of ``profile.ranks``."""
+def parse_ranks(text: str) -> str | list[int]:
+    """``all`` or ``0,2,3`` -> ``"all"`` or the ranks."""
     if text.strip() == "all":
         return "all"
     try:
@@ -25,7 +21,7 @@ def parse_ranks(text: str) -> str:
                                  param_hint="--ranks") from None
     if not ranks or ranks[0] < 0:
         raise click.BadParameter(f"{text!r}: expected 'all' or comma-separated ranks >= 0", param_hint="--ranks")
-    return "[" + ",".join(map(str, ranks)) + "]"
+    return ranks
 
 
 @click.command(context_settings={"show_default": True})
@@ -41,9 +37,8 @@ def parse_ranks(text: str) -> str:
 @click.option("--monitors/--no-monitors", default=None, help="Training-dynamics monitors (profile.monitors.enabled) "
               "[default: the recipe's].")
 @json_option
-@click.pass_context
-def profile(ctx: click.Context, recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: str | None,
-            nproc_per_node: int | None, monitors: bool | None, as_json: bool) -> None:
+def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: str | None, nproc_per_node: int | None,
+            monitors: bool | None, as_json: bool):
     """Train RECIPE with torch.profiler on, then break each step's time down by operator.
 
     \b
@@ -65,33 +60,50 @@ def profile(ctx: click.Context, recipe: str, overrides: tuple[str, ...], out: Pa
       scaletool profile recipes/tiny.yaml --nproc-per-node 2 --set parallel.engine=fsdp --ranks 0,1
       scaletool profile recipes/mla-1b.yaml --set profile.wait=5 --set train.steps=10 --json
     """
-    from scaletool.cli.train import default_out, train
-    from scaletool.engines import launcher_env
+    import sys
 
-    extra = ["profile.enabled=true"]
-    if ranks is not None:
-        extra.append(f"profile.ranks={parse_ranks(ranks)}")
-    if monitors is not None:
-        extra.append(f"profile.monitors.enabled={str(monitors).lower()}")
-    overrides = tuple(overrides) + tuple(extra)
-    r = load_recipe(recipe, overrides)  # bad recipes fail here, once, before anything starts
-    world = nproc_per_node or launcher_env()["world_size"]
-    if r.profile.ranks != "all" and max(r.profile.ranks) >= world:
-        raise RecipeError(f"profile.ranks: {r.profile.ranks} names ranks beyond the world size {world}")
+    from scaletool import api
+    from scaletool.cli.train import default_out
+    from scaletool.fmt import stdout_to_stderr
+    from scaletool.launch.failures import reported_failures
+    from scaletool.train.trainer import TrainFailed, stop_on_signals
+
     out = out or default_out(recipe)
-    with stdout_to_stderr(as_json):
-        ctx.invoke(train, recipe=recipe, overrides=overrides, out=out, as_json=False, resume=False,
-                   nproc_per_node=nproc_per_node, peak_tflops=None, measure=True, local_rank=None)
-    if launcher_env()["rank"] != 0:
-        return
-    path = profile_dir(out) / BREAKDOWN_FILE
-    if not path.is_file():
-        raise RecipeError(f"{path}: no breakdown was written (see {out / 'train.log'})")
-    report = json.loads(path.read_text())
+    with reported_failures(), stop_on_signals():
+        try:
+            with stdout_to_stderr(as_json):  # the training log and the ranks' prints; stdout keeps the JSON
+                report = api.profile(recipe, overrides=overrides, out=out, quiet=as_json, monitors=monitors,
+                                     ranks=parse_ranks(ranks) if ranks is not None else None,
+                                     nproc_per_node=nproc_per_node)
+        except TrainFailed as failed:
+            for line in failed.lines:
+                click.echo(f"error: {line}", err=True)
+            sys.exit(1)
+    if report is None:  # not rank 0 of a launched run
+        return None
     deliver(report, as_json)
     if not as_json:
-        print_breakdown(report, Console(), path)
+        console = Console(soft_wrap=True)  # paths and notes stay on one line when piped
+        if monitors:
+            _print_monitors(out, console)
+        from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir  # torch: only once the command runs
+
+        print_breakdown(report.model_dump(mode="json"), console, profile_dir(out) / BREAKDOWN_FILE)
     return report
+
+
+def _print_monitors(out: Path, console: Console) -> None:
+    """What the training-dynamics monitors found (summary.json's dynamics section)."""
+    import json
+
+    dyn = json.loads((out / "summary.json").read_text()).get("dynamics") or {}
+    steps = dyn.get("steps") or []
+    warnings = dyn.get("warnings") or []
+    console.print(f"monitors: measured after steps {', '.join(map(str, steps)) or 'none'}; "
+                  f"{len(warnings) or 'no'} collapse warning{'s' if len(warnings) != 1 else ''}; history in "
+                  f"{out / 'summary.json'} (dynamics) and {out / 'metrics.jsonl'}")
+    for w in warnings:
+        console.print(w, style="yellow", markup=False)
 
 
 def _ms(s: float | None) -> str:
@@ -104,6 +116,8 @@ def _pct(x: float | None) -> str:
 
 def print_breakdown(report: dict, console: Console, path: Path | None = None) -> None:
     """The breakdown as rich tables: categories, modules, top operators, communication overlap."""
+    from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES
+
     rec = report.get("recipe", {})
     console.print(f"[bold]{rec.get('attention', '?').upper()}[/] d_model={rec.get('d_model')} "
                   f"n_layers={rec.get('n_layers')} ffn={rec.get('ffn')}×{rec.get('intermediate_size')} "

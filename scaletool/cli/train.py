@@ -1,55 +1,21 @@
 """``scaletool train``: train a recipe's model with one of four engines and measure it."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
 
+from scaletool.api import TRAIN_CHILD_ENV as CHILD_ENV  # noqa: F401 (what `scaletool launch` sets for its ranks)
+from scaletool.api import WANDB_ENV
+from scaletool.api import default_out as _default_out
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
-from scaletool.config import RecipeError, load_recipe
-
-# Set by the --nproc-per-node parent for its torchrun children: they write summary.json and leave
-# the verdict (exit status, error line, --json output) to the parent, so torchrun never reports a
-# diverged run as a crashed child with a traceback.
-CHILD_ENV = "SCALETOOL_TRAIN_CHILD"
+from scaletool.fmt import stdout_to_stderr
 
 
 def default_out(recipe: str) -> Path:
-    return Path("runs") / f"{Path(recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def _launch(recipe_path: str, r, nproc: int, out: Path, overrides, resume, peak_tflops, measure, as_json) -> None:
-    """Re-run this command under ``python -m torch.distributed.run --standalone`` with ``nproc`` local ranks."""
-    from scaletool.engines import check_recipe
-    from scaletool.launch.commands import LaunchSpec, thread_env, torchrun_argv
-    from scaletool.train.data import make_source
-
-    check_recipe(r, nproc, nproc)
-    make_source(r, 0, nproc)  # a missing or malformed data file fails here, once, before any rank starts
-    cmd = torchrun_argv(LaunchSpec(recipe_path, str(out), nproc_per_node=nproc, overrides=tuple(overrides),
-                                   peak_tflops=peak_tflops, resume=resume, measure=measure))
-    env = {**os.environ, CHILD_ENV: "1", **thread_env(nproc)}
-    rc = subprocess.run(cmd, env=env, stdout=sys.stderr if as_json else None).returncode
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    if rc != 0 or summary is None:
-        click.echo(f"error: {nproc}-process run failed (torchrun exit status {rc}); see the log above"
-                   + (f" and {out / 'train.log'}" if (out / "train.log").is_file() else ""), err=True)
-        sys.exit(rc or 1)
-    return _finish(summary, as_json)
-
-
-def _finish(summary: dict, as_json: bool) -> dict:
-    deliver(summary, as_json)
-    if summary["status"] != "completed":
-        click.echo(f"error: {summary['message']}", err=True)
-        sys.exit(1)
-    return summary
+    return _default_out(recipe)
 
 
 @click.command(context_settings={"show_default": True})
@@ -57,10 +23,11 @@ def _finish(summary: dict, as_json: bool) -> dict:
 @set_option
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Run directory for summary.json, metrics.jsonl, train.log, TensorBoard scalars and "
-                   "checkpoints [default: runs/<recipe>-<timestamp>].")
+                   "checkpoints [default: runs/<recipe>-<timestamp>]. One run per directory: an existing run "
+                   "is continued with --resume, never overwritten.")
 @json_option
-@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (same loss curve, "
-              "same step count).")
+@click.option("--resume", is_flag=True, help="Continue from the newest intact checkpoint in --out (same loss curve; "
+              "raise train.steps to train further). A finished run is left as it is.")
 @click.option("--auto-resume", is_flag=True, help="Like --resume when --out holds a checkpoint, else start at "
               "step 0 (what `scaletool launch` passes: a restarted worker group continues where it failed).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Start this many local ranks with torchrun "
@@ -69,9 +36,13 @@ def _finish(summary: dict, as_json: bool) -> dict:
               help="Accelerator peak for MFU, overriding profiles/*.yaml (needed for unknown GPUs and CPUs).")
 @click.option("--measure/--no-measure", default=True, help="Per-step timing, loss logging every "
               "train.log_every steps, NVML sampling and TensorBoard; throughput is measured either way.")
+@click.option("--wandb", metavar="offline|online[:PROJECT]", envvar=WANDB_ENV,
+              help="Also log to Weights & Biases (pip install 'scaletool[wandb]'); offline writes under "
+                   "<out>/wandb without a network (wandb sync uploads it later).")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True)  # the DeepSpeed launcher's
 def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bool, resume: bool, auto_resume: bool,
-          nproc_per_node: int | None, peak_tflops: float | None, measure: bool, local_rank: int | None) -> None:
+          nproc_per_node: int | None, peak_tflops: float | None, measure: bool, wandb: str | None,
+          local_rank: int | None):
     """Train RECIPE's model and measure throughput, MFU and memory against the analytic model.
 
     \b
@@ -84,54 +55,27 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
       scaletool train recipes/tiny.yaml
       scaletool train recipes/tiny.yaml --nproc-per-node 2 --set parallel.engine=fsdp
       scaletool train recipes/mla-1b.yaml --set train.log_every=10 --json
+      scaletool train recipes/tiny.yaml --out runs/a --resume --set train.steps=20
       torchrun --nproc-per-node 8 -m scaletool train recipes/mha-1b.yaml --set parallel.engine=deepspeed \\
           --set parallel.zero_stage=3
 
-    The first train.measure_warmup_steps steps (and compilation) are not measured. summary.json
-    holds tokens_per_s (global), mfu (null without a known peak), peak_memory_bytes, loss_first,
-    loss_last and every other figure; --json prints it.
+    Throughput and MFU come from the median step time; the first train.measure_warmup_steps steps
+    (and compilation), and further leading steps until the time settles, are not measured.
+    summary.json holds tokens_per_s (global), timing (median, p10, p90, n of the step time and
+    rate), mfu (causal) and mfu_full_attention (null without a known peak), peak_memory_bytes,
+    loss_first, loss_last and every other figure; --json prints it.
     """
-    from scaletool.engines import check_recipe, launcher_env
+    from scaletool.engines import launcher_env
 
-    r = load_recipe(recipe, overrides)
-    resume = "auto" if auto_resume else resume
+    mode = "auto" if auto_resume else "required" if resume else "never"
+    result = _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node)
     le = launcher_env()
-    if nproc_per_node is not None and not le["launched"]:
-        if nproc_per_node > 1 or r.parallel.engine != "single":
-            out = out or default_out(recipe)
-            return _launch(recipe, r, nproc_per_node, out, overrides, resume, peak_tflops, measure, as_json)
-    elif nproc_per_node is not None and nproc_per_node != le["local_world_size"]:
-        raise RecipeError(f"--nproc-per-node {nproc_per_node}: this process is one of {le['local_world_size']} "
-                          "local ranks started by a launcher; drop the option or make them agree")
-    check_recipe(r, le["world_size"], le["local_world_size"] if le["launched"] else None)
-    return _run_rank(r, recipe, out, resume, peak_tflops, measure, as_json)
-
-
-def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops, measure: bool, as_json: bool) -> dict:
-    import torch.distributed as dist
-
-    from scaletool.engines import agree, init_distributed
-    from scaletool.launch.failures import reported_failures
-    from scaletool.train.loop import run
-
-    child = os.environ.get(CHILD_ENV) == "1"
-    # Any other failure of this rank (out of memory, a missing GPU, NCCL/gloo errors, timeouts) ends
-    # as one line naming the rank and the cause, also in torchrun's error file, and exit status 1.
-    with reported_failures():
-        env = init_distributed(r.parallel.engine, r.parallel.collective_timeout_s)
-        try:
-            out = agree(out or default_out(recipe), env)
-            summary = run(r, out, env, resume=resume, peak_tflops=peak_tflops, measure=measure, quiet=as_json)
-        except RecipeError:
-            if env.rank != 0:  # every rank finds the same problem; one of them reports it
-                sys.exit(2)
-            raise
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    if env.is_main and not child:
-        summary = _finish(summary, as_json)
-    if env.world_size > 1:
+    if le["rank"] == 0 and os.environ.get(CHILD_ENV) != "1":
+        deliver(result, as_json)
+        if result.status != "completed":
+            click.echo(f"error: {result.message}", err=True)
+            sys.exit(1)
+    if le["launched"] and le["world_size"] > 1:
         # Everything is written and the process group is gone. A worker process now skips the
         # interpreter's native teardown: DeepSpeed ZeRO-3 over gloo intermittently aborts there
         # ("terminate called without an active exception": a joinable C++ thread destroyed at exit,
@@ -139,4 +83,40 @@ def _run_rank(r, recipe: str, out: Path | None, resume: bool | str, peak_tflops,
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    return summary
+    return result
+
+
+def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node):
+    """Run api.train here (one rank, alone or started by a launcher) or over local ranks.
+
+    A failure of a rank (out of memory, a missing GPU, NCCL/gloo errors, timeouts) ends as one line
+    naming the rank and the cause, also in torchrun's error file, and exit status 1; failed local
+    ranks give one line each, root cause first; SIGTERM stops the run with its partial result. In
+    every case rank 0's partial result is still delivered (--json, --result-file).
+    """
+    from scaletool import api
+    from scaletool.engines import launcher_env
+    from scaletool.errors import RecipeError, rank_label
+    from scaletool.launch.failures import reported_failures
+    from scaletool.train.trainer import Stopped, TrainFailed, stop_on_signals
+
+    le = launcher_env()
+    with reported_failures(), stop_on_signals():
+        try:
+            with stdout_to_stderr(as_json):  # the ranks' and libraries' prints; stdout keeps the JSON
+                return api.train(recipe, overrides=overrides, out=out, resume=mode, peak_tflops=peak_tflops,
+                                 measure=measure, nproc_per_node=nproc_per_node, quiet=as_json, wandb=wandb)
+        except RecipeError:
+            if le["rank"] != 0:  # every rank finds the same problem; one of them reports it
+                sys.exit(2)
+            raise
+        except TrainFailed as failed:
+            if le["rank"] == 0 and os.environ.get(CHILD_ENV) != "1":
+                deliver(failed.result, as_json)
+            cause = failed.__cause__
+            if cause is not None and not isinstance(cause, Stopped):
+                raise cause from None  # reported_failures: the rank's line (and traceback, error file)
+            where = f"{rank_label()}: " if le["launched"] else ""
+            for line in failed.lines:
+                click.echo(f"error: {where}{line}", err=True)
+            sys.exit(143 if isinstance(cause, Stopped) else 1)

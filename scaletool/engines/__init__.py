@@ -3,7 +3,7 @@
 An :class:`Engine` owns the wrapped model and its optimizer and does one optimizer step over a
 list of micro-batches (``train_step``), with gradient accumulation, clipping and mixed precision as
 its backend does them; ``save``/``load`` write and read its native checkpoint format. The training
-loop (:mod:`scaletool.train.loop`) sees only this interface.
+trainer (:mod:`scaletool.train.trainer`) sees only this interface.
 
 - ``single`` (:mod:`.single`): one device, autocast mixed precision; also the base of DDP and FSDP.
 - ``ddp`` (:mod:`.ddp`): ``DistributedDataParallel``, ``no_sync`` while accumulating.
@@ -11,14 +11,16 @@ loop (:mod:`scaletool.train.loop`) sees only this interface.
 - ``deepspeed`` (:mod:`.deepspeed`): ``deepspeed.initialize`` with ZeRO stage 0-3.
 
 Modules: :mod:`.dist` (rank layout and process group), :mod:`.apply` (activation checkpointing,
-compile), :mod:`.optim` (AdamW), :mod:`.base` (the interface, the factory, launch-time checks).
+compile), :mod:`.optim` (AdamW), :mod:`.base` (the interface, the factory, launch-time checks),
+:mod:`.serialization` (checkpoint reads that run no code from the file, shape checks).
 
 Model code stays single-device; what makes it distributed, checkpointed or compiled is applied
 here, to the built model, as torchtitan's ``parallelize`` does.
 """
 from __future__ import annotations
 
-from scaletool.engines.base import Engine, check_recipe, make_engine
+from scaletool.engines.base import Engine, check_recipe, make_engine, startup_notes
 from scaletool.engines.dist import DistEnv, agree, init_distributed, launcher_env
 
-__all__ = ["DistEnv", "Engine", "agree", "check_recipe", "init_distributed", "launcher_env", "make_engine"]
+__all__ = ["DistEnv", "Engine", "agree", "check_recipe", "init_distributed", "launcher_env", "make_engine",
+           "startup_notes"]

@@ -50,7 +50,16 @@ class Engine(ABC):
 
     @abstractmethod
     def load(self, path: Path) -> None:
-        """Restore what :meth:`save` wrote (collective)."""
+        """Restore what :meth:`save` wrote (collective), reading no code from it; a checkpoint of
+        another model shape is a RecipeError naming the tensor and both shapes."""
+
+
+def startup_notes(recipe: Recipe, env: DistEnv) -> list[str]:
+    """Lines worth saying before the engine is built: slow one-time work it is about to do."""
+    if recipe.parallel.engine != "deepspeed":
+        return []
+    from scaletool.engines.deepspeed import build_notes
+    return build_notes(recipe, env.device.type)
 
 
 def make_engine(recipe: Recipe, env: DistEnv) -> Engine:

@@ -10,21 +10,27 @@ runs them; only ``train_batch_size`` waits for the world size.
 
 The optimizer is torch's AdamW (fused on CUDA), handed to DeepSpeed as a client optimizer; with
 ``offload_optimizer`` DeepSpeed's own CPU Adam (declared in the config) runs the step on the CPU.
+
+Checkpoints are DeepSpeed's own; they are read back through DeepSpeed's checkpoint engine with its
+``load`` swapped for :func:`~scaletool.engines.serialization.load_pt` (plain data only; DeepSpeed's
+own reader unpickles without restriction).
 """
 from __future__ import annotations
 
 import copy
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
-from scaletool.config import Recipe, deepspeed_problems, deepspeed_settings, flatten_dotted
+from scaletool.config import Recipe, RecipeError, deepspeed_problems, deepspeed_settings, flatten_dotted
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
+from scaletool.engines.serialization import load_pt, shape_problem
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 # Ours, not derived from a recipe field: the passthrough may override them freely.
@@ -58,6 +64,26 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
     return config, deepspeed_problems(recipe, world_size)
 
 
+def build_notes(recipe: Recipe, device_type: str) -> list[str]:
+    """What DeepSpeed will compile before training starts (its JIT-built ops), said before it happens.
+
+    On the CPU, DeepSpeed builds its shared-memory collectives op (``deepspeed_shm_comm``) the first
+    time (about 75 s on two cores), and its CPU Adam with ``offload_optimizer``; a built op is reused
+    from torch's extension directory.
+    """
+    from torch.utils.cpp_extension import _get_build_directory  # where torch.utils.cpp_extension.load builds
+
+    ops = (["deepspeed_shm_comm"] if device_type == "cpu" else []) + (
+        ["cpu_adam"] if recipe.parallel.offload_optimizer else [])
+    missing = [op for op in ops if not (Path(_get_build_directory(op, verbose=False)) / f"{op}.so").is_file()]
+    return [f"deepspeed: compiling its {op} op (first run only; about a minute or more)" for op in missing]
+
+
+# ZeRO-2/3 call torch's deprecated all_gather_into_tensor / reduce_scatter_tensor every step; each call
+# prints a FutureWarning pair into the step log that only DeepSpeed's authors can act on.
+_DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -70,6 +96,7 @@ class DeepSpeedEngine(Engine):
         t = recipe.train
         config, _ = deepspeed_config(recipe, env.world_size)  # problems were reported at launch
         apply_activation_checkpointing(model, t)
+        warnings.filterwarnings("ignore", message=_DEPRECATED_COLLECTIVES, category=FutureWarning)
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
         if recipe.parallel.offload_optimizer:
             kw = {"model_parameters": param_groups(model, t.weight_decay)}
@@ -80,6 +107,9 @@ class DeepSpeedEngine(Engine):
             self.engine.compile()
         self.model = self.engine
         self.dtype = DTYPES[recipe.model.dtype]
+        # DeepSpeed reads every checkpoint file through its checkpoint engine's load(path, map_location)
+        self.engine.checkpoint_engine.load = lambda path, map_location=None: load_pt(
+            path, map_location=map_location, deepspeed=True)
 
     def train_step(self, batches, lr):
         for g in self.optimizer.param_groups:
@@ -98,9 +128,23 @@ class DeepSpeedEngine(Engine):
         return total / len(batches), norm
 
     def save(self, path: Path) -> None:
-        self.engine.save_checkpoint(str(path.parent), tag=path.name)
+        # no "latest" file: the directory is renamed once complete, and the loop finds checkpoints itself
+        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        # ZeRO-3 leaves empty local tensors in place of partitioned parameters; ds_shape is the full one
+        return {k: tuple(getattr(p, "ds_shape", p.shape)) for k, p in self.engine.module.named_parameters()}
 
     def load(self, path: Path) -> None:
+        states = sorted(path.glob("*mp_rank_00_model_states.pt"))
+        if states:
+            saved = load_pt(states[0], deepspeed=True)
+            groups = saved.get("param_shapes")  # ZeRO: one {name: shape} per parameter group
+            found = ({k: tuple(v) for group in groups for k, v in group.items()} if groups else
+                     {k: tuple(v.shape) for k, v in saved["module"].items()})
+            mismatch = shape_problem(path, found, self._shapes())
+            if mismatch:
+                raise RecipeError(mismatch)
         loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
         if loaded is None:

@@ -15,11 +15,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from scaletool.config import Recipe
+from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
+from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
@@ -100,11 +101,16 @@ class SingleEngine(Engine):
         return state
 
     def save(self, path: Path) -> None:
-        dcp.save(self._state(), checkpoint_id=str(path))
+        with single_process_intended():
+            dcp.save(self._state(), checkpoint_id=str(path))
 
     def load(self, path: Path) -> None:
         state = self._state()
-        dcp.load(state, checkpoint_id=str(path))
+        model_shapes = {k: tuple(v.shape) for k, v in state["model"].items()}  # global shapes (DTensors too)
+        mismatch = shape_problem(path, dcp_shapes(path), model_shapes)
+        if mismatch:
+            raise RecipeError(mismatch)
+        dcp_load(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])

@@ -8,13 +8,13 @@ after a failure continues from the newest complete checkpoint in ``--out`` inste
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scaletool.config import RecipeError
+from scaletool.threads import child_env, threads_per_process
 
 TORCHRUN = "torch.distributed.run"
 DEEPSPEED_RUNNER = "deepspeed.launcher.runner"
@@ -182,5 +182,6 @@ def node_env(launcher: str) -> dict[str, str]:
 
 
 def thread_env(nproc_per_node: int) -> dict[str, str]:
-    """``OMP_NUM_THREADS``: this node's cores shared by its ranks, unless already set (decided on the node)."""
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))}
+    """Each rank's share of this node's cores (:mod:`scaletool.threads`; an explicit ``OMP_NUM_THREADS``
+    wins), as the environment of its process (decided on the node)."""
+    return child_env(threads_per_process(nproc_per_node))

@@ -65,24 +65,35 @@ def _failure_message(failure) -> str:
     return m.get("message", "") if isinstance(m, dict) else (m or "")
 
 
+def _is_consequence(line: str) -> bool:
+    """A rank that failed because a peer did: its collective errored or timed out (see :func:`describe`)."""
+    return "communication error" in line or "communication timed out" in line
+
+
+def _failure_line(rank: int, f) -> str:
+    msg = _failure_message(f)
+    if msg.startswith("error: "):  # written by reported_failures on that rank
+        return msg
+    who = f"rank {rank} (local rank {f.local_rank}, pid {f.pid})"
+    if f.exitcode < 0:
+        sig = signal.Signals(-f.exitcode).name if -f.exitcode in signal.valid_signals() else str(-f.exitcode)
+        hint = " (killed from outside: the host's OOM killer, a scheduler or a user)" if sig == "SIGKILL" else ""
+        return f"error: {who}: killed by {sig}{hint}"
+    return f"error: {who}: exited with status {f.exitcode}; its output is above"
+
+
 def child_failure_lines(err) -> list[str]:
-    """One line per failed rank of a ``torch.distributed.elastic ChildFailedError``, root cause first."""
-    first_rank, _ = err.get_first_failure()
-    lines = []
-    for rank in sorted(err.failures, key=lambda r: (r != first_rank, r)):
-        f = err.failures[rank]
-        msg = _failure_message(f)
-        if msg.startswith("error: "):  # written by reported_failures on that rank
-            lines.append(msg)
-            continue
-        who = f"rank {rank} (local rank {f.local_rank}, pid {f.pid})"
-        if f.exitcode < 0:
-            sig = signal.Signals(-f.exitcode).name if -f.exitcode in signal.valid_signals() else str(-f.exitcode)
-            hint = " (killed from outside: the host's OOM killer, a scheduler or a user)" if sig == "SIGKILL" else ""
-            lines.append(f"error: {who}: killed by {sig}{hint}")
-        else:
-            lines.append(f"error: {who}: exited with status {f.exitcode}; its output is above")
-    return lines
+    """One line per failed rank of a ``torch.distributed.elastic ChildFailedError``, root cause first.
+
+    The root cause is the earliest failure that is not a communication error: a rank whose collective
+    failed because a peer died is a consequence, and it writes its error file (with its timestamp)
+    before the agent even notices the dead peer, whose failure is stamped when noticed. Then the other
+    causes, then the consequences, each by rank.
+    """
+    lines = {rank: _failure_line(rank, f) for rank, f in err.failures.items()}
+    causes = [r for r in lines if not _is_consequence(lines[r])] or list(lines)
+    root = min(causes, key=lambda r: (err.failures[r].timestamp, r))
+    return [lines[r] for r in sorted(lines, key=lambda r: (r != root, _is_consequence(lines[r]), r))]
 
 
 def rendezvous_failure_line(exc: BaseException, endpoint: str, run_id: str, nnodes: int, timeout_s: int) -> str:

@@ -10,12 +10,12 @@ the step after the last, so never trained on), :class:`DynamicsMonitor` measures
 - the gradient norm of each block's parameters for the probe batch;
 - the update-to-weight ratio ‖W_t − W_{t−1}‖ / ‖W_{t−1}‖ of each block (one optimizer step).
 
-They run between steps, inside the loop's ``unmeasured()`` (synchronised, timed, left out of
+They run between steps, inside the trainer's ``unmeasured()`` (synchronised, timed, left out of
 throughput and step times) and inside a ``scaletool::unmeasured`` profiler range (left out of the
 operator breakdown), on a plain replica that shares the trained weights: gradients are taken with
 ``torch.autograd.grad``, so the training gradients, DDP hooks and optimizer state are untouched.
 Sharded engines (FSDP2, ZeRO-3) gather the full weights (a collective on every rank); rank 0 measures.
-Values go through the loop's metrics writer (TensorBoard, ``metrics.jsonl``) and into ``summary.json``
+Values go through the trainer's metrics writer (TensorBoard, ``metrics.jsonl``) and into ``summary.json``
 under ``dynamics``; a layer whose entropy or rank ratio falls below its threshold is logged as a warning.
 """
 from __future__ import annotations
@@ -29,6 +29,8 @@ from torch.profiler import record_function
 
 from scaletool.config import MonitorConfig
 from scaletool.profile.breakdown import UNMEASURED
+from scaletool.results.train import TrainResult
+from scaletool.train.callbacks import Callback, StepState, TrainInfo
 
 _TINY = 1e-30
 
@@ -94,8 +96,8 @@ def block_prefix(i: int) -> str:
     return f"layers.{i}."
 
 
-class DynamicsMonitor:
-    """Training-loop callback (see :mod:`scaletool.train.loop`) for the monitors above."""
+class DynamicsMonitor(Callback):
+    """Training callback (see :mod:`scaletool.train.callbacks`) for the monitors above."""
 
     def __init__(self, cfg: MonitorConfig):
         self.cfg = cfg
@@ -104,7 +106,7 @@ class DynamicsMonitor:
         self._prev: tuple[int, dict[str, torch.Tensor]] | None = None
         self._replica: nn.Module | None = None
 
-    def on_train_start(self, info) -> None:
+    def on_train_start(self, info: TrainInfo) -> None:
         from scaletool.train.data import make_source
 
         self.info = info
@@ -117,7 +119,7 @@ class DynamicsMonitor:
     def _due(self, step: int) -> bool:
         return (step + 1) % self.cfg.every == 0 or step == self.steps - 1
 
-    def on_step_end(self, step: int, state) -> dict | None:
+    def on_step_end(self, step: int, state: StepState) -> dict[str, float] | None:
         now, before_next = self._due(step), step + 1 < self.steps and self._due(step + 1)
         if not (now or before_next):
             return None
@@ -130,10 +132,10 @@ class DynamicsMonitor:
             self._prev = (step, {k: v.detach().clone() for k, v in weights.items()}) if before_next else None
         return out
 
-    def on_train_end(self, summary: dict) -> None:
+    def on_train_end(self, result: TrainResult) -> None:
         if self.info.env.rank != 0:
             return
-        summary["dynamics"] = {
+        result.dynamics = {
             "every": self.cfg.every, "batch_size": self.probe[0].shape[0],
             "entropy_threshold_nats": self.cfg.entropy_threshold, "rank_threshold": self.cfg.rank_threshold,
             "steps": [h["step"] for h in self.history], "history": self.history, "warnings": self.warnings,

@@ -32,6 +32,9 @@ from torch.profiler import ProfilerAction, ProfilerActivity, record_function, sc
 from scaletool.config import ProfileConfig
 from scaletool.fmt import clean
 from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES, REGION_PREFIX, SCHEMA_VERSION, analyze, load_trace
+from scaletool.results.train import TrainResult
+from scaletool.stats import spread
+from scaletool.train.callbacks import Callback, StepState, TrainInfo
 
 BREAKDOWN_FILE = "breakdown.json"
 
@@ -81,8 +84,8 @@ def selected(cfg: ProfileConfig, rank: int) -> bool:
     return cfg.ranks == "all" or rank in cfg.ranks
 
 
-class ProfilerCallback:
-    """Training-loop callback (see :mod:`scaletool.train.loop`) that profiles steps and writes the breakdown."""
+class ProfilerCallback(Callback):
+    """Training callback (see :mod:`scaletool.train.callbacks`) that profiles steps and writes the breakdown."""
 
     def __init__(self, cfg: ProfileConfig):
         self.cfg = cfg
@@ -94,7 +97,7 @@ class ProfilerCallback:
 
     # -- loop hooks ------------------------------------------------------------------------------
 
-    def on_train_start(self, info) -> None:
+    def on_train_start(self, info: TrainInfo) -> None:
         self.info, c = info, self.cfg
         env = info.env
         self.dir = profile_dir(info.out_dir)
@@ -125,15 +128,16 @@ class ProfilerCallback:
             with_stack=c.with_stack, with_flops=c.with_flops, profile_memory=c.profile_memory)
         self.prof.start()
 
-    def on_step_end(self, step: int, state) -> None:
+    def on_step_end(self, step: int, state: StepState) -> None:
         if self.prof is None:
-            return
+            return None
         saves = self._schedule(self.prof.step_num) == ProfilerAction.RECORD_AND_SAVE
         # writing the trace takes a while: keep it out of the measured time
         with self.info.unmeasured() if saves else nullcontext():
             self.prof.step()
+        return None
 
-    def on_train_end(self, summary: dict) -> None:
+    def on_train_end(self, result: TrainResult) -> None:
         if self.prof is not None:
             self.prof.stop()  # flushes a window still open (a run shorter than the schedule)
             self.prof = None
@@ -142,7 +146,7 @@ class ProfilerCallback:
         self._hooks = []
         self._dump_snapshot()
         env = self.info.env
-        local = self._local_breakdown(summary) if self.on else None
+        local = self._local_breakdown(result) if self.on else None
         gathered = [local]
         if dist.is_initialized() and env.world_size > 1:
             gathered = [None] * env.world_size
@@ -150,22 +154,22 @@ class ProfilerCallback:
         if not env.is_main:
             return
         per_rank = [b for b in gathered if b is not None]
-        result = {"dir": str(self.dir), "notes": self.notes}
+        section = {"dir": str(self.dir), "notes": self.notes}
         if per_rank:
             report = aggregate(per_rank)
             report["recipe"] = _recipe_digest(self.info.recipe)
             report["notes"] = self.notes
             path = self.dir / BREAKDOWN_FILE
             path.write_text(json.dumps(clean(report), indent=2, sort_keys=True) + "\n")
-            result.update(breakdown=str(path), step_time_s=report["step_time_s"],
-                          shares={k: v["share"] for k, v in report["categories"].items()})
-            shares = sorted(result["shares"].items(), key=lambda kv: -(kv[1] or 0))
+            section.update(breakdown=str(path), step_time_s=report["step_time_s"],
+                           shares={k: v["share"] for k, v in report["categories"].items()})
+            shares = sorted(section["shares"].items(), key=lambda kv: -(kv[1] or 0))
             self.info.writer.log(f"profile: {', '.join(f'{k} {100 * (v or 0):.1f}%' for k, v in shares)} of a "
                                  f"{1e3 * report['step_time_s']:.1f} ms step; breakdown {path}, traces in "
                                  f"{self.dir / 'traces'}")
         for note in self.notes:
             self.info.writer.log(f"note: {note}")
-        summary["profile"] = result
+        result.profile = section
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -184,7 +188,7 @@ class ProfilerCallback:
         self.notes.append(f"memory snapshot: {self._snapshot_path} (open at https://pytorch.org/memory_viz)")
         self._snapshot_path = None
 
-    def _local_breakdown(self, summary: dict) -> dict | None:
+    def _local_breakdown(self, result: TrainResult) -> dict | None:
         if not self.traces:
             self.notes.append(f"rank {self.info.env.rank}: no trace written (train.steps too few for the schedule "
                               f"wait={self.cfg.wait} warmup={self.cfg.warmup} active={self.cfg.active}?)")
@@ -197,9 +201,8 @@ class ProfilerCallback:
         b["trace"] = str(self.traces[0])
         b["traces"] = [str(t) for t in self.traces]
         # the loop's own clock for the same steps (it includes the profiler's overhead, as the trace does)
-        hist = summary.get("history", {})
-        start = summary.get("start_step", 0)
-        times = dict(zip(hist.get("step", []), hist.get("step_time_s", [])))
+        times = dict(zip(result.history.step, result.history.step_time_s))
+        start = result.start_step
         measured = [times.get(start + s) for s in b["steps"]]
         measured = [t for t in measured if t is not None]
         b["loop_step_time_s"] = sum(measured) / len(measured) if measured else None
@@ -217,11 +220,13 @@ def _recipe_digest(recipe) -> dict:
 def aggregate(per_rank: list[dict]) -> dict:
     """``breakdown.json``: the mean over profiled ranks, and every rank's own breakdown.
 
-    Schema (version 1; times are seconds per step, shares are fractions of ``step_time_s``)::
+    Schema (version 1; times are seconds per step, shares are fractions of ``step_time_s``; the typed
+    model is :class:`scaletool.results.profile.ProfileResult`)::
 
-        schema: "scaletool.profile.breakdown", schema_version: 1
+        kind: "profile", schema: "scaletool.profile.breakdown", schema_version: 1
         device: "cuda" | "cpu";  ranks: [int];  n_steps: int (profiled steps per rank)
         step_time_s: float            # mean profiled step, from the trace; loop_step_time_s: the loop's clock
+        step_s: {median, p10, p90, n} # every profiled step of every rank, from the trace
         categories: {optimizer, attention, norm, ffn_matmul, other_matmul, other, communication, idle:
                      {time_s, share}}  # add up to step_time_s; communication = exposed part
         modules:    {optimizer, attention, ffn, norm, other, communication, idle: {time_s, share}}
@@ -254,11 +259,13 @@ def aggregate(per_rank: list[dict]) -> dict:
                for k in ("communication_s", "overlapped_s", "exposed_s")}
     overlap["overlap_ratio"] = (overlap["overlapped_s"] / overlap["communication_s"]
                                 if overlap["communication_s"] else None)
+    pooled = spread([t for b in per_rank for t in b.get("step_times_s") or []])
     return {
-        "schema": "scaletool.profile.breakdown", "schema_version": SCHEMA_VERSION,
+        "kind": "profile", "schema": "scaletool.profile.breakdown", "schema_version": SCHEMA_VERSION,
         "device": per_rank[0]["device"], "ranks": [b["rank"] for b in per_rank],
         "n_steps": min(b["n_steps"] for b in per_rank),
-        "step_time_s": step, "loop_step_time_s": mean(lambda b: b.get("loop_step_time_s")),
+        "step_time_s": step, "step_s": pooled.model_dump() if pooled else None,
+        "loop_step_time_s": mean(lambda b: b.get("loop_step_time_s")),
         "categories": table("categories", ALL_CATEGORIES),
         "modules": table("modules", ALL_MODULES),
         "communication_overlap": overlap,

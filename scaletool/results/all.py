@@ -2,6 +2,8 @@
 import scaletool.results.decode  # noqa: F401
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
+import scaletool.results.profile  # noqa: F401
 import scaletool.results.recipe  # noqa: F401
 import scaletool.results.report  # noqa: F401
 import scaletool.results.sweep  # noqa: F401
+import scaletool.results.train  # noqa: F401

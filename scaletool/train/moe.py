@@ -1,4 +1,4 @@
-"""Mixture-of-experts hooks for the training loop (a callback, see :mod:`scaletool.train.loop`).
+"""Mixture-of-experts hooks for the trainer (a callback, see :mod:`scaletool.train.callbacks`).
 
 - Expert load metrics (:func:`scaletool.model.moe.expert_load_metrics`), summed over data-parallel
   ranks, every ``train.log_every`` steps and after the last: ``moe/imbalance_ratio_mean``,
@@ -17,6 +17,8 @@ import torch.distributed as dist
 from scaletool.config import Recipe
 from scaletool.engines.expert_parallel import ExpertParallelExperts
 from scaletool.model.moe import expert_load_metrics, moe_layers
+from scaletool.results.train import TrainResult
+from scaletool.train.callbacks import Callback, StepState, TrainInfo
 
 
 def _all_reduce_sum(t: torch.Tensor) -> None:
@@ -24,7 +26,7 @@ def _all_reduce_sum(t: torch.Tensor) -> None:
         dist.all_reduce(t)
 
 
-class MoECallback:
+class MoECallback(Callback):
     def __init__(self, recipe: Recipe):
         self.steps, self.log_every = recipe.train.steps, recipe.train.log_every
         self.speed = recipe.model.bias_update_speed
@@ -32,14 +34,14 @@ class MoECallback:
         self.last: dict[str, float] = {}
         self.tokens_per_expert: dict[str, list[float]] = {}
 
-    def on_train_start(self, info) -> None:
+    def on_train_start(self, info: TrainInfo) -> None:
         self.model = info.engine.model
         self.layers = moe_layers(self.model)
         experts = self.layers[0].experts
         self.experts_per_rank = self.layers[0].n_experts // (
             experts.world if isinstance(experts, ExpertParallelExperts) else 1)
 
-    def on_step_end(self, step: int, state) -> dict | None:
+    def on_step_end(self, step: int, state: StepState) -> dict[str, float] | None:
         if self.speed:
             load = torch.stack([m.tokens_per_expert.float() for m in self.layers])  # (L, E)
             _all_reduce_sum(load)
@@ -57,13 +59,13 @@ class MoECallback:
         self.tokens_per_expert = {f"layer{m.layer_id}": row for m, row in zip(self.layers, loads[0].tolist())}
         return self.last
 
-    def on_train_end(self, summary: dict) -> None:
-        summary["metrics"].update({k: v for k, v in self.last.items() if k.count("/") == 1})
-        summary["moe"] = {"tokens_per_expert_last_step": self.tokens_per_expert,
+    def on_train_end(self, result: TrainResult) -> None:
+        result.metrics.update({k: v for k, v in self.last.items() if k.count("/") == 1})
+        result.moe = {"tokens_per_expert_last_step": self.tokens_per_expert,
                           "experts_per_rank": self.experts_per_rank,
                           "bias_update_speed": self.speed, "metrics_last_step": self.last}
 
 
-def moe_callbacks(recipe: Recipe) -> list:
+def moe_callbacks(recipe: Recipe) -> list[Callback]:
     """The MoE callback for ffn=moe recipes, none otherwise."""
     return [MoECallback(recipe)] if recipe.model.ffn == "moe" else []

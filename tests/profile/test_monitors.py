@@ -13,6 +13,7 @@ from scaletool.config import load_recipe
 from scaletool.engines import init_distributed, make_engine
 from scaletool.measure.metrics import MetricsWriter
 from scaletool.profile.monitors import DynamicsMonitor, attention_entropy, effective_rank, update_ratio
+from scaletool.results.train import TrainResult
 
 
 def test_attention_entropy_of_known_distributions():
@@ -110,6 +111,6 @@ def test_collapse_warnings(monitored):
     assert v["dynamics/attention_entropy_nats/layer_00"] < 0.5
     assert any("entropy collapse at step 9, layer 0" in w for w in mon.warnings)
     assert "entropy collapse" in (out / "train.log").read_text()
-    summary = {}
-    mon.on_train_end(summary)
-    assert summary["dynamics"]["steps"] == [9, 9] and summary["dynamics"]["warnings"] == mon.warnings
+    result = TrainResult(status="completed")
+    mon.on_train_end(result)
+    assert result.dynamics["steps"] == [9, 9] and result.dynamics["warnings"] == mon.warnings

@@ -9,10 +9,9 @@ import time
 import pytest
 from conftest import RECIPES, run_cli
 
+from scaletool import api
 from scaletool.config import load_recipe
-from scaletool.engines import init_distributed
 from scaletool.profile.monitors import DynamicsMonitor
-from scaletool.train.loop import run
 
 TINY = str(RECIPES / "tiny.yaml")
 
@@ -35,6 +34,8 @@ def test_profile_writes_plugin_traces_and_a_breakdown_that_adds_up(tmp_path):
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["schema"] == "scaletool.profile.breakdown" and report["ranks"] == [0]
+    assert report["kind"] == "profile" and report["step_s"]["n"] == 2  # the 2 active steps, with their spread
+    assert report["step_s"]["p10"] <= report["step_s"]["median"] <= report["step_s"]["p90"]
 
     # the files as the plugin finds them: a run directory of <worker>[.<span>].pt.trace.json[.gz]
     traces = sorted((out / "profile" / "traces").iterdir())
@@ -86,18 +87,17 @@ def test_monitors_leave_step_times_unchanged(tmp_path, monkeypatch):
         return measure(self, step, weights)
 
     monkeypatch.setattr(DynamicsMonitor, "measure", slow_measure)
-    env = init_distributed("single")
     times = {False: [], True: []}
     for i, on in enumerate((False, False, True, False, True)):
         r = load_recipe(TINY, ["train.steps=8", f"profile.monitors.enabled={str(on).lower()}",
                                "profile.monitors.every=1"])
-        s = run(r, tmp_path / str(i), env, quiet=True)
-        measured = s["history"]["step_time_s"][r.train.measure_warmup_steps:]
+        s = api.train(r, out=tmp_path / str(i), quiet=True)
+        measured = s.history.step_time_s[r.train.measure_warmup_steps:]
         assert len(measured) == 6 and all(t > 0 for t in measured)
         if i:
             times[on] += measured
         if on:
-            assert s["dynamics"]["steps"] == list(range(8))
+            assert s.dynamics["steps"] == list(range(8))
     median = {on: sorted(ts)[len(ts) // 2] for on, ts in times.items()}
     # A leak would add the whole 0.25 s sleep to every step; load noise on a shared CI machine moves
     # either median by far less than half of it, in either direction.
@@ -132,3 +132,17 @@ def test_bad_options_fail_with_one_line():
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         f"error: {TINY}: profile: the schedule needs wait + warmup + active = 22 steps, but train.steps is 10"]
+
+
+def test_profile_prints_the_breakdown_and_what_the_monitors_found(tmp_path):
+    """In this process through click: the command calls api.profile (no re-invoked train, no fd juggling)."""
+    from click.testing import CliRunner
+
+    from scaletool.cli import main
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["profile", TINY, "--out", str(out), "--monitors",
+                                    "--set", "profile.monitors.every=5"])
+    assert res.exit_code == 0, res.output
+    assert "monitors: measured after steps 4, 9; no collapse warnings" in res.stdout
+    assert "By operator (ms per step)" in res.stdout and f"saved {out / 'profile' / 'breakdown.json'}" in res.stdout

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from scaletool import api
 from scaletool.cli import main
 from scaletool.config import load_recipe
-from scaletool.engines import init_distributed
-from scaletool.train.loop import run
+from scaletool.train.callbacks import Callback
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = str(RECIPES / "tiny.yaml")
@@ -35,11 +35,18 @@ def test_summary_has_the_contracted_keys_and_files(tmp_path):
     s = summary_of(train(tmp_path, args=("--peak-tflops", "0.5")))
     for key in ("tokens_per_s", "mfu", "peak_memory_bytes", "loss_first", "loss_last", "recipe", "environment"):
         assert key in s
-    assert s["status"] == "completed" and s["steps_completed"] == 6 and s["measured_steps"] == 5
-    assert s["tokens_per_s"] > 0 and s["peak_memory_bytes"] is None  # CPU: allocator peaks are CUDA's
+    assert s["kind"] == "train" and s["schema_version"] == 2
+    timing = s["timing"]
+    assert s["status"] == "completed" and s["steps_completed"] == 6 and timing["warmup_steps_excluded"] >= 1
+    assert s["measured_steps"] == timing["step_s"]["n"] == 6 - timing["warmup_steps_excluded"]
+    # throughput and MFU from the median step, with the per-step spread beside it
+    assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / timing["step_s"]["median"])
+    assert timing["tokens_per_s"]["p10"] <= s["tokens_per_s"] <= timing["tokens_per_s"]["p90"]
+    assert s["tokens_per_s_spread"] == pytest.approx(timing["tokens_per_s"]["p90"] / timing["tokens_per_s"]["p10"] - 1)
+    assert s["peak_memory_bytes"] is None and s["threads"] >= 1  # CPU: allocator peaks are CUDA's
     m = s["metrics"]
-    assert s["mfu"] == pytest.approx(m["flops/achieved_tflops_per_gpu"] / 0.5)
-    assert m["flops/mfu_full_attention"] > s["mfu"]  # full attention counts twice the score FLOPs
+    assert s["mfu"] == m["flops/mfu"] == pytest.approx(m["flops/achieved_tflops_per_gpu"] / 0.5)
+    assert s["mfu_full_attention"] == m["flops/mfu_full_attention"] > s["mfu"]  # full attention: twice the scores
     tpg = m["throughput/tokens_per_s_per_gpu"]
     assert m["flops/achieved_tflops_per_gpu"] == pytest.approx(tpg * s["flops_per_token"]["train"] / 1e12)
     assert s["flops_per_token"]["convention"] == "causal"
@@ -83,8 +90,12 @@ def test_resume_single_and_fp16_bf16_and_activation_checkpointing(tmp_path):
             "train.selective_every=1")
     full = summary_of(train(tmp_path, *sets, out="full"))
     assert full["loss_last"] < full["loss_first"]
-    (tmp_path / "full" / "checkpoints" / "step_6" / "trainer.json").unlink()  # as if killed mid-save
-    res = summary_of(train(tmp_path, *sets, args=("--resume",), out="full"))
+    (tmp_path / "full" / "checkpoints" / "step_6" / "trainer.json").unlink()  # damaged after it was written
+    (tmp_path / "full" / "summary.json").unlink()  # as if the run had been killed there
+    r = train(tmp_path, *sets, args=("--resume",), out="full")
+    res = summary_of(r)
+    assert f"warning: skipping checkpoint {tmp_path / 'full' / 'checkpoints' / 'step_6'}: trainer.json is missing" \
+        in (tmp_path / "full" / "train.log").read_text()
     assert res["resumed_from"].endswith("step_4") and res["start_step"] == 4
     assert res["history"]["loss"] == pytest.approx(full["history"]["loss"], rel=1e-6)
     fp16 = summary_of(train(tmp_path, "model.dtype=fp16", "train.activation_checkpointing=full", out="fp16"))
@@ -117,9 +128,10 @@ def test_bad_configs_fail_with_one_clear_line(tmp_path, sets, expected):
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
 
 
-def test_resume_without_checkpoint_is_one_line(tmp_path):
-    r = train(tmp_path, args=("--resume",))
+def test_resume_without_checkpoint_is_one_line_and_creates_nothing(tmp_path):
+    r = train(tmp_path, args=("--resume",), out="empty")
     assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0 and "no complete checkpoint" in r.stderr
+    assert not (tmp_path / "empty").exists()
 
 
 def test_text_tokens_and_regression_sources_train(tmp_path):
@@ -152,7 +164,7 @@ def test_text_tokens_and_regression_sources_train(tmp_path):
     assert s["status"] == "completed" and s["loss_last"] < s["loss_first"]
 
 
-class Recorder:
+class Recorder(Callback):
     def __init__(self):
         self.calls = []
 
@@ -166,20 +178,24 @@ class Recorder:
         self.calls.append(("step_end", step))
         return {"probe/loss_copy_nats": float(state.loss)} if step == 2 else None
 
-    def on_train_end(self, summary):
-        summary["probe"] = {"steps_seen": sum(1 for c in self.calls if c[0] == "step_end")}
+    def on_train_end(self, result):
+        result.probe = {"steps_seen": sum(1 for c in self.calls if c[0] == "step_end")}
 
 
-def test_callbacks_plug_in_without_touching_the_loop(tmp_path):
-    r = load_recipe(TINY, FAST)
-    rec, partial = Recorder(), type("OnlyEnd", (), {"on_train_end": lambda self, s: s.setdefault("x", 1)})()
-    s = run(r, tmp_path, init_distributed("single"), quiet=True, callbacks=[rec, partial])
+class OnlyEnd(Callback):
+    def on_train_end(self, result):
+        result.metrics["probe/x"] = 1.0
+
+
+def test_callbacks_plug_in_without_touching_the_trainer(tmp_path):
+    rec = Recorder()
+    s = api.train(load_recipe(TINY, FAST), out=tmp_path, quiet=True, callbacks=[rec, OnlyEnd()])
     assert rec.calls[0] == ("start", 1) and rec.calls[1:3] == [("step_start", 0), ("step_end", 0)]
     saved = json.loads((tmp_path / "summary.json").read_text())
-    assert saved["probe"] == {"steps_seen": 6} and saved["x"] == 1
+    assert saved["probe"] == {"steps_seen": 6} and saved["metrics"]["probe/x"] == 1.0 and s.probe == saved["probe"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     probe = [row for row in rows if "probe/loss_copy_nats" in row]
-    assert probe and probe[0]["step"] == 2 and probe[0]["probe/loss_copy_nats"] == pytest.approx(s["history"]["loss"][2])
+    assert probe and probe[0]["step"] == 2 and probe[0]["probe/loss_copy_nats"] == pytest.approx(s.history.loss[2])
 
 
 def test_help_teaches():

@@ -6,13 +6,15 @@ under `python -m torch.distributed.run`), and the tests read their summaries and
 - each sharded run sees the same global batch as a one-process `single` run (8 sequences per step:
   2 ranks × micro-batch 4, or 2 ranks × micro-batch 2 × 2 accumulation steps), so with the same
   seed the loss curves agree to float32 summation-order noise (rtol 1e-4);
-- each job saves at step 3 and 6; a copy of its run directory without the step-6 checkpoint is
-  resumed and must reproduce steps 3-5 of the uninterrupted curve;
-- the trained weights, loaded into a plain model from every checkpoint format, agree.
+- each job saves at step 3 and 6; a copy of its run directory without the step-6 checkpoint (and
+  summary, as if killed there) is resumed and must reproduce steps 3-5 of the uninterrupted curve;
+- the trained weights, loaded into a plain model from every checkpoint format, agree;
+- the ddp job runs with 2 cores to share and no OMP_NUM_THREADS: each rank takes one thread.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +24,9 @@ import pytest
 import torch
 
 from scaletool.config import load_recipe
+from scaletool.engines.serialization import UnsafeCheckpointError
 from scaletool.model import build_model
+from scaletool.threads import SHARE_ENV
 from scaletool.train.checkpoint import load_model_weights
 
 pytestmark = pytest.mark.distributed
@@ -40,11 +44,11 @@ JOBS = {
 RESUMED = ("ddp", "fsdp", "zero3")
 
 
-def scaletool_train(out: Path, sets: list[str], *extra: str) -> subprocess.CompletedProcess:
+def scaletool_train(out: Path, sets: list[str], *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "scaletool", "train", TINY, "--out", str(out), "--json", *extra]
     for s in sets:
         cmd += ["--set", s]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +57,18 @@ def runs(tmp_path_factory):
     out = {}
     p = scaletool_train(root / "single", COMMON + ["train.micro_batch_size=8"])
     assert p.returncode == 0, p.stderr
-    out["single"] = json.loads(p.stdout)
+    out["single"], out["single-stderr"] = json.loads(p.stdout), p.stderr
+    two_cores = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {SHARE_ENV: "2"}
     for name, sets in JOBS.items():
-        p = scaletool_train(root / name, COMMON + sets, "--nproc-per-node", "2")
+        p = scaletool_train(root / name, COMMON + sets, "--nproc-per-node", "2", env=two_cores if name == "ddp" else None)
         assert p.returncode == 0, f"{name}: {p.stderr[-3000:]}"
         out[name] = json.loads(p.stdout)
+        out[f"{name}-stderr"] = p.stderr
         if name in RESUMED:
             again = root / f"{name}-resumed"
             shutil.copytree(root / name, again)
             shutil.rmtree(again / "checkpoints" / "step_6")
+            (again / "summary.json").unlink()
             p = scaletool_train(again, COMMON + sets, "--nproc-per-node", "2", "--resume")
             assert p.returncode == 0, f"{name} resume: {p.stderr[-3000:]}"
             out[f"{name}-resumed"] = json.loads(p.stdout)
@@ -78,6 +85,12 @@ def test_two_rank_run_learns_and_matches_single(runs, name):
     assert s["tokens_per_step"] == runs["single"]["tokens_per_step"]
     assert s["history"]["loss"] == pytest.approx(runs["single"]["history"]["loss"], rel=1e-4)
     assert s["history"]["grad_norm"] == pytest.approx(runs["single"]["history"]["grad_norm"], rel=1e-3)
+    assert "FutureWarning" not in runs[f"{name}-stderr"]  # ZeRO's deprecated-collective warnings are silenced
+
+
+def test_two_ranks_on_two_cores_take_one_thread_each(runs):
+    s = runs["ddp"]
+    assert s["threads"] == 1 and s["environment"]["threads_per_rank"] == [1, 1]
 
 
 @pytest.mark.parametrize("name", RESUMED)
@@ -87,16 +100,22 @@ def test_resume_continues_the_uninterrupted_curve(runs, name):
     assert resumed["resumed_from"].endswith("step_3")
     assert resumed["history"]["step"] == list(range(6))
     assert resumed["history"]["loss"] == pytest.approx(full["history"]["loss"], rel=1e-5)
+    assert [(g["start_step"], g["end_step"]) for g in resumed["segments"]] == [(0, 3), (3, 6)]
 
 
 def test_checkpoint_formats_load_into_a_plain_model(runs):
+    # the single engine saves without a process group, as intended: torch's warning about it is silenced
+    assert "torch.distributed is disabled" not in runs["single-stderr"]
     cfg = load_recipe(TINY).model
     root = runs["root"]
     weights = {}
     for name in ("single", "ddp", "fsdp", "zero1", "zero3"):
         model = build_model(cfg, "cpu", seed=99)
-        load_model_weights(root / name / "checkpoints" / "step_6", model)
+        # ZeRO-3's partitions are gathered by DeepSpeed's zero_to_fp32, which needs full pickle
+        load_model_weights(root / name / "checkpoints" / "step_6", model, trust_checkpoint=name == "zero3")
         weights[name] = model.state_dict()
+    with pytest.raises(UnsafeCheckpointError, match="ZeRO-3 checkpoint.*trust_checkpoint"):
+        load_model_weights(root / "zero3" / "checkpoints" / "step_6", build_model(cfg, "cpu", seed=99))
     fresh = build_model(cfg, "cpu", seed=1234).state_dict()
     for name, sd in weights.items():
         assert not torch.allclose(sd["layers.0.attn.wkv_a.weight"], fresh["layers.0.attn.wkv_a.weight"])

@@ -1,0 +1,211 @@
+"""Reading checkpoints without running code from them, and checking them before they are loaded.
+
+Pickle runs whatever a file tells it to construct, so a checkpoint from elsewhere can execute code
+when loaded. Every read here is restricted to plain data:
+
+- ``.pt`` files (DeepSpeed's model and optimizer states, any ``torch.save`` file) go through
+  ``torch.load(weights_only=True)``, with DeepSpeed's two plain state classes allowed;
+- ``torch.distributed.checkpoint`` (DCP) reads its ``.metadata`` with plain ``pickle.load`` and
+  non-tensor entries with ``torch.load(weights_only=False)``; :class:`SafeFileSystemReader` and
+  :class:`SafeLoadPlanner` replace both with allow-listed reads (the "restricting globals" recipe of
+  the :mod:`pickle` documentation; torch's own weights-only unpickler for the entries).
+
+A file that needs anything else is refused with :class:`UnsafeCheckpointError` (one line), unless
+the caller trusts it (``trust=True``: full pickle, as the libraries would do).
+
+:func:`shape_problem` compares a checkpoint's tensor shapes with a model's, so a checkpoint written
+for another configuration fails with one line naming the tensor and both shapes instead of a
+size-mismatch traceback from deep inside a loader.
+"""
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+
+from scaletool.errors import RecipeError
+
+_TRUST_HINT = "Load it only from a source you trust (trust_checkpoint)."
+
+
+class UnsafeCheckpointError(RecipeError):
+    """A checkpoint file that holds more than tensors and plain data (loading it could run code)."""
+
+
+def _dcp_globals() -> dict[tuple[str, str], object]:
+    allowed: dict[tuple[str, str], object] = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("collections", "OrderedDict"): OrderedDict,
+    }
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        allowed[("pathlib", name)] = getattr(pathlib, name)
+    for name, obj in vars(dcp_metadata).items():  # the metadata dataclasses and enums
+        if isinstance(obj, type) and obj.__module__ == dcp_metadata.__name__:
+            allowed[(dcp_metadata.__name__, name)] = obj
+    for name, obj in vars(torch).items():
+        if isinstance(obj, torch.dtype):
+            allowed[("torch", name)] = obj
+    return allowed
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, allowed: dict[tuple[str, str], object]):
+        super().__init__(file)
+        self.allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed") from None
+
+
+def _refusal(path: Path, err: Exception) -> UnsafeCheckpointError:
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"([\w.]+) is not allowed", text)
+    detail = f"it needs {found.group(1)}" if found else (text.strip().splitlines() or [type(err).__name__])[0]
+    return UnsafeCheckpointError(
+        f"{path}: refused: the file holds Python objects beyond tensors and plain data ({detail[:200]}); "
+        f"loading it could run code. {_TRUST_HINT}")
+
+
+def read_dcp_metadata(ckpt_dir: str | Path, trust: bool = False) -> dcp_metadata.Metadata:
+    """The ``.metadata`` of a DCP checkpoint directory, unpickled with DCP's own classes only."""
+    path = Path(ckpt_dir) / ".metadata"
+    data = path.read_bytes()
+    if trust:
+        return pickle.loads(data)
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data), _dcp_globals()).load()
+    except pickle.UnpicklingError as e:
+        raise _refusal(path, e) from None
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader with the metadata read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata files: not written by scaletool
+            raise RecipeError(f"{self.path}: per-rank DCP metadata is not supported")
+        metadata = read_dcp_metadata(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with non-tensor entries (optimizer hyper-parameters, scaler state)
+    read by ``torch.load(weights_only=True)`` instead of full pickle."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise _refusal(Path(str(read_item.storage_index.fqn)), e) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+@contextmanager
+def single_process_intended():
+    """DCP warns that "torch.distributed is disabled" whenever it saves or loads without a process group
+    (the single engine, weights for decoding); that is the intended use, and nobody can act on it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def dcp_load(state: dict, ckpt_dir: str | Path, *, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state`` with the restricted reader and planner."""
+    with single_process_intended():
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
+
+
+def dcp_problem(ckpt_dir: str | Path) -> str | None:
+    """Why a DCP checkpoint directory cannot be loaded (missing or unsafe metadata, a data file that is
+    missing or shorter than the metadata says), or None."""
+    d = Path(ckpt_dir)
+    if not (d / ".metadata").is_file():
+        return "no .metadata (an interrupted save)"
+    try:
+        md = read_dcp_metadata(d)
+    except UnsafeCheckpointError as e:
+        return str(e).split(": ", 1)[1]
+    except Exception as e:  # truncated or garbage: pickle raises many types
+        return f".metadata is unreadable ({type(e).__name__}: {str(e)[:120]})"
+    ends: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = d / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size < end:
+            return f"{name} is {f.stat().st_size} bytes, shorter than the {end} its metadata needs (a half-written file)"
+    return None
+
+
+def dcp_shapes(ckpt_dir: str | Path, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Tensor shapes stored under ``prefix`` in a DCP checkpoint, by name without the prefix."""
+    md = read_dcp_metadata(ckpt_dir)
+    return {k[len(prefix):]: tuple(v.size) for k, v in md.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, dcp_metadata.TensorStorageMetadata)}
+
+
+def shape_problem(where: str | Path, found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]
+                  ) -> str | None:
+    """One line naming the first tensor whose checkpoint shape differs from the model's (or that is
+    missing), with a count of the others; None when every expected tensor is there with its shape."""
+    bad = []
+    for name, shape in expected.items():
+        got = found.get(name)
+        if got is None:
+            bad.append(f"{name} is missing from the checkpoint (the model has it with shape {list(shape)})")
+        elif tuple(got) != tuple(shape):
+            bad.append(f"{name} has shape {list(got)} in the checkpoint but {list(shape)} in the recipe's model")
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more tensor{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
+    return f"{where}: {bad[0]}{more}: the checkpoint was written for another model configuration"
+
+
+def _deepspeed_globals() -> list:
+    """DeepSpeed's plain state classes found in its optimizer-state files (loss scaler, ZeRO stage)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+
+
+def load_pt(path: str | Path, *, trust: bool = False, map_location="cpu", deepspeed: bool = False):
+    """``torch.load`` a ``.pt`` file as plain data (tensors, containers, numbers, strings); with
+    ``deepspeed`` also DeepSpeed's loss-scaler and ZeRO-stage classes. ``trust`` allows full pickle."""
+    path = Path(path)
+    if trust:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    try:
+        if deepspeed:
+            with torch.serialization.safe_globals(_deepspeed_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _refusal(path, e) from None

@@ -1,0 +1,255 @@
+"""The typed result of a training run, built from what the trainer measured.
+
+Throughput comes from the median step time of the measured steps (warm-up excluded by the rule in
+:func:`scaletool.results.train.timing_of`), so one slow step (a checkpoint flush elsewhere on the
+machine, a page fault) does not move it; the window's mean rate (tokens over the measured wall time)
+is kept beside it as ``throughput/tokens_per_s_window``. MFU uses the analytic training FLOPs per
+token (:func:`scaletool.analytic.flops_per_token`: 6·N + attention) in both conventions: causal
+attention (Megatron's and ours, ``mfu``) and full attention (torchtitan's, ``mfu_full_attention``,
+which counts the masked half of the score matrix too); for MoE also the FLOPs the capacity dispatch
+computes (``*_computed``) beside the useful ones.
+
+A run resumed from a checkpoint is several segments (one per process); each keeps its own
+measurement, and the headline figures come from the latest segment that measured a step.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from scaletool import analytic
+from scaletool.config import Recipe
+from scaletool.engines import DistEnv
+from scaletool.measure.hardware import Peak
+from scaletool.measure.nvml import NvmlSampler
+from scaletool.results.train import History, Segment, Timing, TrainResult, timing_of
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """The NVML UUID of a CUDA device (``GPU-...``), or None."""
+    u = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if u is None:
+        return None
+    s = str(u)
+    return s if s.startswith("GPU-") else f"GPU-{s}"
+
+
+def rank_report(env: DistEnv, sampler: NvmlSampler, since: float | None, resident: int | None,
+                threads: int | None) -> dict:
+    """This rank's own figures: device, allocator peaks, NVML samples, CPU threads."""
+    cuda = env.device.type == "cuda"
+    return {
+        "rank": env.rank,
+        "device_name": torch.cuda.get_device_name(env.device) if cuda else platform.processor() or "cpu",
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if cuda else None,
+        "resident_bytes": resident,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
+        "nvml": sampler.summary(since),
+        "threads": threads,
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+    }
+
+
+def gather_reports(report: dict, env: DistEnv, collective: bool) -> list[dict]:
+    """Every rank's report on every rank (only this rank's when the peers may be gone)."""
+    if not (collective and dist.is_initialized() and env.world_size > 1):
+        return [report]
+    reports = [None] * env.world_size
+    dist.all_gather_object(reports, report)
+    return reports
+
+
+@dataclass
+class RunRecord:
+    """What the trainer hands over at the end (or at a failure) of a process's run."""
+
+    recipe: Recipe
+    env: DistEnv
+    out: Path
+    status: str
+    message: str | None
+    history: dict[str, list]
+    segments: list[dict]  # {start_step, end_step, resumed_from, world_size, threads}; the last is this process's
+    measure_start: int  # first step of this process's measured window
+    tokens_per_step: int
+    measure: bool
+    window_s: float | None
+    checkpoint_s: float
+    unmeasured_s: float
+    reports: list[dict]
+    peak: Peak
+    flops: dict
+    threads: int | None
+
+
+def _segment(r: RunRecord, seg: dict, current: bool) -> Segment:
+    minimum = r.recipe.train.measure_warmup_steps
+    if current and not r.measure:  # no per-step times: the window's mean rate
+        steps = seg["end_step"] - r.measure_start
+        rate = steps * r.tokens_per_step / r.window_s if r.window_s and steps > 0 else None
+        timing = timing_of([None] * (seg["end_step"] - seg["start_step"]), minimum, r.tokens_per_step)
+        return Segment(**seg, measured_steps=max(steps, 0) if rate else 0, tokens_per_s=rate, timing=timing)
+    times = [t for s, t in zip(r.history["step"], r.history["step_time_s"]) if seg["start_step"] <= s < seg["end_step"]]
+    timing = timing_of(times, minimum, r.tokens_per_step)
+    return Segment(**seg, measured_steps=timing.step_s.n if timing.step_s else 0, timing=timing,
+                   tokens_per_s=timing.tokens_per_s.median if timing.tokens_per_s else None)
+
+
+def _flops_metrics(rate: float | None, world: int, flops: dict, peak: Peak) -> dict[str, float | None]:
+    """Achieved TFLOP/s per GPU and MFU in both attention conventions (and computed FLOPs for MoE)."""
+    per_gpu = rate / world if rate else None
+    conv = flops["convention"]
+    keys = {"": "train", "_full_attention": "train_full"}
+    if "moe" in flops:
+        keys.update({"_computed": f"train_{conv}_computed", "_full_attention_computed": "train_full_computed"})
+    out: dict[str, float | None] = {"throughput/tokens_per_s": rate, "throughput/tokens_per_s_per_gpu": per_gpu}
+    for suffix, key in keys.items():
+        tflops = per_gpu * flops[key] / 1e12 if per_gpu else None
+        out[f"flops/achieved_tflops_per_gpu{suffix}"] = tflops
+        out[f"flops/mfu{suffix}"] = tflops / peak.tflops if tflops and peak.tflops else None
+    return out
+
+
+def _memory(r: RunRecord) -> tuple[dict, dict]:
+    """(metrics, the summary's memory section): measured peaks against the analytic estimate."""
+    def most(key):
+        vals = [x[key] for x in r.reports if x[key] is not None]
+        return max(vals) if vals else None
+
+    peak_alloc = most("peak_allocated_bytes")
+    est = analytic.recipe_memory(r.recipe, r.env.world_size)
+    rel = (peak_alloc - est["total_bytes"]) / est["total_bytes"] if peak_alloc else None
+    metrics = {"memory/peak_allocated_bytes": peak_alloc, "memory/peak_reserved_bytes": most("peak_reserved_bytes"),
+               "memory/resident_bytes": most("resident_bytes"), "memory/analytic_bytes": est["total_bytes"],
+               "memory/analytic_rel_error": rel}
+    section = {"measured_peak_allocated_bytes": peak_alloc, "analytic": est, "rel_error": rel,
+               "per_rank": [{k: x[k] for k in ("rank", "peak_allocated_bytes", "peak_reserved_bytes", "resident_bytes")}
+                            for x in r.reports]}
+    return metrics, section
+
+
+def _step_stats(timing: Timing | None) -> dict[str, float | None]:
+    s = timing.step_s if timing else None
+    return {"median": s.median if s else None, "p10": s.p10 if s else None, "p90": s.p90 if s else None}
+
+
+def build_result(r: RunRecord) -> TrainResult:
+    """The run's :class:`TrainResult` (rank 0's view; every rank builds the same from gathered reports)."""
+    segments = [_segment(r, seg, i == len(r.segments) - 1) for i, seg in enumerate(r.segments)]
+    chosen = next((i for i in reversed(range(len(segments))) if segments[i].tokens_per_s), len(segments) - 1)
+    seg = segments[chosen]
+    timing = seg.timing
+    flops = _flops_metrics(seg.tokens_per_s, seg.world_size or r.env.world_size, r.flops, r.peak)
+    mem_metrics, memory = _memory(r)
+    hist = History(**r.history)
+    losses = hist.loss
+    steps_done = hist.step[-1] + 1 if hist.step else r.segments[-1]["start_step"]
+    window_steps = steps_done - r.measure_start
+    stats = _step_stats(timing)
+    rate_spread = timing.tokens_per_s if timing else None
+    metrics = {
+        **flops,
+        "throughput/tokens_per_s_window": (window_steps * r.tokens_per_step / r.window_s
+                                           if r.window_s and window_steps > 0 else None),
+        **mem_metrics,
+        "time/step_s_median": stats["median"], "time/step_s_p10": stats["p10"], "time/step_s_p90": stats["p90"],
+        "time/step_s_mean": _mean(_measured_times(hist, seg)),
+        "time/measured_s": r.window_s, "time/checkpoint_s": r.checkpoint_s, "time/unmeasured_s": r.unmeasured_s,
+        "loss/first": losses[0] if losses else None, "loss/last": losses[-1] if losses else None,
+    }
+    measured = _measured_times(hist, seg)
+    return TrainResult(
+        status=r.status, message=r.message,
+        tokens_per_s=seg.tokens_per_s, tokens_per_s_spread=rate_spread.ratio_spread if rate_spread else None,
+        mfu=flops["flops/mfu"], mfu_full_attention=flops["flops/mfu_full_attention"],
+        peak_memory_bytes=mem_metrics["memory/peak_allocated_bytes"],
+        loss_first=metrics["loss/first"], loss_last=metrics["loss/last"], metrics=metrics,
+        timing=timing, threads=r.threads, history=hist,
+        steps_completed=steps_done, start_step=r.segments[-1]["start_step"], measured_steps=seg.measured_steps,
+        measure_warmup_steps=r.recipe.train.measure_warmup_steps, tokens_per_step=r.tokens_per_step,
+        resumed_from=r.segments[-1]["resumed_from"], segments=segments, measured_segment=chosen,
+        out_dir=str(r.out), engine=r.recipe.parallel.engine, measure=r.measure,
+        step_time_s={"mean": _mean(measured), "median": stats["median"], "min": min(measured, default=None),
+                     "max": max(measured, default=None)},
+        flops_per_token=r.flops,
+        hardware={"profile": r.peak.profile, "peak_tflops": r.peak.tflops, "source": r.peak.source,
+                  "warning": r.peak.warning, "dtype": r.recipe.model.dtype},
+        memory=memory, nvml={"per_rank": [dict(x["nvml"], rank=x["rank"]) for x in r.reports]},
+        environment=environment(r.env, r.reports, r.recipe.parallel.engine), elastic=elastic(r.reports),
+        recipe=r.recipe.to_dict(),
+    )
+
+
+def _measured_times(hist: History, seg: Segment) -> list[float]:
+    """The step times the segment's timing counts (after its warm-up)."""
+    first = seg.start_step + (seg.timing.warmup_steps_excluded if seg.timing else 0)
+    return [t for s, t in zip(hist.step, hist.step_time_s) if first <= s < seg.end_step and t is not None]
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def elastic(reports: list[dict]) -> dict | None:
+    """torchrun restarts of this run's worker group (None when not started by torchrun).
+
+    The count is the largest over ranks: a node whose workers failed counts the restart, while the
+    others restart for the new membership with their count unchanged.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    return {"restart_count": max(r["restart_count"] for r in reports),
+            "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)),
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+
+
+def environment(env: DistEnv, reports: list[dict], engine: str) -> dict:
+    cuda = env.device.type == "cuda"
+    out = {
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "python": platform.python_version(), "hostname": socket.gethostname(),
+        "device_type": env.device.type, "gpu_names": [r["device_name"] for r in reports] if cuda else [],
+        "world_size": env.world_size, "local_world_size": env.local_world_size, "backend": env.backend,
+        "launched": env.launched, "threads_per_rank": [r["threads"] for r in reports],
+    }
+    if engine == "deepspeed":
+        import deepspeed
+        out["deepspeed"] = deepspeed.__version__
+    return out
+
+
+def headline(s: TrainResult) -> str:
+    """``done: 10 steps; loss 5.56 -> 4.91; 21,000 tokens/s (p10-p90 20,100-22,300, n=8); ...``."""
+    m = s.metrics
+    parts = [f"done: {s.steps_completed} steps"]
+    if s.loss_first is not None and s.loss_last is not None:
+        parts.append(f"loss {s.loss_first:.4g} -> {s.loss_last:.4g}")
+    rate = s.timing.tokens_per_s if s.timing else None
+    if rate is not None:
+        parts.append(f"{rate.median:,.0f} tokens/s (p10-p90 {rate.p10:,.0f}-{rate.p90:,.0f}, n={rate.n})")
+    elif s.tokens_per_s:
+        parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
+    if m.get("flops/achieved_tflops_per_gpu"):
+        parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s/GPU")
+    if s.mfu is not None:
+        parts.append(f"MFU {100 * s.mfu:.1f}% causal, {100 * (s.mfu_full_attention or 0):.1f}% full attention")
+    if s.peak_memory_bytes:
+        parts.append(f"peak {s.peak_memory_bytes / 2**30:.2f} GiB (analytic {m['memory/analytic_bytes'] / 2**30:.2f}"
+                     f" GiB, {100 * m['memory/analytic_rel_error']:+.1f}%)")
+    if s.threads:
+        parts.append(f"{s.threads} CPU thread{'s' if s.threads > 1 else ''}")
+    return "; ".join(parts)
+
+
+def failed_result(recipe: Recipe, out: Path | None, message: str, failures: list[str] | None = None) -> TrainResult:
+    """The result of a run that failed before its trainer could say more (or whose rank 0 died)."""
+    return TrainResult(status="failed", message=message, failures=failures or [], out_dir=str(out) if out else None,
+                       engine=recipe.parallel.engine, recipe=recipe.to_dict(),
+                       measure_warmup_steps=recipe.train.measure_warmup_steps)

@@ -1,0 +1,329 @@
+"""The trainer: data -> engine step -> measurement, with callbacks, checkpoints and a typed result.
+
+Shaped like torchtitan's ``Trainer``: ``__init__`` decides where the run starts and builds the parts
+(metrics writer, data, engine, clock, checkpointer, callbacks); :meth:`Trainer.train` reads top to
+bottom; one step, the loss flush, checkpointing and the summary are named methods, and the result is
+built in :mod:`scaletool.train.summary`.
+
+Measurement rules (STYLE.md §7): the first ``train.measure_warmup_steps`` steps of a process
+(compilation, allocator warm-up) are never measured, and :func:`scaletool.stats.settled_start`
+excludes further leading steps until the step time settles. The host synchronises only at
+measurement boundaries: the start and end of the measured window, every ``train.log_every`` steps
+(where the losses of those steps, kept on the device until then, are fetched in one transfer and
+averaged over ranks) and at checkpoints (left out of the step times and the window). NaN/Inf
+losses are found at those boundaries and stop the run, naming the step.
+
+On CPU the process first takes its share of the cores (:func:`scaletool.threads.pin_threads`, divided
+among the ranks on this node); the result records the thread count.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+
+from scaletool import analytic
+from scaletool.config import Recipe, RecipeError
+from scaletool.engines import DistEnv, agree, make_engine, startup_notes
+from scaletool.errors import describe
+from scaletool.measure.hardware import peak_for
+from scaletool.measure.metrics import MetricsWriter, WandbOptions
+from scaletool.measure.nvml import NvmlSampler
+from scaletool.results.train import TrainResult
+from scaletool.threads import pin_threads
+from scaletool.train.callbacks import Callback, StepState, TrainInfo
+from scaletool.train.checkpoint import Checkpointer
+from scaletool.train.clock import Clock, synchronize
+from scaletool.train.data import make_source
+from scaletool.train.moe import moe_callbacks
+from scaletool.train.progress import StepProgress
+from scaletool.train.resume import Resume, Start, plan_start
+from scaletool.train.schedule import lr_at
+from scaletool.train.summary import RunRecord, build_result, device_uuid, gather_reports, headline, rank_report
+
+
+class TrainFailed(RuntimeError):
+    """Training ended by an exception or a failed rank. ``result`` is the partial result (also in
+    summary.json when rank 0 could write it); ``lines`` say what failed, root cause first."""
+
+    def __init__(self, result: TrainResult, lines: list[str]):
+        super().__init__(lines[0] if lines else "training failed")
+        self.result, self.lines = result, lines
+
+
+class Stopped(Exception):
+    """A termination signal arrived during training (see :func:`stop_on_signals`)."""
+
+
+# Set while a failing run writes its partial result: the process is ending anyway, and a stop signal
+# then (torchrun stops every rank as soon as one fails) must not cut that write short. Process-wide,
+# as signal handlers are.
+_ENDING = threading.Event()
+
+
+@contextmanager
+def stop_on_signals(signals=(signal.SIGTERM,)):
+    """Turn the first SIGTERM into :class:`Stopped` raised in the main thread, so a stopped run still
+    writes its partial result; later ones, and any while a failing run writes it, are ignored."""
+    fired = []
+
+    def handler(signum, _frame):
+        if not fired and not _ENDING.is_set():
+            fired.append(signum)
+            raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Trainer:
+    """Train ``recipe`` in the run directory ``out`` on this rank; :meth:`train` returns the result."""
+
+    def __init__(self, recipe: Recipe, out: Path, env: DistEnv, *, resume: Resume | str | bool = Resume.NEVER,
+                 peak_tflops: float | None = None, measure: bool = True, quiet: bool = False,
+                 callbacks: list[Callback] | tuple = (), wandb: WandbOptions | None = None):
+        self.recipe, self.t, self.env, self.out = recipe, recipe.train, env, Path(out)
+        self.measure, self.quiet = measure, quiet
+        self.checkpointer = Checkpointer(self.out, env)
+        # decided before anything is written: a refused resume leaves no run directory behind
+        start = agree(self._plan(Resume.parse(resume)) if env.is_main else None, env)
+        if isinstance(start, list):
+            raise RecipeError(start)
+        self.start, self.start_step = start, start.step
+        self.result: TrainResult | None = start.finished
+        if start.finished is not None:
+            return
+        self.threads = pin_threads(env.local_world_size) if env.device.type == "cpu" else None
+        try:
+            self.writer = MetricsWriter(self.out, enabled=env.is_main, tensorboard=measure, quiet=quiet,
+                                        start_step=self.start_step, wandb=wandb, config=recipe.to_dict())
+        except OSError as e:  # a file where the directory should be, no permission, a full disk
+            raise RecipeError(f"{self.out}: cannot write the run directory ({e.strerror or e})") from None
+        try:
+            self._build(peak_tflops, callbacks)
+        except BaseException:
+            self.writer.close()
+            raise
+
+    def _plan(self, resume: Resume) -> Start | list[str]:
+        try:
+            return plan_start(self.out, self.t.steps, resume)
+        except RecipeError as e:  # its lines go to every rank, so all of them stop with it
+            return e.problems
+
+    def _build(self, peak_tflops: float | None, callbacks) -> None:
+        r, env, t, cuda = self.recipe, self.env, self.t, self.env.device.type == "cuda"
+        for line in self.start.warnings:
+            self.writer.log(line, style="yellow")
+        state = self.start.state
+        self.history: dict[str, list] = state.get("history") or {k: [] for k in
+                                                                   ("step", "loss", "grad_norm", "lr", "step_time_s")}
+        # earlier processes' segments; a checkpoint from before segments were recorded is one segment
+        self.segments = state.get("segments") or ([{"start_step": 0, "end_step": self.start_step}] if state else [])
+        self.segment = {"start_step": self.start_step, "end_step": self.start_step,
+                        "resumed_from": str(self.start.checkpoint) if self.start.checkpoint else None,
+                        "world_size": env.world_size, "threads": self.threads}
+        self.source = make_source(r, env.rank, env.world_size)
+        for note in startup_notes(r, env):
+            self.writer.log(note)
+        self.engine = make_engine(r, env)
+        if self.start.checkpoint is not None:
+            if state.get("engine") != r.parallel.engine:
+                raise RecipeError(f"{self.start.checkpoint} was written by engine={state.get('engine')}, this run "
+                                  f"uses parallel.engine={r.parallel.engine}")
+            self.engine.load(self.start.checkpoint)
+            self.writer.log(f"resumed from {self.start.checkpoint} at step {self.start_step}")
+        T = r.seq_len
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size * T
+        self.flops = analytic.flops_per_token(r.model, T, tokens=t.micro_batch_size * T)
+        self.device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
+        self.peak = peak_for(env.device.type, self.device_name, r.model.dtype, peak_tflops)
+        if self.peak.warning:
+            self.writer.log(f"warning: {self.peak.warning}", style="yellow")
+        on = cuda and self.measure
+        self.sampler = NvmlSampler(env.device.index if on else None, device_uuid(env.device) if on else None)
+        if cuda and not self.measure:
+            self.sampler.note = "measurement off: NVML sampling off"
+        self.clock = Clock(env.device, per_step=self.measure)
+        self.measure_start = self.start_step + t.measure_warmup_steps
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
+        self.resident: int | None = None  # allocated between steps once warm: states and engine buffers
+        self.nvml_since: float | None = None
+        self.checkpoint_s = 0.0
+        # the recipe's MoE load metrics and router-bias updates, then the caller's callbacks
+        self.callbacks: list[Callback] = [*moe_callbacks(r), *callbacks]
+        self.info = TrainInfo(r, self.out, env, self.engine, self.writer, self.clock.unmeasured)
+        self.progress = StepProgress(self.writer.console, t.steps, self.start_step,
+                                     enabled=env.is_main and not self.quiet)
+
+    # -- the run -----------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Run steps ``start_step .. train.steps - 1``; return the result (also in ``summary.json``)."""
+        if self.start.finished is not None:
+            if self.env.is_main and not self.quiet:
+                say(finished_note(self.out, self.start.finished, self.t.steps))
+            return self.start.finished
+        status, message = "completed", None
+        self.sampler.start()
+        try:
+            for cb in self.callbacks:
+                cb.on_train_start(self.info)
+            self.writer.log(self._banner())
+            with self.progress:
+                self.clock.restart()
+                for step in range(self.start_step, self.t.steps):
+                    if step == self.measure_start:
+                        self._open_window()
+                    self.train_step(step)
+                    done = step + 1
+                    if self._at_boundary(done):
+                        bad = self.flush()
+                        if bad is not None:
+                            status, message = "diverged", self._divergence(bad)
+                            break
+                    if self.t.checkpoint_every and done % self.t.checkpoint_every == 0:
+                        self.checkpoint(done)
+                    self.progress.advance()
+            self.flush()
+            synchronize(self.env.device, self.env.world_size)
+            self.clock.stop_window()
+        except BaseException as e:
+            message = (f"{e} after {self.segment['end_step']} of {self.t.steps} steps" if isinstance(e, Stopped)
+                       else describe(e))
+            _ENDING.set()
+            try:
+                self.result = self._finish("failed", message, collective=False)
+            finally:
+                _ENDING.clear()
+            raise
+        finally:
+            self.sampler.stop()
+        self.result = self._finish(status, message, collective=True)
+        return self.result
+
+    def train_step(self, step: int) -> None:
+        """One optimizer step over this rank's micro-batches; the loss stays on the device."""
+        for cb in self.callbacks:
+            cb.on_step_start(step)
+        torch.manual_seed(self.t.seed + 1_000_003 * step + self.env.rank)  # dropout: a function of the step
+        batches = [_to_device(self.source.batch(step, m), self.env.device) for m in range(self.t.grad_accum_steps)]
+        lr = lr_at(step, self.t)
+        loss, norm = self.engine.train_step(batches, lr)
+        self.clock.mark()
+        self.pending.append((step, loss, norm, lr))
+        self.segment["end_step"] = step + 1
+        state = StepState(step, loss, norm, lr, self.tokens_per_step, self.engine)
+        extra: dict = {}
+        for cb in self.callbacks:
+            extra.update(cb.on_step_end(step, state) or {})
+        if extra:
+            self.writer.scalars(step, extra, echo=False)
+
+    def flush(self) -> int | None:
+        """Fetch the pending losses (averaged over ranks) and write their rows; the first non-finite step."""
+        if not self.pending:
+            return None
+        losses = torch.stack([p[1].float() for p in self.pending])
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.all_reduce(losses)
+            losses = losses / self.env.world_size
+        norms = [p[2] for p in self.pending]
+        norm_vals = (torch.stack([n.float() for n in norms]).tolist() if all(n is not None for n in norms)
+                     else [None] * len(norms))
+        times = self.clock.fetch(len(self.pending))
+        bad = None
+        for (s, _, _, lr), loss, norm, dt in zip(self.pending, losses.tolist(), norm_vals, times):
+            for key, value in (("step", s), ("loss", loss), ("grad_norm", norm), ("lr", lr), ("step_time_s", dt)):
+                self.history[key].append(value)
+            if self.measure:
+                self.writer.scalars(s, {"loss/train": loss, "grad/norm": norm, "lr/lr": lr, "time/step_s": dt,
+                                        "throughput/tokens_per_s": self.tokens_per_step / dt if dt else None},
+                                    echo=s == self.pending[-1][0])
+            if bad is None and not math.isfinite(loss):
+                bad = s
+        self.pending.clear()
+        self.clock.skip()  # the next step is timed from here, without this bookkeeping
+        return bad
+
+    def checkpoint(self, done: int) -> None:
+        """Save after step ``done - 1``; left out of the step times and the measured window."""
+        state = {"step": done, "history": self.history, "engine": self.recipe.parallel.engine,
+                 "world_size": self.env.world_size, "recipe_digest": self.recipe.digest(),
+                 "segments": [*self.segments, self.segment]}
+        t0 = time.perf_counter()
+        with self.clock.unmeasured():
+            path = self.checkpointer.save(self.engine, done, state)
+        self.checkpoint_s += time.perf_counter() - t0
+        self.writer.log(f"checkpoint {path}")
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _open_window(self) -> None:
+        synchronize(self.env.device, self.env.world_size)
+        if self.env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.env.device)
+            self.resident = torch.cuda.memory_allocated(self.env.device)
+        self.clock.start_window()
+        self.clock.skip()  # the synchronisation above is no step's time
+        self.nvml_since = time.perf_counter()
+
+    def _at_boundary(self, done: int) -> bool:
+        saves = self.t.checkpoint_every and done % self.t.checkpoint_every == 0
+        return bool(saves or done == self.t.steps or (self.measure and (done - self.start_step) % self.t.log_every == 0))
+
+    def _divergence(self, bad: int) -> str:
+        loss = self.history["loss"][self.history["step"].index(bad)]
+        return f"loss is {loss} at step {bad}: training stopped (lower train.lr, keep train.grad_clip on, or use fp32)"
+
+    def _banner(self) -> str:
+        threads = f", {self.threads} CPU thread{'s' if self.threads != 1 else ''} per rank" if self.threads else ""
+        return (f"{self.recipe.parallel.engine} on {self.env.world_size}× {self.device_name}{threads}: steps "
+                f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")
+
+    def _finish(self, status: str, message: str | None, *, collective: bool) -> TrainResult:
+        """Build the result, let callbacks add to it (not after a failure), write summary.json, close."""
+        report = rank_report(self.env, self.sampler, self.nvml_since, self.resident, self.threads)
+        record = RunRecord(
+            recipe=self.recipe, env=self.env, out=self.out, status=status, message=message, history=self.history,
+            segments=[*self.segments, self.segment], measure_start=self.measure_start,
+            tokens_per_step=self.tokens_per_step, measure=self.measure, window_s=self.clock.window_s,
+            checkpoint_s=self.checkpoint_s, unmeasured_s=self.clock.excluded_s,
+            reports=gather_reports(report, self.env, collective), peak=self.peak, flops=self.flops,
+            threads=self.threads)
+        result = build_result(record)
+        if collective:
+            for cb in self.callbacks:
+                cb.on_train_end(result)
+        self.writer.summary(result)
+        if status == "completed":
+            self.writer.log(headline(result))
+        else:  # the caller reports it (once): here it goes to train.log only
+            self.writer.log(f"error: {message}", echo=False)
+        self.writer.close()
+        return result
+
+
+def finished_note(out: Path, finished: TrainResult, steps: int) -> str:
+    return (f"nothing to do: {out} already completed {finished.steps_completed} steps (train.steps={steps}); "
+            "its summary.json is kept")
+
+
+def say(line: str) -> None:
+    """A line on stderr, whole (no wrapping at the console width when piped)."""
+    Console(stderr=True, highlight=False, soft_wrap=True).print(line, markup=False)
+
+
+def _to_device(batch, device: torch.device):
+    return tuple(x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x for x in batch)
