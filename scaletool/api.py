@@ -250,8 +250,6 @@ def _decode_device(device: str | None):
 
 def _decode_model(r: Recipe, dev, seed: int, checkpoint, trust_checkpoint: bool):
     """The recipe's model on ``dev`` at its dtype, in eval mode: random weights from ``seed``, or a checkpoint's."""
-    import inspect
-
     import torch
 
     from scaletool.model import build_model
@@ -261,13 +259,13 @@ def _decode_model(r: Recipe, dev, seed: int, checkpoint, trust_checkpoint: bool)
     if checkpoint is not None:
         from scaletool.train.checkpoint import load_model_weights
 
-        # trust_checkpoint arrives with the train branch's safe loading; pass it once the loader has it
-        takes_trust = "trust_checkpoint" in inspect.signature(load_model_weights).parameters
-        load_model_weights(checkpoint, model, **({"trust_checkpoint": trust_checkpoint} if takes_trust else {}))
+        load_model_weights(checkpoint, model, trust_checkpoint=trust_checkpoint)
     model = model.to(TORCH_DTYPES[r.model.dtype]).eval()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return model
+
+
 # -------------------------------------------------------------------------------------------------
 # train and profile
 
