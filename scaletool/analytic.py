@@ -739,6 +739,12 @@ def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:
 # Everything at once
 
 
+def model_summary(cfg: ModelConfig) -> dict:
+    """The shape of the model in a few keys, as estimate and count both report it."""
+    return {"attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "task": cfg.task}
+
+
 def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | None = None) -> dict:
     """The full analytic picture of a recipe as one JSON-ready dict."""
     cfg = recipe.model
@@ -751,8 +757,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
     kv = kv_cache(cfg)
     b = cfg.dtype_bytes
     return {
-        "model": {"attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
-                  "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "task": cfg.task},
+        "model": model_summary(cfg),
         "seq_len": T,
         "params": params,
         "flops": {
@@ -771,5 +776,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
             "elements_per_layer": cfg.n_heads * T * T,
             "bytes_per_layer": cfg.n_heads * T * T * b,
         },
-        "memory": {"world_size": N, "recipe": recipe_memory(recipe, N), "engines": memory_table(recipe, N)},
+        # the recipe's own engine: single runs one process whatever the world size asked for
+        "memory": {"world_size": N, "recipe": recipe_memory(recipe, 1 if recipe.parallel.engine == "single" else N),
+                   "engines": memory_table(recipe, N)},
     }
