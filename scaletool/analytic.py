@@ -15,7 +15,7 @@ Conventions, stated once:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletool.config import ModelConfig, Recipe, expert_capacity
 
@@ -635,7 +635,6 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     """
     s = settings or EngineSettings()
     if overrides:
-        from dataclasses import replace
         s = replace(s, **overrides)
     N = world_size
     autocast = engine in ("single", "ddp")
@@ -697,8 +696,6 @@ TABLE_ENGINES = [("single", "single", 0), ("ddp", "ddp", 0), ("fsdp", "fsdp", 0)
 def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
     """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
     recipe's engine settings (single only at world size 1)."""
-    from dataclasses import replace
-
     N = world_size or recipe.parallel.world_size
     t = recipe.train
     base = engine_settings(recipe)

@@ -92,7 +92,7 @@ class PhaseMeter:
     def allocated(self) -> int | None:
         return self.torch.cuda.memory_allocated(self.device) if self.cuda else None
 
-    def settled(self, quiet_s: float = 1.0, timeout_s: float = 5.0) -> int | None:
+    def settled(self, quiet_s: float = 0.5, timeout_s: float = 5.0) -> int | None:
         """Allocated bytes once they have not changed for ``quiet_s`` (a collective's tensors can be
         released a moment after it completes), or after ``timeout_s``."""
         if not self.cuda:
