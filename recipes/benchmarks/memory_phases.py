@@ -406,8 +406,10 @@ def run(a: argparse.Namespace) -> int:
     (out / "cells").mkdir(parents=True, exist_ok=True)
     (out / "jobs").mkdir(exist_ok=True)
     gpus = torch.cuda.device_count()
-    if not a.smoke and gpus < 2:
-        print(f"error: the full grid needs 2 GPUs, this machine shows {gpus}; use --smoke on a CPU", file=sys.stderr)
+    need = max(a.worlds)
+    if not a.smoke and gpus < need:
+        print(f"error: cells on {need} GPUs need {need}, this machine shows {gpus}; use --worlds 1, or --smoke "
+              "on a CPU", file=sys.stderr)
         return 2
     recipes = ["tiny"] if a.smoke else a.recipes
     cells = grid(recipes, a.engines, a.micro_batches, a.checkpointing, a.worlds)
@@ -419,17 +421,17 @@ def run(a: argparse.Namespace) -> int:
     ones = [j for j in jobs(cells) if j[0].world_size == 1]
     twos = [j for j in jobs(cells) if j[0].world_size == 2]
     n1, n2 = sum(map(len, ones)), sum(map(len, twos))
-    print(f"{n1} one-GPU cells in {len(ones)} processes on 2 GPUs at once, then {n2} two-GPU cells in "
-          f"{len(twos)} torchrun jobs", file=sys.stderr, flush=True)
-    # the one-GPU phase gets its share of the time by cell count (each GPU runs about half of them)
-    share = n1 / 2 / max(1, n1 / 2 + n2)
-    queues: list[list[list[Cell]]] = [[], []]
-    for job in ones:  # balance the two GPUs by cell count
+    print(f"{n1} one-GPU cells in {len(ones)} processes, then {n2} two-GPU cells in {len(twos)} torchrun jobs",
+          file=sys.stderr, flush=True)
+    # the one-GPU phase gets its share of the time by cell count (each of two GPUs runs about half)
+    share = n1 / 2 / max(1, n1 / 2 + n2) if n2 else 1.0
+    queues: list[list[list[Cell]]] = [[] for _ in range(min(2, gpus) or 2)]  # CPU smoke: two workers too
+    for job in ones:  # balance the GPUs by cell count
         min(queues, key=lambda q: sum(map(len, q))).append(job)
-    codes = [0, 0]
+    codes = [0] * len(queues)
     threads = [threading.Thread(target=lambda i=i: codes.__setitem__(i, _run_queue(
         queues[i], out, i, {**common, **({"CUDA_VISIBLE_DEVICES": str(i)} if gpus else {})},
-        ["--steps", str(a.steps), "--deadline", str(start + share * a.deadline_s)]))) for i in range(2)]
+        ["--steps", str(a.steps), "--deadline", str(start + share * a.deadline_s)]))) for i in range(len(queues))]
     for t in threads:
         t.start()
     for t in threads:
