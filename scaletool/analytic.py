@@ -15,7 +15,7 @@ Conventions, stated once:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scaletool.config import ModelConfig, Recipe, expert_capacity
 
@@ -247,6 +247,27 @@ def kv_cache(cfg: ModelConfig) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Training memory
+#
+# Peak bytes per GPU of one training step, modelled in two phases, each the largest sum of tensors
+# alive at one moment (every phase is a dict of the components below, summing to its total):
+#
+# - ``backward``: the forward and backward pass. The forward never exceeds the start of the
+#   backward (everything it saves is still alive then, plus the loss gradient), so the phase is
+#   evaluated at the moments the backward passes through: the loss, the head, every block (top
+#   to bottom) and the embedding. Activations shrink and gradients grow along the way; which
+#   moment is largest depends on the engine, the micro-batch and checkpointing.
+# - ``optimizer_step``: after the backward; activations are gone, the optimizer's own
+#   temporaries appear (DeepSpeed's fp32 copy of the gradient partition, foreach AdamW's sqrt).
+#
+# Components (the same six keys for every engine and phase):
+#   weights      parameters the engine keeps (fp32 for single/DDP/FSDP, 16-bit under DeepSpeed)
+#   gradients    gradient storage alive at that moment (engine-specific, see the engine functions)
+#   optimizer    AdamW m and v (and DeepSpeed's fp32 master copy)
+#   activations  what autograd keeps for the backward (under autocast also the 16-bit weight copies
+#                the matmuls saved), and the checkpointed block being recomputed
+#   buffers      the engine's communication and gathering buffers
+#   temporaries  short-lived tensors of the moment: the loss gradient, the 16-bit weight gradient on
+#                its way to the engine, the optimizer's flat and fp32 gradient copies
 
 
 @dataclass(frozen=True)
@@ -257,12 +278,40 @@ class MemoryInputs:
     selective_every: int = 2
 
 
+#: Engine defaults the estimate depends on, in elements: scaletool's reduce bucket
+#: (``scaletool.engines.deepspeed.DEFAULTS``) and DeepSpeed's own ZeRO-3 defaults
+#: (deepspeed/runtime/zero/config.py: stage3_max_reuse_distance, stage3_prefetch_bucket_size,
+#: sub_group_size).
+ZERO_REDUCE_BUCKET = 500_000_000
+ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+ZERO3_PREFETCH_BUCKET = 50_000_000
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000
+
+COMPONENTS = ("weights", "gradients", "optimizer", "activations", "buffers", "temporaries")
+PHASES = ("backward", "optimizer_step")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine settings the memory model reads; the defaults are what scaletool configures."""
+    zero_stage: int = 1
+    reshard_after_forward: bool = True
+    expert_parallel: bool = False
+    fused_optimizer: bool = True  # torch's fused AdamW (the CUDA default) or foreach
+    reduce_bucket: float = ZERO_REDUCE_BUCKET
+    overlap_comm: bool = True  # DeepSpeed ZeRO-1/2: two IPG buckets instead of one
+    max_reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE
+    prefetch_bucket: float = ZERO3_PREFETCH_BUCKET
+    sub_group_size: float = ZERO3_SUB_GROUP_SIZE
+
+
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4) -> float:
     """Bytes autograd keeps per token in one block, eager mode, mixed precision.
 
     Counted tensor by tensor (residual stream of ``res`` bytes, 16-bit matmul inputs): each norm
     keeps its input (res·d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
-    (no T×T scores) plus an fp32 log-sum-exp per head; SwiGLU keeps gate, up, silu(gate) and their
+    (no T×T scores) plus an fp32 log-sum-exp per head (MLA's v is a view into ``wkv_b``'s output, which
+    therefore stays whole: H·(qk_nope_head_dim + v_head_dim)); SwiGLU keeps gate, up, silu(gate) and their
     product (4 tensors of i), GELU/ReLU the pre-activation and activation (2 of i).
     A MoE block (``moe``) keeps the router's fp32 logits and scores (2·E), the dispatch buffer
     (d per computed slot, E·C/N ≈ capacity_factor·k slots per token) and each slot's SwiGLU
@@ -272,7 +321,8 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     norms = 2 * (res * d + a * d)
     if cfg.attention == "mla":
         c, r, qk, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim, cfg.v_dim
-        attn = a * (H * qk + H * qk + H * v + H * v)  # q, k, v, out
+        # q, k, out; v is a view into wkv_b's output, so SDPA's saved v keeps the no-RoPE keys alive with it
+        attn = a * (H * qk + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v)
         attn += a * (2 * c + r)  # latent split + kv_norm output (wkv_b input)
         if cfg.q_lora_rank:
             attn += a * 2 * cfg.q_lora_rank
@@ -289,135 +339,407 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     return norms + attn + ffn
 
 
-#: DeepSpeed settings the ZeRO-3 estimate depends on, in elements: scaletool's default reduce bucket
-#: (``scaletool.engines.deepspeed.DEFAULTS``) and DeepSpeed's default ``stage3_max_reuse_distance``.
-ZERO_REDUCE_BUCKET = 500_000_000
-ZERO3_MAX_REUSE_DISTANCE = 1_000_000_000
+@dataclass(frozen=True)
+class _Unit:
+    """One stop of the backward (the head, a block, the embedding), in the order the backward visits them.
+
+    Bytes are totals for the micro-batch; parameter counts are elements."""
+    name: str
+    params: int  # parameters whose gradients it produces
+    largest: int  # its largest parameter
+    gathered: int  # parameters FSDP / ZeRO-3 gather for it (expert-parallel experts stay local)
+    saved: float  # activation bytes it keeps from the forward until its backward
+    live: float  # activation bytes alive during its backward (recomputed when checkpointed)
+    temp: float  # temporaries of its backward
+    checkpointed: bool = False
 
 
-def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs, *,
-                    zero_stage: int = 1, reshard_after_forward: bool = True, expert_parallel: bool = False,
-                    reduce_bucket: float = ZERO_REDUCE_BUCKET,
-                    max_reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE) -> dict:
-    """Peak bytes per GPU: weights + gradients + optimizer state + activations (+ transient buffers).
+def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_parallel: bool) -> tuple[list[_Unit], float]:
+    """The backward's stops (head, blocks L-1..0, embedding) and the loss gradient's bytes.
 
-    MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
-    (FSDP2) each rank keeps 1/N of the routed experts itself, so the states are still Ψ/N per rank,
-    but FSDP's per-block all-gather no longer includes the routed experts.
+    Language model head: the final norm keeps its input (res·d) and output (the head matmul's input,
+    a·d); of the cross-entropy over ``logits.float()`` autograd keeps only log_softmax's fp32 output
+    (4·V per token: the 16-bit logits and their fp32 copy are freed when the forward returns). At the
+    loss, NLL's gradient and log_softmax's gradient (fp32, 8·V per token) exist next to it
+    (aten nll_loss_backward, _log_softmax_backward_data); at the head, the logits' gradient in the
+    compute dtype (a·V) and the head weight's gradient before it reaches the engine (a·V·d).
+    Under autocast (single, DDP: fp32 weights, 16-bit compute) every matmul saves the 16-bit copy of
+    its weight that autocast made (torch autocast's weight cast cache), 2 bytes per matmul parameter,
+    until its backward; FSDP2 and DeepSpeed compute with their own 16-bit parameters instead.
+    """
+    mixed = cfg.dtype != "fp32"
+    res = a = cfg.dtype_bytes if mixed else 4  # 16-bit residual stream under mixed precision (see embed())
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    pc = param_counts(cfg)
+    attn = attention_params(cfg)
+    attn_total = sum(attn.values())
+    attn_matmul = sum(v for k, v in attn.items() if not k.endswith("norm"))
+    norms = pc["per_layer"]["norms"]
+    moe = moe_params(cfg) if cfg.n_moe_layers else None
+    copy = 2 if autocast and mixed else 0  # bytes of autocast's 16-bit weight copy per matmul parameter
+    ac = inputs.activation_checkpointing
+    dense_layers = L - cfg.n_moe_layers
+    blocks = []
+    for i in reversed(range(L)):
+        is_moe = i >= dense_layers
+        ffn = moe["gate"] + moe["routed"] + moe["shared"] if is_moe else ffn_params(cfg)
+        # the largest single tensor: a stacked expert weight (E·d·i_moe) or one FFN matrix
+        largest = max(max(attn.values()), moe["routed"] // 3 if is_moe else ffn // (3 if cfg.ffn in ("swiglu", "moe") else 2))
+        gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
+        full = tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res) + copy * (attn_matmul + ffn)
+        ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)
+        blocks.append(_Unit(f"block {i}", attn_total + norms + ffn, largest, gathered,
+                            saved=tokens * res * d if ckpt else full, live=full, temp=0.0, checkpointed=ckpt))
+    final_norm = pc["final_norm"]
+    if cfg.task == "lm":
+        head_mm = V * d  # the LM head matmul (the embedding matrix when tied)
+        head_params = head_mm + final_norm  # a tied matrix's gradient first appears here too
+        norm_saved = tokens * (res + a) * d
+        head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + tokens * 4 * V + copy * head_mm,
+                     live=norm_saved + copy * head_mm, temp=tokens * a * V + a * head_mm)
+        emb_params = 0 if cfg.tie_embeddings else V * d
+        loss_temp = tokens * 8 * V
+    else:  # regression: the head reads the last time step only
+        head_params = pc["head"] + final_norm
+        head = _Unit("head", head_params, pc["head"], head_params, saved=tokens * res * d * 3, live=0.0, temp=0.0)
+        emb_params = pc["embedding"]
+        loss_temp = 0.0
+    embedding = _Unit("embedding", emb_params, emb_params, emb_params, saved=0.0, live=0.0, temp=0.0)
+    return [head, *blocks, embedding], loss_temp
 
-    Model states follow ZeRO (Rajbhandari et al. 2020, §3): with 16-bit training DeepSpeed keeps
-    16-bit params (2Ψ) and grads (2Ψ) plus fp32 master weights, Adam m and v (12Ψ); ZeRO-1 shards
-    the 12Ψ, ZeRO-2 also the grads, ZeRO-3 also the params. Torch-native engines (single, DDP,
-    FSDP2) keep fp32 params (4Ψ) and grads (4Ψ) and Adam m, v (8Ψ) and cast under autocast or the
-    FSDP2 mixed-precision policy; FSDP2 shards all three and all-gathers 16-bit blocks on demand.
 
-    ZeRO-3 adds DeepSpeed's own buffers (measured on 1 and 2 H200s, recipes/benchmarks/train.md):
-    the contiguous gradient bucket (``reduce_bucket`` 16-bit elements, allocated for good), and the
-    gathered parameters it does not release because they are used again within
-    ``max_reuse_distance`` elements of the trace: at the turn from forward to backward, the last
-    max_reuse_distance/2 elements of parameters stay gathered (16-bit, at full size).
+def _timeline(units: list[_Unit], loss_temp: float, states: dict, grads_at, buffers_at,
+              temp_at=None) -> tuple[dict, str]:
+    """The backward's largest moment as components, and its name.
+
+    ``grads_at(i, done)`` and ``buffers_at(i)`` give the engine's gradient and buffer bytes at stop
+    ``i`` (-1: the loss) once ``done`` parameters have their gradients; ``temp_at(i, done)`` adds
+    engine temporaries."""
+    saved_from = [0.0] * (len(units) + 1)  # activations still kept at and below stop i
+    for i in reversed(range(len(units))):
+        saved_from[i] = saved_from[i + 1] + units[i].saved
+    best, where, done = None, "", 0
+    for i in range(-1, len(units)):
+        if i < 0:
+            act, temp = saved_from[0], loss_temp
+        else:
+            done += units[i].params
+            act, temp = saved_from[i + 1] + units[i].live, units[i].temp
+        extra = temp_at(i, done) if temp_at else 0.0
+        comp = {**states, "gradients": grads_at(i, done), "activations": act, "buffers": buffers_at(i),
+                "temporaries": temp + extra}
+        if best is None or sum(comp.values()) > sum(best.values()):
+            best, where = comp, ("loss" if i < 0 else units[i].name)
+    return best, where
+
+
+def _group_sizes(cfg: ModelConfig) -> tuple[int, int]:
+    """Elements in scaletool's two AdamW groups (``engines.optim.param_groups``): decayed matrices and
+    embeddings (dim >= 2), and the undecayed norms and biases."""
+    pc = param_counts(cfg)
+    small = pc["norms"]
+    small += cfg.n_layers * sum(v for k, v in attention_params(cfg).items() if k.endswith(("norm", "bias")))
+    if cfg.task == "regression":
+        small += sum(cfg.group_widths) + 2 * cfg.d_model + cfg.horizon  # Linear biases, BatchNorm
+    return pc["total"] - small, small
+
+
+def _torch_engine(cfg, engine, N, units, loss_temp, s: EngineSettings) -> dict:
+    """single, DDP, FSDP2: fp32 parameters, gradients and AdamW m, v (16Ψ), FSDP2 sharding all of it.
+
+    - single: gradients are allocated as the backward produces them (``zero_grad(set_to_none=True)``
+      frees them after the step; AccumulateGrad steals the fresh gradient, no copy).
+    - DDP (``gradient_as_bucket_view=True``): the reducer's flat buckets are the gradients (4Ψ,
+      allocated at construction and kept: ``.grad`` are views into them); extra is one parameter's fresh
+      gradient at a time, copied into its bucket view and then freed
+      (torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::mark_variable_ready_dense``), and, once per
+      run, a second set of buckets: the second step's forward rebuilds them in gradient-arrival order
+      (torch/nn/parallel/distributed.py ``_pre_forward`` → ``Reducer::rebuild_buckets`` →
+      ``initialize_buckets``), and the first set stayed allocated through that step's backward in the
+      GPU validation (recipes/benchmarks/memory_phases.md: +4Ψ in 7 of 8 two-GPU cells; what still
+      references them was not traced). The estimate counts them: it is the run's peak, not a later step's.
+    - FSDP2: sharded fp32 gradients appear as each block's reduce-scatter finishes. Buffers
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_all_gather``,
+      ``foreach_reduce``): the root (embedding, head, final norm; ``reshard_after_forward=False``)
+      stays unsharded through the backward, and its unsharded gradients wait for its reduce-scatter
+      at the end; at a block, its unsharded 16-bit parameters and the prefetched next block's (all
+      blocks not yet reached with ``reshard_after_forward=False``), its unsharded gradients and the
+      fp32 reduce-scatter input (reduce_dtype fp32). At N = 1 the all-gather is a copy, so the same.
+    - Step: fused AdamW (torch/optim/adam.py ``_fused_adam``) updates in place, no temporaries;
+      foreach AdamW (``_multi_tensor_adam``) allocates ``exp_avg_sq_sqrt``, one fp32 tensor per
+      parameter of the group it is stepping: 4 bytes × the larger AdamW group.
     """
     psi = param_counts(cfg)["total"]
-    N = world_size
-    p16 = cfg.dtype_bytes
+    shard = N if engine == "fsdp" else 1
+    states = {"weights": 4 * psi / shard, "optimizer": 8 * psi / shard}
+    if engine == "single":
+        def grads_at(i, done): return 4 * done
+        def buffers_at(i): return 0.0
+    elif engine == "ddp":
+        def grads_at(i, done): return 4 * psi
+        def buffers_at(i): return 4 * psi + (4 * units[i].largest if i >= 0 else 0.0)
+    else:
+        p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
+        root = units[0].gathered + units[-1].gathered
+        blocks = [u.gathered for u in units[1:-1]]
+
+        def grads_at(i, done): return 4 * done / N
+
+        def buffers_at(i):
+            if i < 0:  # the root is still gathered from the forward; without resharding, every block too
+                return p * root + (0 if s.reshard_after_forward else p * sum(blocks))
+            waiting = p * units[0].params  # the head's unsharded gradient waits for the root's reduce-scatter
+            if i == 0:
+                return p * root + waiting + (0 if s.reshard_after_forward else p * sum(blocks))
+            if i == len(units) - 1:  # the root's reduce-scatter: its unsharded gradients and the fp32 input
+                return p * root + (p + 4) * root
+            b = i - 1
+            gathered = sum(blocks[b:]) if not s.reshard_after_forward else blocks[b] + sum(blocks[b + 1:b + 2])
+            return p * root + waiting + p * gathered + (p + 4) * blocks[b]
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at)
+    temp = 0.0 if s.fused_optimizer else 4 * max(_group_sizes(cfg)) / shard
+    step = {**states, "gradients": 4 * psi / shard, "activations": 0.0, "buffers": 0.0, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": 4 * psi / shard, "optimizer_bytes": states["optimizer"]}
+
+
+def _zero12(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, ``DeepSpeedZeroOptimizer``) as
+    scaletool configures it: 16-bit parameters (2Ψ, whole), fp32 master, m, v sharded (12Ψ/N),
+    contiguous_gradients and overlap_comm on.
+
+    - Backward: at the first gradient hook ``setup_buckets`` allocates the IPG buckets, 2 × reduce_bucket
+      16-bit elements with overlap_comm (one without), released in ``independent_gradient_partition_epilogue``;
+      gradients are copied into them as they come. At the first bucket flush (``reduce_ipg_grads``)
+      ``copy_grads_in_partition`` allocates ``grads_in_partition``, 16-bit, this rank's partition (Ψ/N):
+      for stage 2 and also for stage 1, whose hooks reduce during the backward once overlap_comm is on
+      (``process_gradients``); stage 1 without overlap_comm keeps every 16-bit gradient (2Ψ).
+    - Step (``step``): per parameter group, ``flatten(averaged_gradients)`` makes a flat 16-bit copy of the
+      group's partition and ``.to(fp32)`` the fp32 gradient the optimizer reads, while
+      ``grads_in_partition`` is still held by the groups' views: 2P + 4P on top of it for the larger group
+      (P its partition; an fp32 model skips the cast). The 16-bit all-gather of the updated partitions
+      writes into the flat parameter groups in place (runtime/utils.py ``all_gather_dp_groups``:
+      ``all_gather_into_tensor``, or narrow views per allgather_bucket_size), so it adds nothing.
+      DeepSpeed's own estimator counts this step copy since PR #5099
+      (``estimate_zero2_model_states_mem_needs``: 2Ψ + 18Ψ/N = 16-bit grads + fp32 grads + master + m, v).
+    - Stage 0 (not in the GPU validation): no sharding, no IPG buckets; 16-bit training runs DeepSpeed's
+      ``FP16_Optimizer`` (runtime/fp16/fused_optimizer.py ``step``), which casts every gradient to fp32 and
+      flattens the casts: 4P + 4P for the larger group.
+    """
+    psi = param_counts(cfg)["total"]
     mixed = cfg.dtype != "fp32"
-    block_params = param_counts(cfg)["per_layer"]
-    block_psi = block_params["attention"] + block_params["ffn"] + block_params["norms"]
-    if expert_parallel and cfg.n_moe_layers:
-        block_psi -= moe_params(cfg)["routed"]
-    transient = 0.0
-    if engine in ("single", "ddp"):
-        weights, grads, optim = 4 * psi, 4 * psi, 8 * psi
-    elif engine == "fsdp":
-        weights, grads, optim = 4 * psi / N, 4 * psi / N, 8 * psi / N
-        # unsharded 16-bit params of the running and the prefetched block, and one block's
-        # unsharded gradients before reduce-scatter (16-bit, cast to fp32 for the reduction)
-        # (at N = 1 too: the all-gather is then a copy, cast to 16 bits)
-        transient = 2 * block_psi * p16 + block_psi * (p16 + 4)
+    g16 = cfg.dtype_bytes if mixed else 4
+    stage0 = s.zero_stage == 0
+    shards = 1 if stage0 else N
+    partitioned = not stage0 and (s.zero_stage >= 2 or s.overlap_comm)
+    grad_bytes = g16 * psi / (N if partitioned else 1)
+    states = {"weights": g16 * psi, "optimizer": (12 if mixed else 8) * psi / shards}
+    buckets = 0 if stage0 else (2 if s.overlap_comm else 1) * s.reduce_bucket * g16
+    last = len(units) - 1
+
+    def grads_at(i, done):
+        if not partitioned:  # stage 0, or stage 1 without overlap: every gradient stays in param.grad
+            return g16 * done
+        return grad_bytes if (done > s.reduce_bucket or i == last) else 0.0
+
+    def buffers_at(i): return buckets if i >= 0 else 0.0
+
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at)
+    P = max(_group_sizes(cfg)) / shards
+    if stage0:  # every gradient cast to fp32 one by one, then flattened: 4P + 4P
+        temp = 8 * P
+    else:
+        temp = max((g16 + (4 if mixed else 0)) * P, (4 + (0 if s.fused_optimizer else 4)) * P)
+    step = {**states, "gradients": grad_bytes, "activations": 0.0, "buffers": 0.0, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": grad_bytes, "optimizer_bytes": states["optimizer"]}
+
+
+def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, ``DeepSpeedZeroOptimizer_Stage3``):
+    16-bit parameter partitions (2Ψ/N), fp32 master, m, v (12Ψ/N), and two buffers allocated for good
+    in ``_setup_for_real_optimizer``: the flat 16-bit gradient partitions (2Ψ/N,
+    ``grad_partitions_flat_buffer``) and the contiguous IPG bucket (reduce_bucket 16-bit elements).
+
+    - Backward: gathered 16-bit parameters (partitioned_param_coordinator.py; none on one rank, where
+      partition_parameters.py ``all_gather_coalesced`` hands out the partition itself). A parameter used again
+      within ``max_reuse_distance`` gathered elements is not released: those used last in the forward,
+      needed first in the backward, stay gathered from forward to backward (the stops whose earlier stops
+      sum to under max_reuse_distance/2); each stop's own parameters and the prefetched next stop's (up to
+      prefetch_bucket elements) are gathered while it runs. A bucket flush (``__reduce_and_partition_ipg_grads``
+      → ``reduce_scatter_coalesced``) concatenates the bucket's gradients into one 16-bit buffer (torch.cat).
+    - Step: ``_partition_all_parameters`` releases what is gathered; per sub-group
+      (``_prepare_fp32_grad_for_sub_group``) ``flatten(...).to(fp32)`` makes a 16-bit flat copy and the fp32
+      gradient of the sub-group's partition, P = min(group, sub_group_size) elements / N: 2P + 4P.
+    """
+    psi = param_counts(cfg)["total"]
+    mixed = cfg.dtype != "fp32"
+    g16 = cfg.dtype_bytes if mixed else 4
+    states = {"weights": g16 * psi / N, "optimizer": (12 if mixed else 8) * psi / N}
+    grad_bytes = g16 * psi / N
+    bucket = s.reduce_bucket * g16
+    kept, before = [], 0
+    for u in units[:-1]:  # the embedding is used first in the forward, last in the backward: never kept
+        kept.append(2 * before < s.max_reuse_distance)
+        before += u.gathered
+    kept.append(False)
+    last = len(units) - 1
+
+    def gathered_at(i):
+        if N == 1:  # one rank: the "gathered" parameter is its partition (all_gather_coalesced -> NoGatherHandle)
+            return 0
+        if i < 0:
+            return sum(u.gathered for u, k in zip(units, kept) if k)
+        pending = sum(u.gathered for u, k in zip(units[i + 1:], kept[i + 1:]) if k)
+        ahead = units[i + 1].gathered if i < last and not kept[i + 1] else 0
+        return pending + units[i].gathered + min(ahead, s.prefetch_bucket)
+
+    flushes, fill = {}, 0  # stop -> elements flushed there (the bucket's content)
+    for i, u in enumerate(units):
+        if fill + u.params > s.reduce_bucket:
+            flushes[i], fill = fill, 0
+        fill += u.params
+    flushes[last] = flushes.get(last, 0) + fill
+
+    def grads_at(i, done): return grad_bytes
+    def buffers_at(i): return bucket + g16 * gathered_at(i)
+    def temp_at(i, done): return g16 * flushes.get(i, 0) if i >= 0 else 0.0
+
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at, temp_at)
+    P = min(max(_group_sizes(cfg)), s.sub_group_size) / N
+    temp = max((g16 + (4 if mixed else 0)) * P, (4 + (0 if s.fused_optimizer else 4)) * P)
+    step = {**states, "gradients": grad_bytes, "activations": 0.0, "buffers": bucket, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": grad_bytes, "optimizer_bytes": states["optimizer"]}
+
+
+def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs,
+                    settings: EngineSettings | None = None, **overrides) -> dict:
+    """Peak bytes per GPU of a training step, as the larger of its two phases (see the section comment).
+
+    Model states follow ZeRO (Rajbhandari et al. 2020, §3) as each engine really stores them: torch-native
+    engines keep fp32 parameters, gradients and AdamW m, v (16Ψ; FSDP2 shards all of it); DeepSpeed keeps
+    16-bit parameters and gradients and an fp32 master with m, v (12Ψ), sharded per ZeRO stage. The
+    engine-specific buffers and temporaries are documented, with their DeepSpeed and torch sources, in
+    :func:`_torch_engine`, :func:`_zero12` and :func:`_zero3`; activations in :func:`_units` and
+    :func:`_activation_bytes_per_token_per_layer` (eager mode).
+
+    MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
+    (FSDP2) each rank keeps 1/N of the routed experts itself: states stay Ψ/N per rank, but FSDP's
+    per-block all-gather no longer includes the routed experts.
+
+    ``settings`` (or keyword ``overrides`` of its fields) describes the engine's configuration.
+    Returns the phases (components per phase), the phase that sets ``total_bytes``, where the backward
+    peaks, and the model states and saved activations as single figures.
+    """
+    s = settings or EngineSettings()
+    if overrides:
+        s = replace(s, **overrides)
+    N = world_size
+    autocast = engine in ("single", "ddp")
+    units, loss_temp = _units(cfg, inputs, autocast=autocast, expert_parallel=s.expert_parallel)
+    if engine in ("single", "ddp", "fsdp"):
+        out = _torch_engine(cfg, engine, N, units, loss_temp, s)
     elif engine == "deepspeed":
-        s = zero_stage
-        master = 12 if mixed else 8  # fp32 master + m + v; fp32 training needs no separate master
-        weights = (p16 if mixed else 4) * psi / (N if s >= 3 else 1)
-        grads = (p16 if mixed else 4) * psi / (N if s >= 2 else 1)
-        optim = master * psi / (N if s >= 1 else 1)
-        if s >= 3:
-            transient = (reduce_bucket + min(psi, max_reuse_distance / 2)) * p16
-            if N > 1:  # the running and the prefetched block, gathered
-                transient += 2 * block_psi * p16
+        out = (_zero3 if s.zero_stage >= 3 else _zero12)(cfg, N, units, loss_temp, s)
     else:
         raise ValueError(f"unknown engine {engine!r}")
-
+    phases = {name: {c: int(out["phases"][name][c]) for c in COMPONENTS} for name in PHASES}
+    totals = {name: sum(comp.values()) for name, comp in phases.items()}
+    phase = max(PHASES, key=lambda name: totals[name])
+    peak = phases[phase]
     tokens = inputs.micro_batch_size * inputs.seq_len
-    L = cfg.n_layers
-    dense_layers = L - cfg.n_moe_layers
-    # Residual stream dtype: 16-bit under mixed precision for every engine (the model casts the
-    # embedding output to the autocast dtype; FSDP2's policy and DeepSpeed's 16-bit module compute
-    # in 16 bits throughout), fp32 otherwise.
-    res = p16 if mixed else 4
-    layer_bytes = [_activation_bytes_per_token_per_layer(cfg, moe=i >= dense_layers, res=res) for i in range(L)]
-    per_layer = sum(layer_bytes) / L
-    ac = inputs.activation_checkpointing
-    # checkpointed blocks keep only their input; one of them lives again during its recomputation
-    ckpt = [ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0) for i in range(L)]
-    kept = sum(res * cfg.d_model if c else b for c, b in zip(ckpt, layer_bytes))
-    recompute = max((b for c, b in zip(ckpt, layer_bytes) if c), default=0)
-    act_layers = tokens * (kept + recompute)
-    if cfg.task == "lm":
-        # embedding output, final norm, 16-bit logits, their fp32 copy and log-softmax kept for CE
-        a = 2 if mixed else 4
-        head_act = tokens * (res * cfg.d_model * 2 + cfg.vocab_size * (a + 4 + 4))
-    else:
-        head_act = tokens * (res * cfg.d_model * 3)
-    activations = act_layers + head_act
-    total = weights + grads + optim + transient + activations
+    blocks = units[1:-1]
     return {
-        "engine": engine, "world_size": N, "zero_stage": zero_stage if engine == "deepspeed" else None,
-        "weights_bytes": int(weights), "gradients_bytes": int(grads), "optimizer_bytes": int(optim),
-        "transient_bytes": int(transient), "activations_bytes": int(activations),
-        "activations_per_token_per_layer_bytes": int(per_layer),
-        "total_bytes": int(total),
+        "engine": engine, "world_size": N, "zero_stage": s.zero_stage if engine == "deepspeed" else None,
+        "weights_bytes": int(out["weights_bytes"]), "gradients_bytes": int(out["gradients_bytes"]),
+        "optimizer_bytes": int(out["optimizer_bytes"]),
+        # what autograd keeps at the end of the forward (the loss gradient not included)
+        "activations_bytes": int(sum(u.saved for u in units)),
+        "activations_per_token_per_layer_bytes": int(sum(u.live for u in blocks) / len(blocks) / tokens) if blocks else 0,
+        # the engine's buffers and the temporaries at the peak: what the model states and activations leave out
+        "transient_bytes": peak["buffers"] + peak["temporaries"],
+        "phases": phases, "phase": phase, "backward_peak_at": out["backward_peak_at"],
+        "total_bytes": totals[phase],
     }
 
 
-def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
-    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing."""
-    N = world_size or recipe.parallel.world_size
-    t = recipe.train
-    rows = []
-    for ac in ("none", "full"):
-        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
-        for engine, stage in [("single", None), ("ddp", None), ("fsdp", None),
-                              ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]:
-            if engine == "single" and N > 1:
-                continue
-            row = training_memory(recipe.model, engine, 1 if engine == "single" else N, inp,
-                                  zero_stage=stage or 0)
-            row["activation_checkpointing"] = ac
-            row["label"] = f"zero{stage}" if engine == "deepspeed" else engine
-            rows.append(row)
-    return rows
-
-
-def recipe_memory(recipe: Recipe, world_size: int) -> dict:
-    """Memory estimate for the engine and settings the recipe itself selects."""
+def engine_settings(recipe: Recipe) -> EngineSettings:
+    """The :class:`EngineSettings` a recipe selects: parallel.* and the DeepSpeed passthrough's numbers
+    (unknown or malformed passthrough values fall back to the defaults DeepSpeed itself would use)."""
     t, p = recipe.train, recipe.parallel
-    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     zero = p.deepspeed.get("zero_optimization") or {}
 
-    def setting(key: str, default: float) -> float:  # a DeepSpeed passthrough number, else its default
+    def number(key: str, default: float) -> float:
         try:
             return float(zero.get(key, default))
         except (TypeError, ValueError):
             return default
 
-    return training_memory(recipe.model, p.engine, world_size, inp, zero_stage=p.zero_stage,
-                           reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
-                           reduce_bucket=setting("reduce_bucket_size", ZERO_REDUCE_BUCKET),
-                           max_reuse_distance=setting("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE))
+    return EngineSettings(
+        zero_stage=p.zero_stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
+        # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
+        fused_optimizer=t.fused_optimizer is not False,
+        reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
+        overlap_comm=bool(zero.get("overlap_comm", True)),
+        max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),
+        prefetch_bucket=number("stage3_prefetch_bucket_size", ZERO3_PREFETCH_BUCKET),
+        sub_group_size=number("sub_group_size", ZERO3_SUB_GROUP_SIZE))
+
+
+#: the rows of :func:`memory_table`: (label, engine, ZeRO stage)
+TABLE_ENGINES = [("single", "single", 0), ("ddp", "ddp", 0), ("fsdp", "fsdp", 0),
+                 ("zero1", "deepspeed", 1), ("zero2", "deepspeed", 2), ("zero3", "deepspeed", 3)]
+
+
+def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
+    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
+    recipe's engine settings (single only at world size 1)."""
+    N = world_size or recipe.parallel.world_size
+    t = recipe.train
+    base = engine_settings(recipe)
+    rows = []
+    for ac in ("none", "full"):
+        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
+        for label, engine, stage in TABLE_ENGINES:
+            if engine == "single" and N > 1:
+                continue
+            settings = replace(base, zero_stage=stage or base.zero_stage,
+                               expert_parallel=base.expert_parallel and engine == "fsdp")
+            row = training_memory(recipe.model, engine, 1 if engine == "single" else N, inp, settings)
+            rows.append({**row, "activation_checkpointing": ac, "label": label})
+    return rows
+
+
+def recipe_memory(recipe: Recipe, world_size: int) -> dict:
+    """Memory estimate for the engine and settings the recipe itself selects."""
+    t = recipe.train
+    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    return training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
+
+
+def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:
+    """Bytes ``scaletool count`` needs on a real device: the model in fp32, and one forward and backward
+    at ``batch`` sequences without autocast (FlopCounterMode runs both), i.e. the backward phase of a
+    ``single`` step with no optimizer state and fp32 compute."""
+    fp32 = cfg.model_copy(update={"dtype": "fp32"})
+    units, loss_temp = _units(fp32, MemoryInputs(batch, seq_len), autocast=False, expert_parallel=False)
+    psi = param_counts(cfg)["total"]
+    peak, _ = _timeline(units, loss_temp, {"weights": 4 * psi, "optimizer": 0.0},
+                        lambda i, done: 4 * done, lambda i: 0.0)
+    parts = {k: int(v) for k, v in peak.items() if k != "optimizer"}
+    return {**parts, "total_bytes": sum(parts.values())}
 
 
 # ---------------------------------------------------------------------------------------------
 # Everything at once
+
+
+def model_summary(cfg: ModelConfig) -> dict:
+    """The shape of the model in a few keys, as estimate and count both report it."""
+    return {"attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "task": cfg.task}
 
 
 def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | None = None) -> dict:
@@ -432,8 +754,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
     kv = kv_cache(cfg)
     b = cfg.dtype_bytes
     return {
-        "model": {"attention": cfg.attention, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
-                  "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "task": cfg.task},
+        "model": model_summary(cfg),
         "seq_len": T,
         "params": params,
         "flops": {
@@ -452,5 +773,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
             "elements_per_layer": cfg.n_heads * T * T,
             "bytes_per_layer": cfg.n_heads * T * T * b,
         },
-        "memory": {"world_size": N, "recipe": recipe_memory(recipe, N), "engines": memory_table(recipe, N)},
+        # the recipe's own engine: single runs one process whatever the world size asked for
+        "memory": {"world_size": N, "recipe": recipe_memory(recipe, 1 if recipe.parallel.engine == "single" else N),
+                   "engines": memory_table(recipe, N)},
     }

@@ -37,11 +37,28 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None) -> dict:
-    """The analytic model of ``recipe``: parameters, FLOPs, KV cache and training memory (no model built)."""
+             world_size: int | None = None):
+    """The analytic model of ``recipe``: parameters, FLOPs, KV cache and training memory in two phases
+    (no model built). Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
     from scaletool import analytic
+    from scaletool.results.estimate import EstimateResult
 
-    return analytic.estimate(resolve(recipe, overrides), tokens=tokens, world_size=world_size)
+    return EstimateResult.model_validate(analytic.estimate(resolve(recipe, overrides), tokens=tokens,
+                                                           world_size=world_size))
+
+
+def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,
+          fvcore: bool = True):
+    """Build ``recipe``'s model on ``device`` (meta: no memory) and measure its parameters and FLOPs
+    against the closed forms. On cpu or cuda the memory the count needs is estimated first and a count
+    that would not fit is refused (RecipeError) before anything is allocated; so is a device this
+    machine does not have. Returns a :class:`~scaletool.results.count.CountResult`."""
+    from scaletool.measure.count import count as measure
+    from scaletool.results.count import CountResult
+
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise RecipeError(f"batch: expected a positive number of sequences, got {str(batch)[:40]!r}")
+    return CountResult.model_validate(measure(resolve(recipe, overrides), device=device, batch=batch, fvcore=fvcore))
 
 
 def report(results_dirs: Sequence[str | Path], out: str | Path | None = None):

@@ -1,13 +1,20 @@
 """Closed forms against the built model and against published figures."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+import yaml
+from conftest import RECIPES, ROOT
 
 from scaletool import analytic
-from scaletool.config import RecipeError, recipe_from_dict
+from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.model import build_model
+
+
+def yaml_recipe(name: str) -> dict:
+    return yaml.safe_load((RECIPES / name).read_text())
 
 
 def random_model(rng: random.Random) -> dict:
@@ -115,24 +122,6 @@ def test_flops_conventions():
     assert f["train"] == f["train_causal"] and f["dense_6N"] == 6 * n
 
 
-def test_training_memory_zero_stages_shrink():
-    cfg = recipe_from_dict({"model": {"d_model": 512, "n_heads": 8, "n_layers": 4}}).model
-    inp = analytic.MemoryInputs(2, 128)
-    psi = analytic.param_counts(cfg)["total"]
-    states = {}
-    for stage in range(4):
-        m = analytic.training_memory(cfg, "deepspeed", 8, inp, zero_stage=stage)
-        states[stage] = m["weights_bytes"] + m["gradients_bytes"] + m["optimizer_bytes"]
-    # ZeRO paper, K=12: 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N
-    assert states[0] == pytest.approx(16 * psi, rel=1e-6)
-    assert states[1] == pytest.approx(4 * psi + 12 * psi / 8, rel=1e-6)
-    assert states[2] == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
-    assert states[3] == pytest.approx(16 * psi / 8, rel=1e-6)
-    full = analytic.training_memory(cfg, "single", 1, analytic.MemoryInputs(2, 128, "full"))
-    none = analytic.training_memory(cfg, "single", 1, inp)
-    assert full["activations_bytes"] < none["activations_bytes"]
-
-
 def test_estimate_json_contract():
     r = recipe_from_dict({"model": {"attention": "mla", "kv_lora_rank": 64}})
     est = analytic.estimate(r)
@@ -146,21 +135,151 @@ def test_invalid_config_never_reaches_the_formulas():
         recipe_from_dict({"model": {"attention": "mla"}})
 
 
-def test_zero3_counts_deepspeeds_gradient_bucket_and_the_parameters_kept_for_reuse():
-    """ZeRO-3's transient = reduce bucket + min(Ψ, max_reuse_distance/2) gathered 16-bit elements
-    (+ two gathered blocks on several GPUs), with both settings read from the DeepSpeed passthrough."""
-    base = {"model": {"d_model": 512, "n_heads": 8, "n_layers": 4, "dtype": "bf16"},
-            "parallel": {"engine": "deepspeed", "zero_stage": 3}}
-    r = recipe_from_dict(base)
+# ---------------------------------------------------------------------------------------------
+# Training memory in phases
+
+ENGINES = [("single", 0), ("ddp", 0), ("fsdp", 0), ("deepspeed", 0), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]
+
+
+def mem(cfg, engine, N, mb=2, ac="none", T=64, **settings):
+    return analytic.training_memory(cfg, engine, N, analytic.MemoryInputs(mb, T, ac), **settings)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_phase_is_its_components_and_the_total_is_the_larger(seed):
+    """Both phases carry the same six components summing to the phase; total = the larger phase, named."""
+    rng = random.Random(seed)
+    cfg = recipe_from_dict({"model": {**random_model(rng), "dtype": rng.choice(["bf16", "fp32"])}}).model
+    for engine, stage in ENGINES:
+        for N in ([1] if engine == "single" else [1, 2, 8]):
+            m = mem(cfg, engine, N, mb=rng.randint(1, 4), ac=rng.choice(["none", "full", "selective"]), zero_stage=stage,
+                    fused_optimizer=rng.random() < 0.5, reduce_bucket=rng.choice([1e3, 5e8]))
+            assert set(m["phases"]) == set(analytic.PHASES)
+            totals = {}
+            for name, comp in m["phases"].items():
+                assert tuple(comp) == analytic.COMPONENTS and all(v >= 0 for v in comp.values()), (engine, comp)
+                totals[name] = sum(comp.values())
+            assert m["total_bytes"] == max(totals.values()) == totals[m["phase"]]
+            assert m["phases"]["optimizer_step"]["activations"] == 0
+            assert m["transient_bytes"] == m["phases"][m["phase"]]["buffers"] + m["phases"][m["phase"]]["temporaries"]
+
+
+def test_model_states_as_each_engine_stores_them():
+    """ZeRO-1 with overlap_comm keeps only its gradient partition, as ZeRO-2 does; without it, the ZeRO
+    paper's 4Ψ + 12Ψ/N (Rajbhandari et al. 2020, K = 12)."""
+    cfg = recipe_from_dict({"model": {"d_model": 512, "n_heads": 8, "n_layers": 4}}).model
+    psi = analytic.param_counts(cfg)["total"]
+
+    def states(engine, stage=1, N=8, **kw):
+        m = mem(cfg, engine, N, zero_stage=stage, **kw)
+        return m["weights_bytes"] + m["gradients_bytes"] + m["optimizer_bytes"]
+
+    assert states("deepspeed", 0) == pytest.approx(16 * psi, rel=1e-6)
+    assert states("deepspeed", 1, overlap_comm=False) == pytest.approx(4 * psi + 12 * psi / 8, rel=1e-6)
+    assert states("deepspeed", 1) == states("deepspeed", 2) == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
+    assert states("deepspeed", 3) == pytest.approx(16 * psi / 8, rel=1e-6)
+    assert states("fsdp") == pytest.approx(16 * psi / 8, rel=1e-6)
+    assert states("ddp") == states("single", N=1) == 16 * psi
+
+
+def test_zero12_step_is_deepspeeds_own_estimate_plus_the_flat_copy():
+    """The step phase's model states plus fp32 gradient copy equal DeepSpeed's estimator
+    (``estimate_zero2_model_states_mem_needs``, fixed for the step in PR #5099: 2Ψ + 18Ψ/N); the 16-bit
+    flat copy made before the cast comes on top."""
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "n_layers": 2, "vocab_size": 1000}}).model
+    psi = analytic.param_counts(cfg)["total"]
+    big, small = analytic._group_sizes(cfg)
+    assert big + small == psi
+    for N in (1, 2, 4):
+        step = mem(cfg, "deepspeed", N, zero_stage=2)["phases"]["optimizer_step"]
+        _, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=N, cpu_offload=False)
+        flat16 = 2 * big / N
+        assert sum(step.values()) - flat16 == pytest.approx(gpu, rel=small / psi + 1e-6)
+
+
+def test_the_optimizer_step_sets_deepspeeds_peak_when_activations_are_small():
+    """mha-1b, micro-batch 1, full checkpointing (the regime of issue 13): ZeRO-1/2/3's peak is the step."""
+    r = recipe_from_dict(yaml_recipe("mha-1b.yaml"))
+    for stage in (1, 2, 3):
+        m = mem(r.model, "deepspeed", 1, mb=1, ac="full", T=2048, zero_stage=stage)
+        assert m["phase"] == "optimizer_step"
+        step = m["phases"]["optimizer_step"]
+        assert step["temporaries"] == pytest.approx(6 * max(analytic._group_sizes(r.model)), abs=8)  # 2P + 4P
+    assert mem(r.model, "deepspeed", 1, mb=8, T=2048, zero_stage=1)["phase"] == "backward"
+    assert mem(r.model, "single", 1, mb=1, ac="full", T=2048)["phase"] == "backward"
+
+
+def test_backward_peak_moves_from_the_loss_to_the_end_as_activations_shrink():
+    """single: at the loss with many activations; with few, near the end, where all gradients exist."""
+    r = recipe_from_dict(yaml_recipe("mha-1b.yaml"))
+    big = mem(r.model, "single", 1, mb=8, T=2048)
+    small = mem(r.model, "single", 1, mb=1, ac="full", T=2048)
     psi = analytic.param_counts(r.model)["total"]
-    one = analytic.recipe_memory(r, 1)
-    assert one["transient_bytes"] == int(2 * (analytic.ZERO_REDUCE_BUCKET + psi))  # Ψ < reuse distance / 2
+    assert big["backward_peak_at"] == "loss" and big["phases"]["backward"]["gradients"] == 0
+    assert small["backward_peak_at"] in ("block 0", "embedding")
+    assert small["phases"]["backward"]["gradients"] >= 4 * (psi - r.model.vocab_size * r.model.d_model)
+
+
+def test_engine_buffers_follow_their_sources():
+    cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "n_layers": 4, "vocab_size": 1000}}).model
+    psi = analytic.param_counts(cfg)["total"]
+    big, _ = analytic._group_sizes(cfg)
+    # fused AdamW steps in place; foreach allocates one fp32 sqrt per parameter of the larger group
+    assert mem(cfg, "single", 1)["phases"]["optimizer_step"]["temporaries"] == 0
+    assert mem(cfg, "single", 1, fused_optimizer=False)["phases"]["optimizer_step"]["temporaries"] == 4 * big
+    assert mem(cfg, "fsdp", 4, fused_optimizer=False)["phases"]["optimizer_step"]["temporaries"] == big  # 4 × big / 4
+    # DDP: the second set of buckets (the second step's rebuild) through the backward
+    assert mem(cfg, "ddp", 2)["phases"]["backward"]["buffers"] >= 4 * psi
+    # ZeRO-1/2: two IPG buckets with overlap_comm, one without; none during the step
+    z = mem(cfg, "deepspeed", 2, zero_stage=2, reduce_bucket=1e3)
+    assert z["phases"]["backward"]["buffers"] == 2 * 1000 * 2 and z["phases"]["optimizer_step"]["buffers"] == 0
+    assert mem(cfg, "deepspeed", 2, zero_stage=2, reduce_bucket=1e3, overlap_comm=False)["phases"]["backward"]["buffers"] == 2000
+    # ZeRO-3: the bucket stays for good; one rank gathers nothing, two gather what is kept for reuse
+    one = mem(cfg, "deepspeed", 1, zero_stage=3, reduce_bucket=1e3)
+    two = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3)
+    assert one["phases"]["backward"]["buffers"] == one["phases"]["optimizer_step"]["buffers"] == 2000
+    assert two["phases"]["backward"]["buffers"] > 2000
+    none_kept = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0)
+    assert none_kept["phases"]["backward"]["buffers"] < two["phases"]["backward"]["buffers"]
+
+
+def test_recipe_settings_reach_the_estimate():
+    base = {"model": {"d_model": 256, "n_heads": 4, "n_layers": 4, "vocab_size": 1000, "dtype": "bf16"},
+            "parallel": {"engine": "deepspeed", "zero_stage": 3}}
+    default = analytic.recipe_memory(recipe_from_dict(base), 2)
     tuned = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
-        "reduce_bucket_size": "5e6", "stage3_max_reuse_distance": 2 * psi // 4}}}})
-    assert analytic.recipe_memory(tuned, 1)["transient_bytes"] == int(2 * (5e6 + psi // 4))
-    block = analytic.param_counts(r.model)["per_layer"]
-    block_psi = block["attention"] + block["ffn"] + block["norms"]
-    assert analytic.recipe_memory(r, 2)["transient_bytes"] == int(2 * (analytic.ZERO_REDUCE_BUCKET + psi)
-                                                                  + 2 * 2 * block_psi)
-    stage2 = recipe_from_dict({**base, "parallel": {"engine": "deepspeed", "zero_stage": 2}})
-    assert analytic.recipe_memory(stage2, 2)["transient_bytes"] == 0
+        "reduce_bucket_size": "5e6", "stage3_max_reuse_distance": 0}}}})
+    s = analytic.engine_settings(tuned)
+    assert (s.reduce_bucket, s.max_reuse_distance, s.zero_stage) == (5e6, 0, 3)
+    assert analytic.recipe_memory(tuned, 2)["phases"]["optimizer_step"]["buffers"] == 2 * 5_000_000
+    assert default["phases"]["optimizer_step"]["buffers"] == 2 * analytic.ZERO_REDUCE_BUCKET
+    foreach = recipe_from_dict({**base, "parallel": {"engine": "fsdp"}, "train": {"fused_optimizer": False}})
+    assert not analytic.engine_settings(foreach).fused_optimizer
+    bad = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
+        "reduce_bucket_size": "auto"}}}})
+    assert analytic.engine_settings(bad).reduce_bucket == analytic.ZERO_REDUCE_BUCKET
+
+
+def test_estimate_matches_the_gpu_validation():
+    """Every valid cell of the committed H200 validation (recipes/benchmarks/memory_phases.md) is within
+    ±10% of the current estimate; the two that are not are over-estimates, for the reason given there."""
+    cells = json.loads((ROOT / "recipes/benchmarks/results/memory-phases-h200x2.json").read_text())
+    known = {"mha-1b-ddp-n1-mb1-full", "mha-1b-ddp-n2-mb1-full"}  # DDP's old buckets partly released in time
+    checked = 0
+    for rec in cells:
+        if rec["status"] != "ok":
+            continue
+        c = rec["cell"]
+        engine = {"zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}.get(c["label"], c["label"])
+        r = load_recipe(ROOT / "recipes" / f"{c['recipe']}.yaml",
+                        [f"parallel.engine={engine}", f"parallel.zero_stage={c['label'][-1] if engine == 'deepspeed' else 1}",
+                         f"train.micro_batch_size={c['micro_batch_size']}",
+                         f"train.activation_checkpointing={c['activation_checkpointing']}"])
+        est = analytic.recipe_memory(r, c["world_size"])["total_bytes"]
+        measured = max(p["peak_bytes"] for p in rec["per_rank"])
+        err = (est - measured) / measured
+        assert (err > 0) if rec["name"] in known else abs(err) <= 0.10, (rec["name"], err)
+        checked += 1
+    assert checked == 81

@@ -2,12 +2,19 @@
 from __future__ import annotations
 
 import click
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
+
+#: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
+MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
+                  ("buffers", "buffers"), ("temps", "temporaries")]
+PHASE_LABELS = {"backward": "bwd", "optimizer_step": "step"}
+UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 
 
 @click.command()
@@ -17,7 +24,7 @@ from scaletool.fmt import gib, pct, si
               "(default: steps × global batch × seq_len of the recipe).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Ranks for the memory table (default parallel.world_size).")
 @json_option
-def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None, as_json: bool) -> None:
+def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     \b
@@ -25,7 +32,16 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
     MoE: N counts the active parameters (top-k routed experts); total vs active is shown.
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
-    Memory/GPU: weights, grads, AdamW state, activations for DDP, FSDP, ZeRO-1/2/3.
+    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the optimizer step
+    separately, each as weights + grads + optimizer + activations + engine buffers +
+    temporaries; the larger phase is the peak (validated on H200s:
+    recipes/benchmarks/memory_phases.md).
+
+    \b
+    Examples:
+      scaletool estimate recipes/mla-1b.yaml
+      scaletool estimate recipes/mha-1b.yaml --world-size 8 --set train.micro_batch_size=1
+      scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
     """
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size)
@@ -35,31 +51,32 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     return est
 
 
-def print_estimate(r, est: dict, console: Console) -> None:
-    m, p, f, kv = r.model, est["params"], est["flops"], est["kv_cache"]
+def print_estimate(r, est, console: Console) -> None:
+    m, p, f, kv = r.model, est.params, est.flops, est.kv_cache
     ffn = f"{m.ffn}×{m.intermediate_size}"
     if m.ffn == "moe":
         ffn = (f"moe(top-{m.num_experts_per_tok} of {m.n_routed_experts} routed + {m.n_shared_experts} shared, "
                f"×{m.moe_intermediate_size}; {m.first_k_dense_replace} dense ×{m.intermediate_size})")
     console.print(f"[bold]{m.attention.upper()}[/] d_model={m.d_model} n_layers={m.n_layers} n_heads={m.n_heads} "
-                  f"n_kv_heads={m.n_kv_heads} ffn={ffn} seq_len={est['seq_len']} dtype={m.dtype}")
+                  f"n_kv_heads={m.n_kv_heads} ffn={ffn} seq_len={est.seq_len} dtype={m.dtype}")
     t = Table(title="Parameters", title_justify="left")
-    t.add_column("component"), t.add_column("count", justify="right"), t.add_column("share", justify="right")
+    t.add_column("component"), t.add_column("count", justify="right", no_wrap=True)
+    t.add_column("share", justify="right", no_wrap=True)
     for key in ("embedding", "attention", "ffn", "norms", "head"):
-        t.add_row(key, f"{p[key]:,}", f"{100 * p[key] / p['total']:.1f}%")
-    if "moe" in p:
-        t.add_row("  of which routed experts", f"{p['moe']['routed_total']:,}",
-                  f"{100 * p['moe']['routed_total'] / p['total']:.1f}%")
-    t.add_row("[bold]total", f"[bold]{p['total']:,}", "")
-    if "moe" in p:
-        t.add_row("[bold]active per token", f"[bold]{p['active']:,}", f"{100 * p['active'] / p['total']:.1f}%")
-    t.add_row("non-embedding", f"{p['non_embedding']:,}", "")
-    t.add_row("12·d²·L", f"{p['rule_of_thumb_12d2L']:,}", pct(p["rule_of_thumb_rel_error"]) + " vs non-emb.")
+        t.add_row(key, f"{getattr(p, key):,}", f"{100 * getattr(p, key) / p.total:.1f}%")
+    if p.moe:
+        t.add_row("  of which routed experts", f"{p.moe['routed_total']:,}", f"{100 * p.moe['routed_total'] / p.total:.1f}%")
+    t.add_row("[bold]total", f"[bold]{p.total:,}", "")
+    if p.moe:
+        t.add_row("[bold]active per token", f"[bold]{p.active:,}", f"{100 * p.active / p.total:.1f}%")
+    t.add_row("non-embedding", f"{p.non_embedding:,}", "")
+    t.add_row("12·d²·L", f"{p.rule_of_thumb_12d2L:,}", pct(p.rule_of_thumb_rel_error) + " vs non-emb.")
     console.print(t)
 
-    pt = f["per_token"]
-    t = Table(title=f"FLOPs per token (T={est['seq_len']})", title_justify="left")
-    t.add_column(""), t.add_column("causal", justify="right"), t.add_column("full T²", justify="right")
+    pt = f.per_token
+    t = Table(title=f"FLOPs per token (T={est.seq_len})", title_justify="left")
+    t.add_column(""), t.add_column("causal", justify="right", no_wrap=True)
+    t.add_column("full T²", justify="right", no_wrap=True)
     t.add_row("training (6N + attention)", si(pt["train_causal"], "FLOP"), si(pt["train_full"], "FLOP"))
     t.add_row("forward (inference)", si(pt["forward_causal"], "FLOP"), si(pt["forward_full"], "FLOP"))
     t.add_row("attention, forward", si(pt["attention_forward_causal"], "FLOP"), si(pt["attention_forward_full"], "FLOP"))
@@ -69,28 +86,62 @@ def print_estimate(r, est: dict, console: Console) -> None:
                   f"at capacity_factor {m.capacity_factor})", si(pt["train_causal_computed"], "FLOP"),
                   si(pt["train_full_computed"], "FLOP"))
     console.print(t)
-    console.print(f"Training {si(f['train_tokens'])} tokens: 6·N·T = {si(f['train_total_6NT'], 'FLOP')}, "
-                  f"with attention ({pt['convention']}) = {si(f['train_total'], 'FLOP')}")
+    console.print(f"Training {si(f.train_tokens)} tokens: 6·N·T = {si(f.train_total_6NT, 'FLOP')}, "
+                  f"with attention ({pt['convention']}) = {si(f.train_total, 'FLOP')}")
 
     t = Table(title="KV cache", title_justify="left")
-    t.add_column(""), t.add_column("value", justify="right")
-    t.add_row("elements / token / layer", f"{kv['elements_per_token_per_layer']:,}")
-    t.add_row(f"bytes / token (all layers, {kv['dtype']})", f"{kv['bytes_per_token']:,}")
-    if "naive_bytes_per_token" in kv:
-        t.add_row("MLA naive (per-head K,V) bytes / token", f"{kv['naive_bytes_per_token']:,}")
-    t.add_row("MHA-equivalent bytes / token", f"{kv['mha_equivalent_bytes_per_token']:,}")
-    t.add_row("compression vs MHA", f"{kv['compression_ratio']:.2f}×")
-    t.add_row(f"per sequence at T={est['seq_len']}", gib(kv["bytes_per_sequence_at_seq_len"]))
-    t.add_row("naive score matrix / layer / sequence", gib(est["attention_scores"]["bytes_per_layer"]) + " (fused SDPA: 0)")
+    t.add_column(""), t.add_column("value", justify="right", no_wrap=True)
+    t.add_row("elements / token / layer", f"{kv.elements_per_token_per_layer:,}")
+    t.add_row(f"bytes / token (all layers, {kv.dtype})", f"{kv.bytes_per_token:,}")
+    if kv.naive_bytes_per_token is not None:
+        t.add_row("MLA naive (per-head K,V) bytes / token", f"{kv.naive_bytes_per_token:,}")
+    t.add_row("MHA-equivalent bytes / token", f"{kv.mha_equivalent_bytes_per_token:,}")
+    t.add_row("compression vs MHA", f"{kv.compression_ratio:.2f}×")
+    t.add_row(f"per sequence at T={est.seq_len}", gib(kv.bytes_per_sequence_at_seq_len))
+    t.add_row("naive score matrix / layer / sequence", gib(est.attention_scores.bytes_per_layer) + " (fused SDPA: 0)")
     console.print(t)
+    print_memory(r, est, console)
 
-    mem = est["memory"]
-    tr = r.train
-    t = Table(title=f"Training memory per GPU (world size {mem['world_size']}, micro-batch {tr.micro_batch_size}, "
-              f"AdamW, {m.dtype})", title_justify="left")
-    for c in ("engine", "ckpt", "weights", "grads", "optimizer", "activations", "total"):
-        t.add_column(c, justify="right" if c not in ("engine", "ckpt") else "left")
-    for row in mem["engines"]:
-        t.add_row(row["label"], row["activation_checkpointing"], gib(row["weights_bytes"]), gib(row["gradients_bytes"]),
-                  gib(row["optimizer_bytes"]), gib(row["activations_bytes"]), gib(row["total_bytes"]))
-    console.print(t)
+
+def memory_unit(rows) -> tuple[str, int]:
+    """The largest unit in which every phase total of ``rows`` reads at least 1 (so a small model's rows
+    do not all read 0.00 beside DeepSpeed's gigabyte buckets)."""
+    low = min(min(p.total for p in (row.phases.backward, row.phases.optimizer_step)) for row in rows)
+    return next(((name, size) for name, size in UNITS if low >= size), UNITS[-1])
+
+
+def memory_table(est, world: int, unit: tuple[str, int]) -> Table:
+    """One row per engine, checkpointing and phase: the phase's components and their sum, which is
+    the phase's total; ``*`` marks the phase that sets the engine's peak. Fits 80 columns."""
+    name, size = unit
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+              title_justify="left", title=f"Training memory per GPU, {name} (world size {world})")
+    t.add_column("engine", no_wrap=True), t.add_column("ckpt", no_wrap=True), t.add_column("phase", no_wrap=True)
+    for heading, _ in MEMORY_COLUMNS:
+        t.add_column(heading, justify="right", no_wrap=True)
+    t.add_column("total", justify="right", no_wrap=True)
+    for row in est.memory.engines:
+        for k, (phase, label) in enumerate(PHASE_LABELS.items()):
+            comp = getattr(row.phases, phase)
+            peak = phase == row.phase
+            t.add_row(row.label if k == 0 else "", row.activation_checkpointing if k == 0 else "",
+                      label + ("*" if peak else ""),
+                      *(f"{getattr(comp, c) / size:.2f}" for _, c in MEMORY_COLUMNS),
+                      f"[bold]{comp.total / size:.2f}" if peak else f"{comp.total / size:.2f}",
+                      end_section=k == 1)
+    return t
+
+
+def print_memory(r, est, console: Console) -> None:
+    mem, tr = est.memory, r.train
+    unit = memory_unit(mem.engines)
+    console.print(memory_table(est, mem.world_size, unit))
+    rec = mem.recipe
+    engine = f"ZeRO-{rec.zero_stage}" if rec.engine == "deepspeed" else rec.engine
+    where = f" (at the {rec.backward_peak_at})" if rec.phase == "backward" else ""
+    console.print(f"micro-batch {tr.micro_batch_size} × {est.seq_len}, AdamW, {r.model.dtype}. * the phase that sets "
+                  "the peak. activ: what autograd keeps; buffers: the engine's; temps: loss gradient, the "
+                  "optimizer's gradient copies. --json has every figure in bytes.")
+    console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
+                  f"checkpointing {tr.activation_checkpointing}): [bold]{gib(rec.total_bytes)}[/] per GPU, set by the "
+                  f"{rec.phase.replace('_', ' ')}{where}.")

@@ -1,5 +1,7 @@
 """Imports every result module so that each registers its kinds (see :func:`scaletool.results.registered`)."""
+import scaletool.results.count  # noqa: F401
 import scaletool.results.decode  # noqa: F401
+import scaletool.results.estimate  # noqa: F401
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
 import scaletool.results.profile  # noqa: F401

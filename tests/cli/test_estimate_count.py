@@ -1,30 +1,125 @@
-"""`scaletool estimate` and `scaletool count` through the real command line."""
+"""`scaletool estimate` and `scaletool count` through the real command line: typed results, the memory
+table (its columns add up, it fits 80 columns), the same keys for the same figures, device and memory
+refusals as one error line."""
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 from click.testing import CliRunner
 from conftest import RECIPES, run_cli
+from rich.console import Console
 
+from scaletool import analytic, api
 from scaletool.cli import main
+from scaletool.cli.estimate import MEMORY_COLUMNS, UNITS, memory_table, memory_unit
+from scaletool.results import load_result
 
 
-def test_estimate_json_has_the_contract_keys():
-    res = CliRunner().invoke(main, ["estimate", str(RECIPES / "mla-1b.yaml"), "--json"])
+def cli_json(*args: str) -> dict:
+    res = CliRunner().invoke(main, [*args, "--json"])
     assert res.exit_code == 0, res.output
-    est = json.loads(res.output)
+    return json.loads(res.output)
+
+
+def test_estimate_json_is_the_typed_result():
+    est = cli_json("estimate", str(RECIPES / "mla-1b.yaml"))
+    assert est["kind"] == "estimate" and est["schema_version"] == 2
     assert est["params"]["total"] == 904_996_864
     assert est["kv_cache"]["bytes_per_token"] == (512 + 64) * 16 * 2
     assert est["flops"]["per_token"]["train"] > 6 * est["params"]["matmul"]
-    assert {row["label"] for row in est["memory"]["engines"]} >= {"ddp", "fsdp", "zero1", "zero2", "zero3"}
+    assert {row["label"] for row in est["memory"]["engines"]} == {"single", "ddp", "fsdp", "zero1", "zero2", "zero3"}
+    typed = load_result(est)
+    assert typed.memory.recipe.phase in analytic.PHASES and typed == api.estimate(RECIPES / "mla-1b.yaml")
+
+
+def test_every_memory_row_is_the_sum_of_its_components():
+    """In the JSON, for every engine: each phase's components sum to that phase, the larger is the total."""
+    est = cli_json("estimate", str(RECIPES / "mha-1b.yaml"), "--world-size", "2")
+    rows = est["memory"]["engines"] + [est["memory"]["recipe"]]
+    assert len(rows) == 2 * 5 + 1  # no single on 2 GPUs
+    for row in rows:
+        sums = {phase: sum(comp.values()) for phase, comp in row["phases"].items()}
+        assert set(row["phases"]["backward"]) == set(analytic.COMPONENTS)
+        assert row["total_bytes"] == sums[row["phase"]] == max(sums.values()), row["label"]
+
+
+def _rendered_rows(text: str) -> list[list[str]]:
+    """The memory table's data rows as cells (engine and ckpt carried down to the step row)."""
+    lines = text[text.index("Training memory per GPU"):].splitlines()
+    rows, engine, ckpt = [], None, None
+    for line in lines[3:]:
+        cells = line.split()
+        if len(cells) == 10:
+            engine, ckpt = cells[0], cells[1]
+        elif len(cells) == 8 and cells[0].rstrip("*") in ("bwd", "step"):
+            cells = [engine, ckpt, *cells]
+        else:
+            continue
+        rows.append(cells)
+    return rows
+
+
+@pytest.mark.parametrize("recipe, world", [("mha-1b.yaml", 1), ("mla-1b.yaml", 4), ("tiny.yaml", 1)])
+def test_rendered_memory_table_adds_up_to_the_json_totals_and_fits_80_columns(recipe, world):
+    est = api.estimate(RECIPES / recipe, world_size=world)
+    con = Console(width=80, record=True, file=open("/dev/null", "w"))
+    unit = memory_unit(est.memory.engines)
+    con.print(memory_table(est, world, unit))
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    size = dict(UNITS)[unit[0]]
+    rows = _rendered_rows(text)
+    assert len(rows) == 2 * len(est.memory.engines)
+    by_key = {(r.label, r.activation_checkpointing): r for r in est.memory.engines}
+    half = 0.005 * size  # each figure is rounded to 0.01 of the unit
+    for cells in rows:
+        row = by_key[(cells[0], cells[1])]
+        phase = "backward" if cells[2].startswith("bwd") else "optimizer_step"
+        assert cells[2].endswith("*") == (phase == row.phase)
+        shown = [float(c) * size for c in cells[3:9]]
+        comp = getattr(row.phases, phase)
+        for (_, name), value in zip(MEMORY_COLUMNS, shown):
+            assert abs(value - getattr(comp, name)) <= half
+        total = float(cells[9]) * size
+        assert abs(sum(shown) - total) <= 7 * half  # the columns add up to the total shown
+        assert abs(total - comp.total) <= half
+        if phase == row.phase:
+            assert abs(total - row.total_bytes) <= half
+
+
+@pytest.mark.parametrize("args", [["estimate", "mla-1b.yaml"], ["estimate", "deepseek-v3.yaml"],
+                                  ["count", "mla-1b.yaml"], ["count", "deepseek-v3.yaml", "--no-fvcore"]])
+def test_human_output_fits_80_columns(args):
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(main, [args[0], str(RECIPES / args[1]), *args[2:]])
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 80
+    assert "…" not in res.output
 
 
 def test_estimate_table_and_overrides():
     res = CliRunner().invoke(main, ["estimate", str(RECIPES / "mha-1b.yaml"), "--set", "model.attention=gqa",
                                     "--set", "model.n_kv_heads=4", "--world-size", "8"])
     assert res.exit_code == 0, res.output
-    for text in ("Parameters", "12·d²·L", "FLOPs per token", "KV cache", "zero3", "world size 8"):
+    for text in ("Parameters", "12·d²·L", "FLOPs per token", "KV cache", "zero3", "world size 8", "bwd*",
+                 "This recipe (single, 1 GPU"):
         assert text in res.output
+
+
+def test_count_and_estimate_share_key_names_for_the_same_figures():
+    """issue 17: count --json has params.total, and every figure both report sits under the same key."""
+    r = RECIPES / "tiny.yaml"
+    est = cli_json("estimate", str(r))
+    cnt = cli_json("count", str(r), "--no-fvcore")
+    assert cnt["kind"] == "count" and cnt["schema_version"] == 2
+    assert cnt["params"]["total"] == cnt["params"]["measured"] == est["params"]["total"]
+    for key, value in est["params"].items():
+        assert cnt["params"][key] == value, key
+    assert cnt["model"] == est["model"] and cnt["seq_len"] == est["seq_len"]
+    assert cnt["flops"]["per_token"]["train"] == est["flops"]["per_token"]["train"]  # a dense model
+    assert cnt["memory"] is None  # meta allocates nothing
+    assert "analytic" not in cnt["params"]
 
 
 def test_count_human_output_names_the_conventions():
@@ -47,14 +142,37 @@ def test_count_405b_on_meta_allocates_no_weights():
     res = json.loads(proc.stdout)
     assert res["rc"] == 0, res["err"]
     out = json.loads(res["out"])
-    assert out["params"]["measured"] == out["params"]["analytic"] > 400e9
+    assert out["params"]["measured"] == out["params"]["total"] > 400e9
     assert abs(out["flops"]["flop_counter"]["train_rel_error"]) < 0.01
     assert res["maxrss_kb"] < 4 * 2**20  # under 4 GiB resident: nothing was materialised
 
 
-def test_bad_device_is_one_line():
-    res = run_cli("count", str(RECIPES / "tiny.yaml"), "--device", "tpu9")
-    assert res.returncode == 2 and "Traceback" not in res.stderr and "--device" in res.stderr
+def _one_error(res, *needles: str) -> str:
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stdout == ""
+    for n in needles:
+        assert n in res.stderr, res.stderr
+    return res.stderr
+
+
+def test_device_is_a_choice_not_free_text():
+    err = _one_error(run_cli("count", str(RECIPES / "tiny.yaml"), "--device", "tpu9"), "--device", "tpu9")
+    assert "meta" in err and "cuda" in err and "privateuseone" not in err  # not torch's device list
+
+
+def test_count_on_cuda_without_cuda_is_one_line():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    err = _one_error(run_cli("count", str(RECIPES / "tiny.yaml"), "--device", "cuda"), "device cuda")
+    assert err.count("error:") == 1
+
+
+def test_count_refuses_what_would_not_fit_before_building_anything():
+    """issue 14: `count --batch 100000 --device cpu` was killed by the OOM killer at 13 GB, silently."""
+    err = _one_error(run_cli("count", str(RECIPES / "tiny.yaml"), "--device", "cpu", "--batch", "100000"),
+                     "needs about", "available", "activations", "count on meta")
+    need = re.search(r"needs about ([\d.]+) GiB", err)
+    assert need and float(need.group(1)) > 50
 
 
 def test_help_teaches():
@@ -62,3 +180,5 @@ def test_help_teaches():
     assert res.returncode == 0
     for cmd in ("estimate", "count", "recipe"):
         assert cmd in res.stdout
+    for cmd in ("estimate", "count"):
+        assert "Examples:" in run_cli(cmd, "--help").stdout
