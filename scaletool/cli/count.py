@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 
 
@@ -39,7 +39,7 @@ def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_f
     res = api.count(r, device=device, batch=batch, fvcore=not no_fvcore)
     deliver(res, as_json)
     if not as_json:
-        print_count(r, res, Console())
+        print_count(r, res, console())
     return res
 
 

@@ -11,7 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.stats import MIN_SAMPLES
 
@@ -132,7 +132,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          prefill_repeats=prefill_repeats, progress=progress)
     deliver(res, as_json)
     if not as_json:
-        print_decode(res, Console())
+        print_decode(res, console())
     return res
 
 

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 
 #: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
@@ -47,7 +47,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     est = api.estimate(r, tokens=tokens, world_size=world_size)
     deliver(est, as_json)
     if not as_json:
-        print_estimate(r, est, Console())
+        print_estimate(r, est, console())
     return est
 
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from scaletool.cli.options import deliver, json_option, set_option
+from scaletool.cli.options import console, deliver, json_option, set_option
 from scaletool.results.sweep import MODES
 
 
@@ -84,7 +84,7 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
         plan = api.sweep_plan(sweep_file, out=results_dir, overrides=overrides, modes=modes, retry_failed=retry_failed)
         deliver(plan, as_json)
         if not as_json:
-            print_plan(plan, Console())
+            print_plan(plan, console())
         return plan
     try:
         summary = api.sweep(sweep_file, out=results_dir, overrides=overrides, modes=modes, retry_failed=retry_failed,

@@ -73,6 +73,11 @@ class Params(View):
     rule_of_thumb_12d2L: int | None = None
     rule_of_thumb_rel_error: float | None = None
 
+    @property
+    def exact(self) -> int | None:
+        """The closed-form total: ``total`` (estimate, and count since schema 2), else count's old ``analytic``."""
+        return self.total if self.total is not None else self.analytic
+
 
 class KVCache(View):
     bytes_per_token: int | None = None

@@ -55,7 +55,7 @@ def _estimate(r: Row) -> dict[str, Any]:
 
 def _count(r: Row) -> dict[str, Any]:
     p, f = r.result.params, r.result.flops
-    return {"params/measured": p.measured, "params/exact": p.analytic, "flops/flop_counter_train": f.flop_counter.train,
+    return {"params/measured": p.measured, "params/exact": p.exact, "flops/flop_counter_train": f.flop_counter.train,
             "flops/analytic_train_full": f.analytic.train_full, "flops/train_6N": f.analytic.train_6N,
             "flops/fvcore_forward": f.fvcore.forward, "flops/analytic_forward_full": f.analytic.forward_full}
 

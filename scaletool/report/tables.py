@@ -138,7 +138,7 @@ def count_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         p, f = r.result.params, r.result.flops
         a, fc, fv = f.analytic, f.flop_counter, f.fvcore
-        return [[p.measured, p.analytic, rel_error(p.measured, p.analytic), p.rule_of_thumb_rel_error, fc.train,
+        return [[p.measured, p.exact, rel_error(p.measured, p.exact), p.rule_of_thumb_rel_error, fc.train,
                  a.train_full, rel_error(fc.train, a.train_full), a.train_6N, rel_error(a.train_6N, fc.train),
                  fv.forward, a.forward_full, rel_error(fv.forward, a.forward_full)]]
     g1, g2, g3 = "parameters", "FLOPs fwd+bwd", "FLOPs fwd"
