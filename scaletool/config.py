@@ -35,7 +35,7 @@ NonNeg = Field(ge=0)
 
 MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
               "first_k_dense_replace", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
-              "topk_group", "aux_loss_alpha", "bias_update_speed", "capacity_factor")
+              "topk_group", "aux_loss_alpha", "bias_update_speed", "moe_dispatch", "capacity_factor")
 
 
 class ModelConfig(_Section):
@@ -71,8 +71,12 @@ class ModelConfig(_Section):
     topk_group: int = Field(1, gt=0, description="moe: groups a token may route to")
     aux_loss_alpha: float = Field(0.0, ge=0, description="moe: weight of the sequence-wise expert balance loss")
     bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
+    moe_dispatch: Literal["dropless", "capacity"] = Field(
+        "dropless", description="moe: dropless (tokens sorted by expert, one grouped GEMM per projection, as DeepSeek-V3 "
+        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity; what expert parallelism moves)")
     capacity_factor: float = Field(
-        1.25, gt=0, description="moe: expert capacity = ceil(factor·tokens·top-k / experts); >= experts/top-k never drops")
+        1.25, gt=0, description="moe_dispatch=capacity: expert capacity = ceil(factor·tokens·top-k / experts); "
+        ">= experts/top-k never drops")
     vocab_size: int = Field(32000, gt=0)
     max_seq_len: int = Field(2048, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
@@ -179,6 +183,8 @@ class ModelConfig(_Section):
                             f"groups of {E // G} experts")
         elif G > 1 and self.scoring_func == "sigmoid" and E // G < 2:
             problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
+        if self.moe_dispatch == "dropless" and "capacity_factor" in self.model_fields_set:
+            problems.append("model.capacity_factor: only used by moe_dispatch=capacity (dropless never drops a token)")
         if self.bias_update_speed and self.scoring_func != "sigmoid":
             problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
         return problems
@@ -318,6 +324,9 @@ class Recipe(_Section):
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         if self.parallel.expert_parallel and m.ffn != "moe":
             problems.append("parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)")
+        elif self.parallel.expert_parallel and m.moe_dispatch != "capacity":
+            problems.append("parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
+                            "fixed [E, C, d] buffer)")
         elif self.parallel.expert_parallel and self.parallel.engine != "fsdp":
             problems.append(f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
                             f"beside FSDP2's), not engine={self.parallel.engine}")
