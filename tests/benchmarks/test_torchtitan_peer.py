@@ -109,3 +109,25 @@ def test_unequal_shapes_are_refused(monkeypatch):
                                                                             "model_class": "Llama3Model"})
     with pytest.raises(RecipeError, match="the shapes differ"):
         peer.plan(peer.parse_args([str(RECIPES / "mha-1b.yaml"), "--dry-run"]))
+
+
+def test_torch_compat_shims_refuse_without_the_flag_and_raise_on_unsupported_use(monkeypatch):
+    """On a torch without the two APIs (simulated here), no flag: one error line each; --torch-compat:
+    a placeholder that raises if built, and a create_block_mask that takes True and raises on False."""
+    import torch.distributed.fsdp as fsdp
+    from torch.nn.attention import flex_attention
+
+    calls = []
+    monkeypatch.delattr(fsdp, "DataParallelMeshDims", raising=False)
+    monkeypatch.setattr(flex_attention, "create_block_mask", lambda *a, **kw: calls.append((a, kw)) or "mask")
+    with pytest.raises(RecipeError) as e:
+        peer.ensure_torch_api(allow_compat=False)
+    assert len(e.value.problems) == 2 and all("--torch-compat" in p for p in e.value.problems)
+    notes = peer.ensure_torch_api(allow_compat=True)
+    assert [n.split(" ")[0] for n in notes] == ["torch.distributed.fsdp.DataParallelMeshDims", "create_block_mask(...,"]
+    with pytest.raises(RuntimeError, match="placeholder"):
+        fsdp.DataParallelMeshDims(shard=("fsdp",))
+    assert flex_attention.create_block_mask("mod", 1, separate_full_blocks=True) == "mask"
+    assert calls == [(("mod", 1), {})]  # the keyword older torch lacks is not passed on
+    with pytest.raises(RuntimeError, match="separate_full_blocks=False"):
+        flex_attention.create_block_mask("mod", separate_full_blocks=False)

@@ -36,12 +36,13 @@ Peak memory is ``torch.cuda.max_memory_allocated`` (max over ranks), reset betwe
 One JSON document (``--out``, and stdout) holds the card, date, versions, command, settings,
 parameter counts, FLOPs per token and both results with their ratio.
 
-torch: torchtitan 0.3.0 is pinned to torch 2.14; its FSDP helpers import
-``torch.distributed.fsdp.DataParallelMeshDims``, added in torch 2.13. On an older torch this
-script stops with that reason unless ``--torch-compat`` is given, which defines that one name as an
-inert placeholder that raises if it is ever instantiated (torchtitan builds one only for its
-``full_dtensor`` / ``spmd_types`` backends; this script selects ``partial_dtensor``, torchtitan's
-FSDP-only path) and records it under ``compat`` in the JSON.
+torch: torchtitan 0.3.0 is pinned to torch 2.14. On torch 2.11 two of its calls fail: its FSDP helpers
+import ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.13), and its FlexAttention masks pass
+``create_block_mask(..., separate_full_blocks=True)`` (torch 2.12). On an older torch this script
+stops with those reasons unless ``--torch-compat`` is given, which shims both (:data:`COMPAT`: a
+placeholder that raises if constructed, which torchtitan's ``partial_dtensor`` FSDP path selected here
+never does; a keyword that accepts True, older torch's only behaviour, and raises on False) and
+records them under ``compat`` in the JSON.
 """
 from __future__ import annotations
 
@@ -67,10 +68,16 @@ from scaletool.config import ModelConfig, Recipe, RecipeError, load_recipe
 from scaletool.stats import compare, settled_start, spread
 
 TORCHTITAN_VERSION = "0.3.0"
-#: what --torch-compat defines, and why it is safe for this script's path
-COMPAT_NOTE = ("torch.distributed.fsdp.DataParallelMeshDims: absent before torch 2.13; defined as a placeholder "
-               "that raises on use. torchtitan passes one to fully_shard only for spmd_backend full_dtensor or "
-               "spmd_types; this run uses partial_dtensor, so it is never built")
+#: what torchtitan 0.3.0 needs of torch that 2.11 lacks, and what --torch-compat does about it (each
+#: shim raises rather than guess if torchtitan ever uses it in a way this torch cannot honour)
+COMPAT = {
+    "DataParallelMeshDims": ("torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.13)",
+                             "defined as a placeholder that raises if constructed: torchtitan builds one only for "
+                             "spmd_backend full_dtensor or spmd_types; this run's partial_dtensor passes None"),
+    "separate_full_blocks": ("create_block_mask(..., separate_full_blocks=) (torch >= 2.12)",
+                             "accepted when True, what torchtitan passes and what older torch always does; False "
+                             "raises"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,23 +124,37 @@ def torchtitan_shapes(cfg: ModelConfig) -> dict:
 
 
 def ensure_torch_api(allow_compat: bool) -> list[str]:
-    """Make torchtitan 0.3.0 importable on this torch, or say why not. Returns the shims applied."""
+    """Make torchtitan 0.3.0 run on this torch, or say why it cannot. Call before importing torchtitan.
+
+    Returns a note for each shim applied (:data:`COMPAT`)."""
+    import inspect
+
     import torch.distributed.fsdp as fsdp
+    from torch.nn.attention import flex_attention
 
-    if hasattr(fsdp, "DataParallelMeshDims"):
-        return []
-    if not allow_compat:
-        raise RecipeError(f"torch {torch.__version__}: torchtitan {TORCHTITAN_VERSION} imports "
-                          "torch.distributed.fsdp.DataParallelMeshDims (torch >= 2.13); pass --torch-compat to run "
-                          "its FSDP-only path with a placeholder for that name (recorded in the JSON)")
+    missing = [k for k, absent in (("DataParallelMeshDims", not hasattr(fsdp, "DataParallelMeshDims")),
+               ("separate_full_blocks", "separate_full_blocks" not in
+                inspect.signature(flex_attention.create_block_mask).parameters)) if absent]
+    if missing and not allow_compat:
+        raise RecipeError([f"torch {torch.__version__}: torchtitan {TORCHTITAN_VERSION} needs {COMPAT[k][0]}; pass "
+                           "--torch-compat to shim it (recorded in the JSON)" for k in missing])
+    if "DataParallelMeshDims" in missing:
+        class DataParallelMeshDims:
+            def __init__(self, *args, **kwargs):
+                raise RuntimeError("torchtitan built DataParallelMeshDims, which this torch lacks: the --torch-compat "
+                                   "placeholder does not implement it")
 
-    class DataParallelMeshDims:  # the placeholder --torch-compat promises: never silently used
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("torchtitan built DataParallelMeshDims, which this torch lacks: the --torch-compat "
-                               "placeholder does not implement it")
+        fsdp.DataParallelMeshDims = DataParallelMeshDims
+    if "separate_full_blocks" in missing:
+        original = flex_attention.create_block_mask
 
-    fsdp.DataParallelMeshDims = DataParallelMeshDims
-    return [COMPAT_NOTE]
+        def create_block_mask(*args, separate_full_blocks: bool = True, **kwargs):
+            if not separate_full_blocks:
+                raise RuntimeError("create_block_mask(separate_full_blocks=False) needs torch >= 2.12")
+            return original(*args, **kwargs)
+
+        flex_attention.create_block_mask = create_block_mask
+    return [f"{COMPAT[k][0]}: {COMPAT[k][1]}" for k in missing]
 
 
 def torchtitan_config(cfg: ModelConfig, attn_backend: str):
