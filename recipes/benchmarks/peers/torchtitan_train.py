@@ -330,7 +330,11 @@ def run_torchtitan(recipe: Recipe, batches, steps: int, device: torch.device, ar
         from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
         fwd_bwd = wrap_with_cuda_graph(fwd_bwd)
     B, T = t.micro_batch_size, recipe.seq_len
-    positions = torch.arange(T, device=device).expand(B, T)  # one document per sequence
+    # One document per sequence: the same positions, so the same mask, every step. Built once here;
+    # torchtitan's trainer rebuilds it per batch (packed documents vary), which on torch < 2.13 also
+    # breaks its CUDA-graph replay (a new mask closure compares unequal to the captured one).
+    positions = torch.arange(T, device=device).expand(B, T)
+    extra = {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
     local_tokens = torch.tensor(B * T, device=device)
     mesh = dims.get_optional_mesh("batch")
     i = 0
@@ -340,7 +344,6 @@ def run_torchtitan(recipe: Recipe, batches, steps: int, device: torch.device, ar
         inputs, labels = batches[i % len(batches)]
         i += 1
         opt.zero_grad(set_to_none=not args.cuda_graphs)
-        extra = {"positions": positions, "attention_masks": model.get_attention_masks(positions=positions)}
         tokens = dist_utils.dist_sum_tensor(local_tokens, mesh) if mesh is not None else local_tokens
         loss = fwd_bwd(inputs, labels, tokens, extra).detach().clone()  # the graph output is overwritten next replay
         dist_utils.clip_grad_norm_(params, t.grad_clip, foreach=True)
