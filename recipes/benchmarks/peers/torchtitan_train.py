@@ -13,8 +13,9 @@ What runs, in this order, each on the same pre-drawn synthetic token batches:
    dense, no MoE, no multi-token prediction), on the meta device; its FLOP count
    (``get_nparams_and_flops``); its own ``parallelize_llama`` / ``parallelize_deepseekv3`` (per-block
    ``torch.compile``, FSDP2 with bf16 parameters and fp32 gradient reduction, activation
-   checkpointing off); ``init_weights``; then the step its ``Trainer.train_step`` takes: attention
-   masks from positions (FlexAttention, torchtitan's default backend), the compiled sum
+   checkpointing off); ``init_weights``; then the step its ``Trainer.train_step`` takes: FlexAttention
+   (torchtitan's default backend) with its block-causal mask from positions (one document per
+   sequence, so built once; the trainer rebuilds it per batch for packed documents), the compiled sum
    cross-entropy over the global token count, backward, its ``clip_grad_norm_`` (max norm = the
    recipe's ``train.grad_clip``), fused AdamW. By default the forward-backward is captured in a CUDA
    graph, as torchtitan's trainer does (``--no-cuda-graphs`` turns it off).
