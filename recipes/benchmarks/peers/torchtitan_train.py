@@ -398,7 +398,8 @@ def run_scaletool(recipe: Recipe, batches, steps: int, device: torch.device, arg
 
 def summarize(times_by_rank: list[list[float]], losses: list[float], warmup: int, tokens_per_step: int,
               flops: dict[str, float], peak_tflops: float | None, peak_bytes: int | None) -> dict:
-    """Step time, tokens/s per GPU and MFU under every convention in ``flops`` (FLOPs per token)."""
+    """Step time, tokens/s per GPU and MFU under every convention in ``flops`` (FLOPs per token);
+    ``losses`` are this rank's (rank 0's in the document)."""
     per_step = [max(ts) for ts in zip(*times_by_rank)]  # a step ends when its slowest rank does
     start = settled_start(per_step, warmup)
     step_s = spread(per_step[start:])
