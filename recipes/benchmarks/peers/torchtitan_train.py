@@ -268,10 +268,12 @@ def synthetic_batches(recipe: Recipe, device: torch.device, n: int = 4) -> list[
     return out
 
 
-def release(device: torch.device) -> None:
-    """Free what the last run left (compiled graphs, caches) before the next one is measured."""
+def release(device: torch.device, dynamo_config: bytes) -> None:
+    """Free what the last run left (compiled graphs, caches) and restore Dynamo's settings (torchtitan's
+    ``apply_compile`` sets ``capture_scalar_outputs`` globally) before the next run is measured."""
     gc.collect()
     torch._dynamo.reset()
+    torch._dynamo.config.load_config(dynamo_config)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -506,9 +508,9 @@ def measure(recipe: Recipe, doc: dict, args) -> dict:
         runs.append(("scaletool", lambda: run_scaletool(scaletool_recipe(recipe, True), batches, steps, device, args)))
     if args.also_recipe:
         runs.append(("scaletool_recipe", lambda: run_scaletool(recipe, batches, steps, device, args)))
-    results = {}
+    results, dynamo_config = {}, torch._dynamo.config.save_config()
     for label, run in runs:
-        release(device)
+        release(device, dynamo_config)
         times, losses = run()["times"]
         peak_bytes = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         gathered = [None] * env.world_size
