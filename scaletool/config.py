@@ -183,7 +183,8 @@ class ModelConfig(_Section):
                             f"groups of {E // G} experts")
         elif G > 1 and self.scoring_func == "sigmoid" and E // G < 2:
             problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
-        if self.moe_dispatch == "dropless" and "capacity_factor" in self.model_fields_set:
+        # against the default, not "was it given": a resolved recipe dumped into a result carries every field
+        if self.moe_dispatch == "dropless" and self.capacity_factor != type(self).model_fields["capacity_factor"].default:
             problems.append("model.capacity_factor: only used by moe_dispatch=capacity (dropless never drops a token)")
         if self.bias_update_speed and self.scoring_func != "sigmoid":
             problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
