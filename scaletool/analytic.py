@@ -9,9 +9,10 @@ Conventions, stated once:
   token-embedding lookup is a gather, no matmul; norms and biases are element-wise.
 - Mixture of experts (ffn=moe): "active" parameters are those one token multiplies (dense parts,
   router, shared experts, its top-k routed experts); ``matmul_params`` and the FLOPs count those.
-  The capacity-based dispatch computes every expert's full capacity buffer, so FLOPs *computed*
-  (what a FLOP counter sees, the ``*_computed`` keys) count E·C/N ≈ capacity_factor·k routed experts
-  per token, while *useful* FLOPs (the MFU convention, the plain keys) count k.
+  The dropless dispatch (``moe_dispatch: dropless``) computes exactly k experts per token, so FLOPs
+  *computed* (what a FLOP counter sees, the ``*_computed`` keys) equal *useful* FLOPs (the MFU
+  convention, the plain keys). The capacity dispatch computes every expert's full capacity buffer:
+  E·C/N ≈ capacity_factor·k routed experts per token computed, k useful.
 """
 from __future__ import annotations
 
@@ -168,9 +169,12 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool) -> f
 
 
 def routed_experts_computed(cfg: ModelConfig, tokens: int | None = None) -> float:
-    """Routed experts the capacity dispatch computes per token: E·C/N for a dispatch of N = ``tokens``
-    tokens (exact, C from :func:`expert_capacity`), or min(capacity_factor·k, E) when N is not given."""
+    """Routed experts the dispatch computes per token. Dropless: exactly k (no padding, no drops).
+    Capacity: E·C/N for a dispatch of N = ``tokens`` tokens (exact, C from :func:`expert_capacity`),
+    or min(capacity_factor·k, E) when N is not given."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    if cfg.moe_dispatch == "dropless":
+        return float(k)
     if tokens is None:
         return min(cfg.capacity_factor * k, E)
     return E * expert_capacity(cfg, tokens) / tokens
@@ -314,7 +318,7 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     therefore stays whole: H·(qk_nope_head_dim + v_head_dim)); SwiGLU keeps gate, up, silu(gate) and their
     product (4 tensors of i), GELU/ReLU the pre-activation and activation (2 of i).
     A MoE block (``moe``) keeps the router's fp32 logits and scores (2·E), the dispatch buffer
-    (d per computed slot, E·C/N ≈ capacity_factor·k slots per token) and each slot's SwiGLU
+    (d per computed slot: k per token dropless, E·C/N ≈ capacity_factor·k with capacity) and each slot's SwiGLU
     (4·i_moe), the k gathered expert outputs (k·d), and the shared experts' SwiGLU (4·n_shared·i_moe).
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4

@@ -83,7 +83,7 @@ def _width(default: int | None, description: str = "", zero_ok: bool = False) ->
 
 MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
               "first_k_dense_replace", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
-              "topk_group", "aux_loss_alpha", "bias_update_speed", "capacity_factor")
+              "topk_group", "aux_loss_alpha", "bias_update_speed", "moe_dispatch", "capacity_factor")
 
 
 class ModelConfig(_Section):
@@ -122,8 +122,12 @@ class ModelConfig(_Section):
     topk_group: int = Field(1, gt=0, le=MAX_EXPERTS, description="moe: groups a token may route to")
     aux_loss_alpha: float = Field(0.0, ge=0, description="moe: weight of the sequence-wise expert balance loss")
     bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
+    moe_dispatch: Literal["dropless", "capacity"] = Field(
+        "dropless", description="moe: dropless (tokens sorted by expert, one grouped GEMM per projection, as DeepSeek-V3 "
+        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity; what expert parallelism moves)")
     capacity_factor: float = Field(
-        1.25, gt=0, description="moe: expert capacity = ceil(factor·tokens·top-k / experts); >= experts/top-k never drops")
+        1.25, gt=0, description="moe_dispatch=capacity: expert capacity = ceil(factor·tokens·top-k / experts); "
+        ">= experts/top-k never drops")
     vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB)
     max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN)
     rope_theta: float = Field(10000.0, gt=0)
@@ -293,6 +297,9 @@ def _moe(m: ModelConfig) -> list[str]:
                         f"groups of {E // G} experts")
     elif G > 1 and m.scoring_func == "sigmoid" and E // G < 2:
         problems.append("model.n_group: sigmoid group scores sum each group's top-2 experts; groups need >= 2")
+    # against the default, not "was it given": a resolved recipe dumped into a result carries every field
+    if m.moe_dispatch == "dropless" and m.capacity_factor != type(m).model_fields["capacity_factor"].default:
+        problems.append("model.capacity_factor: only used by moe_dispatch=capacity (dropless never drops a token)")
     if m.bias_update_speed and m.scoring_func != "sigmoid":
         problems.append("model.bias_update_speed: the aux-loss-free bias belongs to scoring_func=sigmoid (V3)")
     return problems
@@ -496,6 +503,9 @@ class Recipe(_Section):
         p, m = self.parallel, self.model
         if p.expert_parallel and m.ffn != "moe":
             return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
+        if p.expert_parallel and m.moe_dispatch != "capacity":
+            return ["parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
+                    "fixed [E, C, d] buffer)"]
         if p.expert_parallel and p.engine != "fsdp":
             return [f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
                     f"beside FSDP2's), not engine={p.engine}"]
@@ -541,8 +551,12 @@ class Recipe(_Section):
         Fields equal to their defaults are left out, so adding a new field with a default to the
         recipe schema keeps the keys of earlier results (a sweep resumes instead of redoing them);
         inactive keys hold their defaults and ``model.notes`` is left out, so neither changes a key.
+        One exception: a MoE recipe always hashes ``model.moe_dispatch``. Its default changed from the
+        capacity dispatch to dropless, so results of the capacity era must not pass for dropless ones.
         """
         data = self.model_dump(mode="json", exclude_defaults=True, exclude={"model": {"notes"}})
+        if self.model.ffn == "moe":
+            data.setdefault("model", {})["moe_dispatch"] = self.model.moe_dispatch
         blob = json.dumps(data, sort_keys=True) + extra
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

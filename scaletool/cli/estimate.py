@@ -82,9 +82,9 @@ def print_estimate(r, est, console: Console) -> None:
     t.add_row("attention, forward", si(pt["attention_forward_causal"], "FLOP"), si(pt["attention_forward_full"], "FLOP"))
     t.add_row("6·N only", si(pt["dense_6N"], "FLOP"), "")
     if "moe" in pt:
-        t.add_row(f"training as computed ({pt['moe']['routed_experts_per_token_computed']:.3g} experts/token "
-                  f"at capacity_factor {m.capacity_factor})", si(pt["train_causal_computed"], "FLOP"),
-                  si(pt["train_full_computed"], "FLOP"))
+        how = "dropless" if m.moe_dispatch == "dropless" else f"capacity_factor {m.capacity_factor}"
+        t.add_row(f"training as computed ({pt['moe']['routed_experts_per_token_computed']:.3g} experts/token, "
+                  f"{how})", si(pt["train_causal_computed"], "FLOP"), si(pt["train_full_computed"], "FLOP"))
     console.print(t)
     console.print(f"Training {si(f.train_tokens)} tokens: 6·N·T = {si(f.train_total_6NT, 'FLOP')}, "
                   f"with attention ({pt['convention']}) = {si(f.train_total, 'FLOP')}")

@@ -16,7 +16,9 @@ tokens, while data-parallel gradients average over ranks; a hook divides it by W
 gradient of the mean loss, and the run matches the one-process run with the same global batch.
 
 The all-to-all needs the same capacity C on every rank: equal micro-batch shapes, as the data
-loader gives. Model code keeps no distributed import: this module swaps the ``experts`` of every
+loader gives; so expert parallelism takes ``moe_dispatch: capacity`` (the recipe check refuses the
+dropless dispatch, whose per-expert token counts differ from rank to rank and step to step).
+Model code keeps no distributed import: this module swaps the ``experts`` of every
 :class:`~scaletool.model.moe.MoE` layer.
 """
 from __future__ import annotations

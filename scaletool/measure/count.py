@@ -254,11 +254,15 @@ def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore
     if "moe" in per_tok:
         mo = per_tok["moe"]
         flops["analytic"]["train_full_useful"] = per_tok["train_full"] * tokens
-        flops["notes"].append(
-            f"MoE: the capacity dispatch computes {mo['routed_experts_per_token_computed']:.3g} routed experts per "
-            f"token (capacity_factor {cfg.capacity_factor}, {tokens} tokens per dispatch); {cfg.num_experts_per_tok} "
-            f"are useful. The useful training FLOPs (the MFU convention) are "
-            f"{100 * rel_error(per_tok['train_full'], per_tok['train_full_computed']):+.2f}% off the computed ones.")
+        if cfg.moe_dispatch == "dropless":
+            flops["notes"].append(f"MoE: the dropless dispatch computes exactly the {cfg.num_experts_per_tok} useful "
+                                  "routed experts per token: computed training FLOPs are the useful ones (MFU).")
+        else:
+            flops["notes"].append(
+                f"MoE: the capacity dispatch computes {mo['routed_experts_per_token_computed']:.3g} routed experts per "
+                f"token (capacity_factor {cfg.capacity_factor}, {tokens} tokens per dispatch); {cfg.num_experts_per_tok} "
+                f"are useful. The useful training FLOPs (the MFU convention) are "
+                f"{100 * rel_error(per_tok['train_full'], per_tok['train_full_computed']):+.2f}% off the computed ones.")
     if cfg.task == "regression":
         flops["notes"].append("regression: the first feature Linear needs no input gradient, so measured "
                               "training FLOPs sit slightly under 3 × forward.")

@@ -10,15 +10,25 @@ softmax (V2's group_limited_greedy) and the sum of its best two under sigmoid (V
 The k weights are renormalised to 1 with ``norm_topk_prob`` and scaled by
 ``routed_scaling_factor``.
 
-Dispatch (:meth:`MoE.forward`) is capacity-based with static shapes, as GShard / Switch /
-DeepSpeed's MoE layer: each expert takes at most C = ceil(capacity_factor·N·k/E) of the N·k
-(token, choice) assignments (capped at N), first choices before second choices; a token's place
-in its expert comes from a cumulative sum over one-hot rows, the tokens are gathered into an
-[E, C, d] buffer, three ``torch.bmm`` against the stacked expert weights run every expert at
-once, and the results are gathered back and weighted. Assignments past capacity are dropped (the
-token keeps its other experts and the residual) and counted. No loop over tokens, no host
-synchronisation, the same code on meta, CPU and CUDA. :meth:`MoE.reference` is the plain
-per-expert loop with boolean masks (dropless); the tests check the two agree when nothing drops.
+Dispatch (:meth:`MoE.dispatch`), chosen by ``moe_dispatch``:
+- ``dropless`` (DeepSeek-V3, MegaBlocks): the N·k (token, choice) assignments are sorted by expert
+  (a stable argsort, so each expert sees its tokens in order), the tokens gathered into one
+  (N·k, d) matrix of contiguous per-expert segments, and each SwiGLU projection is one grouped GEMM
+  over the segments (:func:`segment_matmul`): ``torch._grouped_mm`` on Hopper with bf16, a loop
+  over the segments elsewhere (CPU, fp32, older GPUs: the reference path, one host sync). No
+  capacity, no padding, nothing dropped: exactly k experts per token are computed. The
+  grouped path has static shapes (argsort, gathers, and per-expert counts by ``index_add_``, no
+  ``bincount``/``nonzero``/``.item()``), so it compiles without graph breaks.
+- ``capacity`` (GShard / Switch / DeepSpeed-MoE), static shapes: each expert takes at most
+  C = ceil(capacity_factor·N·k/E) assignments (capped at N), first choices before second choices; a
+  token's place in its expert comes from a cumulative sum over one-hot rows, the tokens are gathered
+  into an [E, C, d] buffer, three ``torch.bmm`` against the stacked expert weights run every expert
+  at once. Assignments past capacity are dropped (the token keeps its other experts and the
+  residual) and counted. Expert parallelism (:mod:`scaletool.engines.expert_parallel`) moves this
+  buffer.
+Both run the same code on meta, CPU and CUDA. :meth:`MoE.reference` is the plain per-expert loop with
+boolean masks (each token through its top-k experts, weighted); the tests check dropless against it
+always and capacity against it when nothing drops.
 
 Training signals, kept on the module after each forward (detached except the loss):
 - ``aux_loss``: the sequence-wise expert balance loss α·Σ_i f_i·P_i averaged over sequences, with
@@ -50,12 +60,42 @@ def swiglu_experts(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: to
     return torch.bmm(h, w2)  # (E, C, d)
 
 
+@torch.compiler.assume_constant_result
+def _sm90_or_newer(device_index: int) -> bool:
+    """Hopper or newer. A constant to torch.compile (no graph break on the hot path)."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def grouped_mm_supported(x: torch.Tensor, width: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs the SwiGLU projections of x (M, d) with experts of ``width``:
+    CUDA on Hopper or newer, bf16 activations, d and width multiples of 8 (its CUTLASS kernels
+    need 16-byte aligned rows)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and x.shape[-1] % 8 == 0 and width % 8 == 0 and _sm90_or_newer(x.device.index or 0))
+
+
+def segment_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
+    """Rows of x (M, K), in contiguous per-expert segments of ``counts`` (E,) rows, times their
+    expert's w[e] (K, N) -> (M, N). ``impl``: ``grouped_mm`` (one kernel, no host sync) or ``loop``
+    (one matmul per segment after reading the counts on the host: the reference path).
+
+    On the meta device there are no counts to read; one matmul of all M rows against w[0] stands in,
+    with the output shape and FLOPs of every split (what counting on meta needs)."""
+    if impl == "grouped_mm":
+        return torch._grouped_mm(x, w, offs=counts.cumsum(0, dtype=torch.int32))
+    if x.device.type == "meta":
+        return x @ w[0]
+    segments = x.split(counts.tolist())
+    return torch.cat([seg @ w[e] for e, seg in enumerate(segments)])
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: w1, w3 (E, d, i) and w2 (E, i, d).
 
-    ``forward`` takes the dispatch buffer (E, C, d) and runs every expert with one bmm per
-    projection. Expert parallelism (``scaletool.engines.expert_parallel``) keeps a slice of the
-    experts per rank and wraps this module; the model never knows.
+    ``forward`` takes the capacity dispatch buffer (E, C, d) and runs every expert with one bmm per
+    projection; :meth:`sorted_forward` takes dropless tokens sorted by expert. Expert parallelism
+    (``scaletool.engines.expert_parallel``) keeps a slice of the experts per rank and wraps this
+    module; the model never knows.
     """
 
     def __init__(self, n_experts: int, d_model: int, intermediate_size: int):
@@ -66,6 +106,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, buf: torch.Tensor) -> torch.Tensor:  # buf (E, C, d)
         return swiglu_experts(buf, self.w1, self.w2, self.w3)
+
+    def sorted_forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+        """Tokens x (M, d) sorted by expert, ``counts`` (E,) rows per expert -> (M, d).
+
+        ``impl`` None picks ``grouped_mm`` where :func:`grouped_mm_supported`, else ``loop``.
+        Weights are cast to the activations' dtype (see :func:`swiglu_experts`)."""
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        impl = impl or self.impl_for(x)
+        h = F.silu(segment_matmul(x, w1, counts, impl)) * segment_matmul(x, w3, counts, impl)  # (M, i)
+        return segment_matmul(h, w2, counts, impl)  # (M, d)
+
+    def impl_for(self, x: torch.Tensor) -> str:
+        """The segment-matmul implementation :meth:`sorted_forward` uses for activations like ``x``."""
+        return "grouped_mm" if grouped_mm_supported(x, self.w1.shape[-1]) else "loop"
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` alone on tokens (n, d): the reference path."""
@@ -140,7 +194,30 @@ class MoE(nn.Module):
         return out.view(B, T, d)
 
     def dispatch(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Capacity-based batched expert computation; tokens (N, d) -> routed output (N, d)."""
+        """Routed experts on tokens (N, d) with choices ``idx`` and gate ``weights`` (N, k) -> (N, d)."""
+        if self.cfg.moe_dispatch == "capacity":
+            return self.dispatch_capacity(flat, idx, weights)
+        return self.dispatch_dropless(flat, idx, weights)
+
+    def dispatch_dropless(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                          impl: str | None = None) -> torch.Tensor:
+        """Tokens sorted by expert, one grouped GEMM per projection, nothing dropped (module docstring)."""
+        N, d = flat.shape
+        E, k = self.n_experts, self.top_k
+        expert = idx.reshape(-1)  # (N·k,): assignment a = token a // k, choice a % k
+        order = expert.argsort(stable=True)  # assignments grouped by expert, token order within an expert
+        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, expert, torch.ones_like(expert))
+        y = self.experts.sorted_forward(flat[order // k], counts, impl)  # (N·k, d), sorted by expert
+        out = torch.empty_like(y)
+        out[order] = y  # back to assignment order (a permutation: no two writes collide)
+        routed = (out.view(N, k, d) * weights.unsqueeze(-1).to(out.dtype)).sum(1)  # (N, d)
+        self.tokens_per_expert = counts.detach()
+        self.dropped = torch.zeros((), dtype=torch.long, device=flat.device)
+        self.assignments = k * N
+        return routed.to(flat.dtype)
+
+    def dispatch_capacity(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Capacity-based batched expert computation (module docstring); drops past capacity."""
         N, d = flat.shape
         E, k = self.n_experts, self.top_k
         C = expert_capacity(self.cfg, N)
@@ -179,6 +256,14 @@ class MoE(nn.Module):
                 routed[rows] += (w * self.experts.expert(e, flat[rows])).to(flat.dtype)
         out = routed if self.shared is None else routed + self.shared(flat)
         return out.view(B, T, d)
+
+    def expert_gemm(self, dtype: torch.dtype) -> str:
+        """What runs the routed experts for activations of ``dtype`` on the experts' device: ``bmm``
+        (capacity), ``grouped_mm`` or ``loop`` (dropless)."""
+        if self.cfg.moe_dispatch == "capacity":
+            return "bmm"
+        w = self.experts.w1
+        return self.experts.impl_for(torch.empty(0, w.shape[1], device=w.device, dtype=dtype))
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, speed: float) -> None:

@@ -6,6 +6,8 @@
   last micro-batch of the step (each MoE module keeps the statistics of its last forward, which an
   activation-checkpointing recomputation rewrites with the same values). The summary gets the last
   figures in ``metrics`` and the tokens per expert of every MoE layer under ``moe``.
+- The summary's ``moe`` also names the dispatch (``dropless`` | ``capacity``) and what ran the
+  experts' GEMMs (``expert_gemm``: ``grouped_mm``, ``loop`` or ``bmm``).
 - The aux-loss-free bias update of DeepSeek-V3 (``model.bias_update_speed`` > 0) after every
   optimizer step, from the same all-reduced load, so every rank moves its biases identically.
 """
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 from scaletool.config import Recipe
 from scaletool.engines.expert_parallel import ExpertParallelExperts
+from scaletool.model.layers import TORCH_DTYPES
 from scaletool.model.moe import expert_load_metrics, moe_layers
 from scaletool.results.train import TrainResult
 from scaletool.train.callbacks import Callback, StepState, TrainInfo
@@ -30,6 +33,7 @@ class MoECallback(Callback):
     def __init__(self, recipe: Recipe):
         self.steps, self.log_every = recipe.train.steps, recipe.train.log_every
         self.speed = recipe.model.bias_update_speed
+        self.dispatch, self.dtype = recipe.model.moe_dispatch, TORCH_DTYPES[recipe.model.dtype]
         self.layers = []
         self.last: dict[str, float] = {}
         self.tokens_per_expert: dict[str, list[float]] = {}
@@ -61,9 +65,10 @@ class MoECallback(Callback):
 
     def on_train_end(self, result: TrainResult) -> None:
         result.metrics.update({k: v for k, v in self.last.items() if k.count("/") == 1})
-        result.moe = {"tokens_per_expert_last_step": self.tokens_per_expert,
-                          "experts_per_rank": self.experts_per_rank,
-                          "bias_update_speed": self.speed, "metrics_last_step": self.last}
+        result.moe = {"dispatch": self.dispatch, "expert_gemm": self.layers[0].expert_gemm(self.dtype),
+                      "tokens_per_expert_last_step": self.tokens_per_expert,
+                      "experts_per_rank": self.experts_per_rank,
+                      "bias_update_speed": self.speed, "metrics_last_step": self.last}
 
 
 def moe_callbacks(recipe: Recipe) -> list[Callback]:

@@ -4,8 +4,9 @@ DeepSpeed ZeRO-2 give the losses of the one-process run with the same seed and g
 The recipe routes with sigmoid scores, group-limited top-2 and the aux-loss-free bias updated every
 step, plus the sequence-wise balance loss: routing changes from step to step, so any difference in
 expert placement, gradient scaling, bias updates (all-reduced load) or balance loss would show in
-the losses and the expert loads. Capacity is large enough that no token is dropped: capacity is per
-dispatch, and one process dispatches twice the tokens of each of two ranks.
+the losses and the expert loads. Expert parallelism moves the capacity buffer, so every job uses the
+capacity dispatch; capacity is large enough that no token is dropped: capacity is per dispatch, and
+one process dispatches twice the tokens of each of two ranks.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ RECIPE = {
               "ffn": "moe", "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
               "moe_intermediate_size": 48, "first_k_dense_replace": 1, "scoring_func": "sigmoid",
               "norm_topk_prob": True, "n_group": 2, "topk_group": 1, "bias_update_speed": 0.05,
-              "aux_loss_alpha": 0.01, "capacity_factor": 2.0, "vocab_size": 256, "max_seq_len": 32, "dtype": "fp32"},
+              "aux_loss_alpha": 0.01, "moe_dispatch": "capacity", "capacity_factor": 2.0, "vocab_size": 256,
+              "max_seq_len": 32, "dtype": "fp32"},
     "train": {"steps": 5, "seq_len": 32, "lr": 3.0e-3, "warmup_steps": 1, "measure_warmup_steps": 1},
 }
 JOBS = {
@@ -59,6 +61,7 @@ def test_single_learns_and_reports_expert_load(runs):
     assert sum(load) == 8 * 32 * 2  # every (token, choice) of the step's batch, counted once
     m = s["metrics"]
     assert m["moe/dropped_fraction"] == 0 and m["moe/imbalance_ratio_max"] >= 1
+    assert (s["moe"]["dispatch"], s["moe"]["expert_gemm"]) == ("capacity", "bmm")
     rows = [json.loads(line) for line in open(f"{s['out_dir']}/metrics.jsonl")]
     assert any("moe/layer1/imbalance_ratio" in r for r in rows)
 
