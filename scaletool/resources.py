@@ -71,7 +71,7 @@ def find_recipe(arg: str | Path, kind: str = RECIPE) -> Path:
         if path.exists():
             return path
     except OSError as e:  # a name too long for the filesystem, say
-        raise RecipeError(f"{shorten(arg)}: {e.strerror or e}") from None
+        raise RecipeError(f"{shorten(arg)}: cannot read: {e.strerror or e}") from None
     name = _shipped_name(str(arg))
     if name is None:
         raise RecipeError(f"{shorten(arg)}: no such file")

@@ -15,7 +15,14 @@ from scaletool.results.recipe import RecipeResult
 
 @click.group()
 def recipe() -> None:
-    """Validate, resolve and import recipes."""
+    """Validate, resolve and import recipes.
+
+    \b
+    Examples:
+      scaletool recipe check recipes/mla-1b.yaml --set model.attention=mha
+      scaletool recipe show mla-1b --json
+      scaletool recipe from-hf config.json -o recipes/my-model.yaml
+    """
 
 
 def _inactive_lines(r: Recipe) -> list[str]:

@@ -153,11 +153,10 @@ class TrainResult(Result):
 
 def load_train_summary(data: Any, source: str = "summary.json") -> TrainResult:
     """A train result from a parsed ``summary.json`` of any schema version (kind-less ones are version 1)."""
+    from scaletool.results.base import ResultLoadError
+
     if isinstance(data, dict) and "kind" not in data and "status" in data and "history" in data:
         data = {**data, "kind": "train"}
-    result = load_result(data, source)
-    if not isinstance(result, TrainResult):
-        from scaletool.results.base import ResultLoadError
-
-        raise ResultLoadError(f"{source}: a {result.kind} result, not a train summary")
-    return result
+    if isinstance(data, dict) and isinstance(data.get("kind"), str) and data["kind"] != "train":
+        raise ResultLoadError(f"{source}: a {data['kind'][:40]} result, not a train summary")
+    return load_result(data, source)

@@ -146,7 +146,7 @@ def test_decode_spreads_in_table_and_findings(tmp_path):
     mla_rows = [row for row in t.rows if row[0] == "attention=mla kv_lora_rank=8"]
     decode = t.column("decode tokens/s p10–p90")[t.rows.index(mla_rows[0])]
     assert decode == spread(fast).inverse(4) and t.column("decode tokens/s n")[t.rows.index(mla_rows[0])] == 12
-    assert t.column("prefill tokens/s median")[0] == pytest.approx(4 * 1024 / spread(prefill).median)
+    assert t.column("prefill tokens/s median")[0] == pytest.approx(1024 / spread(prefill).median)  # one prompt
     assert t.column("KV cache vs MHA point")[t.rows.index(mla_rows[0])] == pytest.approx(8.0)
 
 
@@ -183,8 +183,8 @@ def test_foreign_lines_are_skipped_with_one_warning_each(tmp_path):
     rs = data.load([s])
     assert len(rs.ok("train")) == 2
     assert len(rs.warnings) == 3, rs.warnings
-    assert "is not a sweep record" in rs.warnings[0] and "label" in rs.warnings[0]
-    assert "mode" in rs.warnings[1]
+    assert "not a sweep record" in rs.warnings[0] and "ignored" in rs.warnings[0]
+    assert "results.jsonl:4: not a sweep record" in rs.warnings[1]
     assert "params as text (count): result left out: params" in rs.warnings[2]
 
 
@@ -198,7 +198,7 @@ def test_a_result_its_kind_refuses_is_left_out_with_a_warning(tmp_path):
     (s / "results.jsonl").write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
     res = api.report([s], tmp_path / "out")
     assert len(res.warnings) == 1 and "written by a newer scaletool" in res.warnings[0]
-    assert "kv_lora_rank=8 (train)" in res.warnings[0] and res.tables == ["train"]
+    assert "results.jsonl:2: not a sweep record" in res.warnings[0] and res.tables == ["train"]
 
 
 def test_no_mha_point_means_one_ratio_only(tmp_path):
@@ -218,7 +218,8 @@ def test_no_mha_point_means_one_ratio_only(tmp_path):
 def test_moe_shows_useful_and_computed_mfu(tmp_path):
     moe = synth.recipe(**{"model.ffn": "moe", "model.n_routed_experts": 8, "model.num_experts_per_tok": 2,
                           "model.n_shared_experts": 1, "model.moe_intermediate_size": 48,
-                          "model.first_k_dense_replace": 1, "model.capacity_factor": 2.0})
+                          "model.first_k_dense_replace": 1, "model.moe_dispatch": "capacity",
+                          "model.capacity_factor": 2.0})
     synth.Sweep(tmp_path).add("experts=8", {"model.n_routed_experts": 8}, moe, "train",
                               synth.train_result(synth.steps(0.010), device="cuda", mfu_at_1s=0.004))
     t = tables.moe_table(data.load([tmp_path]))

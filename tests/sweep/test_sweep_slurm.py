@@ -47,7 +47,7 @@ def _sweep(tmp_path: Path) -> Path:
     return write_sweep(tmp_path / "s.yaml", {"set": AS_MHA, "modes": ["estimate"], "timeout_s": 120,
                                             "zip": [{"model.intermediate_size": 128}, {"model.intermediate_size": 192},
                                                     {"model.intermediate_size": 256},
-                                                    {"model.kv_lora_rank": 8}]})  # invalid with mha: no job
+                                                    {"model.n_heads": 3}]})  # invalid (64 is not divisible by 3): no job
 
 
 def test_array_spec_compresses_indices():
