@@ -185,7 +185,7 @@ def test_foreign_lines_are_skipped_with_one_warning_each(tmp_path):
     assert len(rs.warnings) == 3, rs.warnings
     assert "not a sweep record" in rs.warnings[0] and "ignored" in rs.warnings[0]
     assert "results.jsonl:4: not a sweep record" in rs.warnings[1]
-    assert "params as text (count): result left out: params" in rs.warnings[2]
+    assert "results.jsonl:5: not a sweep record" in rs.warnings[2]
 
 
 def test_a_result_its_kind_refuses_is_left_out_with_a_warning(tmp_path):
