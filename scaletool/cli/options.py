@@ -45,7 +45,8 @@ def deliver(result, as_json: bool = False):
 def console(stderr: bool = False):
     """A rich console for a command's tables and messages. On a terminal it fits the terminal; piped or
     redirected it writes plain text without colour, live displays or folding at rich's default 80
-    columns (a table is as wide as its content), so a log or ``| less`` shows whole lines."""
+    columns (a table is as wide as its content, or as ``COLUMNS`` when that is set), so a log or ``| less``
+    shows whole lines."""
     import sys
 
     from rich.console import Console
@@ -53,4 +54,7 @@ def console(stderr: bool = False):
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
         return Console(stderr=stderr)
-    return Console(stderr=stderr, width=1000, no_color=True, force_terminal=False, soft_wrap=False)
+    # an explicit COLUMNS (a CI log, `COLUMNS=80 scaletool ... | tee`) is the width asked for
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() and int(columns) >= 40 else 1000
+    return Console(stderr=stderr, width=width, no_color=True, force_terminal=False, soft_wrap=False)

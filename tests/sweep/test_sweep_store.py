@@ -13,13 +13,14 @@ from click.testing import CliRunner
 from conftest import ROOT
 from sweep_helpers import AS_MHA, write_sweep
 
+from scaletool import api
 from scaletool.cli import main
 from scaletool.results import base, registered
 from scaletool.results.sweep import SweepRecord, load_record
 from scaletool.sweep.store import RESULTS_FILE, append_record, load_records, read_records
 
 GOOD = {"key": "k1", "point_id": "p1", "mode": "estimate", "sweep": "s", "index": 0, "label": "base",
-        "status": "ok", "result": {"params": {"total": 1}}}
+        "status": "ok", "result": json.loads(api.estimate(ROOT / "recipes" / "tiny.yaml").to_json())}
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def test_foreign_and_hand_edited_lines_are_skipped_with_one_warning_each(tmp_pat
         {**GOOD, "key": "k2", "label": ["<b>x</b>"]},            # a list where a string belongs
         {k: v for k, v in GOOD.items() if k != "label"},          # no label
         {k: v for k, v in GOOD.items() if k != "mode"},           # no mode
-        {**GOOD, "key": "k3", "result": {"params": "<i>"}},      # result.params a string
+        {**GOOD, "key": "k3", "result": {**GOOD["result"], "params": "<i>"}},  # result.params a string
         {**GOOD, "key": "k4", "status": "great"},                # not a status
         {**GOOD, "key": "k5", "result": [1, 2]},                 # a result that is not an object
         {**GOOD, "key": "k6", "kind": "train"},                  # another kind of document
