@@ -1,10 +1,13 @@
-"""Per-step timing without host synchronisation inside the timed loop.
+"""Per-step timing without host synchronisation inside the timed loop: the one step timer of the package.
 
-:class:`StepTimer` times each step separately: on CUDA one pair of events recorded on the current
-stream around every step (device time between the step's first and last kernel, launch gaps inside
-the step included), all read after a single synchronisation at the end; on CPU, whose operators are
-synchronous, ``time.perf_counter`` around every step. The per-step samples then go through
-``scaletool.stats`` (warm-up rule, median with p10/p90).
+:class:`StepTimer` keeps marks on a timeline: on CUDA an event recorded on the current stream (no
+synchronisation), on the CPU, whose operators are synchronous, ``time.perf_counter``. A step is the time
+between two consecutive marks; :meth:`StepTimer.skip` marks a point whose preceding interval belongs to no
+step (a checkpoint, a monitor, bookkeeping), and :meth:`StepTimer.step` times one block on its own (a skip
+at its start, a mark at its end). :meth:`StepTimer.fetch` reads the steps marked so far after a single
+synchronisation, for the last mark; the samples then go through ``scaletool.stats`` (warm-up rule, median
+with p10/p90). The training loop marks the end of every step (so data loading between steps counts); the
+decode benchmark times each step as a block.
 """
 from __future__ import annotations
 
@@ -15,30 +18,58 @@ import torch
 
 
 class StepTimer:
-    """Collects the duration of each ``with timer.step():`` block; :meth:`seconds` reads them all."""
+    """Marks on a timeline; the intervals between them are step durations."""
 
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
-        self._pairs: list[tuple] = []
+        self._prev = None  # the mark the next step starts from
+        self._marks: list = []
+        self._skipped: set[int] = set()  # indices into _marks whose interval belongs to no step
+
+    def _now(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def restart(self) -> None:
+        """Time the next step from now, forgetting any mark not yet fetched."""
+        self._prev, self._marks, self._skipped = self._now(), [], set()
+
+    def mark(self) -> None:
+        """The end of a step (and the start of the next)."""
+        ev = self._now()
+        if self._prev is None:
+            self._prev = ev
+        else:
+            self._marks.append(ev)
+
+    def skip(self) -> None:
+        """Time the next step from here: what ran since the last mark belongs to no step."""
+        self.mark()
+        if self._marks:
+            self._skipped.add(len(self._marks) - 1)
 
     @contextmanager
     def step(self):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-        else:
-            start = time.perf_counter()
-            yield
-            end = time.perf_counter()
-        self._pairs.append((start, end))
+        """Time the body as one step of its own (whatever ran before it is no step's)."""
+        self.skip()
+        yield
+        self.mark()
+
+    def fetch(self) -> list[float]:
+        """Seconds of each step marked since the last fetch, in order (on CUDA: waits once, for the last mark)."""
+        out, prev = [], self._prev
+        if self.cuda and self._marks:
+            self._marks[-1].synchronize()
+        for i, ev in enumerate(self._marks):
+            if i not in self._skipped:
+                out.append(prev.elapsed_time(ev) / 1e3 if self.cuda else ev - prev)
+            prev = ev
+        self._prev, self._marks, self._skipped = prev, [], set()
+        return out
 
     def seconds(self) -> list[float]:
-        """Every step's seconds, in order (on CUDA: waits once, for the last step's end event)."""
-        if not self._pairs:
-            return []
-        if self.cuda:
-            self._pairs[-1][1].synchronize()
-            return [s.elapsed_time(e) / 1e3 for s, e in self._pairs]
-        return [e - s for s, e in self._pairs]
+        """Every step timed so far (see :meth:`fetch`)."""
+        return self.fetch()

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from scaletool.measure.timing import StepTimer
+
 
 def synchronize(device: torch.device, world_size: int) -> None:
     """Wait for this device's queued work, then for every rank (a measurement boundary)."""
@@ -24,62 +26,36 @@ def synchronize(device: torch.device, world_size: int) -> None:
 
 
 class Clock:
-    """Step marks and the measured window of one training process."""
+    """Step durations (a :class:`~scaletool.measure.timing.StepTimer`) and the measured window of one
+    training process; ``per_step=False`` (``--no-measure``) keeps the window only."""
 
     def __init__(self, device: torch.device, per_step: bool):
         self.device = device
         self.cuda = device.type == "cuda"
         self.per_step = per_step
-        self._prev = None
-        self._marks: list = []
-        self._skipped: set[int] = set()
+        self._steps = StepTimer(device)
         self.begin: float | None = None  # perf_counter at the start of the measured window
         self.end: float | None = None
         self.excluded_s = 0.0  # unmeasured time inside the window
 
-    def _event(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def restart(self) -> None:
         """Start timing the first step from now (forgetting any earlier mark)."""
         if self.per_step:
-            self._prev, self._marks, self._skipped = self._event(), [], set()
+            self._steps.restart()
 
     def mark(self) -> None:
         """End of a step (and start of the next)."""
-        if not self.per_step:
-            return
-        ev = self._event()
-        if self._prev is None:
-            self._prev = ev
-        else:
-            self._marks.append(ev)
+        if self.per_step:
+            self._steps.mark()
 
     def skip(self) -> None:
         """Time the next step from here: what ran since the last mark belongs to no step."""
-        if not self.per_step:
-            return
-        self.mark()
-        if self._marks:
-            self._skipped.add(len(self._marks) - 1)
+        if self.per_step:
+            self._steps.skip()
 
     def fetch(self, n: int) -> list[float | None]:
         """Seconds of each of the ``n`` steps marked since the last fetch (may wait for the device)."""
-        if not self.per_step:
-            return [None] * n
-        out, prev = [], self._prev
-        if self.cuda and self._marks:
-            self._marks[-1].synchronize()
-        for i, ev in enumerate(self._marks):
-            if i not in self._skipped:
-                out.append(prev.elapsed_time(ev) / 1e3 if self.cuda else ev - prev)
-            prev = ev
-        self._prev, self._marks, self._skipped = prev, [], set()
-        return out
+        return self._steps.fetch() if self.per_step else [None] * n
 
     def start_window(self) -> None:
         self.begin = time.perf_counter()
