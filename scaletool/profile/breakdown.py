@@ -295,8 +295,8 @@ def _clip(f: Fragment, parts: list[tuple[float, float]], starts: list[float]) ->
     return total
 
 
-def analyze(trace: dict, *, top: int = 15) -> dict:
-    """Breakdown of one rank's trace (see the module docstring); times are per-step means in seconds."""
+def _read_events(trace: dict) -> tuple[list[Event], list[Event], dict]:
+    """Host and device complete events of a trace, and its forward-backward flows (id -> [start, end])."""
     host, device = [], []
     flows: dict = defaultdict(lambda: [None, None])  # fwdbwd flow id -> [(thread, ts) of start, of end]
     for raw in trace.get("traceEvents", []):
@@ -311,6 +311,78 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
             host.append(e)
         elif cat in _DEVICE_CATS:
             device.append(e)
+    return host, device, flows
+
+
+def _gpu_fragments(host: list[Event], device: list[Event], steps: list) -> tuple[list, list, list]:
+    """Kernels as fragments (category and module from the op that launched them), the kernels of
+    unmeasured work, and each step's window: from the previous step's last kernel to its own."""
+    step_starts = [e.ts for _, e in steps]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect_right(step_starts, ts) - 1
+        return i if i >= 0 and ts <= steps[i][1].end else None
+
+    launcher_by_corr = {e.args.get("correlation"): e for e in host
+                        if e.cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.args}
+    op_by_ext = {e.args.get("External id"): e for e in host if e.cat == "cpu_op" and "External id" in e.args}
+    frags, excluded, per_step = [], [], defaultdict(list)
+    for k, e in enumerate(device):
+        launch = launcher_by_corr.get(e.args.get("correlation"))
+        op = launch.parent if launch is not None else op_by_ext.get(e.args.get("External id"))
+        anchor = launch or op
+        if anchor is not None and _unmeasured(anchor):
+            excluded.append((e.ts, e.end))
+            continue
+        region = op.region if op else None
+        cat = _category(_name_matches(e.name) | (op.matches if op else frozenset()), region)
+        s = step_of(anchor.ts) if anchor is not None else None
+        if s is not None:
+            per_step[s].append(e)
+        frags.append(Fragment(e.ts, e.end, e.name, cat, _module(cat, region), k))
+    windows, prev_end = [], None
+    for s in range(len(steps)):
+        kern = per_step.get(s)
+        if not kern:
+            continue
+        end = max(e.end for e in kern)
+        windows.append((steps[s][0], prev_end if prev_end is not None else min(e.ts for e in kern), end))
+        prev_end = end
+    return frags, excluded, windows
+
+
+def _cpu_fragments(host: list[Event], steps: list) -> tuple[list, list, list]:
+    """Host ops' self time as fragments, unmeasured ranges, and the ProfilerStep ranges as windows."""
+    frags, excluded = [], []
+    for k, e in enumerate(host):
+        if e.name == UNMEASURED:
+            excluded.append((e.ts, e.end))
+        if not _is_host_work(e) or _unmeasured(e):
+            continue
+        cat = _category(e.matches, e.region)
+        for a, b in _subtract(e.ts, e.end, [(c.ts, c.end) for c in _work_children(e)]):
+            frags.append(Fragment(a, b, e.name, cat, _module(cat, e.region), k))
+    return frags, excluded, [(num, e.ts, e.end) for num, e in steps]
+
+
+def _top_ops(frags: list, parts: list, n: int, step_s: float, top: int) -> list[dict]:
+    """The ops (CPU) or kernels (GPU) with the most self time inside the steps, per step."""
+    clipped = Counter()  # (name, category) -> µs
+    calls: dict[tuple, set] = defaultdict(set)
+    starts = [a for a, _ in parts]
+    for f in frags:
+        d = _clip(f, parts, starts)
+        if d > 0:
+            clipped[f.name, f.category] += d
+            calls[f.name, f.category].add(f.event_id)
+    return [{"name": name, "category": cat, "calls": len(calls[name, cat]) / n, "time_s": t / n / 1e6,
+             "share": (t / n / 1e6) / step_s if step_s else None}
+            for (name, cat), t in clipped.most_common(top)]
+
+
+def analyze(trace: dict, *, top: int = 15) -> dict:
+    """Breakdown of one rank's trace (see the module docstring); times are per-step means in seconds."""
+    host, device, flows = _read_events(trace)
     _build_trees(host)
     _attribute_host(host, flows)
     steps = sorted(((int(m.group(1)), e) for e in host if e.cat == "user_annotation" and (m := _STEP.match(e.name))),
@@ -319,52 +391,7 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
         raise ValueError("the trace has no ProfilerStep#N ranges: was it written by torch.profiler with a schedule "
                          "and prof.step() once per training step?")
     on_gpu = bool(device)
-    step_starts = [e.ts for _, e in steps]
-
-    def step_of(ts: float) -> int | None:
-        i = bisect_right(step_starts, ts) - 1
-        return i if i >= 0 and ts <= steps[i][1].end else None
-
-    frags: list[Fragment] = []
-    excluded: list[tuple[float, float]] = []
-    if on_gpu:
-        launcher_by_corr = {e.args.get("correlation"): e for e in host
-                            if e.cat in ("cuda_runtime", "cuda_driver") and "correlation" in e.args}
-        op_by_ext = {e.args.get("External id"): e for e in host if e.cat == "cpu_op" and "External id" in e.args}
-        per_step = defaultdict(list)
-        for k, e in enumerate(device):
-            launch = launcher_by_corr.get(e.args.get("correlation"))
-            op = launch.parent if launch is not None else op_by_ext.get(e.args.get("External id"))
-            anchor = launch or op
-            if anchor is not None and _unmeasured(anchor):
-                excluded.append((e.ts, e.end))
-                continue
-            matches = _name_matches(e.name) | (op.matches if op else frozenset())
-            region = op.region if op else None
-            cat = _category(matches, region)
-            s = step_of(anchor.ts) if anchor is not None else None
-            if s is not None:
-                per_step[s].append(e)
-            frags.append(Fragment(e.ts, e.end, e.name, cat, _module(cat, region), k))
-        windows, prev_end = [], None
-        for s in range(len(steps)):
-            kern = per_step.get(s)
-            if not kern:
-                continue
-            end = max(e.end for e in kern)
-            start = prev_end if prev_end is not None else min(e.ts for e in kern)
-            windows.append((steps[s][0], start, end))
-            prev_end = end
-    else:
-        for k, e in enumerate(host):
-            if e.name == UNMEASURED:
-                excluded.append((e.ts, e.end))
-            if not _is_host_work(e) or _unmeasured(e):
-                continue
-            cat = _category(e.matches, e.region)
-            for a, b in _subtract(e.ts, e.end, [(c.ts, c.end) for c in _work_children(e)]):
-                frags.append(Fragment(a, b, e.name, cat, _module(cat, e.region), k))
-        windows = [(num, e.ts, e.end) for num, e in steps]
+    frags, excluded, windows = _gpu_fragments(host, device, steps) if on_gpu else _cpu_fragments(host, steps)
     if not windows:
         raise ValueError("no profiled step launched any GPU work")
     step_parts = [_subtract(a, b, excluded) for _, a, b in windows]
@@ -379,18 +406,6 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
         return {c: {"time_s": tot[c] / n / 1e6, "share": (tot[c] / n / 1e6) / step_s if step_s else None}
                 for c in labels}
 
-    # top ops/kernels by self time inside the steps
-    clipped = Counter()  # (name, category) -> µs
-    calls: dict[tuple, set] = defaultdict(set)
-    starts = [a for a, _ in parts]
-    for f in frags:
-        d = _clip(f, parts, starts)
-        if d > 0:
-            clipped[f.name, f.category] += d
-            calls[f.name, f.category].add(f.event_id)
-    top_ops = [{"name": name, "category": cat, "calls": len(calls[name, cat]) / n, "time_s": t / n / 1e6,
-                "share": (t / n / 1e6) / step_s if step_s else None}
-               for (name, cat), t in clipped.most_common(top)]
     matmul = totals["ffn_matmul"] + totals["other_matmul"]
     return {
         "device": "cuda" if on_gpu else "cpu",
@@ -407,5 +422,5 @@ def analyze(trace: dict, *, top: int = 15) -> dict:
             "overlap_ratio": comm_overlap / comm_total if comm_total else None,
         },
         "ffn_matmul_fraction_of_matmul": totals["ffn_matmul"] / matmul if matmul else None,
-        "top_ops": top_ops,
+        "top_ops": _top_ops(frags, parts, n, step_s, top),
     }
