@@ -135,7 +135,7 @@ LONG_FUNCTIONS: dict[str, str] = {}
 MAX_FUNCTION_LINES = 80
 
 
-def long_functions(pkg: Path = PKG) -> list[str]:
+def long_functions() -> list[str]:
     out = []
     for name, path in _modules():
         for node in ast.walk(ast.parse(path.read_text())):
