@@ -12,6 +12,7 @@ from scaletool.engines.single import SingleEngine
 
 class DDPEngine(SingleEngine):
     name = "ddp"
+    auto_compile_scope = "block"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         cuda = self.env.device.type == "cuda"

@@ -21,6 +21,7 @@ from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 class FSDPEngine(SingleEngine):
     name = "fsdp"
+    auto_compile_scope = "block"
     casts_params = True
 
     def wrap(self, model: nn.Module) -> nn.Module:

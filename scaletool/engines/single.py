@@ -28,6 +28,9 @@ class SingleEngine(Engine):
     name = "single"
     #: True where the wrapper casts parameters itself (FSDP's MixedPrecisionPolicy), so no autocast
     casts_params = False
+    #: train.compile_scope=auto: the whole model on one device; per block where communication hooks sit
+    #: between blocks (DDP, FSDP), so that they stay between compiled regions
+    auto_compile_scope = "model"
 
     def __init__(self, model: nn.Module, recipe: Recipe, env: DistEnv):
         self.recipe, self.env = recipe, env
@@ -35,7 +38,7 @@ class SingleEngine(Engine):
         self.grad_clip = t.grad_clip
         apply_activation_checkpointing(model, t)
         if t.compile:
-            scope = t.compile_scope if t.compile_scope != "auto" else ("model" if self.name == "single" else "block")
+            scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
             if scope == "model":
                 model.compile()  # in place: parameter names unchanged
             else:
