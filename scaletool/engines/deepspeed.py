@@ -65,16 +65,12 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
 
 
 def build_notes(recipe: Recipe, device_type: str) -> list[str]:
-    """What DeepSpeed will compile before training starts (its JIT-built ops), said before it happens.
-
-    On the CPU, DeepSpeed builds its shared-memory collectives op (``deepspeed_shm_comm``) the first
-    time (about 75 s on two cores), and its CPU Adam with ``offload_optimizer``; a built op is reused
-    from torch's extension directory.
-    """
+    """What DeepSpeed will compile before training starts (its JIT-built ops), said before it happens:
+    its CPU Adam with ``offload_optimizer`` (a built op is reused from torch's extension directory).
+    ``device_type`` is where training runs; the CPU Adam is built whatever it is."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch.utils.cpp_extension.load builds
 
-    ops = (["deepspeed_shm_comm"] if device_type == "cpu" else []) + (
-        ["cpu_adam"] if recipe.parallel.offload_optimizer else [])
+    ops = ["cpu_adam"] if recipe.parallel.offload_optimizer else []
     missing = [op for op in ops if not (Path(_get_build_directory(op, verbose=False)) / f"{op}.so").is_file()]
     return [f"deepspeed: compiling its {op} op (first run only; about a minute or more)" for op in missing]
 
@@ -82,6 +78,20 @@ def build_notes(recipe: Recipe, device_type: str) -> list[str]:
 # ZeRO-2/3 call torch's deprecated all_gather_into_tensor / reduce_scatter_tensor every step; each call
 # prints a FutureWarning pair into the step log that only DeepSpeed's authors can act on.
 _DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def _skip_inference_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-building its shared-memory all-reduce (``deepspeed_shm_comm``).
+
+    ``TorchBackend.__init__`` (deepspeed/comm/torch.py) builds it on every CPU run on a machine without a
+    cached build (about 75 s on two cores), yet only ``inference_all_reduce`` (DeepSpeed-Inference's tensor
+    parallelism) uses it; training reduces through torch.distributed (gloo here). ``build_shm_op`` returning
+    None is DeepSpeed's own path for a machine where the op is not compatible.
+    """
+    import importlib
+
+    # by module name: the attribute deepspeed.comm.torch is the torch package that deepspeed.comm imports
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 class DeepSpeedEngine(Engine):
@@ -97,6 +107,8 @@ class DeepSpeedEngine(Engine):
         config, _ = deepspeed_config(recipe, env.world_size)  # problems were reported at launch
         apply_activation_checkpointing(model, t)
         warnings.filterwarnings("ignore", message=_DEPRECATED_COLLECTIVES, category=FutureWarning)
+        if env.device.type == "cpu":
+            _skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
         if recipe.parallel.offload_optimizer:
             kw = {"model_parameters": param_groups(model, t.weight_decay)}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import run_cli
 from rich.console import Console
 
 from scaletool import api
@@ -144,13 +145,27 @@ def test_progress_is_plain_lines_when_piped():
 
 def test_deepspeed_says_when_it_will_compile_an_op(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    r = load_recipe(TINY, ["parallel.engine=deepspeed"])
+    r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.offload_optimizer=true"])
     (note,) = build_notes(r, "cpu")
-    assert "compiling its deepspeed_shm_comm op (first run only" in note
-    built = tmp_path / "deepspeed_shm_comm"
+    assert "compiling its cpu_adam op (first run only" in note
+    built = tmp_path / "cpu_adam"
     built.mkdir(exist_ok=True)  # asking for the directory creates it
-    (built / "deepspeed_shm_comm.so").write_bytes(b"")
+    (built / "cpu_adam.so").write_bytes(b"")
     assert build_notes(r, "cpu") == [] and build_notes(r, "cuda") == []
+    # without offload nothing is built: the inference-only shm all-reduce is skipped on the CPU
+    assert build_notes(load_recipe(TINY, ["parallel.engine=deepspeed"]), "cpu") == []
+
+
+def test_deepspeed_on_cpu_builds_no_inference_all_reduce_op(tmp_path, monkeypatch):
+    """A fresh machine compiled DeepSpeed's shared-memory all-reduce for ~75 s before every first CPU run;
+    training never uses it (inference_all_reduce does), so the engine skips it: nothing lands in a fresh
+    extensions directory and the run trains."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    res = run_cli("train", str(TINY), "--out", str(tmp_path / "run"), "--set", "parallel.engine=deepspeed",
+                  "--set", "train.steps=2", "--json", env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["status"] == "completed"
+    assert not any((tmp_path / "ext").glob("deepspeed_shm_comm*"))
 
 
 def test_resume_is_an_explicit_choice():
