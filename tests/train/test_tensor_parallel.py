@@ -21,7 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from scaletool import api
+from scaletool import analytic, api
 from scaletool.cli import main
 from scaletool.config import load_recipe, recipe_from_dict
 from scaletool.errors import RecipeError
@@ -58,15 +58,15 @@ def layout(request, tmp_path_factory):
     parallel = ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}", f"train.micro_batch_size={8 * tp // ranks}"]
     jobs = {kind: COMMON + KINDS[kind] + parallel for kind in kinds}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), WORKER, TINY,
-                        str(root), json.dumps(jobs)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        str(root), json.dumps(jobs), json.dumps(parallel)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-4000:]
-    return name, ranks, root, kinds
+    return name, ranks, root, kinds, parallel
 
 
 @pytest.mark.distributed
 def test_tensor_parallel_runs_match_single_and_resume(layout, single):
-    name, ranks, root, kinds = layout
+    name, ranks, root, kinds, _ = layout
     for kind in kinds:
         s, ref = summary(root / kind), single[kind]
         assert s["status"] == "completed" and s["environment"]["world_size"] == ranks, kind
@@ -83,6 +83,20 @@ def test_tensor_parallel_runs_match_single_and_resume(layout, single):
     load_model_weights(single["mla"]["out"] / "checkpoints" / "step_2", plain)
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.distributed
+def test_the_engines_issue_the_collectives_the_analytic_model_counts(layout):
+    """One step's forward and backward, as issued (scaletool.measure.collectives) against
+    analytic.communication: every collective of both mesh dimensions, count and bytes, exactly."""
+    name, ranks, root, _, parallel = layout
+    measured = json.loads((root / "collectives.json").read_text())
+    expected: dict[str, dict[str, int]] = {}
+    for row in analytic.communication(load_recipe(TINY, parallel), world_size=ranks)["collectives"]:
+        e = expected.setdefault(f"{row['group']}:{row['op']}", {"count": 0, "message_bytes": 0})
+        e["count"] += row["count"]
+        e["message_bytes"] += row["message_bytes"]
+    assert measured == expected, name
 
 
 MODEL = {"attention": "gqa", "d_model": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 4, "intermediate_size": 128,
