@@ -494,7 +494,7 @@ def tensor_parallel_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                   "intermediate_size": cfg.intermediate_size // tp, "vocab_size": cfg.vocab_size // tp})
 
 
-def _replicated_tensors(cfg: ModelConfig) -> list[int]:
+def tensor_parallel_replicated(cfg: ModelConfig) -> list[int]:
     """Sizes of the weight tensors every tensor-parallel rank holds whole: the norms (sequence-parallel),
     MLA's latent path (wkv_a, kv_norm; wq_a, q_norm), MQA's K/V projections. Each gets one all-reduce of
     its partial gradients per step (engines.tp)."""
@@ -534,7 +534,7 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
     tokens = inputs.micro_batch_size * inputs.seq_len
     activation = tokens * cfg.d_model * cfg.dtype_bytes
     per_micro = 4 * L + 2 * recomputed + 2  # per op: blocks forward and backward, recompute, embedding and final norm
-    replicated = _replicated_tensors(cfg)
+    replicated = tensor_parallel_replicated(cfg)
     grad_bytes = 4 if gas > 1 else cfg.dtype_bytes
     return [
         _row("tp", "all_gather", "sub-layer inputs, final norm; embedding (backward)", gas * per_micro,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from click.testing import CliRunner
 
 from scaletool import analytic, api
@@ -97,6 +98,43 @@ def test_the_engines_issue_the_collectives_the_analytic_model_counts(layout):
         e["count"] += row["count"]
         e["message_bytes"] += row["message_bytes"]
     assert measured == expected, name
+
+
+@pytest.fixture
+def fake_group():
+    """A 4-rank process group in this process (torch's fake backend: shapes and placements without
+    communication), for what the plans do to the model."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sets", [["model.attention=mha"], ["model.attention=mqa", "model.qkv_bias=true"],
+                                  ["model.attention=gqa", "model.n_heads=8", "model.n_kv_heads=4", "model.qkv_bias=true"],
+                                  [], ["model.q_lora_rank=16", "model.tie_embeddings=true", "model.norm=layernorm"]])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plans_leave_each_rank_its_analytic_share(fake_group, sets, tp):
+    """Every kind's plan: the parameters a rank keeps are analytic.tensor_parallel_config's model (its
+    count), the replicated ones are exactly analytic.tensor_parallel_replicated's, and the attention
+    modules hold per-rank head counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from scaletool.engines.tp import apply_tensor_parallel
+
+    cfg = load_recipe(TINY, sets + ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}"]).model
+    m = build_model(cfg, "cpu")
+    apply_tensor_parallel(m, init_device_mesh("cpu", (tp,)), cfg)
+    params = list(m.parameters())
+    assert all(isinstance(p, DTensor) for p in params)
+    local = analytic.tensor_parallel_config(cfg, tp)
+    assert sum(p.to_local().numel() for p in params) == analytic.param_counts(local)["total"]
+    replicated = sorted(p.numel() for p in params if p.placements == (Replicate(),))
+    assert replicated == sorted(analytic.tensor_parallel_replicated(cfg))
+    attn = m.layers[0].attn
+    assert attn.n_heads == cfg.n_heads // tp == local.n_heads
+    assert getattr(attn, "n_kv_heads", local.n_kv_heads) == local.n_kv_heads
 
 
 MODEL = {"attention": "gqa", "d_model": 64, "n_layers": 1, "n_heads": 8, "n_kv_heads": 4, "intermediate_size": 128,
