@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scaletool.config import ModelConfig, Recipe, expert_capacity
+from scaletool.errors import RecipeError
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
@@ -400,6 +401,12 @@ def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
 
 def recipe_memory(recipe: Recipe, world_size: int) -> dict:
     """Memory estimate for the engine and settings the recipe itself selects."""
+    tp = recipe.parallel.tensor_parallel
+    if tp > 1:
+        if world_size % tp:
+            raise RecipeError(f"parallel.world_size: {world_size} is not a multiple of parallel.tensor_parallel={tp}; "
+                              "set the ranks to assume (estimate --world-size)")
+        return tensor_parallel_memory(recipe, world_size, tp)
     t, p = recipe.train, recipe.parallel
     inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     zero = p.deepspeed.get("zero_optimization") or {}
@@ -453,6 +460,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
             "bytes_per_layer": cfg.n_heads * T * T * b,
         },
         "memory": {"world_size": N, "recipe": recipe_memory(recipe, N), "engines": memory_table(recipe, N)},
+        "communication": communication(recipe, N),
     }
 
 
