@@ -4,6 +4,7 @@ ones tests/train/test_tensor_parallel.py measures on gloo), ZeRO's published rat
 under FSDP2 × tensor parallelism."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,31 @@ def test_memory_under_fsdp2_and_tensor_parallelism():
     assert analytic.tensor_parallel_memory(r, 4, 4)["activations_bytes"] < two["activations_bytes"] < one["activations_bytes"]
     with pytest.raises(ValueError, match="does not divide"):
         analytic.tensor_parallel_memory(r, 6, 4)
+
+
+def test_estimate_tensor_parallel_option():
+    from click.testing import CliRunner
+
+    from scaletool.cli import main
+
+    mha = str(RECIPES / "mha-1b.yaml")
+    r = CliRunner().invoke(main, ["estimate", mha, "--world-size", "8", "--tensor-parallel", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    est = json.loads(r.stdout)
+    c, mem = est["communication"], est["memory"]["recipe"]
+    assert (c["engine"], c["tensor_parallel"], c["data_parallel"]) == ("fsdp", 4, 2)
+    assert {(row["group"], row["op"]) for row in c["collectives"]} == {
+        ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce"), ("dp", "all_gather"), ("dp", "reduce_scatter")}
+    assert mem["tensor_parallel"] == 4 and mem["sequence_parallel_saving_bytes"] > 0
+    table = CliRunner().invoke(main, ["estimate", mha, "--world-size", "8", "--tensor-parallel", "4"])
+    assert "Tensor parallelism: 2 data-parallel × 4 tensor-parallel ranks" in table.stdout
+    assert "sequence parallelism saves" in table.stdout
+    plain = CliRunner().invoke(main, ["estimate", mha])
+    assert "Tensor parallelism" not in plain.stdout  # the table only where tensor parallelism is asked for
+    bad = CliRunner().invoke(main, ["estimate", mha, "--tensor-parallel", "2"])
+    assert bad.exit_code == 2 and bad.stderr.strip().splitlines() == [
+        "error: parallel.world_size: 1 is not a multiple of parallel.tensor_parallel=2; set the ranks to assume "
+        "(estimate --world-size)"]
+    bad = CliRunner().invoke(main, ["estimate", mha, "--world-size", "6", "--tensor-parallel", "3"])
+    assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 4
+    assert "model.n_heads: 16 heads do not split over parallel.tensor_parallel=3 ranks" in bad.stderr
