@@ -291,7 +291,9 @@ class Trainer:
 
     def _banner(self) -> str:
         threads = f", {self.threads} CPU thread{'s' if self.threads != 1 else ''} per rank" if self.threads else ""
-        return (f"{self.recipe.parallel.engine} on {self.env.world_size}× {self.device_name}{threads}: steps "
+        tp = self.recipe.parallel.tensor_parallel
+        layout = f" ({self.env.world_size // tp} data × {tp} tensor parallel)" if tp > 1 else ""
+        return (f"{self.recipe.parallel.engine}{layout} on {self.env.world_size}× {self.device_name}{threads}: steps "
                 f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")
 
     def _finish(self, status: str, message: str | None, *, collective: bool) -> TrainResult:

@@ -75,6 +75,7 @@ def test_tensor_parallel_runs_match_single_and_resume(layout, single):
         assert s["tokens_per_step"] == ref["tokens_per_step"], kind  # data-parallel ranks, not all ranks
         assert s["history"]["loss"] == pytest.approx(ref["history"]["loss"], rel=1e-5), f"{name} {kind}"
         assert s["history"]["grad_norm"] == pytest.approx(ref["history"]["grad_norm"], rel=1e-4), f"{name} {kind}"
+    assert f"fsdp ({ranks // 2} data × 2 tensor parallel) on {ranks}× cpu" in (root / "mla" / "train.log").read_text()
     resumed = summary(root / "mla-resumed")
     assert resumed["start_step"] == 2 and resumed["resumed_from"].endswith("step_2")
     assert resumed["history"]["loss"] == pytest.approx(summary(root / "mla")["history"]["loss"], rel=1e-6)
