@@ -126,21 +126,20 @@ def test_zero_volumes_follow_the_zero_paper():
 
 
 def test_expert_parallel_dispatch_goes_by_all_to_all():
-    raw = {"model": {"attention": "mha", "d_model": 32, "n_layers": 2, "n_heads": 4, "intermediate_size": 64,
-                     "vocab_size": 64, "max_seq_len": 16, "ffn": "moe", "n_routed_experts": 4,
-                     "num_experts_per_tok": 2, "moe_intermediate_size": 16, "first_k_dense_replace": 1,
-                     "capacity_factor": 1.0, "dtype": "bf16"},
-           "train": {"micro_batch_size": 2, "seq_len": 16}, "parallel": {"engine": "fsdp", "expert_parallel": True}}
-    r = recipe_from_dict(raw)
-    got = rows(analytic.communication(r, world_size=2)["collectives"])
-    # one MoE layer; capacity ceil(1.0 · 32 tokens · 2 / 4) = 16 slots per expert, 4 experts, d 32, bf16
-    assert got["dp", "all_to_all", "expert dispatch and return"] == (4, 4 * 4 * 16 * 32 * 2, 2 * 4 * 16 * 32 * 2)
-    # the routed experts stay out of FSDP2's all-gathers
-    plain = rows(analytic.communication(r.model_copy(update={"parallel": r.parallel.model_copy(
-        update={"expert_parallel": False})}), world_size=2)["collectives"])
-    routed = analytic.moe_params(r.model)["routed"]
+    cfg = recipe_from_dict({"model": {"attention": "mha", "d_model": 32, "n_layers": 2, "n_heads": 4,
+                                      "intermediate_size": 64, "vocab_size": 64, "max_seq_len": 16, "ffn": "moe",
+                                      "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                      "first_k_dense_replace": 1, "dtype": "bf16"}}).model
+    inputs = MemoryInputs(2, 16)
+    got = rows(analytic.data_parallel_communication(cfg, "fsdp", 2, expert_parallel=True, inputs=inputs))
+    # one MoE layer; capacity ceil(1.25 · 32 tokens · top-2 / 4 experts) = 20 slots per expert, d 32, bf16;
+    # dispatch and return, forward and backward
+    assert got["dp", "all_to_all", "expert dispatch and return"] == (4, 4 * 4 * 20 * 32 * 2, 2 * 4 * 20 * 32 * 2)
+    # the routed experts stay out of FSDP2's all-gathers (forward and backward, 16-bit)
+    plain = rows(analytic.data_parallel_communication(cfg, "fsdp", 2, inputs=inputs))
     gathered = ("dp", "all_gather", "parameters (blocks and root)")
-    assert plain[gathered][1] - got[gathered][1] == 2 * routed * 2  # forward and backward, 16-bit
+    assert plain[gathered][1] - got[gathered][1] == 2 * analytic.moe_params(cfg)["routed"] * 2
+    assert ("dp", "all_to_all", "expert dispatch and return") not in plain
 
 
 def test_communication_of_a_recipe_adds_both_groups():
