@@ -405,6 +405,9 @@ class ParallelConfig(_Section):
                                       "that waits longer for its peers fails with an error naming it")
     expert_parallel: bool = Field(False, description="fsdp, ffn=moe: each rank keeps n_routed_experts / world_size "
                                   "experts; tokens move by all-to-all")
+    tensor_parallel: int = Field(1, gt=0, le=MAX_HEADS, description="fsdp: ranks that split every layer's heads and FFN "
+                                 "width (Megatron-style, with sequence parallelism); FSDP2 shards over the "
+                                 "world_size / tensor_parallel data-parallel ranks")
 
     @field_validator("deepspeed")
     @classmethod
@@ -501,6 +504,10 @@ class Recipe(_Section):
 
     def _parallel_problems(self) -> list[str]:
         p, m = self.parallel, self.model
+        if p.tensor_parallel > 1:
+            problems = self._tensor_parallel_problems()
+            if problems:
+                return problems
         if p.expert_parallel and m.ffn != "moe":
             return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
         if p.expert_parallel and m.moe_dispatch != "capacity":
@@ -510,6 +517,33 @@ class Recipe(_Section):
             return [f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
                     f"beside FSDP2's), not engine={p.engine}"]
         return []
+
+    def _tensor_parallel_problems(self) -> list[str]:
+        """What ``parallel.tensor_parallel`` > 1 needs of the engine and the model (engines.tp splits heads,
+        FFN width and vocabulary; sequence parallelism splits positions)."""
+        p, m = self.parallel, self.model
+        N = p.tensor_parallel
+        if p.engine != "fsdp":
+            return [f"parallel.tensor_parallel: {N} needs parallel.engine=fsdp (FSDP2 over the data-parallel ranks, "
+                    f"tensor parallelism within each group of {N}), not engine={p.engine}"]
+        if m.task != "lm":
+            return ["parallel.tensor_parallel: supported for task=lm (the regression model's feature embedding and "
+                    "head are not split)"]
+        if m.ffn == "moe":
+            return ["parallel.tensor_parallel: not supported with model.ffn=moe; parallel.expert_parallel splits "
+                    "the experts instead"]
+        problems = []
+        if m.n_heads % N:
+            problems.append(f"model.n_heads: {m.n_heads} heads do not split over parallel.tensor_parallel={N} ranks")
+        if m.attention == "gqa" and m.n_kv_heads % N:
+            problems.append(f"model.n_kv_heads: {m.n_kv_heads} K/V heads do not split over parallel.tensor_parallel="
+                            f"{N} ranks (attention=mqa replicates its single K/V head instead)")
+        for key, size in (("model.intermediate_size", m.intermediate_size), ("model.vocab_size", m.vocab_size),
+                          ("train.seq_len", self.seq_len)):
+            if size % N:
+                what = "positions (sequence parallelism)" if key == "train.seq_len" else "columns"
+                problems.append(f"{key}: {size} {what} do not split evenly over parallel.tensor_parallel={N} ranks")
+        return problems
 
     def engine_problems(self, world_size: int | None = None) -> list[str]:
         """The engine rules train applies before it builds anything: keys only another engine uses, and
@@ -523,6 +557,9 @@ class Recipe(_Section):
                     if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
         if p.engine == "deepspeed":
             problems += deepspeed_problems(self, world_size)
+        if world_size is not None and world_size % p.tensor_parallel:
+            problems.append(f"parallel.tensor_parallel: {p.tensor_parallel} does not divide the world size "
+                            f"{world_size} (data-parallel ranks × tensor-parallel ranks)")
         return problems
 
     @property

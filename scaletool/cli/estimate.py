@@ -23,8 +23,11 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 @click.option("--tokens", type=click.IntRange(min=1), help="Training tokens for the total-FLOPs line "
               "(default: steps × global batch × seq_len of the recipe).")
 @click.option("--world-size", type=click.IntRange(min=1), help="Ranks for the memory table (default parallel.world_size).")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), help="Ranks per tensor-parallel group: the recipe under "
+              "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
 @json_option
-def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None, as_json: bool):
+def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None,
+             tensor_parallel: int | None, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     \b
@@ -35,7 +38,8 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the optimizer step
     separately, each as weights + grads + optimizer + activations + engine buffers +
     temporaries; the larger phase is the peak (validated on H200s:
-    recipes/benchmarks/memory_phases.md).
+    recipes/benchmarks/memory_phases.md). With --tensor-parallel (or
+    parallel.tensor_parallel): the collectives per step and GPU.
 
     \b
     Examples:
@@ -43,12 +47,34 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
       scaletool estimate recipes/mha-1b.yaml --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
     """
+    if tensor_parallel is not None:
+        overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size)
     deliver(est, as_json)
     if not as_json:
         print_estimate(r, est, console())
+        if r.parallel.tensor_parallel > 1:
+            print_tensor_parallel(est, console())
     return est
+
+
+def print_tensor_parallel(est, console: Console) -> None:
+    """The collectives of FSDP2 × tensor parallelism per step and GPU, and the memory per GPU."""
+    data = est.model_dump(mode="json")
+    c, mem = data["communication"], data["memory"]["recipe"]
+    t = Table(title=f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "
+              "ranks, per GPU and step", title_justify="left")
+    t.add_column("group"), t.add_column("collective"), t.add_column("of"), t.add_column("count", justify="right")
+    t.add_column("sent", justify="right", no_wrap=True)
+    for row in c["collectives"]:
+        t.add_row(row["group"], row["op"], row["what"], "-" if row["count"] is None else f"{row['count']:,}",
+                  gib(row["wire_bytes"]))
+    console.print(t)
+    console.print(f"sent per GPU and step: {gib(c['wire_bytes'])} (tensor-parallel {gib(c['tp_wire_bytes'])}, "
+                  f"data-parallel {gib(c['dp_wire_bytes'])}); parameters per GPU {mem['params_per_rank']:,} before "
+                  f"FSDP2; peak memory per GPU {gib(mem['total_bytes'])} (sequence parallelism saves "
+                  f"{gib(mem['sequence_parallel_saving_bytes'])})")
 
 
 def print_estimate(r, est, console: Console) -> None:

@@ -7,7 +7,8 @@ trainer (:mod:`scaletool.train.trainer`) sees only this interface.
 
 - ``single`` (:mod:`.single`): one device, autocast mixed precision; also the base of DDP and FSDP.
 - ``ddp`` (:mod:`.ddp`): ``DistributedDataParallel``, ``no_sync`` while accumulating.
-- ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` per block then the root.
+- ``fsdp`` (:mod:`.fsdp`): FSDP2 ``fully_shard`` per block then the root; with
+  ``parallel.tensor_parallel`` over a data × tensor mesh (:mod:`.tp`, Megatron-style tensor parallelism).
 - ``deepspeed`` (:mod:`.deepspeed`): ``deepspeed.initialize`` with ZeRO stage 0-3.
 
 Modules: :mod:`.dist` (rank layout and process group), :mod:`.apply` (activation checkpointing,
@@ -20,7 +21,7 @@ here, to the built model, as torchtitan's ``parallelize`` does.
 from __future__ import annotations
 
 from scaletool.engines.base import Engine, check_recipe, make_engine, startup_notes
-from scaletool.engines.dist import DistEnv, agree, init_distributed, launcher_env
+from scaletool.engines.dist import DistEnv, agree, data_parallel, init_distributed, launcher_env
 
-__all__ = ["DistEnv", "Engine", "agree", "check_recipe", "init_distributed", "launcher_env", "make_engine",
-           "startup_notes"]
+__all__ = ["DistEnv", "Engine", "agree", "check_recipe", "data_parallel", "init_distributed", "launcher_env",
+           "make_engine", "startup_notes"]

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,22 @@ def agree(value, env: DistEnv):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def device_mesh(env: DistEnv, tensor_parallel: int = 1) -> DeviceMesh:
+    """The ranks as a ``("dp", "tp")`` mesh (``("dp",)`` without tensor parallelism), row-major: a
+    tensor-parallel group is ``tensor_parallel`` consecutive ranks (one node's, as torchtitan lays it out)."""
+    if tensor_parallel == 1:
+        return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(env.device.type, (env.world_size // tensor_parallel, tensor_parallel),
+                            mesh_dim_names=("dp", "tp"))
+    # the gradient norm reduces over both dimensions: with the flattened group DTensor does it in one
+    # all-reduce instead of one per dimension (torchtitan flattens its meshes the same way)
+    mesh._flatten()
+    return mesh
+
+
+def data_parallel(env: DistEnv, tensor_parallel: int = 1) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) in :func:`device_mesh`'s layout: the ranks of one
+    tensor-parallel group read the same batch."""
+    return env.rank // tensor_parallel, env.world_size // tensor_parallel

@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
@@ -36,6 +37,7 @@ class SingleEngine(Engine):
         self.recipe, self.env = recipe, env
         t = recipe.train
         self.grad_clip = t.grad_clip
+        self.shard_tensors(model)
         apply_activation_checkpointing(model, t)
         if t.compile:
             scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
@@ -54,6 +56,10 @@ class SingleEngine(Engine):
         # and no GradScaler owns the optimizer's grad_scale
         self.clip_in_optimizer = bool(self.optimizer.defaults.get("fused")) and not self.casts_params \
             and self.scaler is None
+
+    def shard_tensors(self, model: nn.Module) -> None:
+        """Split layers across ranks in place, before checkpointing and compile wrap them (FSDP: tensor
+        parallelism); nothing here."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model as the loop calls it; DDP and FSDP override."""
@@ -74,7 +80,8 @@ class SingleEngine(Engine):
                     loss = self.model(inputs, targets)
                 scaled = loss / n
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            loss = _plain(loss.detach())
+            total = loss if total is None else total + loss
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None
@@ -87,7 +94,7 @@ class SingleEngine(Engine):
                 self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
             else:
                 nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+            norm = _plain(norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -117,3 +124,8 @@ class SingleEngine(Engine):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the whole value: FSDP2's gradient norm and a tensor-parallel loss are DTensors."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

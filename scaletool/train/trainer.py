@@ -31,7 +31,7 @@ from rich.console import Console
 
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
-from scaletool.engines import DistEnv, agree, make_engine, startup_notes
+from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
 from scaletool.errors import describe
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter, WandbOptions
@@ -134,7 +134,9 @@ class Trainer:
         self.segment = {"start_step": self.start_step, "end_step": self.start_step,
                         "resumed_from": str(self.start.checkpoint) if self.start.checkpoint else None,
                         "world_size": env.world_size, "threads": self.threads}
-        self.source = make_source(r, env.rank, env.world_size)
+        # a tensor-parallel group computes one data-parallel rank's batch together
+        dp_rank, dp_size = data_parallel(env, r.parallel.tensor_parallel)
+        self.source = make_source(r, dp_rank, dp_size)
         for note in startup_notes(r, env):
             self.writer.log(note)
         self.engine = make_engine(r, env)
@@ -145,7 +147,7 @@ class Trainer:
             self.engine.load(self.start.checkpoint)
             self.writer.log(f"resumed from {self.start.checkpoint} at step {self.start_step}")
         T = r.seq_len
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * env.world_size * T
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * dp_size * T
         self.flops = analytic.flops_per_token(r.model, T, tokens=t.micro_batch_size * T)
         self.device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
         self.peak = peak_for(env.device.type, self.device_name, r.model.dtype, peak_tflops)
@@ -289,7 +291,9 @@ class Trainer:
 
     def _banner(self) -> str:
         threads = f", {self.threads} CPU thread{'s' if self.threads != 1 else ''} per rank" if self.threads else ""
-        return (f"{self.recipe.parallel.engine} on {self.env.world_size}× {self.device_name}{threads}: steps "
+        tp = self.recipe.parallel.tensor_parallel
+        layout = f" ({self.env.world_size // tp} data × {tp} tensor parallel)" if tp > 1 else ""
+        return (f"{self.recipe.parallel.engine}{layout} on {self.env.world_size}× {self.device_name}{threads}: steps "
                 f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")
 
     def _finish(self, status: str, message: str | None, *, collective: bool) -> TrainResult:

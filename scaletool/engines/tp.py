@@ -1,0 +1,175 @@
+"""Tensor parallelism: each layer's heads and FFN width split over ``parallel.tensor_parallel`` ranks.
+
+Megatron-LM's scheme (Shoeybi et al. 2019, §3) built on DTensor (``torch.distributed.tensor.parallel``),
+applied to the built model from outside, as torchtitan's ``parallelize`` does; the model code stays
+single-device. Within a block, the projections that produce heads (and the FFN's up projections) are
+column-parallel, the ones that consume them row-parallel, so each rank computes its own heads and one
+reduction per sub-layer joins them.
+
+Sequence parallelism (Korthikanti et al. 2022, §4.2.2) on: between sub-layers the residual stream and
+the norms are sharded over positions (``Shard(1)``), so a sub-layer starts with an all-gather of its
+normed input and ends with a reduce-scatter instead of an all-reduce: the same bytes on the wire, and
+the norms' and residual's activations divided by the tensor-parallel size. The residual stream is a
+DTensor between blocks (global shapes: the model's ``h.shape[1]`` stays the sequence length).
+
+Inside a sub-layer everything is local: per-rank head counts (:class:`AttentionPlan` sets the module
+attributes that hold them) and plain tensors, so attention runs the same SDPA kernels as one GPU. The
+parts every head shares are replicated and computed whole on every rank: MQA's one K/V head, MLA's
+latent down-projection ``wkv_a`` with ``kv_norm`` (and ``wq_a``/``q_norm`` with a low-rank query).
+Their outputs feed this rank's heads only, so the gradient flowing back into them is a per-rank
+partial sum: :class:`ReplicateInRegion` and :class:`ColwiseInRegion` declare it so (DTensor
+``grad_placements=Partial``), and the sums meet once, in the reduce-scatter at the sub-layer's input
+(and, for the replicated weights, when FSDP2 turns their ``Partial`` gradients into ``Replicate``).
+
+Embedding and LM head are split over the vocabulary, as torchtitan does: the embedding row-wise (its
+output reduce-scattered onto the sequence shards), the head column-wise with loss parallelism: the
+cross-entropy runs on vocabulary-sharded logits (``loss_parallel``), so no rank holds the B·T·V logits
+and they are never gathered; the price is three all-reduces of B·T floats.
+
+The 2-D layout is torchtitan's: ranks ``[d·N, (d+1)·N)`` form tensor-parallel group ``d`` (neighbours,
+on one node's NVLink), FSDP2 shards over the ``world_size / N`` groups; a
+tensor-parallel group reads one data-parallel rank's batch (:func:`~scaletool.engines.dist.device_mesh`,
+:func:`~scaletool.engines.dist.data_parallel`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from scaletool.config import ModelConfig
+
+_PARTIAL = (Partial(),)
+
+
+def _local_in(x, mesh: DeviceMesh):
+    """A plain tensor that holds the same value on every rank of the region, as a Replicate DTensor whose
+    gradient stays a per-rank partial sum (reduced once, at the region's entry)."""
+    if isinstance(x, DTensor):
+        return x
+    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False, grad_placements=_PARTIAL)
+
+
+class ReplicateInRegion(ParallelStyle):
+    """A module every rank of the group runs whole (its weights replicated) on the region's shared input;
+    its output feeds this rank's heads, so its output gradient is a partial sum (torchtitan's
+    ``NoParallel``, with local outputs)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(  # no partition_fn: parameters are replicated (broadcast from rank 0)
+            module, device_mesh,
+            input_fn=lambda mod, inputs, mesh: (_local_in(inputs[0], mesh), *inputs[1:]),
+            output_fn=lambda mod, out, mesh: out.to_local(grad_placements=_PARTIAL))
+
+
+class ColwiseInRegion(ColwiseParallel):
+    """``ColwiseParallel`` for a head projection whose input comes from a replicated module of the same
+    region (MLA's ``wkv_b`` after ``kv_norm``, ``wq_b`` after ``q_norm``): its input gradient stays partial."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        return _local_in(inputs[0], device_mesh)
+
+
+class GatheredSequenceParallel(SequenceParallel):
+    """The final norm: sequence-parallel, its output gathered (``Replicate``) for the column-parallel head."""
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        return outputs.redistribute(placements=(Replicate(),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans, keyed by attention kind
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one attention kind splits: styles by submodule name (relative to the attention module) and
+    the module attributes that hold head counts, with their per-rank values."""
+    styles: dict[str, ParallelStyle]
+    local: dict[str, int] = field(default_factory=dict)
+
+
+def _sublayer_input(n_args: int) -> PrepareModuleInput:
+    """The region's entry: the sequence-sharded normed input gathered (Replicate), kept a DTensor so the
+    gradients of every projection reading it add up as partial sums and leave as one reduce-scatter."""
+    rest = (None,) * (n_args - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest))
+
+
+def _row_out() -> RowwiseParallel:
+    """The region's exit: partial sums of the heads (or FFN columns) reduce-scattered onto the sequence shards."""
+    return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+
+
+def _heads_plan(cfg: ModelConfig, tp: int) -> AttentionPlan:
+    """MHA and GQA: q, k, v heads column-parallel, wo row-parallel (Megatron-LM §3, Figure 3b)."""
+    styles = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": _row_out()}
+    return AttentionPlan(styles, {"n_heads": cfg.n_heads // tp, "n_kv_heads": cfg.n_kv_heads // tp})
+
+
+def _mqa_plan(cfg: ModelConfig, tp: int) -> AttentionPlan:
+    """MQA: query heads split; the one K/V head is replicated (every rank's heads read it)."""
+    styles = {"wq": ColwiseParallel(), "wk": ReplicateInRegion(), "wv": ReplicateInRegion(), "wo": _row_out()}
+    return AttentionPlan(styles, {"n_heads": cfg.n_heads // tp})
+
+
+def _mla_plan(cfg: ModelConfig, tp: int) -> AttentionPlan:
+    """MLA: query heads and the latent up-projection ``wkv_b`` column-parallel, ``wo`` row-parallel; the
+    latent (``wkv_a``, ``kv_norm``) and the shared RoPE key are one per token for all heads, so they are
+    replicated, as are the low-rank query's ``wq_a`` and ``q_norm`` (torchtitan's DeepSeek-V3 plan)."""
+    styles: dict[str, ParallelStyle] = {"wkv_a": ReplicateInRegion(), "kv_norm": ReplicateInRegion(),
+                                        "wkv_b": ColwiseInRegion(), "wo": _row_out()}
+    if cfg.q_lora_rank:
+        styles.update(wq_a=ReplicateInRegion(), q_norm=ReplicateInRegion(), wq_b=ColwiseInRegion())
+    else:
+        styles["wq"] = ColwiseParallel()
+    return AttentionPlan(styles, {"n_heads": cfg.n_heads // tp})
+
+
+#: attention kind -> its tensor-parallel plan (the seam a kinds registry can hold per kind)
+ATTENTION_PLANS: dict[str, Callable[[ModelConfig, int], AttentionPlan]] = {
+    "mha": _heads_plan, "gqa": _heads_plan, "mqa": _mqa_plan, "mla": _mla_plan}
+
+
+def _ffn_styles(cfg: ModelConfig) -> dict[str, ParallelStyle]:
+    """SwiGLU: gate and up projections (w1, w3) column-parallel, w2 row-parallel; GELU/ReLU: w1, w2."""
+    styles: dict[str, ParallelStyle] = {"ffn": _sublayer_input(1), "ffn.w1": ColwiseParallel(), "ffn.w2": _row_out()}
+    if cfg.ffn == "swiglu":
+        styles["ffn.w3"] = ColwiseParallel()
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig) -> None:
+    """Split ``model`` (a built, initialised :class:`~scaletool.model.transformer.Transformer`, the same
+    weights on every rank) over the 1-D ``mesh`` in place. Call before activation checkpointing,
+    compile and FSDP2 (torchtitan's order)."""
+    root: dict[str, ParallelStyle] = {
+        # vocabulary-sharded: masked lookups, partial sums reduce-scattered onto the sequence shards
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "norm": GatheredSequenceParallel(),
+    }
+    if model.output is not None:
+        # lm_head calls F.linear with this weight (or the tied embedding's, sharded the same way): on the
+        # gathered normed states that gives vocabulary-sharded logits, as this style would
+        root["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, mesh, root)
+    plan = ATTENTION_PLANS[cfg.attention](cfg, mesh.size())
+    for block in model.layers:
+        styles = {"attn_norm": SequenceParallel(), "attn": _sublayer_input(4), "ffn_norm": SequenceParallel(),
+                  **{f"attn.{name}": style for name, style in plan.styles.items()}, **_ffn_styles(cfg)}
+        parallelize_module(block, mesh, styles)
+        for name, value in plan.local.items():
+            setattr(block.attn, name, value)
