@@ -174,6 +174,13 @@ def test_memory_under_fsdp2_and_tensor_parallelism():
     assert analytic.tensor_parallel_memory(r, 4, 4)["activations_bytes"] < two["activations_bytes"] < one["activations_bytes"]
     with pytest.raises(ValueError, match="does not divide"):
         analytic.tensor_parallel_memory(r, 6, 4)
+    # the saving comes off the backward phase; the phases still add up to the peak they name
+    plain = analytic.training_memory(analytic.tensor_parallel_config(m, 2), "fsdp", 2, MemoryInputs(2, T))
+    assert two["phases"]["backward"]["activations"] == (plain["phases"]["backward"]["activations"]
+                                                      - two["sequence_parallel_saving_bytes"])
+    for row in (one, two, full):
+        assert sum(row["phases"][row["phase"]].values()) == row["total_bytes"]
+        assert row["total_bytes"] == max(sum(c.values()) for c in row["phases"].values())
 
 
 def test_estimate_tensor_parallel_option():
