@@ -68,16 +68,29 @@ class Stopped(Exception):
 _ENDING = threading.Event()
 
 
+# Set while a section runs that a stop must not cut short (a checkpoint write: DCP wraps whatever is
+# raised inside it into a CheckpointException, and a half-written directory helps nobody); a signal then
+# is held in _HELD and raised as Stopped when the section ends (see :func:`uninterrupted`).
+_DEFER = threading.Event()
+_HELD: list[int] = []
+
+
 @contextmanager
 def stop_on_signals(signals=(signal.SIGTERM,)):
     """Turn the first SIGTERM into :class:`Stopped` raised in the main thread, so a stopped run still
-    writes its partial result; later ones, and any while a failing run writes it, are ignored."""
+    writes its partial result; later ones, and any while a failing run writes it, are ignored; one that
+    arrives inside :func:`uninterrupted` is raised when that section ends."""
     fired = []
+    _HELD.clear()
 
     def handler(signum, _frame):
-        if not fired and not _ENDING.is_set():
-            fired.append(signum)
-            raise Stopped(f"stopped by {signal.Signals(signum).name}")
+        if fired or _ENDING.is_set():
+            return
+        fired.append(signum)
+        if _DEFER.is_set():
+            _HELD.append(signum)
+            return
+        raise Stopped(f"stopped by {signal.Signals(signum).name}")
 
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
@@ -85,6 +98,18 @@ def stop_on_signals(signals=(signal.SIGTERM,)):
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextmanager
+def uninterrupted():
+    """Hold a stop signal until the body has finished, then raise it as :class:`Stopped`."""
+    _DEFER.set()
+    try:
+        yield
+    finally:
+        _DEFER.clear()
+    if _HELD:
+        raise Stopped(f"stopped by {signal.Signals(_HELD.pop()).name}")
 
 
 class Trainer:
@@ -265,7 +290,7 @@ class Trainer:
                  "world_size": self.env.world_size, "recipe_digest": self.recipe.digest(),
                  "segments": [*self.segments, self.segment]}
         t0 = time.perf_counter()
-        with self.clock.unmeasured():
+        with self.clock.unmeasured(), uninterrupted():
             path = self.checkpointer.save(self.engine, done, state)
         self.checkpoint_s += time.perf_counter() - t0
         self.writer.log(f"checkpoint {path}")

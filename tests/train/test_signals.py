@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from scaletool import api
 
@@ -66,3 +69,21 @@ def test_sigterm_stops_with_the_partial_result_delivered(tmp_path):
     assert len(printed["history"]["step"]) >= 4 and printed["timing"]["step_s"]["n"] >= 1
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {printed['message']}"] and "Traceback" not in stderr
+
+
+def test_a_stop_inside_a_checkpoint_write_waits_for_the_write():
+    """SIGTERM during dcp.save was wrapped into a CheckpointException (exit 1, a half-written checkpoint);
+    now it is held until the write ends, then stops the run as any SIGTERM does."""
+    from scaletool.train.trainer import Stopped, stop_on_signals, uninterrupted
+
+    finished = []
+    with stop_on_signals(), pytest.raises(Stopped, match="stopped by SIGTERM"):
+        with uninterrupted():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler has run by now; it must not have raised here
+            finished.append("write")
+    assert finished == ["write"]
+    with stop_on_signals():  # a fresh run starts with nothing held
+        with uninterrupted():
+            finished.append("again")
+    assert finished == ["write", "again"]
