@@ -31,6 +31,8 @@ from scaletool.config import Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
 from scaletool.model import build_model
+from scaletool.stats import rel_error
+from scaletool.threads import pin_threads
 
 
 def _sdpa_fwd_flops(q_shape, k_shape, v_shape) -> int:
@@ -114,10 +116,6 @@ def fvcore_flops(model, recipe: Recipe, batch: int = 1, device="meta") -> dict:
     return {"forward": 2 * macs, "by_operator": by_op}
 
 
-def rel_error(measured: float, reference: float) -> float | None:
-    return None if not reference else (measured - reference) / reference
-
-
 DEVICES = ("meta", "cpu", "cuda")
 
 
@@ -197,6 +195,8 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
     document (:class:`scaletool.results.count.CountResult`)."""
     check_device(device)
     memory = memory_check(recipe, device, batch)
+    if device == "cpu":  # its share of the cores, never torch's default of all of them
+        pin_threads()
     cfg, T = recipe.model, recipe.seq_len
     model = build_model(cfg, device, seed=recipe.train.seed, sdpa_backend=recipe.train.sdpa_backend)
     # meta tensors carry no data, but dropout would still draw masks on a real device
