@@ -32,7 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from scaletool.errors import RecipeError, echo, shorten
-from scaletool.resources import RECIPE, find_recipe
+from scaletool.resources import RECIPE, find_recipe, read_bounded
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -834,15 +834,7 @@ def read_yaml(path: str | Path) -> dict:
     """Read a YAML mapping (a recipe or sweep file) safely; problems become one-line RecipeErrors."""
     p = Path(path)
     shown = shorten(p)
-    try:
-        if not p.is_file():  # a directory, FIFO or device (/dev/zero) would block or never end
-            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
-        with open(p, "rb") as f:
-            blob = f.read(MAX_YAML_BYTES + 1)
-    except OSError as e:
-        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
-    if len(blob) > MAX_YAML_BYTES:
-        raise RecipeError(f"{shown}: larger than {MAX_YAML_BYTES // 1024} KiB; a recipe or sweep file is a few KiB")
+    blob = read_bounded(p, MAX_YAML_BYTES, "a recipe or sweep file")
     try:
         text = blob.decode("utf-8")
     except UnicodeDecodeError as e:

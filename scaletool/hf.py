@@ -25,6 +25,7 @@ from typing import Any
 
 from scaletool.config import RecipeError, check_tree, recipe_from_dict
 from scaletool.errors import echo, shorten
+from scaletool.resources import read_bounded
 
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
 DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3"}
@@ -268,15 +269,7 @@ def read_config(path: str | Path) -> dict:
     """A config.json as a dict; a missing, special, huge, non-UTF-8 or malformed file is one error line."""
     p = Path(path)
     shown = shorten(p)
-    try:
-        if not p.is_file():
-            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
-        with open(p, "rb") as fh:
-            blob = fh.read(MAX_CONFIG_BYTES + 1)
-    except OSError as e:
-        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
-    if len(blob) > MAX_CONFIG_BYTES:
-        raise RecipeError(f"{shown}: larger than {MAX_CONFIG_BYTES // 2**20} MiB; a config.json is a few KiB")
+    blob = read_bounded(p, MAX_CONFIG_BYTES, "a config.json")
     try:
         cfg = json.loads(blob.decode("utf-8-sig"))
     except UnicodeDecodeError as e:

@@ -82,3 +82,22 @@ def find_recipe(arg: str | Path, kind: str = RECIPE) -> Path:
     close = difflib.get_close_matches(name, [*mine, *theirs], n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise RecipeError(f"{shorten(arg)}: no such file, nor a shipped {kind}; {hint}shipped {kind}s: {', '.join(mine)}")
+
+
+def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path``, refused (one RecipeError line) when it is missing, not a
+    regular file (a directory, FIFO or device such as /dev/zero would block or never end), unreadable or
+    larger than ``limit`` bytes (``what`` names what such a file normally is, for the message)."""
+    p = Path(path)
+    shown = shorten(p)
+    try:
+        if not p.is_file():
+            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
+        with open(p, "rb") as f:
+            blob = f.read(limit + 1)
+    except OSError as e:
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
+    if len(blob) > limit:
+        size = f"{limit // 2**20} MiB" if limit >= 2**20 and limit % 2**20 == 0 else f"{limit // 1024} KiB"
+        raise RecipeError(f"{shown}: larger than {size}; {what} is a few KiB")
+    return blob

@@ -40,7 +40,7 @@ CASES = [
     ("deep-block-nesting", block_nested(1200), "malformed YAML"),
     ("nesting-past-the-limit", nested(80), "nested more than 64 levels deep"),
     ("many-values", "model: {notes: [" + ", ".join(["x"] * 120_000) + "]}\n", "more than 100,000 values"),
-    ("huge-file", "# " + "x" * (2**20 + 10) + "\nmodel: {}\n", "larger than 1024 KiB"),
+    ("huge-file", "# " + "x" * (2**20 + 10) + "\nmodel: {}\n", "larger than 1 MiB"),
     ("non-utf8", b"model:\n  attention: \xff\xfe mla\n", "not a UTF-8 text file (byte 20)"),
     ("nul-byte", "model:\n  d_model: 64\x00\n", "malformed YAML"),
     ("integer-past-digit-limit", "model:\n  d_model: " + "9" * 5000 + "\n", "malformed YAML"),
