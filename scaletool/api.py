@@ -360,6 +360,7 @@ def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure
     import torch.distributed as dist
 
     from scaletool.engines import agree, init_distributed
+    from scaletool.engines.dist import leave_distributed
     from scaletool.errors import describe
     from scaletool.profile import recipe_callbacks
     from scaletool.train.summary import failed_result
@@ -380,9 +381,11 @@ def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure
             partial = trainer.result if trainer is not None and trainer.result is not None else \
                 failed_result(r, out, describe(e))
             raise TrainFailed(partial, [partial.message or describe(e)]) from e
+        finally:
+            trainer = None  # free the model (DDP's reducer owns the group) while the group is still registered
     finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
+        if owned:
+            leave_distributed()
 
 
 def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, nproc: int, out: Path, resume,

@@ -59,6 +59,23 @@ def init_distributed(engine: str, timeout_s: int | None = None) -> DistEnv:
                    le["launched"])
 
 
+def leave_distributed() -> None:
+    """Leave the process group this process joined, after gloo's worker threads have let go of their work.
+
+    A gloo worker destroys a finished work item (say, the last ``all_gather_object``) after the caller
+    has already returned, and destroying its Python-created tensors takes the GIL. If the main thread
+    meanwhile frees the last owner of the group (DDP's reducer at the end of a run), the group's
+    destructor joins that worker while holding the GIL: both wait forever (a two-rank CPU run hung at
+    exit about half the time). Sleeping releases the GIL, so the worker finishes first.
+    """
+    import time
+
+    if dist.is_initialized():
+        if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            time.sleep(0.05)
+        dist.destroy_process_group()
+
+
 def agree(value, env: DistEnv):
     """Rank 0's ``value`` on every rank (e.g. a timestamped run directory)."""
     if not dist.is_initialized() or env.world_size == 1:
