@@ -120,7 +120,7 @@ class AttentionKind:
         problem = self.decode_problem(m, mode)
         if problem:
             raise ValueError(problem)
-        return self.default_decode_mode(m) if mode is None else (mode if self.decode_modes(m) else None)
+        return self.default_decode_mode(m) if mode is None else mode
 
     def cache_layout(self, m: Any, mode: str | None) -> CacheLayout:
         raise NotImplementedError
@@ -265,10 +265,9 @@ class MLAKind(AttentionKind):
         return MLA_MODES if m.mla_rope == "shared" else ("expand", "naive")
 
     def decode_problem(self, m: Any, mode: str | None) -> str | None:
-        problem = super().decode_problem(m, mode)
-        if problem is None and mode is not None and mode not in self.decode_modes(m):
-            return f"mla_mode {mode}: {ABSORB_REFUSED}"
-        return problem
+        if mode == "absorbed" and m.mla_rope == "per_head":
+            return f"mla_mode absorbed: {ABSORB_REFUSED}"
+        return super().decode_problem(m, mode)
 
     def cache_layout(self, m: Any, mode: str | None) -> CacheLayout:
         """Latent modes: c_kv (+ the shared rotated k_pe): kv_lora_rank (+ qk_rope_head_dim) per token and layer

@@ -24,7 +24,7 @@ Per (context N, batch B) point:
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -59,7 +59,7 @@ class DecodeSettings:
     batches: tuple[int | None, ...]  # None: the largest batch that fits the memory budget at each context
     contexts: tuple[int, ...]
     new_tokens: int
-    mode: DecodeMode = DecodeMode()  # resolved for the model (DecodeMode.resolved): the mode is named
+    mode: DecodeMode = DecodeMode()
     cuda_graph: bool = False
     prefill_chunk: int = 4096
     warmup_steps: int = 3
@@ -186,6 +186,7 @@ def plan_points(cfg: ModelConfig, s: DecodeSettings, fit: dict | None) -> list[t
 def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int | None, progress=None) -> DecodeResult:
     """Measure every (context, batch) point of ``s``; ``progress(done, total, description)`` hears of each."""
     require_lm(cfg)
+    s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
     fit = None if budget_bytes is None else memory_fit(cfg, budget_bytes, s.contexts, s.extra_positions)
