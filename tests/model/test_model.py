@@ -246,3 +246,20 @@ def test_init_is_seeded():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["layers.0.attn.wkv_a.weight"], sc["layers.0.attn.wkv_a.weight"])
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_block_attention_probs_are_the_weights_its_attention_uses(placement):
+    """What the dynamics monitors read: the probabilities of the block's own attention input (norm(x) pre-norm,
+    x post-norm), which with the values reproduce the block's attention output."""
+    cfg = small(norm_placement=placement, position_encoding="alibi")
+    model = build_model(cfg, seed=5).eval()
+    block, x = model.layers[0], torch.randn(2, 9, cfg.d_model)
+    positions = model.positions(0, 9, 9, x.dtype)
+    probs = block.attention_probs(x, positions)
+    h = x if placement == "post" else block.attn_norm(x)
+    _, _, v = block.attn.qkv(h, positions)
+    ref = block.attn.wo(torch.einsum("bhts,bshd->bthd", probs, v).reshape(2, 9, -1))
+    torch.testing.assert_close(block.attn(h, positions), ref, atol=1e-5, rtol=1e-4)
+    other = block.attn.probs(block.attn_norm(x) if placement == "post" else x, positions)
+    assert not torch.allclose(other, probs, atol=1e-4)  # the other placement's input gives other weights
