@@ -6,7 +6,10 @@ Conventions, stated once:
   appendix B); "full" counts all T² (what FlopCounterMode and fvcore measure, since SDPA computes
   the masked tiles' cost away only inside fused kernels).
 - Matmul parameters are the weights of every Linear layer, the LM head included (tied or not); the
-  token-embedding lookup is a gather, no matmul; norms and biases are element-wise.
+  token-embedding and learned-position lookups are gathers, no matmul; norms, biases, position
+  tables added to the embeddings and ALiBi's score bias are element-wise (not counted).
+- Each attention kind's own closed forms (parameters by projection, cache per token, decode FLOPs)
+  live with the kind, ``scaletool.attention_kinds``; this module sums them over the model.
 - Mixture of experts (ffn=moe): "active" parameters are those one token multiplies (dense parts,
   router, shared experts, its top-k routed experts); ``matmul_params`` and the FLOPs count those.
   The dropless dispatch (``moe_dispatch: dropless``) computes exactly k experts per token, so FLOPs
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from scaletool.attention_kinds import attention_kind, position_kind
+from scaletool.attention_kinds import matmul_params as matmul_params_of
 from scaletool.config import ModelConfig, Recipe, expert_capacity
 from scaletool.errors import RecipeError
 
@@ -30,31 +35,16 @@ def _norm_params(cfg: ModelConfig, dim: int) -> int:
 
 
 def attention_params(cfg: ModelConfig) -> dict[str, int]:
-    """Per-layer attention parameters by projection.
+    """Per-layer attention parameters by projection, named as the module's attributes (the kind's
+    closed form, ``scaletool.attention_kinds``).
 
     MHA/GQA/MQA (Llama layout): wq d·H·hd, wk and wv d·KV·hd each, wo H·hd·d (+ (H+2·KV)·hd
     biases with ``qkv_bias``, as Qwen2).
     MLA (DeepSeek-V2 §2.1, V3 inference code): wq d·H·(nope+rope) or wq_a d·q_lora + q_norm q_lora +
     wq_b q_lora·H·(nope+rope); wkv_a d·(kv_lora+rope); kv_norm kv_lora; wkv_b kv_lora·H·(nope+v);
-    wo H·v·d.
+    wo H·v·d. With ``mla_rope=per_head`` wkv_a is d·kv_lora and wkv_b kv_lora·H·(nope+rope+v).
     """
-    d, H = cfg.d_model, cfg.n_heads
-    if cfg.attention != "mla":
-        hd, KV = cfg.head_dim, cfg.n_kv_heads
-        out = {"wq": d * H * hd, "wk": d * KV * hd, "wv": d * KV * hd, "wo": H * hd * d}
-        if cfg.qkv_bias:
-            out["qkv_bias"] = (H + 2 * KV) * hd
-        return out
-    qk, c, r = cfg.qk_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    out = {}
-    if cfg.q_lora_rank == 0:
-        out["wq"] = d * H * qk
-    else:
-        q = cfg.q_lora_rank
-        out.update(wq_a=d * q, q_norm=q, wq_b=q * H * qk)
-    out.update(wkv_a=d * (c + r), kv_norm=c, wkv_b=c * H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-               wo=H * cfg.v_head_dim * d)
-    return out
+    return attention_kind(cfg).params(cfg)
 
 
 def ffn_params(cfg: ModelConfig) -> int:
@@ -90,18 +80,20 @@ def param_counts(cfg: ModelConfig) -> dict:
     # the largest block's FFN: what FSDP / ZeRO-3 gather at once
     ffn_layer = moe_layer if n_moe else ffn_params(cfg)
     norms_layer = 2 * _norm_params(cfg, d)
+    positions = position_kind(cfg).params(cfg)  # a learned table; the others have no parameters
     if cfg.task == "lm":
         embedding = cfg.vocab_size * d
         head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     else:  # grouped feature Linear layers (with bias) + BatchNorm1d weight and bias
         embedding = sum(s * w + w for s, w in zip(cfg.feature_groups, cfg.group_widths)) + 2 * d
         head = d * cfg.horizon + cfg.horizon
-    final_norm = _norm_params(cfg, d)
+    final_norm = _norm_params(cfg, d) if cfg.norm_placement == "pre" else 0  # post-norm blocks end normalised
     layers = L * (attn_layer + norms_layer) + ffn_total
-    total = embedding + layers + final_norm + head
-    # "Non-embedding" (Kaplan et al. 2020) leaves out the vocabulary matrices: the input embedding
-    # and an untied LM head. The regression model's feature embedding and head are kept: they are small.
-    non_embedding = total - (embedding + head if cfg.task == "lm" else 0)
+    total = embedding + positions + layers + final_norm + head
+    # "Non-embedding" (Kaplan et al. 2020) leaves out the vocabulary matrices (the input embedding
+    # and an untied LM head) and positional embeddings. The regression model's feature embedding and
+    # head are kept: they are small.
+    non_embedding = total - positions - (embedding + head if cfg.task == "lm" else 0)
     rule = 12 * d * d * L
     inactive = n_moe * (moe["routed"] - moe["routed_active"]) if moe else 0
     out = {
@@ -109,6 +101,7 @@ def param_counts(cfg: ModelConfig) -> dict:
         "active": total - inactive,
         "non_embedding": non_embedding,
         "embedding": embedding,
+        "position_embedding": positions,
         "head": head,
         "final_norm": final_norm,
         "attention": L * attn_layer,
@@ -140,8 +133,7 @@ def matmul_params(cfg: ModelConfig) -> int:
 def matmul_split(cfg: ModelConfig) -> dict[str, int]:
     """Matmul weights per token split into ``dense`` (attention, dense FFNs, router, shared experts,
     head) and routed experts: ``routed_active`` (k per MoE layer) of ``routed_total`` (E per layer)."""
-    attn = attention_params(cfg)
-    attn_mm = sum(v for k, v in attn.items() if not k.endswith(("norm", "bias")))
+    attn_mm = matmul_params_of(attention_params(cfg))
     n_moe = cfg.n_moe_layers
     n = cfg.n_layers * attn_mm + (cfg.n_layers - n_moe) * ffn_params(cfg)
     routed = {"routed_active": 0, "routed_total": 0}
@@ -218,25 +210,60 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, tokens: int | None = None) -
     return out
 
 
+def decode_flops_per_token(cfg: ModelConfig, context: int, mode: str | None = None, batch: int = 1) -> dict:
+    """FLOPs of one decoded token: a step of ``batch`` sequences at position ``context`` - 1, attending over
+    ``context`` cached positions (the new token's included), divided by the batch.
+
+    Dense part: 2 × the matmul weights outside attention (FFN, router and shared experts, LM head; the MoE
+    dispatch of ``batch`` tokens computes its capacity buffers as in :func:`flops_per_token`). Attention:
+    the kind's ``decode_flops_per_layer`` in ``mode`` (None: the kind's default) over all layers, which
+    for MLA differs by mode: absorbed (W_UK folded into the query, context-length terms over
+    kv_lora_rank + rope), expand (wkv_b over every cached latent: grows as context·kv_lora·H·(nope+v)),
+    naive (the up-projected cache). The regression model has no decode.
+    """
+    kind = attention_kind(cfg)
+    mode = kind.resolve_mode(cfg, mode)
+    fwd = flops_per_token(cfg, 1, tokens=batch)  # one token: its forward without the attention layers
+    dense = fwd["forward_full_computed"] - fwd["attention_forward_full"] - 2 * cfg.n_layers * matmul_params_of(
+        attention_params(cfg))
+    attention = cfg.n_layers * kind.decode_flops_per_layer(cfg, context, mode)
+    return {"context": context, "mode": mode, "label": kind.decode_label(cfg, mode), "batch": batch,
+            "total": dense + attention, "attention": attention, "dense": dense}
+
+
+def decode_flops_by_mode(cfg: ModelConfig, context: int) -> dict[str, float]:
+    """FLOPs per decoded token at ``context`` for every decode mode of the kind, by the label decode reports
+    (mha; mla, mla-expand, mla-naive; mla-per_head, mla-per_head-naive)."""
+    kind = attention_kind(cfg)
+    return {r["label"]: r["total"] for r in (decode_flops_per_token(cfg, context, m)
+                                             for m in kind.decode_modes(cfg) or (None,))}
+
+
 # ---------------------------------------------------------------------------------------------
 # KV cache
 
 
+def cache_bytes_per_token(cfg: ModelConfig, mode: str | None = None) -> int:
+    """KV-cache bytes per token, all layers, at the recipe dtype, in decode ``mode`` (None: the kind's
+    default; ``scaletool.attention_kinds.MLA_MODES``)."""
+    kind = attention_kind(cfg)
+    return kind.cache_layout(cfg, kind.resolve_mode(cfg, mode)).elements * cfg.dtype_bytes * cfg.n_layers
+
+
 def kv_cache(cfg: ModelConfig) -> dict:
-    """KV-cache bytes per token at the recipe dtype (DeepSeek-V2, Table 1).
+    """KV-cache bytes per token at the recipe dtype (DeepSeek-V2, Table 1), in the default decode mode.
 
     MHA/GQA/MQA: 2·n_kv_heads·head_dim per layer. MLA caches the normalised latent and the shared
-    RoPE key: kv_lora_rank + qk_rope_head_dim per layer (what absorbed decoding reads). MLA's naive
+    RoPE key: kv_lora_rank + qk_rope_head_dim per layer (what absorbed decoding reads); with
+    ``mla_rope=per_head`` the latent alone, kv_lora_rank (keys re-expanded every step). MLA's naive
     form caches full per-head keys and values: n_heads·(qk_head_dim + v_head_dim) per layer, which is
     also the MHA with the same heads and head dims that the compression ratio is taken against.
+    ``by_mode`` gives the bytes per token of every decode mode the kind has.
     """
+    kind = attention_kind(cfg)
     b, L, H = cfg.dtype_bytes, cfg.n_layers, cfg.n_heads
-    if cfg.attention == "mla":
-        elems = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        mha_equiv = H * (cfg.qk_head_dim + cfg.v_dim)
-    else:
-        elems = 2 * cfg.n_kv_heads * cfg.head_dim
-        mha_equiv = 2 * H * cfg.head_dim
+    elems = kind.cache_layout(cfg, None).elements
+    mha_equiv = H * (cfg.qk_head_dim + cfg.v_dim)
     out = {
         "elements_per_token_per_layer": elems,
         "bytes_per_token_per_layer": elems * b,
@@ -245,8 +272,11 @@ def kv_cache(cfg: ModelConfig) -> dict:
         "compression_ratio": mha_equiv / elems,
         "dtype": cfg.dtype,
     }
-    if cfg.attention == "mla":
-        out["naive_bytes_per_token"] = mha_equiv * b * L
+    modes = kind.decode_modes(cfg)
+    if modes:
+        out["by_mode"] = {m: cache_bytes_per_token(cfg, m) for m in modes}
+    if "naive" in modes:
+        out["naive_bytes_per_token"] = out["by_mode"]["naive"]
     return out
 
 
@@ -773,6 +803,8 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
             "train_tokens": train_tokens,
             "train_total_6NT": 6 * params["matmul"] * train_tokens,
             "train_total": flops["train"] * train_tokens,
+            # one decoded token at context seq_len, per decode mode (lm only)
+            "decode_per_token": decode_flops_by_mode(cfg, T) if cfg.task == "lm" else None,
         },
         "kv_cache": {
             **kv,

@@ -190,7 +190,7 @@ def _positive(name: str, value: int) -> int:
 
 def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Sequence[int] | None = None,
            batch: int | str | Sequence[int | str] = 1, new_tokens: int = 32, device: str | None = None,
-           dtype: str | None = None, mla_mode: str = "absorbed", mla_kernel: str = "auto",
+           dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
            prefill_repeats: int = 3, progress=None):
@@ -198,36 +198,34 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
     the analytic fit) or a sequence of them (``[1, "max"]``). ``device``: 'cuda' or 'cpu' (default:
-    cuda when available). ``cuda_graph``: replay each decode step from a CUDA graph (default: on for
-    CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on
-    CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from
-    ``seed``). ``progress(done, total, description)`` hears of each point. A run whose weights and
-    largest cache exceed the memory available is refused before anything is allocated.
+    cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.attention_kinds.MLA_MODES``;
+    default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
+    CUDA graph (default: on for CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the
+    GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default:
+    random weights from ``seed``). ``progress(done, total, description)`` hears of each point. A run
+    whose weights and largest cache exceed the memory available is refused before anything is allocated.
     """
     import torch
 
+    from scaletool.attention_kinds import attention_kind, position_kind
     from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
     from scaletool.decode.generate import require_lm
     from scaletool.decode.sizing import cache_bytes_per_token, check_memory, memory_fit
     from scaletool.kernels.mla_decode import triton_supports
-    from scaletool.model.attention import MLA_MODES, DecodeMode
+    from scaletool.model.attention import DecodeMode
     from scaletool.model.layers import TORCH_DTYPES
 
     r = resolve(recipe, [*overrides, *([f"model.dtype={dtype}"] if dtype else [])])
     cfg = r.model
     require_lm(cfg)
-    if mla_mode not in MLA_MODES:
-        raise RecipeError(f"mla_mode: expected one of {', '.join(MLA_MODES)}, got {str(mla_mode)[:40]!r}")
-    if mla_mode == "naive" and cfg.attention != "mla":
-        raise RecipeError(f"mla_mode naive is for attention=mla recipes; this one is {cfg.attention}")
     try:
-        mode = DecodeMode(mla_mode, mla_kernel)
+        mode = DecodeMode(attention_kind(cfg).resolve_mode(cfg, mla_mode), mla_kernel)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     dev = _decode_device(device)
     if cuda_graph and dev.type != "cuda":
         raise RecipeError("cuda_graph: CUDA graphs need a CUDA device")
-    if mla_kernel == "triton" and cfg.attention == "mla" and mla_mode == "absorbed":
+    if mla_kernel == "triton" and attention_kind(cfg).decode_path(cfg, mode.mla) == "absorbed":
         why = triton_supports(dev, TORCH_DTYPES[cfg.dtype], cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         if why:
             raise RecipeError(f"mla_kernel triton: the fused kernel cannot run here: {why}")
@@ -237,11 +235,16 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),
                        prefill_repeats=_positive("prefill_repeats", prefill_repeats), seed=seed)
+    longest = max(contexts) + s.extra_positions
+    if not position_kind(cfg).extrapolates and longest > cfg.max_seq_len:
+        raise RecipeError(f"context: position_encoding=learned has a table of model.max_seq_len={cfg.max_seq_len} "
+                          f"positions, and the longest point needs {longest} (context {max(contexts)} + "
+                          f"{s.warmup_steps} warm-up + {s.new_tokens} new tokens); a learned table cannot grow")
     budget = int(memory_budget_gib * 2**30) if memory_budget_gib else (
         torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None)
     fit = None if budget is None else memory_fit(cfg, budget, s.contexts, s.extra_positions)
     largest = max(b * (n + s.extra_positions) for n, b in plan_points(cfg, s, fit))
-    check_memory(cfg, largest * cache_bytes_per_token(cfg, mla_mode), dev)
+    check_memory(cfg, largest * cache_bytes_per_token(cfg, mode.mla), dev)
     threads = None
     if dev.type == "cpu":
         from scaletool.threads import pin_threads

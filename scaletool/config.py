@@ -5,8 +5,9 @@ are errors (with a did-you-mean), missing keys take the defaults documented on e
 fields whose default depends on others (``n_kv_heads``, ``head_dim``, the MLA head dims) are
 resolved once here so every later stage sees concrete numbers.
 
-Keys that belong to another attention type or FFN type than the one selected are *inactive*, not
-errors (:data:`ATTENTION_KINDS`, :data:`FFN_KINDS`): switching ``model.attention`` from mla to mha
+Keys that belong to another attention type, FFN type or position encoding than the one selected are
+*inactive*, not errors (:data:`SWITCHES`; the attention kinds and position encodings themselves, with
+their closed forms, are :mod:`scaletool.attention_kinds`): switching ``model.attention`` from mla to mha
 needs no other change. An inactive key is reset to its default, listed by ``recipe show`` and left
 out of :meth:`Recipe.digest`, so the MHA point of an MLA-based sweep has the key of a plain MHA recipe.
 
@@ -31,6 +32,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from scaletool import attention_kinds
+from scaletool.attention_kinds import attention_kind, position_kind
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.resources import RECIPE, find_recipe, read_bounded
 
@@ -97,13 +100,23 @@ class ModelConfig(_Section):
     head_dim: int | None = _width(None, "default d_model // n_heads")
     kv_lora_rank: int = _width(0, "mla: KV latent width (> 0)", zero_ok=True)
     q_lora_rank: int = _width(0, "mla: query latent width; 0 = full-rank query", zero_ok=True)
-    qk_nope_head_dim: int | None = _width(None, "mla: no-RoPE part of q/k; default head_dim")
+    qk_nope_head_dim: int | None = _width(None, "mla: no-RoPE part of q/k; default head_dim (0: mla_rope=per_head "
+                                          "rotating whole heads)", zero_ok=True)
     qk_rope_head_dim: int | None = _width(
-        None, "mla: the shared RoPE key (default head_dim // 2); others: derived, "
-        "partial_rotary_factor · head_dim")
+        None, "mla: the RoPE part of q/k (default head_dim // 2); others: derived, "
+        "partial_rotary_factor · head_dim with position_encoding=rope, else 0", zero_ok=True)
     v_head_dim: int | None = _width(None, "mla: value head dim; default head_dim")
+    mla_rope: Literal["shared", "per_head"] = Field(
+        "shared", description="mla: the RoPE key, shared (DeepSeek: one decoupled key from the hidden state) or "
+        "per_head (up-projected from the latent per head; decode cannot absorb W_UK)")
     partial_rotary_factor: float = Field(
         1.0, gt=0, le=1, description="mha/gqa/mqa: fraction of each q/k head RoPE rotates (HF's name)")
+    position_encoding: Literal["rope", "learned", "sinusoidal", "alibi", "none"] = Field(
+        "rope", description="rope (in attention), learned or sinusoidal (a max_seq_len × d_model table added to the "
+        "embeddings), alibi (per-head linear score biases), none (NoPE); mla: rope only")
+    norm_placement: Literal["pre", "post"] = Field(
+        "pre", description="pre: x + f(norm(x)), final norm after the last block; post: norm(x + f(x)) (original "
+        "Transformer, BERT), no separate final norm")
     qkv_bias: bool = Field(False, description="mha/gqa/mqa: bias on the q, k, v projections (Qwen2)")
     ffn: Literal["swiglu", "gelu", "relu", "moe"] = "swiglu"
     intermediate_size: int = _width(2048, "dense FFN width (moe: of the first_k_dense_replace layers)")
@@ -129,7 +142,8 @@ class ModelConfig(_Section):
         1.25, gt=0, description="moe_dispatch=capacity: expert capacity = ceil(factor·tokens·top-k / experts); "
         ">= experts/top-k never drops")
     vocab_size: int = Field(32000, gt=0, le=MAX_VOCAB)
-    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN)
+    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ_LEN, description="position table length and longest training "
+                             "sequence")
     rope_theta: float = Field(10000.0, gt=0)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = Field(1e-6, gt=0)
@@ -193,14 +207,12 @@ class ModelConfig(_Section):
     @property
     def qk_head_dim(self) -> int:
         """Query/key width per head that the softmax scale and SDPA see."""
-        if self.attention == "mla":
-            return self.qk_nope_head_dim + self.qk_rope_head_dim
-        return self.head_dim
+        return attention_kind(self).qk_head_dim(self)
 
     @property
     def v_dim(self) -> int:
         """Value width per head."""
-        return self.v_head_dim if self.attention == "mla" else self.head_dim
+        return attention_kind(self).v_head_dim(self)
 
     @property
     def dtype_bytes(self) -> int:
@@ -221,62 +233,16 @@ class ModelConfig(_Section):
 
 @dataclass(frozen=True)
 class Kind:
-    """One value of a switch key (``model.attention`` or ``model.ffn``).
+    """One value of a switch key (``model.attention``, ``model.ffn`` or ``model.position_encoding``).
 
     ``reads``: the switch-specific keys this kind uses; a key that another kind of the same switch reads
     is inactive under this one. ``resolve`` fills the kind's derived fields and returns its problems.
-    Each attention kind's closed forms, module and cache can sit beside these as further fields.
+    Attention kinds and position encodings come from :mod:`scaletool.attention_kinds`, which holds their
+    closed forms beside these rules.
     """
 
     reads: tuple[str, ...]
     resolve: Callable[[ModelConfig], list[str]]
-
-
-def _rotary(m: ModelConfig) -> list[str]:
-    """MHA family: RoPE rotates the first int(head_dim · partial_rotary_factor) channels of each q/k head
-    (Hugging Face's rule for partial_rotary_factor)."""
-    rotated = int(m.head_dim * m.partial_rotary_factor)
-    _derive(m, "qk_rope_head_dim", rotated)
-    if rotated < 2 or rotated % 2:
-        return [f"model.partial_rotary_factor: {m.partial_rotary_factor} of head_dim={m.head_dim} rotates {rotated} "
-                "channels; RoPE rotates pairs, so it needs an even number >= 2"]
-    return []
-
-
-def _mha(m: ModelConfig) -> list[str]:
-    _derive(m, "n_kv_heads", m.n_heads)
-    return _rotary(m)
-
-
-def _mqa(m: ModelConfig) -> list[str]:
-    _derive(m, "n_kv_heads", 1)
-    return _rotary(m)
-
-
-def _gqa(m: ModelConfig) -> list[str]:
-    problems = _rotary(m)
-    if m.n_kv_heads is None:
-        _derive(m, "n_kv_heads", m.n_heads)
-        return ["model.n_kv_heads: required for attention=gqa"] + problems
-    if m.n_heads % m.n_kv_heads:
-        problems.append(f"model.n_heads: {m.n_heads} is not divisible by n_kv_heads={m.n_kv_heads}")
-    return problems
-
-
-def _mla(m: ModelConfig) -> list[str]:
-    """DeepSeek-V2/V3: every head reads the shared latent; the no-RoPE and value dims default to head_dim,
-    the shared RoPE key to half of it (even)."""
-    hd = m.head_dim
-    _derive(m, "n_kv_heads", m.n_heads)
-    for key, default in (("qk_nope_head_dim", hd), ("v_head_dim", hd), ("qk_rope_head_dim", max(2, hd // 4 * 2))):
-        if getattr(m, key) is None:
-            _derive(m, key, default)
-    problems = []
-    if m.kv_lora_rank == 0:
-        problems.append("model.kv_lora_rank: must be > 0 for attention=mla (the KV latent width)")
-    if m.qk_rope_head_dim % 2:
-        problems.append(f"model.qk_rope_head_dim: {m.qk_rope_head_dim} is odd; RoPE rotates pairs of dims")
-    return problems
 
 
 def _moe(m: ModelConfig) -> list[str]:
@@ -305,20 +271,25 @@ def _moe(m: ModelConfig) -> list[str]:
     return problems
 
 
-_MHA_FAMILY = ("qkv_bias", "partial_rotary_factor")
-ATTENTION_KINDS: dict[str, Kind] = {
-    "mha": Kind(_MHA_FAMILY, _mha),
-    "gqa": Kind(("n_kv_heads", *_MHA_FAMILY), _gqa),
-    "mqa": Kind(_MHA_FAMILY, _mqa),
-    "mla": Kind(("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), _mla),
-}
+def _from_spec(spec: attention_kinds.AttentionKind | attention_kinds.PositionKind) -> Kind:
+    """A switch entry for a kind of :mod:`scaletool.attention_kinds`: its derived fields set, then its rules."""
+    def resolve(m: ModelConfig) -> list[str]:
+        for key, value in spec.derived(m).items():
+            _derive(m, key, value)
+        return spec.problems(m)
+    return Kind(spec.reads, resolve)
+
+
+ATTENTION_KINDS: dict[str, Kind] = {name: _from_spec(k) for name, k in attention_kinds.ATTENTION_KINDS.items()}
+POSITION_KINDS: dict[str, Kind] = {name: _from_spec(k) for name, k in attention_kinds.POSITION_KINDS.items()}
 FFN_KINDS: dict[str, Kind] = {
     "swiglu": Kind((), lambda m: []),
     "gelu": Kind((), lambda m: []),
     "relu": Kind((), lambda m: []),
     "moe": Kind(MOE_FIELDS, _moe),
 }
-SWITCHES: dict[str, dict[str, Kind]] = {"attention": ATTENTION_KINDS, "ffn": FFN_KINDS}
+SWITCHES: dict[str, dict[str, Kind]] = {"attention": ATTENTION_KINDS, "ffn": FFN_KINDS,
+                                        "position_encoding": POSITION_KINDS}
 
 
 def resolve_kinds(m: ModelConfig) -> list[str]:
@@ -334,7 +305,7 @@ def resolve_kinds(m: ModelConfig) -> list[str]:
             given[key] = getattr(m, key)
             _derive(m, key, copy.deepcopy(fields[key].default))
             m.model_fields_set.discard(key)
-    problems = ATTENTION_KINDS[m.attention].resolve(m) + FFN_KINDS[m.ffn].resolve(m)
+    problems = [p for switch, kinds in SWITCHES.items() for p in kinds[getattr(m, switch)].resolve(m)]
     m._inactive = {k: v for k, v in given.items() if v != fields[k].default and v != getattr(m, k)}
     return problems
 
@@ -342,18 +313,15 @@ def resolve_kinds(m: ModelConfig) -> list[str]:
 def weights_bound(m: ModelConfig) -> int:
     """An upper bound on the model's weights (within ~2× of the exact count, which is
     ``analytic.param_counts``): cheap for any sizes, so absurd models are refused before anything
-    builds or counts them. Per layer: four d_model × (heads · widest head) projections with biases,
-    MLA's latent projections and norms, the widest FFN with its router, the norms; plus the vocabulary
-    matrices (or the regression embedding and head)."""
-    d, H = m.d_model, m.n_heads
-    attn = 4 * (d + 1) * H * max(m.qk_head_dim, m.v_dim)
-    if m.attention == "mla":
-        heads = H * (m.qk_nope_head_dim + m.v_head_dim + m.qk_head_dim)
-        attn += (d + 1 + heads) * (m.kv_lora_rank + m.q_lora_rank + m.qk_rope_head_dim)
+    builds or counts them. Per layer: the attention kind's exact projections, the widest FFN with its
+    router, the norms; plus the vocabulary matrices (or the regression embedding and head) and a
+    learned position table."""
+    d = m.d_model
+    attn = sum(attention_kind(m).params(m).values())
     experts = (m.n_routed_experts + m.n_shared_experts) * m.moe_intermediate_size + m.n_routed_experts
     ffn = 3 * d * (m.intermediate_size + experts)
     outer = 2 * m.vocab_size * d if m.task == "lm" else (m.n_features + m.horizon + 5) * d + m.horizon
-    return outer + 2 * d + m.n_layers * (attn + ffn + 4 * d)
+    return outer + position_kind(m).params(m) + 2 * d + m.n_layers * (attn + ffn + 4 * d)
 
 
 def expert_capacity(cfg: ModelConfig, tokens: int) -> int:

@@ -1,8 +1,9 @@
 """Hugging Face ``config.json`` -> recipe ``model`` section.
 
-Llama, Mistral, Qwen2/Qwen3-style dense models and DeepSeek-V2/V3, the latter with their
-mixture-of-experts FFNs (routing: V2's softmax with greedy or group-limited top-k, V3's sigmoid with
-the selection bias and group-limited ``noaux_tc``).
+Llama, Mistral, Qwen2/Qwen3-style dense models, GPT-2 (learned positions, LayerNorm, GELU, tied
+embeddings, biased q/k/v) and DeepSeek-V2/V3, the latter with their mixture-of-experts FFNs (routing:
+V2's softmax with greedy or group-limited top-k, V3's sigmoid with the selection bias and
+group-limited ``noaux_tc``).
 
 What the model family does not implement is handled by what it costs:
 
@@ -28,6 +29,7 @@ from scaletool.errors import echo, shorten
 from scaletool.resources import read_bounded
 
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
+GPT2_TYPES = {"gpt2"}
 DEEPSEEK_TYPES = {"deepseek_v2", "deepseek_v3"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _ACTS = {"silu": "swiglu", "swish": "swiglu", "gelu": "gelu", "gelu_new": "gelu", "relu": "relu"}
@@ -47,7 +49,10 @@ _UNSUPPORTED = {
                        "sliding-window attention"),
     "attention_bias": (lambda c: bool(c.get("attention_bias")) and c.get("model_type") not in ("qwen2",),
                        "biases on every attention projection (o_proj included)"),
-    "mlp_bias": (lambda c: bool(c.get("mlp_bias")), "biases in the MLP"),
+    "output_bias": (lambda c: c.get("model_type") in GPT2_TYPES,
+                    "a bias on the attention output projection (GPT-2's attn.c_proj; its q/k/v biases import)"),
+    "mlp_bias": (lambda c: bool(c.get("mlp_bias")) or c.get("model_type") in GPT2_TYPES, "biases in the MLP"),
+    "cross_attention": (lambda c: bool(c.get("add_cross_attention")), "cross-attention layers (an encoder-decoder)"),
     "quantization": (lambda c: bool(c.get("quantization_config")),
                      "quantized weights (e.g. V3's FP8 blocks); the recipe models its dtype's weights"),
     "batch_aux_loss": (lambda c: c.get("seq_aux") is False and bool(c.get("aux_loss_alpha")),
@@ -132,8 +137,8 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
     f = _Fields(cfg)
     mtype = f.string("model_type")
     f.check()
-    if mtype not in DENSE_TYPES | DEEPSEEK_TYPES:
-        known = ", ".join(sorted(DENSE_TYPES | DEEPSEEK_TYPES))
+    if mtype not in DENSE_TYPES | DEEPSEEK_TYPES | GPT2_TYPES:
+        known = ", ".join(sorted(DENSE_TYPES | DEEPSEEK_TYPES | GPT2_TYPES))
         raise RecipeError(f"model_type {echo(mtype)} is not supported (known: {known})")
     if "mtp" in drop:
         raise RecipeError("--drop mtp: nothing to drop: multi-token-prediction modules import with a note "
@@ -148,13 +153,15 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
     if missing:
         raise RecipeError([f"{n}: {_UNSUPPORTED[n][1]} not supported by scaletool's model family "
                            f"(pass --drop {n} to import without it)" for n in missing])
-    m = _common(f)
-    f.check()
-    notes = _rope_notes(cfg)
-    if mtype in DEEPSEEK_TYPES:
-        m.update(_deepseek(f, cfg, moe="moe" in present and "moe" not in drop, notes=notes))
+    if mtype in GPT2_TYPES:
+        m, notes = _gpt2(f, cfg)
     else:
-        m.update(_dense_attention(f, m, mtype))
+        m, notes = _common(f), _rope_notes(cfg)
+        f.check()
+        if mtype in DEEPSEEK_TYPES:
+            m.update(_deepseek(f, cfg, moe="moe" in present and "moe" not in drop, notes=notes))
+        else:
+            m.update(_dense_attention(f, m, mtype))
     f.check()
     dropped = [n for n in present if n in drop]
     notes += [f"--drop {n}: imported without {_UNSUPPORTED[n][1]}" for n in dropped]
@@ -186,6 +193,44 @@ def _common(f: _Fields) -> dict[str, Any]:
     elif dtype is not None:
         m["dtype"] = _DTYPES[dtype]
     return m
+
+
+# GPT-2 settings that change how attention computes but no parameter, FLOP or KV-cache figure (default -> note)
+_GPT2_NOTES = {
+    "scale_attn_weights": (True, "attention scores are not divided by sqrt(head_dim); scaletool's are"),
+    "scale_attn_by_inverse_layer_idx": (False, "scores are also divided by the layer index + 1; scaletool's are not"),
+    "reorder_and_upcast_attn": (False, "keys are scaled before the product and scores computed in fp32; numerics "
+                                       "only"),
+}
+
+
+def _gpt2(f: _Fields, cfg: dict) -> tuple[dict[str, Any], list[str]]:
+    """GPT-2 (Radford et al. 2019; transformers' GPT2Config names): pre-LayerNorm blocks with a final
+    LayerNorm, a learned n_positions × n_embd position table, GELU MLP of n_inner (default 4·n_embd),
+    fused c_attn with biases (q/k/v biases: ``qkv_bias``), LM head tied to the token embedding."""
+    d = f.integer("n_embd", "hidden_size")
+    m = {
+        "attention": "mha", "position_encoding": "learned", "norm": "layernorm", "qkv_bias": True,
+        "d_model": d, "n_layers": f.integer("n_layer", "num_hidden_layers"),
+        "n_heads": f.integer("n_head", "num_attention_heads"),
+        "intermediate_size": f.integer("n_inner", default=None) or (4 * d if d else None),
+        "vocab_size": f.integer("vocab_size"), "max_seq_len": f.integer("n_positions", "n_ctx", default=1024),
+        "norm_eps": f.number("layer_norm_epsilon", default=1e-5),
+        "tie_embeddings": f.flag("tie_word_embeddings", default=True),  # transformers' default, which GPT-2 keeps
+    }
+    act = f.string("activation_function", default="gelu_new")
+    if act is not None and act not in _ACTS:
+        f.problems.append(f"activation_function {echo(act)} not supported (known: {', '.join(_ACTS)})")
+    elif act is not None:
+        m["ffn"] = _ACTS[act]
+    dtype = f.string("torch_dtype", "dtype", default="bfloat16")
+    if dtype is not None and dtype in _DTYPES:
+        m["dtype"] = _DTYPES[dtype]
+    elif dtype is not None:
+        f.problems.append(f"torch_dtype {echo(dtype)} not supported (known: {', '.join(_DTYPES)})")
+    notes = [f"{key} {echo(cfg[key])}: {what}" for key, (default, what) in _GPT2_NOTES.items()
+             if key in cfg and cfg[key] != default]
+    return m, notes
 
 
 def _rope_notes(cfg: dict) -> list[str]:

@@ -33,9 +33,11 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, cwd: Path
 
 
 def assert_counted_exactly(res: dict) -> None:
-    """A ``count`` result whose parameters and FLOPs (both counters) equal the closed forms exactly."""
+    """A ``count`` result whose parameters and FLOPs (both counters; decoding too) equal the closed forms exactly."""
     f = res["flops"]
     assert res["params"]["measured"] == res["params"]["total"]
     assert f["flop_counter"]["forward"] == f["analytic"]["forward_full"]
     assert f["flop_counter"]["train"] == f["analytic"]["train_full"]
     assert f["fvcore"]["forward"] == f["analytic"]["forward_full"]
+    for label, d in (f.get("decode") or {}).items():  # one decoded token per decode mode (lm)
+        assert d["flop_counter"] == d["analytic"], label

@@ -9,6 +9,7 @@ import yaml
 from conftest import RECIPES, ROOT
 
 from scaletool import analytic
+from scaletool.attention_kinds import attention_kind
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.model import build_model
 
@@ -31,9 +32,13 @@ def random_model(rng: random.Random) -> dict:
     if attention in ("mha", "gqa", "mqa"):
         m["qkv_bias"] = rng.random() < 0.3
     if attention == "mla":
+        per_head = rng.random() < 0.5
         m.update(kv_lora_rank=rng.randint(1, 64), q_lora_rank=rng.choice([0, 0, rng.randint(1, 48)]),
-                 qk_nope_head_dim=rng.randint(1, 40), qk_rope_head_dim=2 * rng.randint(1, 16),
-                 v_head_dim=rng.randint(1, 40))
+                 qk_nope_head_dim=rng.randint(0 if per_head else 1, 40), qk_rope_head_dim=2 * rng.randint(1, 16),
+                 v_head_dim=rng.randint(1, 40), mla_rope="per_head" if per_head else "shared")
+    else:
+        m["position_encoding"] = rng.choice(["rope", "learned", "sinusoidal", "alibi", "none"])
+    m["norm_placement"] = rng.choice(["pre", "post"])
     if rng.random() < 0.25:
         m.update(task="regression", n_features=rng.randint(1, 30), horizon=rng.randint(1, 12))
         m["max_seq_len"] = 16
@@ -56,6 +61,68 @@ def test_param_count_equals_closed_form(seed):
             own = getattr(attn, name).parameters(recurse=False)
             assert sum(p.numel() for p in own if p.ndim > 1 or name.endswith("norm")) == n
     assert sum(p.numel() for p in model.layers[0].ffn.parameters()) == counts["per_layer"]["ffn"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_flops_and_cache_equal_what_the_model_does(seed):
+    """Every kind, mode, position encoding and norm: FlopCounterMode on one decode step equals the closed
+    form, and the caches allocated hold exactly the analytic bytes per token."""
+    import torch
+
+    from scaletool.measure.count import decode_flops
+    from scaletool.model.cache import cache_bytes, make_caches
+
+    m = random_model(random.Random(1000 + seed))
+    m.update(task="lm", max_seq_len=16)
+    cfg = recipe_from_dict({"model": m}).model
+    model = build_model(cfg, "meta")
+    counted = decode_flops(model, cfg, 13)
+    assert counted and all(c["flop_counter"] == c["analytic"] for c in counted.values()), counted
+    kind = attention_kind(cfg)
+    for mode in kind.decode_modes(cfg) or (None,):
+        caches = make_caches(cfg, 2, 5, dtype=torch.bfloat16, device="meta", mla_mode=mode)
+        assert cache_bytes(caches) == analytic.cache_bytes_per_token(cfg, mode) // cfg.dtype_bytes * 2 * 2 * 5
+
+
+def test_per_head_rope_mla_against_the_shared_key_in_closed_form():
+    """mla-1b both ways: per_head drops wkv_a's RoPE rows (d·rope) and adds them per head to wkv_b
+    (kv_lora·H·rope); it caches the latent alone (kv_lora vs kv_lora + rope), but re-expands keys and values
+    from every cached latent at each step, so its FLOPs per decoded token grow with the context."""
+    shared = recipe_from_dict({"model": {"attention": "mla", "d_model": 2048, "n_layers": 16, "n_heads": 16,
+                                         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                                         "v_head_dim": 128}}).model
+    per_head = shared.model_copy(update={"mla_rope": "per_head"})
+    d, L, H, c, r = 2048, 16, 16, 512, 64
+    diff = analytic.param_counts(per_head)["total"] - analytic.param_counts(shared)["total"]
+    assert diff == L * (c * H * r - d * r)
+    assert analytic.kv_cache(shared)["bytes_per_token"] == (c + r) * 2 * L
+    assert analytic.kv_cache(per_head)["bytes_per_token"] == c * 2 * L
+    assert analytic.kv_cache(per_head)["by_mode"] == {"expand": c * 2 * L, "naive": H * (192 + 128) * 2 * L}
+    for ctx in (1024, 4096):
+        absorbed = analytic.decode_flops_per_token(shared, ctx)["attention"]
+        expand = analytic.decode_flops_per_token(per_head, ctx)["attention"]
+        # absorbed: scores over kv_lora + rope and the weighted latents, 2·H·ctx·(2c + r) per layer
+        assert absorbed == L * (2 * (d * H * 192 + d * (c + r) + H * 128 * d) + 2 * H * (128 * c + ctx * (2 * c + r)
+                                                                                       + c * 128))
+        # expand: wkv_b over every cached latent, then attention over ctx keys of 192 and values of 128
+        assert expand == L * (2 * (d * H * 192 + d * c + H * 128 * d) + 2 * ctx * c * H * (128 + r + 128)
+                              + 2 * H * ctx * (192 + 128))
+    with pytest.raises(ValueError, match="mla_rope=per_head cannot absorb"):
+        analytic.decode_flops_per_token(per_head, 1024, "absorbed")
+
+
+def test_position_encodings_and_post_norm_in_the_parameter_count():
+    """Only a learned table has parameters (max_seq_len·d, left out of the non-embedding count as Kaplan
+    et al. do); post-norm has no final norm."""
+    base = {"d_model": 128, "n_heads": 4, "n_layers": 2, "max_seq_len": 256, "norm": "layernorm"}
+    rope = analytic.param_counts(recipe_from_dict({"model": base}).model)
+    for enc in ("sinusoidal", "alibi", "none"):
+        assert analytic.param_counts(recipe_from_dict({"model": {**base, "position_encoding": enc}}).model) == rope
+    learned = analytic.param_counts(recipe_from_dict({"model": {**base, "position_encoding": "learned"}}).model)
+    assert learned["total"] - rope["total"] == learned["position_embedding"] == 256 * 128
+    assert learned["non_embedding"] == rope["non_embedding"]
+    post = analytic.param_counts(recipe_from_dict({"model": {**base, "norm_placement": "post"}}).model)
+    assert rope["total"] - post["total"] == rope["final_norm"] == 2 * 128 and post["final_norm"] == 0
 
 
 def test_deepseek_v3_attention_layout():

@@ -1,6 +1,7 @@
-"""Hugging Face config import: the published config.json files of Llama-3.1-8B, Qwen2-7B, Mistral-7B and
-DeepSeek-V3 (tests/hf_configs/, as shipped on the hub) import to recipes whose exact parameter counts
-match the published figures; cost-free features import with a note that survives `recipe show`."""
+"""Hugging Face config import: the published config.json files of Llama-3.1-8B, Qwen2-7B, Mistral-7B,
+DeepSeek-V3 and GPT-2 (tests/hf_configs/, as shipped on the hub) import to recipes whose exact parameter
+counts match the published figures (GPT-2: less the biases it imports without); cost-free features import
+with a note that survives `recipe show`."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,9 @@ def real(name: str) -> dict:
     ("deepseek-v3.json", ("quantization",), "mla", 128, 671_026_404_352,
      ["rope_scaling yarn (factor 40, ", "num_nextn_predict_layers 1: multi-token prediction is not modelled",
       "--drop quantization: imported without quantized weights"]),
+    # GPT-2 small, 124,439,808 published, less the attention-output and MLP biases: 12 · (768 + 3072 + 768)
+    ("gpt2.json", ("output_bias", "mlp_bias"), "mha", 12, 124_439_808 - 12 * (768 + 3072 + 768),
+     ["--drop output_bias: imported without a bias on the attention output", "--drop mlp_bias: imported without"]),
 ])
 def test_published_configs_import_with_exact_counts(tmp_path, name, drop, attention, kv_heads, total, notes):
     out = tmp_path / "r.yaml"
@@ -64,10 +68,29 @@ def test_published_configs_import_with_exact_counts(tmp_path, name, drop, attent
 
 
 def test_features_that_change_the_figures_still_need_drop():
-    for name, feature in (("mistral-7b-v0.1.json", "sliding_window"), ("deepseek-v3.json", "quantization")):
+    for name, features in (("mistral-7b-v0.1.json", ["sliding_window"]), ("deepseek-v3.json", ["quantization"]),
+                           ("gpt2.json", ["output_bias", "mlp_bias"])):
         res = from_hf(CONFIGS / name)
-        assert res.exit_code == 2 and res.stderr.count("\n") == 1
-        assert f"{feature}: " in res.stderr and f"pass --drop {feature}" in res.stderr
+        assert res.exit_code == 2 and res.stderr.count("\n") == len(features)
+        assert all(f"{f}: " in res.stderr and f"pass --drop {f}" in res.stderr for f in features)
+
+
+def test_gpt2_is_learned_positions_layernorm_gelu_and_a_tied_head(tmp_path):
+    """What GPT-2 is in recipe keys; its attention variants that change no figure import with a note, and
+    cross-attention (an encoder-decoder) is refused."""
+    drops = ("output_bias", "mlp_bias")
+    raw, _ = recipe_from_hf(CONFIGS / "gpt2.json", drops)
+    m = recipe_from_dict(raw).model
+    assert (m.position_encoding, m.norm, m.norm_placement, m.ffn, m.tie_embeddings, m.qkv_bias) == (
+        "learned", "layernorm", "pre", "gelu", True, True)
+    assert (m.max_seq_len, m.intermediate_size, m.norm_eps) == (1024, 4 * 768, 1e-5)
+    assert analytic.param_counts(m)["position_embedding"] == 1024 * 768
+    cfg = {**real("gpt2.json"), "n_inner": 1000, "scale_attn_by_inverse_layer_idx": True}
+    raw, _ = recipe_from_hf(write(tmp_path, cfg), drops)
+    assert raw["model"]["intermediate_size"] == 1000
+    assert raw["model"]["notes"][0].startswith("scale_attn_by_inverse_layer_idx True: scores are also divided")
+    with pytest.raises(RecipeError, match="cross_attention: cross-attention layers"):
+        recipe_from_hf(write(tmp_path, {**cfg, "add_cross_attention": True}), drops)
 
 
 @pytest.mark.parametrize("kind", FREE_ROPE_SCALINGS)

@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"engines", "measure"},
     {"model", "analytic", "hf"},
     {"config", "kernels"},
+    {"attention_kinds"},  # torch-free: config's rules and analytic's closed forms for each attention kind
     {"results"},
     {"stats"},
     {"errors", "fmt", "threads", "resources", "__init__"},

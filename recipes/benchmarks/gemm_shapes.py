@@ -91,11 +91,7 @@ a = torch.randn(n, n, device=dev, dtype=bf16)
 square_ms = timed(lambda: a @ a)
 
 # causal attention, forward + backward, per backend
-if cfg.attention == "mla":
-    qk, v_dim, H, KV = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.n_heads, cfg.n_heads
-else:
-    qk = v_dim = cfg.head_dim
-    H, KV = cfg.n_heads, cfg.n_kv_heads
+qk, v_dim, H, KV = cfg.qk_head_dim, cfg.v_dim, cfg.n_heads, cfg.n_kv_heads
 B, T = r.train.micro_batch_size, r.seq_len
 q = torch.randn(B, H, T, qk, device=dev, dtype=bf16, requires_grad=True)
 k = torch.randn(B, KV, T, qk, device=dev, dtype=bf16, requires_grad=True)

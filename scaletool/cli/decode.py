@@ -11,6 +11,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from scaletool.attention_kinds import MLA_MODES
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.stats import MIN_SAMPLES
@@ -73,9 +74,11 @@ class _Contexts(click.ParamType):
               help="Where to run (default: cuda when available).")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Weights and cache dtype (default: model.dtype of the recipe).")
-@click.option("--mla-mode", type=click.Choice(["absorbed", "naive"]), default="absorbed", show_default=True,
+@click.option("--mla-mode", type=click.Choice(MLA_MODES), default=None,
               help="MLA only: absorbed caches the latent c_kv + shared RoPE key and decodes with W_UK/W_UV "
-                   "absorbed; naive caches up-projected per-head K and V.")
+                   "absorbed; expand caches the latent and up-projects K and V from all of it every step; naive "
+                   "caches up-projected per-head K and V. Default: absorbed (expand for model.mla_rope=per_head, "
+                   "which cannot absorb).")
 @click.option("--mla-kernel", type=click.Choice(["auto", "triton", "torch"]), default="auto", show_default=True,
               help="Absorbed MLA decode attention: fused Triton kernel (CUDA, 16-bit) or the torch reference.")
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
@@ -97,7 +100,7 @@ class _Contexts(click.ParamType):
               help="Timed prefills per point, after one warm-up prefill.")
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
-           new_tokens: int, device: str | None, dtype: str | None, mla_mode: str, mla_kernel: str,
+           new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
            cuda_graph: bool | None, memory_budget: float | None, checkpoint: str | None, trust_checkpoint: bool,
            seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
@@ -115,6 +118,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
       scaletool decode recipes/tiny.yaml --context 32,64 --new-tokens 8 --device cpu
       scaletool decode recipes/mla-1b.yaml --batch 1,max --context 4k,32k --dtype bf16 --json
       scaletool decode recipes/mla-1b.yaml --mla-mode naive --batch 4 --no-cuda-graph
+      scaletool decode recipes/mla-1b.yaml --set model.mla_rope=per_head --context 4k   # re-expands every step
     """
     from scaletool import api
 

@@ -31,7 +31,7 @@ def _inactive_lines(r: Recipe) -> list[str]:
         name = key.removeprefix("model.")
         for switch, kinds in SWITCHES.items():
             readers = "/".join(k for k, kind in kinds.items() if name in kind.reads)
-            if readers:
+            if readers and name not in kinds[getattr(r.model, switch)].reads:  # the switch that made it inactive
                 lines.append(f"inactive: {key} = {echo(value)} (read by {switch}={readers}; this recipe has "
                              f"{switch}={getattr(r.model, switch)})")
     return lines

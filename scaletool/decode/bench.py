@@ -24,13 +24,13 @@ Per (context N, batch B) point:
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from scaletool.analytic import kv_cache
+from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
-from scaletool.decode.cache import cache_bytes, make_caches, replicate_first_row
 from scaletool.decode.generate import prefill, require_lm
 from scaletool.decode.sizing import (
     cache_bytes_per_token,
@@ -46,6 +46,7 @@ from scaletool.kernels.mla_decode import triton_supports
 from scaletool.measure.hardware import profile_for
 from scaletool.measure.timing import StepTimer
 from scaletool.model.attention import DecodeMode
+from scaletool.model.cache import cache_bytes, make_caches, replicate_first_row
 from scaletool.results.decode import DecodePoint, DecodeResult
 from scaletool.stats import settled_start, spread
 
@@ -84,10 +85,12 @@ def peak_bandwidth(device: torch.device) -> tuple[float | None, str]:
 def attention_kernel(cfg: ModelConfig, mode: DecodeMode, device: torch.device, dtype: torch.dtype,
                      cuda_graph: bool) -> str:
     """Which kernel a decode step's attention runs, in words (see README, scaletool decode)."""
-    if cache_label(cfg, mode.mla) != "mla":
+    path = attention_kind(cfg).decode_path(cfg, mode.mla)
+    if path != "absorbed":
         where = "the whole static cache, positions past the current one masked" if cuda_graph else "the cached K/V"
         first = ", cuDNN first (the fastest single-query kernel measured on H200)" if device.type == "cuda" else ""
-        return f"sdpa over {where}{first}"
+        expand = "K/V up-projected from every cached latent each step, then " if path == "expand" else ""
+        return f"{expand}sdpa over {where}{first}"
     why = triton_supports(device, dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     if mode.kernel == "torch" or (mode.kernel == "auto" and why is not None):
         return "torch reference: two bmm over the latent cache (reads it twice)" + (f"; {why}" if why else "")
@@ -115,11 +118,10 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     max_len = cache_positions(context, s.warmup_steps, s.new_tokens)
-    rope_before = model.rope.max_seq_len
-    model.extend_rope(max_len)
+    extended = model.extend_positions(max_len)
     per_token = cache_bytes_per_token(cfg, s.mode.mla)
     point = {"attention": cache_label(cfg, s.mode.mla), "batch": batch, "context": context, "max_len": max_len,
-             "new_tokens": s.new_tokens, "rope_extended_to": max_len if max_len > rope_before else None,
+             "new_tokens": s.new_tokens, "rope_extended_to": extended,
              "kv_cache_bytes_per_token_analytic": per_token, "kv_cache_bytes_analytic": per_token * batch * max_len}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -184,6 +186,7 @@ def plan_points(cfg: ModelConfig, s: DecodeSettings, fit: dict | None) -> list[t
 def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int | None, progress=None) -> DecodeResult:
     """Measure every (context, batch) point of ``s``; ``progress(done, total, description)`` hears of each."""
     require_lm(cfg)
+    s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
     fit = None if budget_bytes is None else memory_fit(cfg, budget_bytes, s.contexts, s.extra_positions)
@@ -206,7 +209,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     clock = ("CUDA events, one pair per step, read after one synchronisation" if device.type == "cuda"
              else "perf_counter around each step")
     return DecodeResult(
-        attention=label, mla_mode=s.mode.mla if cfg.attention == "mla" else None,
+        attention=label, mla_mode=s.mode.mla,
         device={"type": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                 "peak_bandwidth_bytes_per_s": peak, "peak_bandwidth_source": peak_source},
         dtype=cfg.dtype,

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from scaletool.config import ModelConfig, RecipeError
-from scaletool.decode.cache import make_caches
 from scaletool.model.attention import DecodeMode
+from scaletool.model.cache import make_caches
 from scaletool.model.transformer import Transformer
 
 
@@ -75,23 +75,23 @@ def decode(model: Transformer, caches: nn.ModuleList, token: torch.Tensor, start
 
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, end_token: int | None = None, mla_mode: str = "absorbed",
+             top_k: int | None = None, end_token: int | None = None, mla_mode: str | None = None,
              kernel: str = "auto", seed: int | None = None, chunk: int = 4096) -> torch.Tensor:
     """Prompt (B, T) -> prompt and up to ``max_new_tokens`` generated tokens (B, T + n).
 
-    Allocates caches for exactly T + max_new_tokens positions (growing RoPE if that passes
-    max_seq_len), prefills the prompt, samples the first new token from its logits and decodes the
-    rest; ``seed`` makes sampling reproducible.
+    Allocates caches for exactly T + max_new_tokens positions (growing the RoPE or sinusoid tables if
+    that passes max_seq_len), prefills the prompt, samples the first new token from its logits and
+    decodes the rest; ``mla_mode`` None is the model's default; ``seed`` makes sampling reproducible.
     """
     require_lm(model.cfg)
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     B, T = prompt.shape
-    mode = DecodeMode(mla_mode, kernel)
-    model.extend_rope(T + max_new_tokens)
+    mode = DecodeMode(mla_mode, kernel).resolved(model.cfg)
+    model.extend_positions(T + max_new_tokens)
     weight = next(model.parameters())
     caches = make_caches(model.cfg, B, T + max_new_tokens, dtype=weight.dtype, device=weight.device,
-                         mla_mode=mla_mode)
+                         mla_mode=mode.mla)
     gen = None if seed is None else torch.Generator(device=weight.device).manual_seed(seed)
     first = sample(prefill(model, prompt, caches, chunk=chunk, mode=mode), temperature, top_k, gen)
     rest = decode(model, caches, first, T, max_new_tokens - 1, temperature=temperature, top_k=top_k,

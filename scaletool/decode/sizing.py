@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from scaletool.analytic import kv_cache, matmul_params, param_counts
+from scaletool.analytic import cache_bytes_per_token, matmul_params, param_counts
+from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
@@ -18,15 +19,10 @@ from scaletool.fmt import gib
 RESERVE_FRACTION = 0.05
 
 
-def cache_label(cfg: ModelConfig, mla_mode: str) -> str:
-    """The attention type as reported: mha/gqa/mqa/mla, and mla-naive for the uncompressed cache."""
-    return "mla-naive" if cfg.attention == "mla" and mla_mode == "naive" else cfg.attention
-
-
-def cache_bytes_per_token(cfg: ModelConfig, mla_mode: str) -> int:
-    """Analytic cache bytes per token, all layers, at cfg.dtype (``scaletool estimate``'s figure)."""
-    kv = kv_cache(cfg)
-    return kv["naive_bytes_per_token"] if cache_label(cfg, mla_mode) == "mla-naive" else kv["bytes_per_token"]
+def cache_label(cfg: ModelConfig, mla_mode: str | None) -> str:
+    """The attention type as reported: mha/gqa/mqa/mla, with a mode other than the default named
+    (mla-naive, mla-expand; mla-per_head, mla-per_head-naive)."""
+    return attention_kind(cfg).decode_label(cfg, mla_mode)
 
 
 def weight_bytes(cfg: ModelConfig) -> int:
@@ -51,13 +47,12 @@ def memory_fit(cfg: ModelConfig, budget_bytes: int, contexts: tuple[int, ...], e
 
     Purely analytic (no allocation): batch = (budget − reserve − weights) / (cache bytes per token ×
     (context + extra_positions)), with ``RESERVE_FRACTION`` of the budget held back for activations
-    and workspaces. An MLA recipe gets rows for its latent cache and for the naive per-head cache.
+    and workspaces. An MLA recipe gets a row per decode mode (its latent cache, the naive per-head one).
     """
     reserve = int(RESERVE_FRACTION * budget_bytes)
     weights = weight_bytes(cfg)
-    modes = ("absorbed", "naive") if cfg.attention == "mla" else ("absorbed",)
     rows = []
-    for mode in modes:
+    for mode in attention_kind(cfg).decode_modes(cfg) or (None,):
         per_token = cache_bytes_per_token(cfg, mode)
         for n in contexts:
             free = budget_bytes - reserve - weights

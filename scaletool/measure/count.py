@@ -7,10 +7,13 @@ Two independent FLOP counters:
   key/value head dims separately (MLA has d_qk != d_v). On ``meta`` SDPA runs its math
   decomposition, so the counter sees plain bmm ops: the same numbers by another route.
 - fvcore traces the forward with the JIT and counts one multiply-add as one flop; it has no handler
-  for ``aten::scaled_dot_product_attention``, so we add one. Its totals are doubled here to FLOPs.
+  for ``aten::scaled_dot_product_attention``, so we add one, and its norm handlers are switched off
+  (norms are element-wise here). Its totals are doubled here to FLOPs.
 
 Both count every T² score position (no causal discount): compare them with the analytic "full"
 convention; the output says how far the causal figure (the MFU convention) sits from them.
+Decoding (``task=lm``): FlopCounterMode counts one decode step at position seq_len - 1 in every
+decode mode of the attention kind (:func:`decode_flops`), against ``analytic.decode_flops_per_token``.
 
 On cpu or cuda a count allocates the fp32 model, its gradients and one forward and backward's
 activations; :func:`memory_check` estimates that (``scaletool.analytic.count_memory``) and refuses a
@@ -27,7 +30,8 @@ from typing import Any
 import torch
 
 from scaletool import analytic
-from scaletool.config import Recipe
+from scaletool.attention_kinds import attention_kind
+from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
 from scaletool.model import build_model
@@ -98,6 +102,10 @@ def _fvcore_sdpa_handle(inputs: list, outputs: list) -> int:
     return _sdpa_fwd_flops(q, k, v) // 2  # fvcore's unit: one multiply-add
 
 
+def _no_flops(inputs: list, outputs: list) -> int:
+    return 0
+
+
 def fvcore_flops(model, recipe: Recipe, batch: int = 1, device="meta") -> dict:
     """Forward FLOPs from fvcore (multiply-adds × 2), with the per-operator breakdown."""
     from fvcore.nn import FlopCountAnalysis
@@ -110,6 +118,10 @@ def fvcore_flops(model, recipe: Recipe, batch: int = 1, device="meta") -> dict:
         warnings.simplefilter("ignore")
         fa = FlopCountAnalysis(model, (x,))
         fa.set_op_handle("aten::scaled_dot_product_attention", _fvcore_sdpa_handle)
+        # norms are element-wise in the analytic convention (FlopCounterMode counts none); fvcore would add
+        # 5 per element for LayerNorm (norm: layernorm) and BatchNorm (the regression embedding). A None
+        # handle does not replace a default one in fvcore 0.1.5, so they count zero instead.
+        fa.set_op_handle("aten::layer_norm", _no_flops, "aten::batch_norm", _no_flops)
         fa.unsupported_ops_warnings(False).uncalled_modules_warnings(False).tracer_warnings("none")
         macs = fa.total()
         by_op = {k: 2 * v for k, v in fa.by_operator().items()}
@@ -266,7 +278,40 @@ def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore
     if cfg.task == "regression":
         flops["notes"].append("regression: the first feature Linear needs no input gradient, so measured "
                               "training FLOPs sit slightly under 3 × forward.")
+    else:
+        flops["decode"] = decode_flops(model, cfg, recipe.seq_len, device)
     return flops
+
+
+def decode_flops(model, cfg: ModelConfig, context: int, device="meta") -> dict[str, dict]:
+    """FlopCounterMode's FLOPs for one decoded token (a batch-1 step at position context - 1 over ``context``
+    cached positions) in every decode mode of the attention kind, by decode label, against the closed form.
+
+    Absorbed MLA runs its torch reference here (the Triton kernel's work is the same arithmetic, but a
+    FLOP counter sees no matmul inside it); caches are allocated on ``device`` (nothing on meta)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scaletool.model.attention import DecodeMode
+    from scaletool.model.cache import make_caches
+
+    dtype = next(model.parameters()).dtype
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()  # decoding: no dropout, MoE routing without its training statistics
+    out = {}
+    try:
+        for mode in attention_kind(cfg).decode_modes(cfg) or (None,):
+            caches = make_caches(cfg, 1, context, dtype=dtype, device=device, mla_mode=mode)
+            counter = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
+            with counter:
+                model.step(token, context - 1, caches, DecodeMode(mode, "torch"))
+            want = analytic.decode_flops_per_token(cfg, context, mode)
+            got = counter.get_total_flops()
+            out[want["label"]] = {"mode": mode, "context": context, "analytic": want["total"], "flop_counter": got,
+                                  "rel_error": rel_error(got, want["total"])}
+    finally:
+        model.train(was_training)
+    return out
 
 
 def _params_by_module(model) -> dict[str, int]:

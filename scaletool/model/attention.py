@@ -1,11 +1,16 @@
-"""Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA.
+"""Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA, each
+registered under its kinds (:func:`attention_module`); the kinds' rules and closed forms are
+``scaletool.attention_kinds``.
 
 Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
 also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
 tests check SDPA against it and the training-dynamics monitors read entropies from it.
 
-``decode(x, cos, sin, cache, pos, mode)`` is the inference path: it appends the new tokens' keys
-(or MLA latents) to a preallocated cache (``scaletool.decode.cache``: storage with
+Both take a :class:`~scaletool.model.positions.Positions`: RoPE tables at the query positions, the
+ALiBi bias over the keys (shared by every layer), the RoPE module for keys rotated where they sit.
+
+``decode(x, positions, cache, pos, mode)`` is the inference path: it appends the new tokens' keys
+(or MLA latents) to a preallocated cache (``scaletool.model.cache``: storage with
 ``update(pos, ...)``) and attends over everything cached so far. ``mode`` (:class:`DecodeMode`) is
 the caller's choice of algorithm, as DeepSeek-V3 passes ``attn_impl``; the cache only stores, and
 one of the wrong kind for the mode is refused, never taken as a different choice. ``pos`` is a
@@ -13,6 +18,11 @@ Python int (attend over the cached prefix: the reference path) or a 0-dim device
 per call, attention over the whole static cache with the positions past ``pos`` masked: shapes and
 launches no longer depend on the position, so a CUDA graph can replay the step). The training
 ``forward`` does not touch any of it.
+
+Tensor parallelism: each module class gives ``tp_plan(cfg)``, the sharding of its projections by
+heads (``colwise``: output features split, ``rowwise``: input features split and the partial outputs
+summed; the rest replicated), as data for the engine that applies it; the modules infer their head
+count from the projections' output widths, so a sharded module runs on its local heads unchanged.
 """
 from __future__ import annotations
 
@@ -26,9 +36,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from scaletool.attention_kinds import MLA_MODES, CacheLayout, attention_kind
 from scaletool.config import ModelConfig
 from scaletool.kernels.mla_decode import KERNELS, latent_attention
-from scaletool.model.layers import RMSNorm, apply_rope
+from scaletool.model.layers import RMSNorm
+from scaletool.model.positions import Positions, apply_rope
 
 _BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -77,7 +89,6 @@ def _sdpa(q, k, v, *, causal: bool, scale: float, dropout: float, enable_gqa: bo
                                               scale=scale, enable_gqa=enable_gqa)
 
 
-MLA_MODES = ("absorbed", "naive")
 
 
 @dataclass(frozen=True)
@@ -85,21 +96,28 @@ class DecodeMode:
     """How attention decodes, chosen by the caller (DeepSeek-V3's ``attn_impl``, passed as an argument
     instead of a module global, so two models in one process can decode differently).
 
-    ``mla``: ``absorbed`` attends over the latent cache with W_UK folded into the query and W_UV
-    applied after (reads kv_lora_rank + rope numbers per cached token); ``naive`` caches the
-    up-projected per-head K and V and runs plain attention. ``kernel``: how absorbed MLA's latent
-    attention runs (``scaletool.kernels.mla_decode``: auto, triton, torch). MHA/GQA/MQA have one
-    algorithm and read neither field.
+    ``mla`` (``scaletool.attention_kinds.MLA_MODES``): ``absorbed`` attends over the latent cache with
+    W_UK folded into the query and W_UV applied after (reads kv_lora_rank + rope numbers per cached
+    token); ``expand`` keeps the latent cache and up-projects every cached latent to per-head K and V at
+    each step; ``naive`` caches the up-projected per-head K and V and runs plain attention. None is
+    the model's default (absorbed; expand for ``mla_rope=per_head``, which cannot absorb). MHA/GQA/MQA
+    have one algorithm and take None. ``kernel``: how absorbed MLA's latent attention runs
+    (``scaletool.kernels.mla_decode``: auto, triton, torch).
     """
 
-    mla: str = "absorbed"
+    mla: str | None = None
     kernel: str = "auto"
 
     def __post_init__(self):
-        if self.mla not in MLA_MODES:
+        if self.mla is not None and self.mla not in MLA_MODES:
             raise ValueError(f"mla mode must be one of {MLA_MODES}, got {self.mla!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    def resolved(self, cfg: ModelConfig) -> DecodeMode:
+        """This mode for ``cfg``'s attention: the default filled in, or ValueError with the reason the kind
+        refuses it (a mode given to MHA/GQA/MQA; absorbed for mla_rope=per_head)."""
+        return DecodeMode(attention_kind(cfg).resolve_mode(cfg, self.mla), self.kernel)
 
 
 def valid_length(pos: int | torch.Tensor) -> torch.Tensor | None:
@@ -108,13 +126,16 @@ def valid_length(pos: int | torch.Tensor) -> torch.Tensor | None:
     return pos + 1 if isinstance(pos, torch.Tensor) else None
 
 
-def _expect_cache(cache, layout: str, mode: DecodeMode) -> None:
-    if cache.layout != layout:
-        raise ValueError(f"MLA decoding in mode {mode.mla!r} needs a {layout!r} cache, got a {cache.layout!r} one "
-                         f"(make_caches(..., mla_mode={mode.mla!r}) builds the right one)")
+def _expect_cache(cache, want: CacheLayout, mode: str | None) -> None:
+    names = tuple(n for n, _ in want.tensors)
+    if cache.layout != want.kind or cache.names != names:
+        raise ValueError(f"decoding in mode {mode!r} needs a {want.kind!r} cache holding {', '.join(names)}, got a "
+                         f"{cache.layout!r} one holding {', '.join(cache.names)} (make_caches(..., mla_mode={mode!r}) "
+                         "builds the right one)")
 
 
-def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends, length: torch.Tensor | None = None):
+def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends, length: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
     """T new queries (B,H,T,D) over S cached keys (B,KV,S,D) and values.
 
     Without ``length`` the cache views end at the newest token (S = start_pos + T): one query sees
@@ -122,20 +143,35 @@ def _cached_sdpa(q, k, v, *, scale: float, enable_gqa: bool, backends, length: t
     causal mask aligned bottom-right (query t sees keys up to S - T + t); SDPA's ``is_causal`` aligns
     top-left, ``causal_lower_right`` keeps the fused kernels with the right mask. With ``length`` (a
     device tensor, one query) S is the whole static cache and keys from ``length`` on are masked.
+    An ALiBi ``bias`` (1,H,T,S) has both masks folded in and replaces them.
     """
     T, S = q.shape[2], k.shape[2]
-    if length is not None:
-        mask = (torch.arange(S, device=k.device) < length).view(1, 1, 1, S)
-        return _sdpa(q, k, v, causal=False, scale=scale, dropout=0.0, enable_gqa=enable_gqa, backends=backends,
-                     attn_mask=mask)
-    mask = causal_lower_right(T, S) if 1 < T < S else None
-    return _sdpa(q, k, v, causal=T == S and T > 1, scale=scale, dropout=0.0, enable_gqa=enable_gqa,
-                 backends=backends, attn_mask=mask)
+    if bias is not None:
+        mask, causal = bias.to(q.dtype), False
+    elif length is not None:
+        mask, causal = (torch.arange(S, device=k.device) < length).view(1, 1, 1, S), False
+    else:
+        mask, causal = (causal_lower_right(T, S) if 1 < T < S else None), T == S and T > 1
+    return _sdpa(q, k, v, causal=causal, scale=scale, dropout=0.0, enable_gqa=enable_gqa, backends=backends,
+                 attn_mask=mask)
 
 
-def _reference_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """softmax(q kᵀ · scale) with the causal mask; q (B,H,T,D), k (B,H,S,D) -> (B,H,T,S) in fp32."""
+def _attend(q, k, v, positions: Positions, *, causal: bool, scale: float, dropout: float, enable_gqa: bool, backends):
+    """Training attention of q (B,T,H,d) over k, v (B,T,KV,·) -> (B,T,H,d_v); the ALiBi bias replaces the
+    causal flag (it carries the causal mask)."""
+    bias = positions.bias
+    y = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal and bias is None, scale=scale,
+              dropout=dropout, enable_gqa=enable_gqa, backends=backends,
+              attn_mask=None if bias is None else bias.to(q.dtype))
+    return y.transpose(1, 2)
+
+
+def _reference_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q kᵀ · scale + bias) with the causal mask; q (B,H,T,D), k (B,H,S,D) -> (B,H,T,S) in fp32."""
     s = torch.einsum("bhtd,bhsd->bhts", q.float(), k.float()) * scale
+    if bias is not None:
+        return (s + bias.float()).softmax(-1)
     if causal:
         T, S = s.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=s.device).tril(S - T)
@@ -143,18 +179,33 @@ def _reference_probs(q: torch.Tensor, k: torch.Tensor, scale: float, causal: boo
     return s.softmax(-1)
 
 
+#: model.attention -> its module class (filled by :func:`attention_module`)
+ATTENTION_MODULES: dict[str, type[nn.Module]] = {}
+
+
+def attention_module(*kinds: str):
+    """Register a module class as the torch side of these attention kinds."""
+    def register(cls: type[nn.Module]) -> type[nn.Module]:
+        for k in kinds:
+            ATTENTION_MODULES[k] = cls
+        return cls
+    return register
+
+
+@attention_module("mha", "gqa", "mqa")
 class Attention(nn.Module):
     """MHA (n_kv_heads = n_heads), GQA (1 < n_kv_heads < n_heads) and MQA (n_kv_heads = 1).
 
     Parameters: wq d×(H·hd), wk and wv d×(KV·hd), wo (H·hd)×d, without bias (Llama layout) unless
     ``qkv_bias`` (Qwen2) adds biases to wq, wk, wv.
-    RoPE rotates the first ``qk_rope_head_dim`` channels of every q and k head.
+    RoPE (position_encoding=rope) rotates the first ``qk_rope_head_dim`` channels of every q and k head.
     """
 
     def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
         super().__init__()
         d, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = H, KV, hd
+        self.cfg, self.head_dim = cfg, hd
+        self.gqa = KV != H  # stays true of the local heads when tensor parallelism splits both by the same degree
         self.rope_dim = cfg.qk_rope_head_dim
         self.scale = 1.0 / math.sqrt(hd)
         self.dropout = cfg.dropout
@@ -165,66 +216,77 @@ class Attention(nn.Module):
         self.backends = sdpa_backends(sdpa_backend, hd, hd)
         self.decode_backends = decode_backends(sdpa_backend)
 
-    def _rope(self, x, cos, sin):
-        r = self.rope_dim
-        if r == self.head_dim:
-            return apply_rope(x, cos, sin)
-        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    @classmethod
+    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
+        """Megatron's attention split: q, k, v by heads (column-parallel), wo row-parallel."""
+        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _rope(self, x, positions: Positions):
+        r = self.rope_dim
+        if positions.cos is None:
+            return x
+        if r == self.head_dim:
+            return apply_rope(x, positions.cos, positions.sin)
+        return torch.cat([apply_rope(x[..., :r], positions.cos, positions.sin), x[..., r:]], dim=-1)
+
+    def qkv(self, x: torch.Tensor, positions: Positions):
         """Projected, rotated q (B,T,H,hd), k and v (B,T,KV,hd)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        return self._rope(q, positions), self._rope(k, positions), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
-        y = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=self.scale,
-                  dropout=self.dropout if self.training else 0.0,
-                  enable_gqa=self.n_kv_heads != self.n_heads, backends=self.backends)  # (B, H, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = _attend(*self.qkv(x, positions), positions, causal=causal, scale=self.scale, enable_gqa=self.gqa,
+                    dropout=self.dropout if self.training else 0.0, backends=self.backends)  # (B, T, H, hd)
+        return self.wo(y.reshape(B, T, -1))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+    def decode(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
                mode: DecodeMode = DecodeMode()) -> torch.Tensor:
         """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending its k, v.
 
-        One algorithm for every mode (``mode`` only matters to MLA)."""
+        One algorithm: a mode (an MLA choice) is refused."""
+        mla = mode.resolved(self.cfg).mla
+        _expect_cache(cache, attention_kind(self.cfg).cache_layout(self.cfg, mla), mla)
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
+        q, k, v = self.qkv(x, positions)
         k, v = cache.update(pos, k, v)  # (B, KV, S, hd): S = pos + T, or the static length
-        y = _cached_sdpa(q.transpose(1, 2), k, v, scale=self.scale, enable_gqa=self.n_kv_heads != self.n_heads,
+        y = _cached_sdpa(q.transpose(1, 2), k, v, scale=self.scale, enable_gqa=self.gqa,
                          backends=self.decode_backends if T == 1 else self.backends,
-                         length=valid_length(pos))  # (B, H, T, hd)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+                         length=valid_length(pos), bias=positions.bias)  # (B, H, T, hd)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()
-    def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def probs(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
         """Attention weights (B, H, T, T), computed the plain way."""
-        q, k, _ = self.qkv(x, cos, sin)
-        k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=2)
-        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal)
+        q, k, _ = self.qkv(x, positions)
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal, positions.bias)
 
 
+@attention_module("mla")
 class MLA(nn.Module):
-    """Multi-head Latent Attention as in DeepSeek-V2/V3 (parameter layout and names of V3's inference code).
+    """Multi-head Latent Attention (parameter layout and names of DeepSeek-V3's inference code).
 
     q: full rank ``wq`` d×H·(nope+rope), or low rank ``wq_a`` d×q_lora → RMSNorm ``q_norm`` → ``wq_b``.
-    kv: ``wkv_a`` d×(kv_lora_rank + rope) gives the latent c_kv and one RoPE key k_pe shared by all
-    heads; ``kv_norm`` (RMSNorm) on c_kv; ``wkv_b`` kv_lora_rank×H·(nope+v) up-projects to per-head
-    no-RoPE keys and values; ``wo`` H·v×d. Softmax scale 1/sqrt(nope + rope). What a decoder caches
-    is c_kv and k_pe: kv_lora_rank + qk_rope_head_dim numbers per token and layer.
+    kv: ``wkv_a`` gives the latent c_kv (``kv_norm``, RMSNorm, on it) and, with ``mla_rope=shared``, one
+    RoPE key k_pe shared by all heads (DeepSeek-V2/V3: d×(kv_lora_rank + rope)); ``wkv_b``
+    kv_lora_rank×H·(nope+v) up-projects per-head no-RoPE keys and values, with ``mla_rope=per_head``
+    also each head's RoPE key (kv_lora_rank×H·(nope+rope+v)), rotated after the up-projection; ``wo``
+    H·v×d. Softmax scale 1/sqrt(nope + rope). What a latent decoder caches: c_kv and k_pe
+    (kv_lora_rank + qk_rope_head_dim numbers per token and layer), or c_kv alone for per_head.
     """
 
     def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
         super().__init__()
         d, H = cfg.d_model, cfg.n_heads
-        self.n_heads = H
+        self.cfg, self.per_head = cfg, cfg.mla_rope == "per_head"
         self.q_lora_rank, self.kv_lora_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_dim = self.nope + self.rope_dim
+        self.up = [self.nope, self.rope_dim, self.v_dim] if self.per_head else [self.nope, self.v_dim]
         self.scale = 1.0 / math.sqrt(self.qk_dim)
         self.dropout = cfg.dropout
         if self.q_lora_rank == 0:
@@ -233,93 +295,117 @@ class MLA(nn.Module):
             self.wq_a = nn.Linear(d, self.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(self.q_lora_rank, eps=cfg.norm_eps)
             self.wq_b = nn.Linear(self.q_lora_rank, H * self.qk_dim, bias=False)
-        self.wkv_a = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.wkv_a = nn.Linear(d, self.kv_lora_rank + (0 if self.per_head else self.rope_dim), bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.norm_eps)
-        self.wkv_b = nn.Linear(self.kv_lora_rank, H * (self.nope + self.v_dim), bias=False)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, H * sum(self.up), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         self.backends = sdpa_backends(sdpa_backend, self.qk_dim, self.v_dim)
         self.decode_backends = decode_backends(sdpa_backend)
 
-    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    @classmethod
+    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
+        """By heads: the query's last projection and wkv_b column-parallel, wo row-parallel; the latent
+        projections (wq_a, q_norm, wkv_a, kv_norm) are shared by every head, so replicated."""
+        return {"wq" if cfg.q_lora_rank == 0 else "wq_b": "colwise", "wkv_b": "colwise", "wo": "rowwise"}
+
+    def query(self, x: torch.Tensor, positions: Positions):
         """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope)."""
         B, T, _ = x.shape
         q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
-        q_nope, q_pe = q.view(B, T, self.n_heads, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
-        return q_nope, apply_rope(q_pe, cos, sin)
+        q_nope, q_pe = q.view(B, T, -1, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
+        return q_nope, apply_rope(q_pe, positions.cos, positions.sin)
 
-    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """What the cache holds: normalised c_kv (B,T,kv_lora_rank) and rotated k_pe (B,T,rope)."""
+    def latent(self, x: torch.Tensor, positions: Positions) -> tuple[torch.Tensor, ...]:
+        """What a latent cache holds: normalised c_kv (B,T,kv_lora_rank), and for mla_rope=shared the
+        rotated k_pe (B,T,rope)."""
+        if self.per_head:
+            return (self.kv_norm(self.wkv_a(x)),)
         c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2)
+        k_pe = apply_rope(k_pe.unsqueeze(2), positions.cos, positions.sin).squeeze(2)
         return self.kv_norm(c_kv), k_pe
 
-    def expand(self, c_kv: torch.Tensor, k_pe: torch.Tensor):
-        """Up-project latents c_kv (B,S,c) and k_pe (B,S,rope) to per-head k (B,S,H,nope+rope), v (B,S,H,v)."""
-        B, S, _ = c_kv.shape
-        k_nope, v = self.wkv_b(c_kv).view(B, S, self.n_heads, self.nope + self.v_dim).split(
-            [self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.n_heads, -1)], dim=-1)
-        return k, v
+    def expand(self, latent: tuple[torch.Tensor, ...], key_rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Up-project latents (c_kv (B,S,c)[, k_pe (B,S,rope)]) to per-head k (B,S,H,nope+rope), v (B,S,H,v).
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        per_head: the RoPE keys come out of wkv_b and are rotated with ``key_rope`` (cos, sin (S, rope))."""
+        c_kv = latent[0]
+        B, S, _ = c_kv.shape
+        parts = self.wkv_b(c_kv).view(B, S, -1, sum(self.up)).split(self.up, dim=-1)
+        if self.per_head:
+            k_nope, k_pe, v = parts
+            k_pe = apply_rope(k_pe, *key_rope)
+        else:
+            (k_nope, v), k_pe = parts, latent[1][:, :, None, :].expand(-1, -1, parts[0].shape[2], -1)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def qkv(self, x: torch.Tensor, positions: Positions):
         """Full per-head q, k (B,T,H,nope+rope) and v (B,T,H,v): the naive (uncompressed) form."""
-        q_nope, q_pe = self.query(x, cos, sin)
-        k, v = self.expand(*self.latent(x, cos, sin))
+        q_nope, q_pe = self.query(x, positions)
+        k, v = self.expand(self.latent(x, positions), (positions.cos, positions.sin))
         return torch.cat([q_nope, q_pe], dim=-1), k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv(x, cos, sin)
-        y = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal, scale=self.scale,
-                  dropout=self.dropout if self.training else 0.0, enable_gqa=False,
-                  backends=self.backends)  # (B, H, T, v)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim))
+        y = _attend(*self.qkv(x, positions), positions, causal=causal, scale=self.scale, enable_gqa=False,
+                    dropout=self.dropout if self.training else 0.0, backends=self.backends)  # (B, T, H, v)
+        return self.wo(y.reshape(B, T, -1))
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+    def decode(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
                mode: DecodeMode = DecodeMode()) -> torch.Tensor:
         """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending to it.
 
-        ``mode.mla == "naive"``: the cache holds up-projected per-head k and v; plain cached SDPA.
-        ``"absorbed"``: the cache holds c_kv and k_pe only. Decode steps (T = 1) then run as
+        ``naive``: the cache holds up-projected per-head k and v; plain cached SDPA.
+        ``absorbed``: the cache holds c_kv and k_pe only. Decode steps (T = 1) then run as
         DeepSeek-V3's ``absorb`` mode: W_UK (wkv_b's key rows) folds into the query, q_nope·W_UK
         scores against c_kv directly, and W_UV maps the latent-weighted sum to values afterwards,
         so the step reads (kv_lora_rank + rope) numbers per cached token instead of
         H·(nope+rope+v). Prompt chunks (T > 1) are compute-bound, where absorption costs FLOPs
         (scores over kv_lora_rank instead of nope per head), so they up-project the cached latents
         and run fused SDPA, as DeepSeek's serving stacks prefill.
+        ``expand``: the latent cache, every step up-projected like a prompt chunk (the only latent
+        form per-head RoPE keys allow, each rotated at its own position).
         """
+        mla = mode.resolved(self.cfg).mla
+        _expect_cache(cache, attention_kind(self.cfg).cache_layout(self.cfg, mla), mla)
         B, T, _ = x.shape
-        q_nope, q_pe = self.query(x, cos, sin)  # (B,T,H,nope), (B,T,H,rope)
-        latent = self.latent(x, cos, sin)  # c_kv (B,T,c), k_pe (B,T,rope)
-        if mode.mla == "naive":
-            _expect_cache(cache, "kv", mode)
-            k, v = cache.update(pos, *self.expand(*latent))  # (B,H,S,qk), (B,H,S,v)
+        q_nope, q_pe = self.query(x, positions)  # (B,T,H,nope), (B,T,H,rope)
+        latent = self.latent(x, positions)  # c_kv (B,T,c)[, k_pe (B,T,rope)]
+        if mla == "naive":
+            k, v = cache.update(pos, *self.expand(latent, (positions.cos, positions.sin)))  # (B,H,S,qk), (B,H,S,v)
         else:
-            _expect_cache(cache, "latent", mode)
-            c_kv, k_pe = cache.update(pos, *latent)  # (B,S,c), (B,S,rope)
-            if T == 1:
-                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], c_kv, k_pe, valid_length(pos), mode.kernel)
-            k, v = (t.transpose(1, 2) for t in self.expand(c_kv, k_pe))
+            cached = cache.update(pos, *latent)  # (B,S,c)[, (B,S,rope)]
+            if mla == "absorbed" and T == 1:
+                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], *cached, valid_length(pos), mode.kernel)
+            S = cached[0].shape[1]
+            k, v = (t.transpose(1, 2) for t in self.expand(cached, positions.key_rotation(S) if self.per_head else None))
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
-        y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False, length=valid_length(pos),
+        y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False, length=valid_length(pos), bias=positions.bias,
                          backends=self.decode_backends if T == 1 else self.backends).transpose(1, 2)  # (B,T,H,v)
-        return self.wo(y.reshape(B, T, self.n_heads * self.v_dim))
+        return self.wo(y.reshape(B, T, -1))
 
     def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, kernel: str) -> torch.Tensor:
         """One query per sequence, q_nope (B,H,nope), q_pe (B,H,rope), over the latent cache -> (B,1,d)."""
         B = q_nope.shape[0]
-        w_uk, w_uv = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora_rank).split(
+        w_uk, w_uv = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
             [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
         y_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length)  # (B,H,c)
         y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
-        return self.wo(y.reshape(B, 1, self.n_heads * self.v_dim))
+        return self.wo(y.reshape(B, 1, -1))
 
     @torch.no_grad()
-    def probs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
-        q, k, _ = self.qkv(x, cos, sin)
-        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal)
+    def probs(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
+        q, k, _ = self.qkv(x, positions)
+        return _reference_probs(q.transpose(1, 2), k.transpose(1, 2), self.scale, causal, positions.bias)
 
 
 def make_attention(cfg: ModelConfig, sdpa_backend: str = "auto") -> nn.Module:
-    return MLA(cfg, sdpa_backend) if cfg.attention == "mla" else Attention(cfg, sdpa_backend)
+    """The module registered for ``cfg.attention``."""
+    return ATTENTION_MODULES[cfg.attention](cfg, sdpa_backend)
+
+
+def tp_plan(cfg: ModelConfig) -> dict[str, str]:
+    """How ``cfg``'s attention shards over tensor-parallel ranks: projection name -> colwise | rowwise (others
+    replicated). The engine applying it checks ``attention_kinds.attention_kind(cfg).tp_problems(cfg, degree)``
+    first."""
+    return ATTENTION_MODULES[cfg.attention].tp_plan(cfg)

@@ -1,4 +1,5 @@
-"""Building blocks shared by every attention type: norms, rotary embeddings, feed-forward nets.
+"""Building blocks shared by every attention type: norms and feed-forward nets (position encodings:
+``scaletool.model.positions``).
 
 Single-device code only: nothing here imports torch.distributed.
 """
@@ -31,47 +32,6 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     if kind == "rmsnorm":
         return RMSNorm(dim, eps=eps)
     return nn.LayerNorm(dim, eps=eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotate-half RoPE over ``dim`` channels, preallocated to ``max_seq_len``.
-
-    Real-valued tables rather than complex multiplication: the same rotation, and it fuses under
-    torch.compile. Kept as non-persistent buffers so checkpoints carry only weights.
-    """
-
-    def __init__(self, dim: int, max_seq_len: int, theta: float):
-        super().__init__()
-        self.dim, self.max_seq_len, self.theta = dim, max_seq_len, theta
-        self.register_buffer("cos", torch.empty(max_seq_len, dim), persistent=False)
-        self.register_buffer("sin", torch.empty(max_seq_len, dim), persistent=False)
-        if self.cos.device.type != "meta":
-            self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        dev = self.cos.device
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, device=dev, dtype=torch.float32) / self.dim))
-        t = torch.arange(self.max_seq_len, device=dev, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # (T, dim/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (T, dim)
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
-
-    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[start:start + length], self.sin[start:start + length]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dim of ``x`` (B, T, H, r) by position; cos/sin are (T, r).
-
-    Only the rotated part is passed in: callers split off the no-RoPE channels first.
-    """
-    cos = cos[None, :, None, :].to(x.dtype)
-    sin = sin[None, :, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 class FeedForward(nn.Module):

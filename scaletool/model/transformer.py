@@ -1,9 +1,20 @@
 """The decoder-only family and the sequence-regression model.
 
-Pre-norm blocks: x + attn(norm(x)), then x + ffn(norm(x)). ``task=lm`` embeds tokens and ends in a
-(optionally tied) LM head with next-token cross-entropy; ``task=regression`` embeds groups of
-continuous features, batch-normalises them, runs the same blocks without the causal mask and maps
-the last time step to ``horizon`` outputs (MSE loss).
+Blocks (``model.norm_placement``):
+
+- ``pre`` (default; GPT-2, Llama): x + attn(norm(x)), then x + ffn(norm(x)); a final norm after the
+  last block.
+- ``post`` (Vaswani et al. 2017 §3.1, BERT, GPT-1): x = norm(x + attn(x)), then x = norm(x + ffn(x)):
+  the residual stream is normalised after every residual add, so the last block's second norm is the
+  final normalisation and there is no separate final norm (fairseq builds none with
+  ``normalize_before=False``, nor does Hugging Face's openai-gpt); BERT's extra LayerNorm of the
+  embeddings is not part of it.
+
+``task=lm`` embeds tokens and ends in a (optionally tied) LM head with next-token cross-entropy;
+``task=regression`` embeds groups of continuous features, batch-normalises them, runs the same blocks
+without the causal mask and maps the last time step to ``horizon`` outputs (MSE loss). Positions
+(``model.position_encoding``, ``scaletool.model.positions``): RoPE and ALiBi act inside attention,
+learned and sinusoidal tables are added to the embeddings.
 
 Build on ``meta`` to count without memory; ``build_model`` materialises and initialises.
 """
@@ -15,37 +26,54 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletool.attention_kinds import position_kind
 from scaletool.config import ModelConfig
 from scaletool.model.attention import DecodeMode, make_attention
-from scaletool.model.layers import RotaryEmbedding, make_norm
+from scaletool.model.layers import make_norm
 from scaletool.model.moe import MoE, aux_loss, make_ffn
+from scaletool.model.positions import ALiBi, Positions, RotaryEmbedding, SinusoidalTable
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto", layer_id: int = 0):
         super().__init__()
+        self.post = cfg.norm_placement == "post"
         self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = make_attention(cfg, sdpa_backend)
         self.ffn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = make_ffn(cfg, layer_id)  # dense FeedForward, or MoE (ffn=moe past first_k_dense_replace)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: bool = True) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, causal))
-        return x + self.drop(self.ffn(self.ffn_norm(x)))
+    def _residual(self, x: torch.Tensor, norm: nn.Module, f, drop) -> torch.Tensor:
+        """One sub-layer with its residual: x + f(norm(x)) (pre) or norm(x + f(x)) (post)."""
+        return norm(x + drop(f(x))) if self.post else x + drop(f(norm(x)))
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, pos: int | torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
+        x = self._residual(x, self.attn_norm, lambda h: self.attn(h, positions, causal), self.drop)
+        return self._residual(x, self.ffn_norm, self.ffn, self.drop)
+
+    def step(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
              mode: DecodeMode) -> torch.Tensor:
         """Inference: causal attention over ``cache`` (appended to), no dropout."""
-        x = x + self.attn.decode(self.attn_norm(x), cos, sin, cache, pos, mode)
-        return x + self.ffn(self.ffn_norm(x))
+        x = self._residual(x, self.attn_norm, lambda h: self.attn.decode(h, positions, cache, pos, mode), _identity)
+        return self._residual(x, self.ffn_norm, self.ffn, _identity)
+
+    @torch.no_grad()
+    def attention_probs(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
+        """Attention weights (B, H, T, T) of this block for block input ``x`` (its attention reads norm(x)
+        pre-norm, x itself post-norm)."""
+        return self.attn.probs(x if self.post else self.attn_norm(x), positions, causal)
 
 
 class FeatureEmbedding(nn.Module):
     """Embed groups of related features separately, concatenate to d_model, batch-normalise.
 
     Group g of ``feature_groups[g]`` features gets its own Linear to ``group_widths[g]`` channels
-    (with bias); no positional encoding here, RoPE acts inside attention.
+    (with bias); positions are added after it (a table) or act inside attention (RoPE, ALiBi).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -65,14 +93,22 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.causal = cfg.task == "lm"
+        pk = position_kind(cfg)
         if cfg.task == "lm":
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         else:
             self.feature_embed = FeatureEmbedding(cfg)
+        # position tables added to the embeddings, RoPE tables or ALiBi slopes for attention (one of them, or none)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if pk.table == "learned" else None
+        self.pos_table = SinusoidalTable(cfg.d_model, cfg.max_seq_len) if pk.table == "fixed" else None
+        self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta) if pk.rotary else None
+        self.alibi = ALiBi(cfg.n_heads) if pk.bias else None
+        # Vaswani et al. §3.4 scale token embeddings by sqrt(d_model) before adding the sinusoids
+        self.embed_scale = math.sqrt(cfg.d_model) if pk.table == "fixed" and cfg.task == "lm" else 1.0
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-        self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleList(Block(cfg, sdpa_backend, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        # post-norm blocks end normalised: no separate final norm (module docstring)
+        self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_placement == "pre" else nn.Identity()
         if cfg.task == "lm":
             self.output = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         else:
@@ -83,20 +119,20 @@ class Transformer(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters counted once each (a tied head shares the embedding).
 
-        ``non_embedding=True`` drops the vocabulary matrices (token embedding and an untied LM head),
-        as Kaplan et al. count N; it is what 12·d²·L approximates.
+        ``non_embedding=True`` drops the vocabulary matrices (token embedding and an untied LM head) and a
+        learned position table, as Kaplan et al. count N; it is what 12·d²·L approximates.
         """
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and self.cfg.task == "lm":
-            n -= self.tok_embeddings.weight.numel()
-            if self.output is not None:
-                n -= self.output.weight.numel()
+        if non_embedding:
+            vocab = [self.tok_embeddings, self.output] if self.cfg.task == "lm" else []
+            n -= sum(m.weight.numel() for m in (*vocab, self.pos_embeddings) if m is not None)
         return n
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Normal(0, 0.02) for matrices and embeddings, output projections scaled by 1/sqrt(2L)
-        (GPT-2), norms to one, biases to zero; RoPE tables recomputed (needed after ``to_empty``)."""
+        """Normal(0, 0.02) for matrices and embeddings (the learned position table too), output projections
+        scaled by 1/sqrt(2L) (GPT-2), norms to one, biases to zero; position buffers recomputed (needed after
+        ``to_empty``)."""
         gen = None
         if seed is not None:
             gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
@@ -113,13 +149,40 @@ class Transformer(nn.Module):
                 mod.reset_parameters()
                 if isinstance(mod, nn.BatchNorm1d):
                     mod.reset_running_stats()
-        self.rope.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self, device: str | torch.device | None = None) -> None:
+        """Compute the position buffers (RoPE and sinusoid tables, ALiBi slopes: non-persistent, never in a
+        checkpoint), first materialising them on ``device`` when given (a model built on meta)."""
+        for mod in (self.rope, self.pos_table, self.alibi):
+            if mod is not None:
+                if device is not None:
+                    mod.to_empty(device=device)
+                mod.reset_parameters()
 
     # -- forward ---------------------------------------------------------------------------------
 
+    def _embed(self, inputs: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """Tokens (B, T) or features (B, T, n_features) at positions start.. -> (B, T, d), position table added."""
+        h = self.tok_embeddings(inputs) if self.cfg.task == "lm" else self.feature_embed(inputs)
+        table = self.pos_embeddings.weight if self.pos_embeddings is not None else (
+            self.pos_table.table if self.pos_table is not None else None)
+        if table is None:
+            return h
+        T = inputs.shape[1]
+        if isinstance(start, torch.Tensor):
+            rows = table.index_select(0, start.reshape(1))
+        elif start + T > table.shape[0]:
+            raise ValueError(f"positions up to {start + T} exceed the {self.cfg.position_encoding} position table "
+                             f"({table.shape[0]} rows)")
+        else:
+            rows = table[start:start + T]
+        return h * self.embed_scale + rows.to(h.dtype)
+
     def embed(self, inputs: torch.Tensor) -> torch.Tensor:
         """Tokens (B, T) or features (B, T, n_features) -> hidden states (B, T, d)."""
-        h = self.tok_embeddings(inputs) if self.cfg.task == "lm" else self.feature_embed(inputs)
+        h = self._embed(inputs)
         if h.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(h.device.type):
             # a 16-bit residual stream, as under FSDP2's mixed-precision policy and DeepSpeed (and
             # Megatron by default): the fp32 embedding output would otherwise keep every residual
@@ -127,14 +190,27 @@ class Transformer(nn.Module):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         return self.drop(h)
 
+    def positions(self, start: int | torch.Tensor, length: int, n_keys: int, dtype: torch.dtype) -> Positions:
+        """What attention needs for ``length`` queries at positions start.. over keys 0..n_keys-1 (an int start,
+        or a 0-dim device tensor for one query): RoPE tables and the ALiBi bias in ``dtype``."""
+        cos = sin = bias = None
+        on_device = isinstance(start, torch.Tensor)
+        if self.rope is not None:
+            cos, sin = self.rope.at(start) if on_device else self.rope(start, length)
+        if self.alibi is not None:
+            q_pos = start.reshape(1) if on_device else torch.arange(start, start + length,
+                                                                      device=self.alibi.slopes.device)
+            bias = self.alibi.bias(q_pos, n_keys, self.causal).to(dtype)
+        return Positions(cos, sin, bias, self.rope)
+
     def hidden_states(self, inputs: torch.Tensor) -> list[torch.Tensor]:
         """Input of every block and the final normed output; for monitors and tests."""
         h = self.embed(inputs)
-        cos, sin = self.rope(0, h.shape[1])
+        positions = self.positions(0, h.shape[1], h.shape[1], h.dtype)
         states = []
         for layer in self.layers:
             states.append(h)
-            h = layer(h, cos, sin, self.causal)
+            h = layer(h, positions, self.causal)
         states.append(self.norm(h))
         return states
 
@@ -146,9 +222,9 @@ class Transformer(nn.Module):
         ``return_features``), or the MSE when ``targets`` (B, horizon) is given.
         """
         h = self.embed(inputs)
-        cos, sin = self.rope(0, h.shape[1])
+        positions = self.positions(0, h.shape[1], h.shape[1], h.dtype)  # one ALiBi bias for every layer
         for layer in self.layers:
-            h = layer(h, cos, sin, self.causal)
+            h = layer(h, positions, self.causal)
         h = self.norm(h)
         if self.cfg.task == "lm":
             logits = self.lm_head(h)
@@ -179,36 +255,40 @@ class Transformer(nn.Module):
         """Run tokens (B, T) at positions pos.. against per-layer ``caches`` (appending to them).
 
         Returns logits (B, vocab) of the last position, or (B, T, vocab) with ``all_logits``. The
-        caches come from ``scaletool.decode.cache.make_caches`` (built for ``mode.mla``); positions
-        must fit the RoPE table (see :meth:`extend_rope`). ``pos`` is an int, or a 0-dim integer
-        device tensor for one token per call over the static caches (CUDA-graph friendly: no host
-        reads; the caller keeps pos below the caches' length and the RoPE table).
+        caches come from ``scaletool.model.cache.make_caches`` (built for ``mode.mla``); positions
+        must fit the position tables (see :meth:`extend_positions`). ``pos`` is an int, or a 0-dim
+        integer device tensor for one token per call over the static caches (CUDA-graph friendly: no
+        host reads; the caller keeps pos below the caches' length and the tables).
         """
         T = tokens.shape[1]
-        if isinstance(pos, torch.Tensor):
-            if T != 1:
-                raise ValueError(f"a device-tensor position decodes one token per call, got {T}")
-            at = pos.reshape(1)
-            cos, sin = self.rope.cos.index_select(0, at), self.rope.sin.index_select(0, at)
-        else:
-            if pos + T > self.rope.max_seq_len:
-                raise ValueError(f"positions up to {pos + T} exceed the RoPE table ({self.rope.max_seq_len}); "
-                                 "call extend_rope first")
-            cos, sin = self.rope(pos, T)
-        h = self.tok_embeddings(tokens)
+        if isinstance(pos, torch.Tensor) and T != 1:
+            raise ValueError(f"a device-tensor position decodes one token per call, got {T}")
+        mode = mode.resolved(self.cfg)
+        h = self._embed(tokens, pos)
+        n_keys = caches[0].max_len if isinstance(pos, torch.Tensor) else pos + T
+        positions = self.positions(pos, T, n_keys, h.dtype)
         for layer, cache in zip(self.layers, caches):
-            h = layer.step(h, cos, sin, cache, pos, mode)
+            h = layer.step(h, positions, cache, pos, mode)
         return self.lm_head(self.norm(h if all_logits else h[:, -1]))
 
-    def extend_rope(self, max_len: int) -> None:
-        """Grow the RoPE tables to ``max_len`` positions (plain extrapolation, no frequency scaling).
+    def extend_positions(self, max_len: int) -> int | None:
+        """Grow the RoPE or sinusoid tables to ``max_len`` positions (plain extrapolation, no frequency
+        scaling); returns ``max_len`` when a table grew, None when none needed to.
 
-        The tables are computed, not learned, so longer ones cost nothing but memory; a model trained
-        at max_seq_len is not known to generalise past it, but the cost of decoding is the same.
+        Computed tables cost nothing but memory; a model trained at max_seq_len is not known to generalise
+        past it, but the cost of decoding is the same. ALiBi and NoPE have no table; a learned table cannot
+        grow (ValueError).
         """
-        if max_len > self.rope.max_seq_len:
-            with torch.device(self.rope.cos.device):
-                self.rope = RotaryEmbedding(self.rope.dim, max_len, self.rope.theta)
+        if not position_kind(self.cfg).extrapolates and max_len > self.cfg.max_seq_len:
+            raise ValueError(f"position_encoding=learned: the table has max_seq_len={self.cfg.max_seq_len} rows, "
+                             f"positions up to {max_len} cannot be encoded")
+        grew = None
+        for name in ("rope", "pos_table"):
+            table = getattr(self, name)
+            if table is not None and max_len > table.max_seq_len:
+                setattr(self, name, table.grown(max_len))
+                grew = max_len
+        return grew
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", *, seed: int | None = 0,

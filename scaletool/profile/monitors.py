@@ -150,8 +150,7 @@ class DynamicsMonitor(Callback):
         r, device = self.info.recipe, self.info.env.device
         if self._replica is None:
             m = build_model(r.model, "meta", sdpa_backend=r.train.sdpa_backend)
-            m.rope.to_empty(device=device)
-            m.rope.reset_parameters()
+            m.init_buffers(device)  # position tables and slopes: not in the weights
             self._replica = m.eval()
         self._replica.load_state_dict(weights, assign=True)
         return self._replica.to(device)
@@ -166,9 +165,9 @@ class DynamicsMonitor(Callback):
         values: dict[str, float] = {}
         with torch.no_grad():
             states = model.hidden_states(inputs)  # L block inputs, then the final normed output
-            cos, sin = model.rope(0, T)
+            positions = model.positions(0, T, T, states[0].dtype)
             for i, layer in enumerate(model.layers):
-                mean, low = attention_entropy(layer.attn.probs(layer.attn_norm(states[i]), cos, sin, model.causal))
+                mean, low = attention_entropy(layer.attention_probs(states[i], positions, model.causal))
                 values[f"dynamics/attention_entropy_nats/layer_{i:02d}"] = mean
                 values[f"dynamics/attention_entropy_min_head_nats/layer_{i:02d}"] = low
                 rank = effective_rank(states[i + 1])

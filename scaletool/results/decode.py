@@ -23,7 +23,7 @@ class _Part(BaseModel):
 class DecodePoint(_Part):
     """One (context, batch) point; ``error`` set (and the measurements absent) when it could not run."""
 
-    attention: str  # mha | gqa | mqa | mla | mla-naive
+    attention: str  # mha | gqa | mqa | mla, a mode other than the default named: mla-naive, mla-expand, mla-per_head(-naive)
     batch: int
     context: int
     error: str | None = None

@@ -106,12 +106,12 @@ def test_api_decode_returns_the_typed_result_for_a_recipe_object():
 def test_mode_not_the_cache_picks_the_algorithm():
     """Issue 18: the decode algorithm came from the cache object's attributes; now the caller's mode
     picks it, and a cache of the wrong kind for the mode is refused instead of silently followed."""
-    from scaletool.decode.cache import make_caches
+    from scaletool.model.cache import make_caches
 
     cfg, model, _ = tiny_model("mla")
     latent = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode="absorbed")
     tokens = torch.randint(cfg.vocab_size, (1, 4))
-    with pytest.raises(ValueError, match="mode 'naive' needs a 'kv' cache, got a 'latent' one"):
+    with pytest.raises(ValueError, match="mode 'naive' needs a 'kv' cache holding k, v, got a 'latent' one"):
         model.step(tokens, 0, latent, DecodeMode("naive"))
     with pytest.raises(ValueError, match="kernel must be one of"):
         DecodeMode("absorbed", "cuda")
@@ -130,3 +130,22 @@ def test_trust_checkpoint_reaches_a_loader_that_takes_it(monkeypatch):
     r = load_recipe(RECIPES / "tiny.yaml")
     model = api._decode_model(r, torch.device("cpu"), 0, "some/dir", True)
     assert seen == {"path": "some/dir", "trust": True} and not model.training
+
+
+def test_api_decode_takes_the_kinds_default_mode_and_refuses_what_the_kind_cannot_do():
+    """Per-head-RoPE MLA decodes in expand (its latent cache, re-expanded every step) unless told naive;
+    absorbed is refused with the reason; a learned position table refuses contexts past it."""
+    r = load_recipe(RECIPES / "tiny.yaml", ["model.mla_rope=per_head"])
+    res = api.decode(r, contexts=[8], new_tokens=2, device="cpu", warmup_steps=1, prefill_repeats=1)
+    (p,) = res.points
+    assert res.mla_mode == "expand" and p.attention == "mla-per_head" and "up-projected from every cached latent" \
+        in p.attention_kernel
+    assert p.kv_cache_bytes_measured == p.kv_cache_bytes_analytic == p.max_len * r.model.kv_lora_rank * 4 * 2
+    with pytest.raises(RecipeError, match="mla_mode absorbed: mla_rope=per_head cannot absorb W_UK"):
+        api.decode(r, mla_mode="absorbed", device="cpu")
+    with pytest.raises(RecipeError, match="mla_mode naive is for attention=mla recipes; this one is gqa"):
+        api.decode(r, overrides=["model.attention=gqa", "model.n_kv_heads=2"], mla_mode="naive", device="cpu")
+    learned = ["model.attention=mha", "model.position_encoding=learned"]
+    with pytest.raises(RecipeError, match=r"learned has a table of model.max_seq_len=64 positions, and the longest point "
+                                          r"needs 69 \(context 64 \+ 3 warm-up \+ 2 new tokens\)"):
+        api.decode(r, overrides=learned, contexts=[64], new_tokens=2, device="cpu")

@@ -13,10 +13,10 @@ from conftest import RECIPES
 from tiny_variants import VARIANTS, tiny_model
 
 from scaletool.config import RecipeError, load_recipe
-from scaletool.decode.cache import make_caches
 from scaletool.decode.generate import generate, prefill, sample
 from scaletool.model import build_model
 from scaletool.model.attention import DecodeMode
+from scaletool.model.cache import make_caches
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=0.0)}
 
@@ -100,7 +100,7 @@ def test_decoding_past_max_seq_len_extends_rope():
     cfg, model, _ = tiny_model("mla", **{"model.max_seq_len": 16, "train.seq_len": 16})
     prompt = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(9))
     caches = make_caches(cfg, 1, 24, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="extend_rope"):
+    with pytest.raises(ValueError, match="extend_positions"):
         prefill(model, torch.cat([prompt, prompt], 1), caches)
     out = generate(model, prompt, 10)
     assert out.shape == (1, 22) and model.rope.max_seq_len == 22
@@ -114,3 +114,32 @@ def test_regression_recipes_are_refused_with_one_line():
     model = build_model(cfg, "cpu", seed=0)
     with pytest.raises(RecipeError, match="decode is for task=lm"):
         generate(model, torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("rope", ["shared", "per_head"])
+def test_every_decode_mode_of_mla_gives_the_same_logits_step_by_step(rope):
+    """absorbed, expand and naive are one attention computed three ways; per_head has no absorbed form."""
+    cfg, model, _ = tiny_model("mla" if rope == "shared" else "mla-per_head")
+    modes = ("absorbed", "expand", "naive") if rope == "shared" else ("expand", "naive")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 14), generator=torch.Generator().manual_seed(5))
+    caches = {m: make_caches(cfg, 2, 14, dtype=torch.float32, device="cpu", mla_mode=m) for m in modes}
+    first = [prefill(model, tokens[:, :6], caches[m], mode=DecodeMode(m)) for m in modes]
+    for i in range(6, 14):
+        out = [model.step(tokens[:, i:i + 1], i, caches[m], DecodeMode(m, "torch")) for m in modes]
+        for o in out[1:]:
+            torch.testing.assert_close(o, out[0], **TOL[torch.float32])
+    for f in first[1:]:
+        torch.testing.assert_close(f, first[0], **TOL[torch.float32])
+
+
+def test_per_head_rope_mla_refuses_the_absorbed_mode_with_the_reason():
+    cfg, model, _ = tiny_model("mla-per_head")
+    with pytest.raises(ValueError, match="mla_rope=per_head cannot absorb W_UK into the query: each cached key's "
+                                         "RoPE part is RoPE_t"):
+        DecodeMode("absorbed").resolved(cfg)
+    caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu")  # the default: expand
+    with pytest.raises(ValueError, match="cannot absorb"):
+        model.step(torch.zeros(1, 1, dtype=torch.long), 0, caches, DecodeMode("absorbed"))
+    assert DecodeMode().resolved(cfg).mla == "expand" and DecodeMode().resolved(tiny_model("mla")[0]).mla == "absorbed"
+    with pytest.raises(ValueError, match="mla_mode expand is for attention=mla recipes; this one is mha"):
+        DecodeMode("expand").resolved(tiny_model("mha")[0])

@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny_variants import VARIANTS, tiny_model
 
-from scaletool.decode.cache import make_caches, replicate_first_row
 from scaletool.decode.generate import prefill
 from scaletool.decode.steps import EagerSteps, GraphSteps, make_steps
 from scaletool.model.attention import DecodeMode
+from scaletool.model.cache import make_caches, replicate_first_row
 
 
 def _run(cls_or_factory, model, cfg, mode, B, T, steps, device="cpu", dtype=torch.float32, **kw):

@@ -1,4 +1,4 @@
-"""Tiny models of every cache layout, built from recipes/tiny.yaml (imported by the decode tests)."""
+"""Tiny models of every cache layout and decode path, built from recipes/tiny.yaml (imported by the decode tests)."""
 from __future__ import annotations
 
 from conftest import RECIPES
@@ -6,16 +6,28 @@ from conftest import RECIPES
 from scaletool.config import load_recipe
 from scaletool.model import build_model
 
-# (label, recipe overrides, mla_mode): every cache layout the decoder has.
+# (label, recipe overrides, mla_mode): every cache layout and decode path the decoder has, and the
+# position encodings that act at decode time (ALiBi's bias over the cache, a learned and a fixed table,
+# none) and the post-norm block.
 _NOT_MLA = {"model.kv_lora_rank": 0, "model.qk_nope_head_dim": None, "model.v_head_dim": None,
             "model.qk_rope_head_dim": None}
+_MHA = {"model.attention": "mha", **_NOT_MLA}
 VARIANTS = {
-    "mha": ({"model.attention": "mha", **_NOT_MLA}, "absorbed"),
-    "gqa": ({"model.attention": "gqa", "model.n_kv_heads": 2, **_NOT_MLA}, "absorbed"),
-    "mqa": ({"model.attention": "mqa", **_NOT_MLA}, "absorbed"),
+    "mha": (_MHA, None),
+    "gqa": ({"model.attention": "gqa", "model.n_kv_heads": 2, **_NOT_MLA}, None),
+    "mqa": ({"model.attention": "mqa", **_NOT_MLA}, None),
     "mla": ({}, "absorbed"),
     "mla-naive": ({}, "naive"),
+    "mla-expand": ({}, "expand"),
+    "mla-per_head": ({"model.mla_rope": "per_head"}, "expand"),
+    "mla-per_head-naive": ({"model.mla_rope": "per_head"}, "naive"),
+    "gqa-alibi": ({"model.attention": "gqa", "model.n_kv_heads": 2, "model.position_encoding": "alibi", **_NOT_MLA}, None),
+    "mha-learned": ({**_MHA, "model.position_encoding": "learned"}, None),
+    "mha-sinusoidal": ({**_MHA, "model.position_encoding": "sinusoidal"}, None),
+    "mha-nope-post": ({**_MHA, "model.position_encoding": "none", "model.norm_placement": "post"}, None),
 }
+#: one variant per cache layout (the position encodings and norms do not change what is cached)
+LAYOUTS = ("mha", "gqa", "mqa", "mla", "mla-naive", "mla-per_head")
 
 
 def tiny_cfg(label: str, **extra):

@@ -17,6 +17,9 @@ SHAPES = {
     "mqa": {"attention": "mqa"},
     "mla": {"attention": "mla", "kv_lora_rank": 32, "qk_nope_head_dim": 24, "qk_rope_head_dim": 8, "v_head_dim": 16},
     "mla-q_lora": {"attention": "mla", "kv_lora_rank": 32, "q_lora_rank": 16},
+    "mla-per_head": {"attention": "mla", "kv_lora_rank": 32, "q_lora_rank": 16, "mla_rope": "per_head"},
+    "gqa-alibi-post": {"attention": "gqa", "n_kv_heads": 2, "position_encoding": "alibi", "norm_placement": "post"},
+    "mha-learned": {"attention": "mha", "position_encoding": "learned", "norm": "layernorm", "ffn": "gelu"},
 }
 
 
@@ -28,6 +31,8 @@ def test_counters_agree_with_the_full_convention(name, device):
     res = count(r, device=device, batch=2)
     f = res["flops"]
     assert_counted_exactly(res)
+    modes = {"mla": 3, "mla-q_lora": 3, "mla-per_head": 2}.get(name, 1)  # absorbed, expand, naive; no absorbed
+    assert len(f["decode"]) == modes and all(d["context"] == 48 for d in f["decode"].values())
     assert f["fvcore"]["by_operator"]["scaled_dot_product_attention"] > 0
 
 

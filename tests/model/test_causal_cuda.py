@@ -1,6 +1,7 @@
 """On CUDA, the fused attention kernels the training path dispatches to (flash for MHA/GQA, cuDNN for
-MLA's 192/128 head dims) must keep the causal mask: changing later tokens never changes earlier
-logits, and the fused output matches the plain softmax reference. Skipped without a GPU."""
+MLA's 192/128 head dims, cuDNN or memory-efficient for ALiBi's float bias, which flash refuses) must
+keep the causal mask: changing later tokens never changes earlier logits, and the fused output matches
+the plain softmax reference. Skipped without a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -16,6 +17,9 @@ SHAPES = {
     "gqa": {"attention": "gqa", "n_kv_heads": 2},
     "mla": {"attention": "mla", "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
             "v_head_dim": 128},
+    "mla-per_head": {"attention": "mla", "kv_lora_rank": 128, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "mla_rope": "per_head"},
+    "gqa-alibi": {"attention": "gqa", "n_kv_heads": 2, "position_encoding": "alibi"},
 }
 
 
@@ -43,11 +47,11 @@ def test_fused_attention_matches_reference(name):
     model = model_for(name).eval()
     attn = model.layers[0].attn
     x = torch.randn(2, 256, 512, device="cuda")
-    cos, sin = model.rope(0, 256)
     with torch.autocast("cuda", torch.bfloat16):
-        q, k, v = attn.qkv(x, cos, sin)
-        fused = attn(x, cos, sin)
-    probs = attn.probs(x, cos, sin)  # fp32 reference
+        positions = model.positions(0, 256, 256, torch.bfloat16)
+        q, k, v = attn.qkv(x, positions)
+        fused = attn(x, positions)
+    probs = attn.probs(x, model.positions(0, 256, 256, torch.float32))  # fp32 reference
     if v.shape[2] != probs.shape[1]:
         v = v.repeat_interleave(probs.shape[1] // v.shape[2], dim=2)
     ref = attn.wo(torch.einsum("bhts,bshd->bthd", probs, v.float()).reshape(2, 256, -1))

@@ -87,8 +87,8 @@ def test_monitor_values_match_the_model_and_leave_training_state_alone(monitored
         assert v[f"dynamics/grad_norm/block_{i:02d}"] == pytest.approx(norm, rel=1e-4)
     with torch.no_grad():
         h = model.hidden_states(inputs)
-        cos, sin = model.rope(0, inputs.shape[1])
-        mean, low = attention_entropy(model.layers[1].attn.probs(model.layers[1].attn_norm(h[1]), cos, sin))
+        positions = model.positions(0, inputs.shape[1], inputs.shape[1], h[1].dtype)
+        mean, low = attention_entropy(model.layers[1].attn.probs(model.layers[1].attn_norm(h[1]), positions))
         assert v["dynamics/attention_entropy_nats/layer_01"] == pytest.approx(mean, rel=1e-5)
         assert v["dynamics/attention_entropy_min_head_nats/layer_01"] == pytest.approx(low, rel=1e-5)
         assert v["dynamics/effective_rank/layer_00"] == pytest.approx(effective_rank(h[1]), rel=1e-5)

@@ -8,21 +8,23 @@ buffers (the attention masks the positions past ``pos``). Rows ``[:b]`` are used
 ``b <= max_batch`` sequences.
 
 A cache only stores: how attention reads it is the caller's ``DecodeMode``
-(``scaletool.model.attention``); ``layout`` says what it holds, so a mode given the wrong cache is
-refused rather than silently read another way.
+(``scaletool.model.attention``); ``layout`` and ``names`` say what it holds, so a mode given the wrong
+cache is refused rather than silently read another way. What each attention kind caches in each
+mode is data (``scaletool.attention_kinds.CacheLayout``); :func:`make_caches` builds it:
 
 - :class:`KVCache` (``layout = "kv"``): k (B, KV, S, d_k) and v (B, KV, S, d_v) per KV head, for
   MHA/GQA/MQA and for MLA's naive mode (H heads of up-projected nope+rope keys and v values).
-- :class:`LatentCache` (``layout = "latent"``): MLA's normalised latent c_kv (B, S, kv_lora_rank)
-  and the shared rotated RoPE key k_pe (B, S, qk_rope_head_dim), read by the absorbed decode step.
+- :class:`LatentCache` (``layout = "latent"``): per-token vectors shared by all heads: MLA's
+  normalised latent c_kv (B, S, kv_lora_rank) and, for the shared RoPE key, the rotated k_pe
+  (B, S, qk_rope_head_dim).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from scaletool.attention_kinds import CacheLayout, attention_kind
 from scaletool.config import ModelConfig
-from scaletool.model.attention import MLA_MODES
 
 
 def _write(buf: torch.Tensor, dim: int, pos: int | torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -37,11 +39,12 @@ def _write(buf: torch.Tensor, dim: int, pos: int | torch.Tensor, new: torch.Tens
 
 
 class KVCache(nn.Module):
-    layout = "kv"
+    layout, names = "kv", ("k", "v")
 
     def __init__(self, max_batch: int, max_len: int, n_kv_heads: int, k_dim: int, v_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         super().__init__()
+        self.max_len = max_len
         self.register_buffer("k", torch.zeros(max_batch, n_kv_heads, max_len, k_dim, dtype=dtype, device=device),
                              persistent=False)
         self.register_buffer("v", torch.zeros(max_batch, n_kv_heads, max_len, v_dim, dtype=dtype, device=device),
@@ -53,37 +56,40 @@ class KVCache(nn.Module):
 
 
 class LatentCache(nn.Module):
-    """MLA's latent cache: c_kv and the shared rotated RoPE key, nothing per head."""
+    """Per-token vectors every head reads (MLA's c_kv and shared k_pe), one (B, S, width) buffer per name."""
 
     layout = "latent"
 
-    def __init__(self, max_batch: int, max_len: int, kv_lora_rank: int, rope_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, max_batch: int, max_len: int, widths: dict[str, int], dtype: torch.dtype,
+                 device: torch.device | str):
         super().__init__()
-        self.register_buffer("c_kv", torch.zeros(max_batch, max_len, kv_lora_rank, dtype=dtype, device=device),
-                             persistent=False)
-        self.register_buffer("k_pe", torch.zeros(max_batch, max_len, rope_dim, dtype=dtype, device=device),
-                             persistent=False)
+        self.max_len, self.names = max_len, tuple(widths)
+        for name, width in widths.items():
+            self.register_buffer(name, torch.zeros(max_batch, max_len, width, dtype=dtype, device=device),
+                                 persistent=False)
 
-    def update(self, pos: int | torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write c_kv (b,T,c), k_pe (b,T,rope) at positions pos..; return (b,S,·) views (module docstring)."""
-        return _write(self.c_kv, 1, pos, c_kv), _write(self.k_pe, 1, pos, k_pe)
+    def update(self, pos: int | torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Write one (b,T,width) tensor per name at positions pos..; return (b,S,·) views (module docstring)."""
+        return tuple(_write(getattr(self, n), 1, pos, t) for n, t in zip(self.names, tensors, strict=True))
+
+
+def make_cache(layout: CacheLayout, max_batch: int, max_len: int, dtype: torch.dtype,
+               device: torch.device | str) -> nn.Module:
+    """One layer's cache holding ``layout``."""
+    shapes = dict(layout.tensors)
+    if layout.kind == "kv":
+        (kv, k_dim), (_, v_dim) = shapes["k"], shapes["v"]
+        return KVCache(max_batch, max_len, kv, k_dim, v_dim, dtype, device)
+    return LatentCache(max_batch, max_len, {n: s[0] for n, s in layout.tensors}, dtype, device)
 
 
 def make_caches(cfg: ModelConfig, max_batch: int, max_len: int, *, dtype: torch.dtype,
-                device: torch.device | str, mla_mode: str = "absorbed") -> nn.ModuleList:
-    """One cache per layer for ``cfg``'s attention type; ``mla_mode`` is ignored for non-MLA models."""
-    if mla_mode not in MLA_MODES:
-        raise ValueError(f"mla_mode must be one of {MLA_MODES}, got {mla_mode!r}")
-
-    def one() -> nn.Module:
-        if cfg.attention != "mla":
-            return KVCache(max_batch, max_len, cfg.n_kv_heads, cfg.head_dim, cfg.head_dim, dtype, device)
-        if mla_mode == "naive":
-            return KVCache(max_batch, max_len, cfg.n_heads, cfg.qk_head_dim, cfg.v_head_dim, dtype, device)
-        return LatentCache(max_batch, max_len, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype, device)
-
-    return nn.ModuleList(one() for _ in range(cfg.n_layers))
+                device: torch.device | str, mla_mode: str | None = None) -> nn.ModuleList:
+    """One cache per layer for ``cfg``'s attention in decode mode ``mla_mode`` (None: the kind's default;
+    ValueError for a mode the kind refuses)."""
+    kind = attention_kind(cfg)
+    layout = kind.cache_layout(cfg, kind.resolve_mode(cfg, mla_mode))
+    return nn.ModuleList(make_cache(layout, max_batch, max_len, dtype, device) for _ in range(cfg.n_layers))
 
 
 def cache_bytes(caches: nn.Module) -> int:
