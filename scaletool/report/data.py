@@ -10,7 +10,8 @@ nests its classes.
 
 Records of one point and mode make one :class:`Row`. With a sweep's ``repeats: N`` the row holds the N
 runs, and a timed figure is the median across the repeats with p10/p90 over the repeats' medians
-(n = repeats); a single run gives its own per-step spread.
+(n = repeats); a single run gives its own per-step spread. A failed run is a row of its own, holding the
+partial result it wrote, if any (a diverged train run's losses and monitors).
 """
 from __future__ import annotations
 

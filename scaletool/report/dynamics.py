@@ -9,7 +9,8 @@ sweeps all four). Its definitions, used by the table, the plots and the findings
 - *diverged*: the run stopped on a non-finite loss (train status ``diverged``), at the first step whose
   loss is not finite.
 - *loss spike*: the loss, as a rolling median of :data:`SMOOTH` steps (one noisy batch is not a spike),
-  rises more than :data:`SPIKE` above the lowest value that median had reached: training went backwards.
+  rises more than :data:`SPIKE` above the lowest value so far (the first loss, or the median since):
+  training went backwards.
 - *unstable*: diverged or spiked. A point is unstable when any of its runs is.
 - *final loss*: the last :data:`FINAL_STEPS` finite losses of each run that did not diverge (pooled over a
   point's repeats: repeats with one seed repeat the same batches), as a :class:`~scaletool.stats.Spread`;
@@ -120,16 +121,28 @@ class Run:
         return next((s for s, x in zip(self.steps, self.loss) if x is None), self.steps[-1] if self.steps else 0)
 
     @cached_property
-    def spike_at(self) -> int | None:
-        """The first step where the rolling median of the loss rose more than SPIKE above its lowest so far."""
+    def _spike(self) -> tuple[int | None, float]:
+        """(the first step where the rolling median of the loss rose more than SPIKE above its lowest so far,
+        the largest such rise over the run). The first loss starts the low: at initialisation every token's
+        prediction is near uniform, so it is the one loss without batch noise to smooth."""
         finite = [(s, x) for s, x in zip(self.steps, self.loss) if x is not None]
-        low = math.inf
+        first, rise, low = None, 0.0, finite[0][1] if finite else math.inf
         for i in range(SMOOTH - 1, len(finite)):
             m = statistics.median(x for _, x in finite[i - SMOOTH + 1:i + 1])
-            if m > low * (1 + SPIKE):
-                return finite[i][0]
+            rise = max(rise, m / low - 1)
+            if first is None and m > low * (1 + SPIKE):
+                first = finite[i][0]
             low = min(low, m)
-        return None
+        return first, rise
+
+    @property
+    def spike_at(self) -> int | None:
+        return self._spike[0]
+
+    @property
+    def spike_rise(self) -> float | None:
+        """The largest rise of the smoothed loss above its lowest so far, of a run that spiked."""
+        return self._spike[1] if self.spike_at is not None else None
 
     @property
     def unstable_at(self) -> int | None:
@@ -158,18 +171,20 @@ class Run:
         per_layer = list(self.layers(prefix).values())
         return [min((v[i] for v in per_layer if v[i] is not None), default=None) for i in range(len(self.monitor))]
 
-    def before_end(self, prefix: str) -> list[tuple[int, float]]:
-        """(step, lowest layer's value) at the monitored steps before the divergence (all of them otherwise)."""
-        end = self.diverged_at
+    def before(self, prefix: str, until: int | None = None) -> list[tuple[int, float]]:
+        """(step, lowest layer's value) at the monitored steps before ``until`` (default: the divergence;
+        every step of a run that did not diverge)."""
+        end = self.diverged_at if until is None else until
         return [(s, v) for s, v in zip(self.monitor_steps, self.lowest(prefix))
                 if v is not None and (end is None or s < end)]
 
-    def collapse_at(self, prefix: str) -> int | None:
-        """The first monitored step before the divergence where the lowest layer fell below the threshold."""
+    def collapse_at(self, prefix: str, until: int | None = None) -> int | None:
+        """The first monitored step before ``until`` (default: the divergence) where the lowest layer fell
+        below the run's threshold."""
         threshold = self.entropy_threshold if prefix == ENTROPY else self.rank_threshold
         if threshold is None:
             return None
-        return next((s for s, v in self.before_end(prefix) if v < threshold), None)
+        return next((s for s, v in self.before(prefix, until) if v < threshold), None)
 
 
 def _finite(v: Any) -> float | None:
@@ -211,10 +226,10 @@ class Point:
         """``diverged at step 17``, ``loss spike at step 9``, ``stable``, or per run when repeats differ."""
         def one(r: Run) -> str:
             if r.diverged_at is not None:
-                spike = f" (loss spike at step {r.spike_at})" if r.spike_at is not None and r.spike_at < r.diverged_at else ""
-                return f"diverged at step {r.diverged_at}{spike}"
+                early = r.spike_at is not None and r.spike_at < r.diverged_at
+                return f"diverged at step {r.diverged_at}" + (f" (loss spike at step {r.spike_at})" if early else "")
             if r.spike_at is not None:
-                return f"loss spike at step {r.spike_at}"
+                return f"loss spike at step {r.spike_at} (+{r.spike_rise:.0%})"
             return "stable" if r.status == "completed" else r.status
         words = [one(r) for r in self.runs] + ["failed"] * self.failed
         return words[0] if len(set(words)) == 1 else "; ".join(f"run {i + 1}: {w}" for i, w in enumerate(words))
@@ -286,7 +301,7 @@ def _max_grad(p: Point) -> float | None:
 
 
 def _monitor_cells(r: Run | None, prefix: str) -> list[Any]:
-    vals = r.before_end(prefix) if r else []
+    vals = r.before(prefix) if r else []
     if not vals:
         return [None, None, None]
     return [vals[0][1], min(v for _, v in vals), r.collapse_at(prefix)]
@@ -330,7 +345,9 @@ def _verdict(claim: str, evidence: list[Evidence], none: str) -> str:
 
 
 def _event(r: Run) -> str:
-    return f"diverged at step {r.diverged_at}" if r.diverged_at is not None else f"loss spike at step {r.spike_at}"
+    if r.diverged_at is not None:
+        return f"diverged at step {r.diverged_at}"
+    return f"loss spike at step {r.spike_at} (+{r.spike_rise:.0%})"
 
 
 def _loss(s: Spread) -> str:
@@ -391,7 +408,7 @@ def remedy_claim(points: list[Point], knob: str) -> str:
 def collapse_claim(points: list[Point]) -> str:
     """Did entropy and rank collapse come before each divergence (and how often without one)?"""
     diverged = [r for p in points for r in p.diverged if r.monitored]
-    seen = [r for r in diverged if r.before_end(ENTROPY) or r.before_end(RANK)]
+    seen = [r for r in diverged if r.before(ENTROPY) or r.before(RANK)]
     stable = [r for p in points for r in p.runs if r.monitored and r.diverged_at is None and r.status == "completed"]
     evidence = []
     for r in seen:
@@ -410,11 +427,36 @@ def collapse_claim(points: list[Point]) -> str:
     else:
         none = ""
     text = _verdict(CLAIM_COLLAPSE, evidence, none)
+    if not diverged:
+        text += _against_spikes([r for p in points for r in p.monitored if r.spike_at is not None])
     false_alarms = [r for r in stable if r.collapse_at(ENTROPY) is not None or r.collapse_at(RANK) is not None]
     if stable:
         text += (f" Of the {len(stable)} monitored run(s) that did not diverge, {len(false_alarms)} collapsed "
                  "(entropy or rank below its threshold) all the same.")
     return text
+
+
+def _against_spikes(spiking: list[Run]) -> str:
+    """With no divergence to test the claim on, what the monitors show around the loss spikes (not the claim's
+    verdict: a spike is not a divergence)."""
+    if not spiking:
+        return ""
+    measured = [r for r in spiking if r.before(ENTROPY, r.spike_at) or r.before(RANK, r.spike_at)]
+    text = " Against the loss spikes instead, the nearest instability in these runs: "
+    if measured:
+        ent = sum(r.collapse_at(ENTROPY, r.spike_at) is not None for r in measured)
+        rank = sum(r.collapse_at(RANK, r.spike_at) is not None for r in measured)
+        first = [r for r in measured if r.collapse_at(ENTROPY, r.spike_at) is not None
+                 or r.collapse_at(RANK, r.spike_at) is not None]
+        later = sum(r.collapse_at(ENTROPY) is not None or r.collapse_at(RANK) is not None for r in measured
+                    if r not in first)
+        text += (f"of the {len(measured)} spiking run(s) with a monitored step before the spike, entropy collapse came "
+                 f"first in {ent} and rank collapse in {rank}; {later} collapsed only after the spike, "
+                 f"{len(measured) - len(first) - later} not at all")
+    unseen = len(spiking) - len(measured)
+    if unseen:
+        text += ("; " if measured else "") + f"{unseen} spiked before their first monitored step"
+    return text + "."
 
 
 def dynamics_findings(rs: ResultsSet) -> list[str]:

@@ -34,8 +34,11 @@ def claim(rs: data.ResultsSet, start: str) -> str:
 def test_a_spike_is_the_smoothed_loss_rising_past_its_low_and_one_noisy_batch_is_not():
     def run(loss):
         return Run(data.TrainView.model_validate(result(loss, monitored=False)))
-    assert run(losses(2.5)).spike_at is None
-    assert run(losses(2.5, spike=20)).spike_at == 21  # the 3-step median is past the low from its second step
+    assert run(losses(2.5)).spike_at is None and run(losses(2.5)).spike_rise is None
+    spiked = run(losses(2.5, spike=20))
+    assert spiked.spike_at == 21  # the 3-step median is past the low from the spike's second step
+    low = sorted(losses(2.5)[17:20])[1]  # the lowest 3-step median before it
+    assert spiked.spike_rise == pytest.approx(sorted(losses(2.5, spike=20)[20:23])[1] / low - 1)
     one_bad = losses(2.5)
     one_bad[25] *= 1.6  # a single bad batch
     assert run(one_bad).spike_at is None
@@ -110,7 +113,7 @@ def test_clipping_that_removes_the_instability_supports_the_remedy_claim(tmp_pat
     rs = (Study(tmp_path).add(result(losses(2.5, spike=6), clip=0), clip=0.0)
           .add(result(losses(2.5)), clip=1.0).load())
     text = claim(rs, "gradient clipping and warm-up prevent early instability (gradient clipping)")
-    assert "supported by the data" in text and "without it loss spike at step 7, with it stable (supports)" in text
+    assert "supported by the data" in text and "without it loss spike at step 7 (+18%), with it stable (supports)" in text
     assert "(clipping 1 against none)" in text
 
 
@@ -121,9 +124,9 @@ def test_warmup_that_leaves_the_instability_contradicts_it(tmp_path):
           .add(result(losses(2.5)), "pre", warmup=10).load())
     text = claim(rs, "gradient clipping and warm-up prevent early instability (warm-up)")
     assert "mixed: supported in 1 of 2 comparisons, contradicted in 1" in text
-    assert "Post-LN, clipping 1, lr 0.03 (warm-up 10 against none): with it loss spike at step 21, without it " \
+    assert "Post-LN, clipping 1, lr 0.03 (warm-up 10 against none): with it loss spike at step 21 (+38%), without it " \
            "diverged at step 10" in text
-    assert "Pre-LN, clipping 1, lr 0.03 (warm-up 10 against none): without it loss spike at step 6, with it stable" in text
+    assert "Pre-LN, clipping 1, lr 0.03 (warm-up 10 against none): without it loss spike at step 6 (+17%), with it stable" in text
 
 
 def test_collapse_before_divergence_supports_the_claim_and_collapse_without_one_is_counted(tmp_path):
@@ -143,6 +146,20 @@ def test_divergence_without_collapse_contradicts_it(tmp_path):
     assert "contradicted by the data" in text
     assert "a run diverging at step 14: no entropy collapse, no rank collapse before it (contradicts)" in text
     assert "entropy collapse at step 7, no rank collapse before it (only one of the two) (contradicts)" in text
+
+
+def test_without_a_divergence_the_collapse_claim_cannot_tell_but_says_what_came_before_the_spikes(tmp_path):
+    rs = (Study(tmp_path).add(result(losses(2.5, spike=14), collapse=8), lr=0.01)  # collapse at 11, spike at 15
+          .add(result(losses(2.5, spike=10), collapse=20), lr=0.03)  # spike at 11, collapse at 23
+          .add(result(losses(2.5, spike=1)), lr=0.1)  # spike at 2: before the first monitored step (3)
+          .add(result(losses(2.5)), lr=0.3).load())
+    assert [p.runs[0].spike_at for p in study(rs)] == [15, 11, 2, None]
+    assert claim(rs, "attention entropy collapse") == (
+        "Claim “attention entropy collapse and rank collapse precede divergence”: cannot tell — no monitored run "
+        "diverged. Against the loss spikes instead, the nearest instability in these runs: of the 2 spiking run(s) "
+        "with a monitored step before the spike, entropy collapse came first in 1 and rank collapse in 1; 1 collapsed "
+        "only after the spike, 0 not at all; 1 spiked before their first monitored step. Of the 4 monitored run(s) "
+        "that did not diverge, 2 collapsed (entropy or rank below its threshold) all the same.")
 
 
 def test_when_nothing_diverges_the_claims_about_instability_cannot_tell(tmp_path):
