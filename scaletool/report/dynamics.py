@@ -356,9 +356,9 @@ def _loss(s: Spread) -> str:
 
 def norm_claim(points: list[Point]) -> str:
     """Post-LN against Pre-LN, both without warm-up, at each other setting (clipping, lr, ...)."""
+    pairs = _pairs(points, "norm", lambda k: k.norm == "pre", lambda k: k.norm == "post", keep=lambda k: k.warmup == 0)
     evidence = []
-    for pre, post in _pairs(points, "norm", lambda k: k.norm == "pre", lambda k: k.norm == "post",
-                            keep=lambda k: k.warmup == 0):
+    for pre, post in pairs:
         where = post.knobs.describe("clip", "lr")
         if not (pre.trained and post.trained):
             evidence.append(Evidence(UNKNOWN, f"{where}: a run without a result"))
@@ -380,8 +380,9 @@ def norm_claim(points: list[Point]) -> str:
             else:
                 evidence.append(Evidence(CONTRADICTS, f"{where}: neither diverged; {losses}, "
                                                       f"{c.describe('Post-LN worse', 'Post-LN better')}"))
-    return _verdict(CLAIM_NORM, evidence, "the data have no Pre-LN and Post-LN points without warm-up that differ "
-                                          "in nothing else")
+    none = ("no pair could be judged" if pairs else
+            "the data have no Pre-LN and Post-LN points without warm-up that differ in nothing else")
+    return _verdict(CLAIM_NORM, evidence, none)
 
 
 def remedy_claim(points: list[Point], knob: str) -> str:
@@ -511,11 +512,13 @@ def dynamics_plots(rs: ResultsSet) -> list[Plot]:
 
 
 def _chosen_plots(points: list[Point]) -> list[Plot | None]:
-    """Per layer, for the monitored run that became unstable first (none when every run was stable)."""
+    """Per layer, for the monitored run that diverged first, else the one with the largest loss spike (none when
+    every run was stable)."""
     runs = [(p, r) for p in points for r in p.monitored if r.unstable_at is not None and len(r.monitor) >= 2]
     if not runs:
         return []
-    p, r = min(runs, key=lambda pr: (pr[1].unstable_at, pr[0].order))
+    p, r = min(runs, key=lambda pr: (pr[1].diverged_at is None, pr[1].diverged_at or -(pr[1].spike_rise or 0),
+                                     pr[0].order))
     marks = [(f"{what} (step {s})", s) for what, s in (("loss spike", r.spike_at), ("diverged", r.diverged_at))
              if s is not None]
     out = []
@@ -524,5 +527,6 @@ def _chosen_plots(points: list[Point]) -> list[Plot | None]:
         curves = [Curve(r.monitor_steps, ys, colour=f"layer {int(layer)}")
                   for layer, ys in r.layers(prefix).items()]
         out.append(curve_plot(key, f"{what.capitalize()} per layer: {p.label}", "step", what, curves, vlines=marks,
-                              group=GROUP, caption="The monitored run that became unstable first."))
+                              group=GROUP, caption="The monitored run that diverged first, else the one with "
+                                                   "the largest loss spike."))
     return out

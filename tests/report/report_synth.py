@@ -183,14 +183,14 @@ def monitor_history(steps: int, *, collapse: int | None = None, only: str | None
 def dynamics_result(loss: list, *, monitored: bool = True, collapse: int | None = None, only: str | None = None,
                     clip: float = 1.0) -> dict:
     """A train result (schema 2) with this loss curve; diverged when it ends on a NaN."""
-    r = train_result(steps(0.01, len(loss) - 2))
+    r = train_result(steps(0.01))  # the timing is not what the study is about
     diverged = math.isnan(loss[-1])
     r.update(status="diverged" if diverged else "completed", steps_completed=len(loss),
              message=f"loss is nan at step {len(loss) - 1}: training stopped" if diverged else None,
              loss_first=loss[0], loss_last=None if diverged else loss[-1])
     r["history"] = {"step": list(range(len(loss))), "loss": [None if math.isnan(x) else x for x in loss],
                     "grad_norm": [1.5 if clip else None] * len(loss), "lr": [1e-3] * len(loss),
-                    "step_time_s": r["history"]["step_time_s"]}
+                    "step_time_s": [0.01] * len(loss)}
     if monitored:
         hist = monitor_history(len(loss), collapse=collapse, only=only)
         r["dynamics"] = {"every": EVERY, "batch_size": 2, "entropy_threshold_nats": 0.5, "rank_threshold": 0.1,

@@ -13,6 +13,7 @@ import math
 import pytest
 import report_synth as synth
 from report_md import md_row, md_section
+from report_synth import EVERY
 from report_synth import DynamicsStudy as Study
 from report_synth import dynamics_result as result
 from report_synth import loss_curve as losses
@@ -101,6 +102,18 @@ def test_final_losses_decide_it_by_the_noise_rule_when_nothing_diverges(tmp_path
     assert "contradicted by the data" in text and "within noise (±" in text
 
 
+def test_too_few_losses_to_judge_cannot_tell(tmp_path):
+    def two_steps(final: float) -> dict:
+        r = result(losses(final, steps=2))
+        r["dynamics"]["history"] = [{**m, "step": 1} for m in synth.monitor_history(EVERY)]  # one, after step 1
+        return r
+    rs = Study(tmp_path).add(two_steps(2.5)).add(two_steps(3.5), "post").load()
+    assert claim(rs, "Post-LN without warm-up") == (
+        "Claim “Post-LN without warm-up diverges or trains worse, Pre-LN does not”: cannot tell — no pair could be "
+        "judged; clipping 1, lr 0.03: final loss Post-LN 5.419 (p10–p90 5.314–5.524, n=2) vs Pre-LN 5.341 (p10–p90 "
+        "5.174–5.508, n=2), not compared: n=2 < 3 samples, no spread to judge by.")
+
+
 def test_points_with_warmup_are_not_the_claims_and_missing_pairs_cannot_tell(tmp_path):
     rs = (Study(tmp_path).add(result(losses(2.5)), "pre", warmup=10)
           .add(result(losses(2.5, diverge=12)), "post", warmup=10).load())
@@ -160,6 +173,9 @@ def test_without_a_divergence_the_collapse_claim_cannot_tell_but_says_what_came_
         "with a monitored step before the spike, entropy collapse came first in 1 and rank collapse in 1; 1 collapsed "
         "only after the spike, 0 not at all; 1 spiked before their first monitored step. Of the 4 monitored run(s) "
         "that did not diverge, 2 collapsed (entropy or rank below its threshold) all the same.")
+    # per layer: with no divergence, the run with the largest loss spike
+    titles = [p.title for p in dynamics.dynamics_plots(rs)]
+    assert titles[-1] == "Effective rank / max per layer: norm_placement=pre warmup_steps=0 grad_clip=1.0 lr=0.01"
 
 
 def test_when_nothing_diverges_the_claims_about_instability_cannot_tell(tmp_path):
@@ -213,7 +229,7 @@ def test_the_report_draws_the_section(tmp_path):
     assert stable["loss final n"] == "10" and stable["max grad norm"] == "1.5"
     plots = md_section(md, "Plots: Training dynamics")
     assert "### Training loss per step" in plots and "per layer: norm_placement=post" in plots
-    assert "## Plots\n" not in md  # no general plot: one train point per lr, nothing else to plot against
+    assert "## Plots\n" not in md  # the general plots need two compression ratios or FFN widths: the study has one
     page = (tmp_path / "out" / "report.html").read_text()
     assert '<h2 id="plots-training-dynamics">Plots: Training dynamics</h2>' in page
     assert '<a href="#plots-training-dynamics">' in page and '<a href="#dynamics">Training dynamics</a>' in page
