@@ -409,24 +409,21 @@ def remedy_claim(points: list[Point], knob: str) -> str:
 def collapse_claim(points: list[Point]) -> str:
     """Did entropy and rank collapse come before each divergence (and how often without one)?"""
     diverged = [r for p in points for r in p.diverged if r.monitored]
-    seen = [r for r in diverged if r.before(ENTROPY) or r.before(RANK)]
     stable = [r for p in points for r in p.runs if r.monitored and r.diverged_at is None and r.status == "completed"]
     evidence = []
-    for r in seen:
+    for r in diverged:
+        head = f"a run diverging at step {r.diverged_at}"
+        if not (r.before(ENTROPY) or r.before(RANK)):
+            evidence.append(Evidence(UNKNOWN, f"{head}: no monitored step before it"))
+            continue
         ent, rank = r.collapse_at(ENTROPY), r.collapse_at(RANK)
-        parts = [f"entropy collapse at step {ent}" if ent is not None else "no entropy collapse",
-                 f"rank collapse at step {rank}" if rank is not None else "no rank collapse"]
-        text = f"a run diverging at step {r.diverged_at}: {', '.join(parts)} before it"
-        verdict = SUPPORTS if ent is not None and rank is not None else CONTRADICTS if ent is None and rank is None else ""
-        if not verdict:  # one of the two came first: the claim names both
-            verdict, text = CONTRADICTS, text + " (only one of the two)"
-        evidence.append(Evidence(verdict, text))
-    if not diverged:
-        none = "no monitored run diverged"
-    elif not seen:
-        none = f"{len(diverged)} monitored run(s) diverged before their first monitored step"
-    else:
-        none = ""
+        text = (f"{head}: " + (f"entropy collapse at step {ent}" if ent is not None else "no entropy collapse") + ", "
+                + (f"rank collapse at step {rank}" if rank is not None else "no rank collapse") + " before it")
+        both = ent is not None and rank is not None
+        if not both and (ent is not None or rank is not None):
+            text += " (only one of the two)"  # the claim names both
+        evidence.append(Evidence(SUPPORTS if both else CONTRADICTS, text))
+    none = "no monitored step came before any divergence" if diverged else "no monitored run diverged"
     text = _verdict(CLAIM_COLLAPSE, evidence, none)
     if not diverged:
         text += _against_spikes([r for p in points for r in p.monitored if r.spike_at is not None])

@@ -205,11 +205,11 @@ class DynamicsStudy:
         self.sweep, self.index = Sweep(path, name="training-dynamics"), 0
         self.path = path
 
-    def add(self, res: dict, norm: str = "pre", warmup: int = 0, clip: float = 1.0, lr: float = 0.03, **extra):
+    def add(self, res: dict | None, norm: str = "pre", warmup: int = 0, clip: float = 1.0, lr: float = 0.03, **extra):
         values = {"model.norm_placement": norm, "train.warmup_steps": warmup, "train.grad_clip": clip, "train.lr": lr}
         raw = recipe(**{k: v for k, v in values.items() if k != "model.norm_placement" or HAS_NORM})
         label = f"norm_placement={norm} warmup_steps={warmup} grad_clip={clip} lr={lr}"
-        if res["status"] == "diverged":  # `scaletool train` exits 1 on a divergence; the sweep keeps its result
+        if res is not None and res["status"] == "diverged":  # `train` exits 1 on it; the sweep keeps its result
             extra = {"status": "error", "error": f"error: {res['message']}", **extra}
         self.sweep.add(label, values, raw, "train", res, index=self.index, **extra)
         self.index += 1

@@ -86,6 +86,19 @@ def test_post_ln_diverging_without_warmup_supports_the_claim_and_shows_everywher
     assert not any("failed (error" in f for f in every)
 
 
+def test_runs_that_failed_are_counted_and_judge_nothing(tmp_path):
+    crashed = result(losses(2.5, steps=8))
+    crashed.update(status="failed", message="RuntimeError: boom after 8 of 40 steps")
+    rs = (Study(tmp_path).add(result(losses(2.5)), "pre").add(crashed, "post", status="error", error="boom")
+          .add(result(losses(2.5)), "pre", lr=0.1).add(None, "post", lr=0.1, status="timeout", error="exceeded").load())
+    t = dynamics.dynamics_table(rs)
+    assert t.column("outcome") == ["stable", "failed", "stable", "failed"] and t.column("runs") == [1, 1, 1, 1]
+    text = claim(rs, "Post-LN without warm-up")
+    assert text.endswith("cannot tell — no pair could be judged; clipping 1, lr 0.03: a run without a result; "
+                         "clipping 1, lr 0.1: a run without a result.")
+    assert "2 run(s) failed (error, oom or timeout); see the last table." in findings.all_findings(rs)
+
+
 def test_pre_ln_diverging_too_contradicts_it(tmp_path):
     rs = Study(tmp_path).add(result(losses(2.5, diverge=20)), "pre").add(result(losses(2.5, diverge=9)), "post").load()
     text = claim(rs, "Post-LN without warm-up")
@@ -150,6 +163,13 @@ def test_collapse_before_divergence_supports_the_claim_and_collapse_without_one_
     assert "a run diverging at step 14: entropy collapse at step 7, rank collapse at step 7 before it" in text
     assert text.endswith("Of the 1 monitored run(s) that did not diverge, 1 collapsed (entropy or rank below its "
                          "threshold) all the same.")
+
+
+def test_a_divergence_before_the_first_monitored_step_cannot_tell(tmp_path):
+    rs = Study(tmp_path).add(result(losses(2.5, diverge=3)), "post").load()  # monitored at step 3: too late
+    assert claim(rs, "attention entropy collapse").startswith(
+        "Claim “attention entropy collapse and rank collapse precede divergence”: cannot tell — no monitored step "
+        "came before any divergence; a run diverging at step 3: no monitored step before it.")
 
 
 def test_divergence_without_collapse_contradicts_it(tmp_path):
