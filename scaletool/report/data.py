@@ -10,7 +10,8 @@ nests its classes.
 
 Records of one point and mode make one :class:`Row`. With a sweep's ``repeats: N`` the row holds the N
 runs, and a timed figure is the median across the repeats with p10/p90 over the repeats' medians
-(n = repeats); a single run gives its own per-step spread.
+(n = repeats); a single run gives its own per-step spread. A failed run is a row of its own, holding the
+partial result it wrote, if any (a diverged train run's losses and monitors).
 """
 from __future__ import annotations
 
@@ -152,8 +153,28 @@ class Hardware(View):
     profile: str | None = None
 
 
+class TrainHistory(View):
+    """Per-step records (``history``): losses are null where they were not finite."""
+
+    step: list[int] = []
+    loss: list[float | None] = []
+    grad_norm: list[float | None] = []  # null where clipping was off (the engine did not compute it)
+    lr: list[float | None] = []
+
+
+class DynamicsSection(View):
+    """What the training-dynamics monitors recorded (``dynamics``; :mod:`scaletool.profile.monitors`)."""
+
+    every: int | None = None
+    entropy_threshold_nats: float | None = None
+    rank_threshold: float | None = None
+    # {"step": s, "dynamics/<metric>/layer_NN": value, ...}; read leniently (a value that is no number is missing)
+    history: list[dict[str, Any]] = []
+
+
 class TrainView(View):
     status: str | None = None
+    message: str | None = None
     tokens_per_s: float | None = None
     tokens_per_step: int | None = None
     mfu: float | None = None  # causal attention FLOPs (Megatron's convention, ours)
@@ -168,6 +189,8 @@ class TrainView(View):
     environment: Environment = Environment()
     hardware: Hardware = Hardware()
     flops_per_token: FlopsPerToken = FlopsPerToken()
+    history: TrainHistory = TrainHistory()
+    dynamics: DynamicsSection | None = None
 
     @classmethod
     def legacy(cls, doc: Any) -> Any:
@@ -325,7 +348,8 @@ class Row:
     record: Record  # the newest record of the point (its recipe and identity)
     recipe: Recipe | None
     run_dir: Path | None
-    runs: list[View] = field(default_factory=list)  # one typed result per ok repeat, in repeat order
+    # one typed result per ok repeat, in repeat order; a failed row: the partial result its run wrote, if any
+    runs: list[View] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -342,6 +366,11 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.recipe is not None and bool(self.runs)
+
+    @property
+    def diverged(self) -> bool:
+        """A train run that stopped on a non-finite loss (the sweep records it as an error; its result says so)."""
+        return self.mode == "train" and bool(self.runs) and self.runs[0].status == "diverged"
 
     @property
     def result(self) -> Any:
@@ -500,7 +529,9 @@ def _rows(d: Path, source: str, records: list[Record], warnings: list[str]) -> l
         runs = [v for v in (_view(d, r, warnings) for r in ok) if v is not None] if newest.mode in VIEWS else []
         if ok and (runs or newest.mode not in VIEWS):
             rows.append(Row(source, ok[-1], recipe, _run_dir(d, ok[0]), runs))
-        rows += [Row(source, r, recipe, _run_dir(d, r)) for k, r in sorted(by_repeat.items()) if r.status != "ok"]
+        # A failed run keeps the result it wrote (a diverged train's history and monitors): its row carries it.
+        rows += [Row(source, r, recipe, _run_dir(d, r), _failed_runs(d, r, warnings))
+                 for k, r in sorted(by_repeat.items()) if r.status != "ok"]
     if superseded:
         warnings.append(f"{d}: {superseded} older result(s) of the same points under an earlier recipe "
                         "(a changed sweep or recipe schema) left out")
@@ -526,6 +557,14 @@ def _view(d: Path, rec: Record, warnings: list[str]) -> View | None:
     except ValidationError as e:
         warnings.append(f"{where}: result left out: {_first_error(e)}")
     return None
+
+
+def _failed_runs(d: Path, rec: Record, warnings: list[str]) -> list[View]:
+    """The partial result a failed run wrote, as its row's one run (none when it wrote none)."""
+    if rec.result is None or rec.mode not in VIEWS:
+        return []
+    view = _view(d, rec, warnings)
+    return [view] if view is not None else []
 
 
 def _first_error(e: ValidationError) -> str:

@@ -14,6 +14,7 @@ from collections import defaultdict
 from scaletool.fmt import pct
 from scaletool.report.claims import claim_findings
 from scaletool.report.data import ResultsSet, Row
+from scaletool.report.dynamics import dynamics_findings
 from scaletool.report.tables import count_table, decode_points, decode_table, fmt, scaling_groups, train_table
 from scaletool.stats import Comparison, Spread, compare
 
@@ -242,9 +243,12 @@ def budget(rs: ResultsSet) -> list[str]:
 def all_findings(rs: ResultsSet) -> list[str]:
     out: list[str] = []
     for f in (kv_savings, rule_of_thumb, throughput_crossover, scaling, decode_speed, budget, worst_errors,
-              claim_findings):
+              claim_findings, dynamics_findings):
         out += f(rs)
-    n_bad = sum(r.status not in ("ok", "skipped") for r in rs.rows)
-    if n_bad:
-        out.append(f"{n_bad} run(s) failed (error, oom or timeout); see the last table.")
+    bad = [r for r in rs.rows if r.status not in ("ok", "skipped")]
+    n_diverged = sum(r.diverged for r in bad)
+    if n_diverged:  # an outcome of training, not a broken run
+        out.append(f"{n_diverged} train run(s) diverged (a non-finite loss stopped them); see the last table.")
+    if len(bad) > n_diverged:
+        out.append(f"{len(bad) - n_diverged} run(s) failed (error, oom or timeout); see the last table.")
     return out

@@ -32,6 +32,19 @@ class Plot:
     title: str
     caption: str  # what the title does not say: bars, scales, reference lines
     png: bytes
+    group: str = ""  # the report section the plot belongs to ("" for the general plots)
+
+
+@dataclass
+class Curve:
+    """One run's values against the step: a line of :func:`curve_plot`."""
+
+    xs: list[float]
+    ys: list[float | None]  # None (not measured, or not finite) leaves a gap
+    colour: str = ""  # legend entry of the line's colour (``lr 0.03``); curves with one colour key share it
+    style: str = ""  # legend entry of its line style (``warm-up 10, clipping on``)
+    panel: str = ""  # one subplot per panel, side by side, sharing the y axis
+    end: bool = False  # mark its last finite value with a cross (the run diverged there)
 
 
 def _mpl_text(s: str) -> str:
@@ -108,6 +121,77 @@ def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
     return Plot(key, title, " ".join(notes), buf.getvalue())
+
+
+STYLES = ("-", "--", ":", "-.")
+VLINES = (":", "-.")
+BAND = {"color": "black", "linewidth": 3, "alpha": 0.25, "linestyle": "-"}
+
+
+def curve_plot(key: str, title: str, xlabel: str, ylabel: str, curves: list[Curve], *, caption: str = "",
+               end_label: str = "", hlines: list[tuple[str, float]] = (), vlines: list[tuple[str, float]] = (),
+               ymax: float | None = None, group: str = "") -> Plot | None:
+    """Many runs' curves in one figure, legible: a colour per ``colour`` key, a line style per ``style``
+    key, one legend entry per key (not per curve), a subplot per ``panel``. None unless some curve has two
+    finite values. ``ymax`` cuts the y axis (a spike of 10× the loss would flatten every other curve);
+    the caption then says so."""
+    def finite(c: Curve) -> list[tuple[float, float]]:
+        return [(x, y) for x, y in zip(c.xs, c.ys) if y is not None and math.isfinite(y)]
+    if not any(len(finite(c)) >= 2 for c in curves):
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    panels = list(dict.fromkeys(c.panel for c in curves))
+    colours = list(dict.fromkeys(c.colour for c in curves))
+    styles = list(dict.fromkeys(c.style for c in curves))
+    fig = Figure(figsize=(6.4 if len(panels) == 1 else 4.2 * len(panels), 3.6), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    palette = [f"C{i % 10}" for i in range(len(colours))]
+    # past four styles the marker tells styles apart too
+    dash = {s: (STYLES[i % 4], "" if i < 4 else "os^D"[i // 4 % 4]) for i, s in enumerate(styles)}
+    top = max(y for c in curves for _, y in finite(c))
+    for ax, panel in zip(axes, panels):
+        for c in (c for c in curves if c.panel == panel):
+            colour, (ls, marker) = palette[colours.index(c.colour)], dash[c.style]
+            n = min(len(c.xs), len(c.ys))
+            ax.plot(c.xs[:n], [math.nan if y is None else y for y in c.ys[:n]], color=colour, linestyle=ls,
+                    marker=marker, markersize=3, linewidth=1.2)
+            if c.end and finite(c):
+                x, y = finite(c)[-1]
+                ax.plot([x], [min(y, ymax) if ymax else y], color=colour, marker="x", markersize=8, mew=2)
+        for _, y in hlines:  # a faint band, unlike any run's line style
+            ax.axhline(y, **BAND)
+        for i, (_, x) in enumerate(vlines):
+            ax.axvline(x, linestyle=VLINES[i % 2], linewidth=1, color="0.35")
+        if panel:
+            ax.set_title(_mpl_text(panel), fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel)
+    axes[0].yaxis.set_major_formatter(FuncFormatter(_tick))
+    notes = [caption] if caption else []
+    if ymax is not None and top > ymax:
+        low = min(y for c in curves for _, y in finite(c))
+        axes[0].set_ylim(low - 0.05 * (ymax - low), ymax)
+        notes.append(f"The y axis is cut at {ymax:.3g}: values up to {top:.3g} run off the top.")
+    handles = [Line2D([], [], color=palette[i], label=_mpl_text(k)) for i, k in enumerate(colours) if k]
+    handles += [Line2D([], [], color="0.3", linestyle=dash[k][0], marker=dash[k][1], label=_mpl_text(k))
+                for k in styles if k]
+    if end_label and any(c.end for c in curves):
+        handles.append(Line2D([], [], color="0.3", marker="x", linestyle="none", mew=2, label=_mpl_text(end_label)))
+    handles += [Line2D([], [], **BAND, label=_mpl_text(n)) for n, _ in hlines]
+    handles += [Line2D([], [], color="0.35", linestyle=VLINES[i % 2], label=_mpl_text(n)) for i, (n, _) in enumerate(vlines)]
+    if handles:  # below the axes, never over the data
+        longest = max(len(h.get_label()) for h in handles)
+        fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=7, frameon=False,
+                   ncol=4 if longest <= 18 else 3 if longest <= 26 else 2 if longest <= 40 else 1)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return Plot(key, title, " ".join(notes), buf.getvalue(), group)
 
 
 def _name(rs: ResultsSet, r: Row, *parts) -> str:

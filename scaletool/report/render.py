@@ -12,16 +12,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from scaletool import __version__
-from scaletool.report import claims, tables
+from scaletool.report import claims, dynamics, tables
 from scaletool.report.data import ResultsSet, load
 from scaletool.report.findings import all_findings
-from scaletool.report.plots import all_plots
+from scaletool.report.plots import Plot, all_plots
 from scaletool.report.results_csv import write_csv
 from scaletool.report.tables import Table
 from scaletool.results.report import ReportResult
 
-TABLES = (tables.estimate_table, tables.count_table, tables.train_table, tables.scaling_table, tables.moe_table,
-          tables.decode_table, tables.budget_table, claims.claim_table, tables.breakdown_table, tables.failures_table)
+TABLES = (tables.estimate_table, tables.count_table, tables.train_table, dynamics.dynamics_table, tables.scaling_table,
+          tables.moe_table, tables.decode_table, tables.budget_table, claims.claim_table, tables.breakdown_table,
+          tables.failures_table)
 
 
 def all_tables(rs: ResultsSet) -> list[Table]:
@@ -34,7 +35,7 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
     rs = load(dirs)
     out.mkdir(parents=True, exist_ok=True)
     tabs = all_tables(rs)
-    plots = all_plots(rs)
+    plots = all_plots(rs) + dynamics.dynamics_plots(rs)
     findings = all_findings(rs)
     plot_dir = out / "plots"
     plot_dir.mkdir(exist_ok=True)
@@ -92,9 +93,9 @@ def render_markdown(ctx: dict) -> str:
         if t.note:
             lines += [md_escape(t.note), ""]
         lines.append(md_table(t))
-    if ctx["plots"]:
-        lines += ["", "## Plots", ""]
-        for p in ctx["plots"]:
+    for group, plots in plot_groups(ctx["plots"]):
+        lines += ["", f"## {md_escape(group_title(group))}", ""]
+        for p in plots:
             lines += [f"### {md_escape(p.title)}", "", f"![{md_escape(p.title)}](plots/{p.key}.png)", ""]
             lines += [md_escape(p.caption), ""] if p.caption else []
     if ctx["warnings"]:
@@ -102,13 +103,27 @@ def render_markdown(ctx: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def plot_groups(plots: list[Plot]) -> list[tuple[str, list[Plot]]]:
+    """Plots by section, in order of first appearance: the general ones (group "") and each section's."""
+    groups: dict[str, list[Plot]] = {}
+    for p in plots:
+        groups.setdefault(p.group, []).append(p)
+    return list(groups.items())
+
+
+def group_title(group: str) -> str:
+    return f"Plots: {group}" if group else "Plots"
+
+
 def render_html(ctx: dict) -> str:
     from jinja2 import Environment, PackageLoader
 
     env = Environment(loader=PackageLoader("scaletool", "templates"), autoescape=True,
                       trim_blocks=True, lstrip_blocks=True)
-    plots = [{"title": p.title, "caption": p.caption, "key": p.key, "data": base64.b64encode(p.png).decode()}
-             for p in ctx["plots"]]
+    plots = [{"id": "plots" + (f"-{re.sub(r'[^a-z0-9]+', '-', group.lower())}" if group else ""),
+              "title": group_title(group),
+              "plots": [{"title": p.title, "caption": p.caption, "key": p.key, "data": base64.b64encode(p.png).decode()}
+                        for p in items]} for group, items in plot_groups(ctx["plots"])]
     tabs = [{"key": t.key, "title": t.title, "note": t.note, "columns": _html_columns(t), "groups": t.groups(),
              "grouped": any(c.group for c in t.columns), "rows": t.formatted()} for t in ctx["tables"]]
     return env.get_template("report.html.j2").render(**{**ctx, "plots": plots, "tables": tabs})

@@ -311,8 +311,8 @@ def failures_table(rs: ResultsSet) -> Table | None:
 
     def cells(r: Row):
         rec = r.record
-        return [[r.mode, f"{rec.repeat + 1}/{rec.repeats}" if rec.repeats > 1 else "", r.status,
-                 headline(rec.model_dump())]]
+        return [[r.mode, f"{rec.repeat + 1}/{rec.repeats}" if rec.repeats > 1 else "",
+                 "diverged" if r.diverged else r.status, headline(rec.model_dump())]]
     rows = [r for r in rs.rows if r.status != "ok"]
     return _table(rs, "failures", "Skipped and failed runs",
                   [Column("mode"), Column("repeat"), Column("status"), Column("reason")], rows, cells)

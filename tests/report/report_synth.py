@@ -1,16 +1,20 @@
 """Small synthetic sweep results for the report's tests: records as the sweep writes them, with typed
 results (``kind``, timing spreads, repeats) whose step times are chosen, so that a test can put two
-points on either side of the noise line. Estimates are the real analytic model's."""
+points on either side of the noise line. Estimates are the real analytic model's. Train results of the
+training-dynamics study carry chosen loss curves and monitor records (:class:`DynamicsStudy`)."""
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import yaml
 
 from scaletool import api
-from scaletool.config import recipe_from_dict, set_dotted
+from scaletool.config import ModelConfig, recipe_from_dict, set_dotted
+from scaletool.report import data
+from scaletool.report.dynamics import ENTROPY, RANK
 from scaletool.stats import settled_start, spread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,4 +135,98 @@ def showcase(path: Path) -> Path:
                                 kv_bytes_per_token=kv, batch=8) for c in (1024, 4096, 16384)]
             s.add(name, vals, raw, "decode", decode_result(pts, device="cuda"), index=index)
             index += 1
+    return path
+
+
+# --- the training-dynamics study (scaletool/report/dynamics.py) -------------------------------------
+
+STEPS, EVERY, LAYERS = 40, 4, 2
+#: model.norm_placement comes with the model's Post-LN (the arch branch); until the recipe has it, a point
+#: names its placement in its sweep values only (which the report reads first)
+HAS_NORM = "norm_placement" in ModelConfig.model_fields
+#: ±1% batch-to-batch noise of a loss curve
+LOSS_NOISE = (0.0, 0.01, -0.01, 0.005, -0.005)
+
+
+def loss_curve(final: float, *, spike: int | None = None, diverge: int | None = None, steps: int = STEPS) -> list:
+    """5.55 falling to ``final`` with ±1% batch noise; ``spike``: +40% for four steps from there;
+    ``diverge``: rising fast for three steps, then NaN at that step and the run stops."""
+    out = []
+    for s in range(steps if diverge is None else diverge + 1):
+        x = final + (5.55 - final) * math.exp(-s / 6)
+        x *= 1 + LOSS_NOISE[s % len(LOSS_NOISE)]
+        if spike is not None and spike <= s < spike + 4:
+            x *= 1.4
+        if diverge is not None and s >= diverge - 3:
+            x = math.nan if s == diverge else x * 3 ** (s - diverge + 4)
+        out.append(x)
+    return out
+
+
+def monitor_history(steps: int, *, collapse: int | None = None, only: str | None = None) -> list[dict]:
+    """Monitor records every EVERY steps: entropy ~3 nats and rank ratio ~0.7 per layer; from ``collapse``
+    on, layer 1's entropy (``only="entropy"``), rank (``only="rank"``) or both fall below the thresholds."""
+    out = []
+    for s in range(EVERY - 1, steps, EVERY):
+        rec: dict = {"step": s}
+        for i in range(LAYERS):
+            low = collapse is not None and s >= collapse and i == 1
+            rec[f"{ENTROPY}{i:02d}"] = 0.2 if low and only != "rank" else 3.0 - 0.1 * i
+            rec[f"dynamics/attention_entropy_min_head_nats/layer_{i:02d}"] = 2.5
+            rec[f"{RANK}{i:02d}"] = 0.05 if low and only != "entropy" else 0.7 - 0.05 * i
+            rec[f"dynamics/effective_rank/layer_{i:02d}"] = 44.8
+            rec[f"dynamics/grad_norm/block_{i:02d}"] = 0.5
+        out.append(rec)
+    return out
+
+
+def dynamics_result(loss: list, *, monitored: bool = True, collapse: int | None = None, only: str | None = None,
+                    clip: float = 1.0) -> dict:
+    """A train result (schema 2) with this loss curve; diverged when it ends on a NaN."""
+    r = train_result(steps(0.01))  # the timing is not what the study is about
+    diverged = math.isnan(loss[-1])
+    r.update(status="diverged" if diverged else "completed", steps_completed=len(loss),
+             message=f"loss is nan at step {len(loss) - 1}: training stopped" if diverged else None,
+             loss_first=loss[0], loss_last=None if diverged else loss[-1])
+    r["history"] = {"step": list(range(len(loss))), "loss": [None if math.isnan(x) else x for x in loss],
+                    "grad_norm": [1.5 if clip else None] * len(loss), "lr": [1e-3] * len(loss),
+                    "step_time_s": [0.01] * len(loss)}
+    if monitored:
+        hist = monitor_history(len(loss), collapse=collapse, only=only)
+        r["dynamics"] = {"every": EVERY, "batch_size": 2, "entropy_threshold_nats": 0.5, "rank_threshold": 0.1,
+                         "steps": [h["step"] for h in hist], "history": hist, "warnings": []}
+    return r
+
+
+class DynamicsStudy:
+    """A results dir of the study's points: (norm, warm-up, clipping, lr) -> a train result."""
+
+    def __init__(self, path):
+        self.sweep, self.index = Sweep(path, name="training-dynamics"), 0
+        self.path = path
+
+    def add(self, res: dict | None, norm: str = "pre", warmup: int = 0, clip: float = 1.0, lr: float = 0.03, **extra):
+        values = {"model.norm_placement": norm, "train.warmup_steps": warmup, "train.grad_clip": clip, "train.lr": lr}
+        raw = recipe(**{k: v for k, v in values.items() if k != "model.norm_placement" or HAS_NORM})
+        label = f"norm_placement={norm} warmup_steps={warmup} grad_clip={clip} lr={lr}"
+        if res is not None and res["status"] == "diverged":  # `train` exits 1 on it; the sweep keeps its result
+            extra = {"status": "error", "error": f"error: {res['message']}", **extra}
+        self.sweep.add(label, values, raw, "train", res, index=self.index, **extra)
+        self.index += 1
+        return self
+
+    def load(self) -> data.ResultsSet:
+        return data.load([self.path])
+
+
+def dynamics_showcase(path: Path) -> Path:
+    """The study in small: Pre-/Post-LN × warm-up × two learning rates, Post-LN without warm-up diverging at
+    the higher one after its entropy and rank collapsed."""
+    s = DynamicsStudy(path)
+    for lr in (0.01, 0.03):
+        for norm in ("pre", "post"):
+            for warmup in (0, 10):
+                diverge = 12 if (norm, warmup, lr) == ("post", 0, 0.03) else None
+                s.add(dynamics_result(loss_curve(2.5 + (norm == "post") * 0.3 + lr, diverge=diverge),
+                                      collapse=8 if diverge else None), norm, warmup, lr=lr)
     return path

@@ -55,7 +55,8 @@ def chromium_or_skip() -> str:
 def page(tmp_path_factory):
     exe = chromium_or_skip()
     d = tmp_path_factory.mktemp("browser")
-    res = api.report([FIXTURES / "price", synth.showcase(d / "showcase")], d / "out")
+    res = api.report([FIXTURES / "price", synth.showcase(d / "showcase"), synth.dynamics_showcase(d / "dynamics")],
+                     d / "out")
     with Browser(exe, width=WIDTH) as b:
         b.load(Path(res.report_html))
         if os.environ.get("SCALETOOL_REPORT_SCREENSHOT"):
@@ -67,7 +68,7 @@ def test_no_console_errors_and_every_plot_loads(page):
     b, res = page
     assert b.console_errors() == []
     images = b.evaluate(LAYOUT)["images"]
-    assert len(images) == len(res.plots) >= 8
+    assert len(images) == len(res.plots) >= 13  # the training-dynamics section's five among them
     assert [i["alt"] for i in images if not i["ok"]] == []
 
 
