@@ -501,6 +501,10 @@ class Recipe(_Section):
             return ["parallel.tensor_parallel: not supported with model.ffn=moe; parallel.expert_parallel splits "
                     "the experts instead"]
         problems = []
+        if m.position_encoding not in ("rope", "none"):
+            problems.append(f"model.position_encoding: {m.position_encoding} is not split by tensor parallelism "
+                            "(a position table would add to sequence-sharded states, ALiBi biases every head); "
+                            "use rope or none with parallel.tensor_parallel > 1")
         if m.n_heads % N:
             problems.append(f"model.n_heads: {m.n_heads} heads do not split over parallel.tensor_parallel={N} ranks")
         if m.attention == "gqa" and m.n_kv_heads % N:

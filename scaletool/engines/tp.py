@@ -168,7 +168,7 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig) 
     parallelize_module(model, mesh, root)
     plan = ATTENTION_PLANS[cfg.attention](cfg, mesh.size())
     for block in model.layers:
-        styles = {"attn_norm": SequenceParallel(), "attn": _sublayer_input(4), "ffn_norm": SequenceParallel(),
+        styles = {"attn_norm": SequenceParallel(), "attn": _sublayer_input(3), "ffn_norm": SequenceParallel(),
                   **{f"attn.{name}": style for name, style in plan.styles.items()}, **_ffn_styles(cfg)}
         parallelize_module(block, mesh, styles)
         for name, value in plan.local.items():

@@ -33,9 +33,10 @@ TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 COMMON = ["train.steps=3", "train.measure_warmup_steps=1"]
 KINDS = {"mha": ["model.attention=mha"], "gqa": ["model.attention=gqa", "model.n_kv_heads=2"],
-         "mqa": ["model.attention=mqa"], "mla": ["train.checkpoint_every=2"]}
+         "mqa": ["model.attention=mqa"], "mla": ["train.checkpoint_every=2"],
+         "post": ["model.attention=mha", "model.norm_placement=post", "model.position_encoding=none"]}
 #: layout -> (ranks, tensor_parallel, the kinds it trains)
-LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla")), "fsdp2x2": (4, 2, ("mha", "gqa", "mla"))}
+LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post")), "fsdp2x2": (4, 2, ("mha", "gqa", "mla"))}
 
 
 def summary(path: Path) -> dict:
@@ -164,6 +165,8 @@ def recipe(tp: int, engine: str = "fsdp", **model) -> dict:
                         "splits the experts instead"]),
     (recipe(2, task="regression"), ["parallel.tensor_parallel: supported for task=lm"]),
     (recipe(0), ["parallel.tensor_parallel: Input should be greater than 0"]),
+    (recipe(2, position_encoding="learned"), ["model.position_encoding: learned is not split by tensor parallelism"]),
+    (recipe(2, position_encoding="alibi"), ["model.position_encoding: alibi is not split by tensor parallelism"]),
 ])
 def test_tensor_parallel_recipe_rules_are_one_line_each(raw, lines):
     if not lines:
