@@ -66,8 +66,9 @@ def _failure_message(failure) -> str:
 
 
 def _is_consequence(line: str) -> bool:
-    """A rank that failed because a peer did: its collective errored or timed out (see :func:`describe`)."""
-    return "communication error" in line or "communication timed out" in line
+    """A rank that failed because a peer did: its collective errored or timed out (see :func:`describe`), or
+    it was stopped by a signal, as the agent stops every rank once one has failed."""
+    return "communication error" in line or "communication timed out" in line or "Stopped: stopped by SIG" in line
 
 
 def _failure_line(rank: int, f) -> str:
@@ -85,9 +86,10 @@ def _failure_line(rank: int, f) -> str:
 def child_failure_lines(err) -> list[str]:
     """One line per failed rank of a ``torch.distributed.elastic ChildFailedError``, root cause first.
 
-    The root cause is the earliest failure that is not a communication error: a rank whose collective
-    failed because a peer died is a consequence, and it writes its error file (with its timestamp)
-    before the agent even notices the dead peer, whose failure is stamped when noticed. Then the other
+    The root cause is the earliest failure that is not a consequence: a rank whose collective failed
+    because a peer died, or that the agent stopped after the peer died, writes its error file (with its
+    timestamp, in whole seconds) as early as the agent notices the dead peer, whose failure is stamped
+    when noticed. Then the other
     causes, then the consequences, each by rank.
     """
     lines = {rank: _failure_line(rank, f) for rank, f in err.failures.items()}

@@ -34,6 +34,20 @@ def test_the_killed_rank_comes_before_the_rank_that_lost_it(tmp_path):
     assert lines[1].startswith("error: rank 0/2") and len(lines) == 2
 
 
+def test_the_killed_rank_comes_before_the_rank_the_agent_stopped_after_it(tmp_path):
+    """The agent stops the survivors with SIGTERM; one stamped in the same second as the death is no cause."""
+    err = tmp_path / "e.json"
+    err.write_text(json.dumps({"message": {
+        "message": "error: rank 0/2 (node 0, local rank 0, host h): Stopped: stopped by SIGTERM",
+        "extraInfo": {"timestamp": "100"}}}))
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(err)),
+                1: ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "none"))}
+    failures[1].timestamp = 100
+    lines = child_failure_lines(ChildFailedError("scaletool", failures))
+    assert lines[0].startswith("error: rank 1 (local rank 1, pid 11): killed by SIGKILL")
+    assert lines[1].endswith("Stopped: stopped by SIGTERM") and len(lines) == 2
+
+
 def _pids_with(marker: str, rank: str) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
