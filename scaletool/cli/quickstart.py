@@ -25,8 +25,9 @@ def quickstart(out: Path, sweep_file: str) -> None:
     \b
     Runs the shipped sweep `quickstart` (recipes/quickstart.yaml): compression ratios (kv_lora_rank)
     and FFN widths, each point in estimate and count (several at once: nothing is timed) and then in
-    train (one at a time, on all the cores, 20+ measured steps each, so every throughput figure has
-    its p10-p90 spread). 65 s on two idle cores (2026-11-26), no GPU. Ends by printing where report.html and
+    train three times (one run at a time, on all the cores, 20+ measured steps each; all first runs,
+    then all second, then all third, so the findings are judged by each point's spread across its
+    runs). 139 s on two idle cores (2026-11-26), no GPU. Ends by printing where report.html and
     report.md are. Rerunning resumes; delete OUT to start over.
 
     \b

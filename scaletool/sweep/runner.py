@@ -86,13 +86,17 @@ def plan(sweep: Sweep, results_dir: Path) -> tuple[list[Task], list[str]]:
     records, warnings = load_records(results_dir)
     latest = latest_by_key(records)
     tasks: list[Task] = []
-    for point in expand(sweep):
-        for mode in sweep.spec.modes:
-            args = sweep.mode_args(mode)
-            repeats = sweep.repeats(mode)
-            for r in range(repeats):
-                key = point.key(mode, args, r)
-                tasks.append(Task(len(tasks), point, mode, r, repeats, key, args, latest.get(key)))
+    points = expand(sweep)
+    # Repeats go round the points (every point's first run, then every point's second, ...), not back to
+    # back: a machine whose speed drifts over minutes (a shared or virtual CPU) then slows every point's
+    # runs alike, and the drift shows in each point's spread across its runs instead of between points.
+    for r in range(max(sweep.repeats(mode) for mode in sweep.spec.modes)):
+        for point in points:
+            for mode in sweep.spec.modes:
+                if r < (repeats := sweep.repeats(mode)):
+                    args = sweep.mode_args(mode)
+                    key = point.key(mode, args, r)
+                    tasks.append(Task(len(tasks), point, mode, r, repeats, key, args, latest.get(key)))
     return tasks, warnings
 
 

@@ -14,8 +14,12 @@ def test_quickstart_sweeps_trains_and_reports(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     modes = {m: [r for r in recs if r["mode"] == m] for m in ("estimate", "count", "train")}
-    assert all(len(v) == 8 and {r["status"] for r in v} == {"ok"} for v in modes.values()), \
+    assert all(len(modes[m]) == n and {r["status"] for r in modes[m]} == {"ok"}
+               for m, n in (("estimate", 8), ("count", 8), ("train", 24))), \
         [(r["label"], r["mode"], r["status"], r.get("error")) for r in recs if r["status"] != "ok"]
+    # three runs of every train point, round the points: all first runs before any second run
+    assert sorted(r["repeat"] for r in modes["train"]) == [0] * 8 + [1] * 8 + [2] * 8
+    assert [r["repeat"] for r in sorted(modes["train"], key=lambda r: r["started_at"])][:8] == [0] * 8
     assert {r["recipe"]["model"]["attention"] for r in recs} == {"mha", "mla"}
     # untimed runs went several at once; every train run alone on all the cores, 20+ steps measured
     assert {r["threads"] for r in modes["train"]} == {threads.threads_per_process(1)}

@@ -78,6 +78,17 @@ def test_repeats_of_a_timed_mode_are_separate_runs_and_resume_knows_them(tmp_pat
         ("train", 2, "pending", True)]
 
 
+def test_repeats_go_round_the_points_so_drift_lands_in_each_points_spread(tmp_path):
+    sweep = write_sweep(tmp_path / "s.yaml", {"set": AS_MHA, "grid": {"model.intermediate_size": [128, 256]},
+                                             "modes": ["estimate", "train"], "repeats": 2})
+    res = CliRunner().invoke(main, ["sweep", str(sweep), "-o", str(tmp_path / "out"), "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    runs = json.loads(res.output)["runs"]
+    assert [(r["label"].split("=")[-1], r["mode"], r["repeat"]) for r in runs] == [
+        ("128", "estimate", 0), ("128", "train", 0), ("256", "estimate", 0), ("256", "train", 0),
+        ("128", "train", 1), ("256", "train", 1)]
+
+
 def test_bad_gpu_lists_are_one_error_line_before_anything_is_written(tmp_path):
     sweep = write_sweep(tmp_path / "s.yaml", {"set": AS_MHA, "modes": ["estimate"]})
     for gpus in ("0,0", "0,a b", ",", "0;rm -rf /"):
