@@ -16,6 +16,7 @@ step over ``keys`` cached positions (the new token included), all projections of
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -65,31 +66,32 @@ def matmul_params(params: dict[str, int]) -> int:
 
 
 @dataclass(frozen=True)
-class AttentionKind:
-    """One value of ``model.attention``. Subclasses give the closed forms; ``m`` is a ``ModelConfig``
-    (duck-typed: this module sits below ``scaletool.config``)."""
+class AttentionKind(ABC):
+    """One value of ``model.attention``. Subclasses give the closed forms (the abstract methods); ``m``
+    is a ``ModelConfig`` (duck-typed: this module sits below ``scaletool.config``)."""
 
     name: str
     reads: tuple[str, ...]  # the attention-specific recipe keys this kind uses (others' are inactive)
 
+    @abstractmethod
     def derived(self, m: Any) -> dict[str, Any]:
         """Values of the fields this kind derives (set on the config without marking them given)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def problems(self, m: Any) -> list[str]:
         """One line per rule the resolved config breaks."""
-        raise NotImplementedError
 
+    @abstractmethod
     def qk_head_dim(self, m: Any) -> int:
         """Query/key width per head that the softmax scale and SDPA see."""
-        raise NotImplementedError
 
+    @abstractmethod
     def v_head_dim(self, m: Any) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def params(self, m: Any) -> dict[str, int]:
         """Parameters of one layer's attention by projection, named as the module's attributes."""
-        raise NotImplementedError
 
     def score_flops(self, m: Any, keys: int) -> int:
         """QKᵀ plus AV for one query over ``keys`` keys, all heads: 2·H·keys·(d_qk + d_v)."""
@@ -122,8 +124,9 @@ class AttentionKind:
             raise ValueError(problem)
         return self.default_decode_mode(m) if mode is None else mode
 
+    @abstractmethod
     def cache_layout(self, m: Any, mode: str | None) -> CacheLayout:
-        raise NotImplementedError
+        ...
 
     def decode_path(self, m: Any, mode: str | None) -> DecodePath:
         return "kv"
@@ -132,9 +135,9 @@ class AttentionKind:
         """The attention type as decode results report it (a mode other than the default is named)."""
         return self.name
 
+    @abstractmethod
     def decode_flops_per_layer(self, m: Any, keys: int, mode: str | None) -> int:
         """FLOPs of one layer's attention for one decoded token over ``keys`` cached positions."""
-        raise NotImplementedError
 
     def tp_problems(self, m: Any, degree: int) -> list[str]:
         """Why the heads do not split over ``degree`` tensor-parallel ranks (the module's ``tp_plan`` shards
