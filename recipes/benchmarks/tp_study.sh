@@ -14,7 +14,9 @@
 # attempt (per-block compile of the tensor-parallel blocks: torchtitan's order) that may fail.
 #
 # Usage (on the 4-GPU box, from the repo root): bash recipes/benchmarks/tp_study.sh OUTDIR
-# RECIPES="mha-1b mla-1b" REGIMES="rank8 global8" PROFILE=1 COMPILED=1 pick the parts (defaults: all).
+# RECIPES="mha-1b mla-1b" REGIMES="rank8 global8" LAYOUTS="fsdp-x2 tp2 fsdp-x4 tp4 2x2" PROFILE=1 COMPILED=1 pick
+# the parts (defaults: all). A rank8 tp4 run is the global8 tp4 run (8 sequences per group either way): with
+# both regimes it runs once, as global8.
 # Writes OUTDIR/<recipe>-<regime>-<layout>.json (train results), OUTDIR/profile-<recipe>-<layout>.json,
 # OUTDIR/analytic.txt, OUTDIR/table.txt (the comparison), OUTDIR/gpus.csv.
 set -u
@@ -65,7 +67,9 @@ run() {  # recipe regime layout
 
 for recipe in ${RECIPES:-mha-1b mla-1b}; do
   for regime in ${REGIMES:-rank8 global8}; do
-    for layout in fsdp-x2 tp2 fsdp-x4 tp4 2x2; do
+    for layout in ${LAYOUTS:-fsdp-x2 tp2 fsdp-x4 tp4 2x2}; do
+      [ "$regime-$layout" = rank8-tp4 ] && [[ " ${REGIMES:-rank8 global8} " == *" global8 "* ]] && continue
+      [ -s "$OUT/$recipe-$regime-$layout.json" ] && continue   # done by an earlier call into the same OUT
       run "$recipe" "$regime" "$layout"
     done
   done

@@ -414,6 +414,21 @@ class Row:
         return f"zero{p.zero_stage}" if p.engine == "deepspeed" else p.engine
 
     @property
+    def setup(self) -> str | None:
+        """The engine with what else changes its speed: 'fsdp', 'fsdp compiled', 'zero3 +config'
+        (a DeepSpeed passthrough), 'fsdp tp2'; runs compare across GPU counts only within one setup."""
+        if not self.recipe:
+            return None
+        p, words = self.recipe.parallel, [self.engine]
+        if p.tensor_parallel > 1:
+            words.append(f"tp{p.tensor_parallel}")
+        if self.recipe.train.compile:
+            words.append("compiled")
+        if p.engine == "deepspeed" and p.deepspeed:
+            words.append("+config")
+        return " ".join(words)
+
+    @property
     def world_size(self) -> int | None:
         """Ranks a train run really had (its summary), else None."""
         return self.result.environment.world_size if self.mode == "train" and self.runs else None

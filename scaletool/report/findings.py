@@ -103,7 +103,7 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
 def scaling(rs: ResultsSet) -> list[str]:
     """Scaling efficiency per engine and attention type, with the per-GPU rate judged against one GPU's."""
     out = []
-    for (attention, rank, _width, engine), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
+    for (attention, rank, _width, setup), by_n in sorted(scaling_groups(rs).items(), key=lambda kv: str(kv[0])):
         base = by_n[1].across(_rate_of)
         parts = []
         for n in sorted(by_n):
@@ -113,7 +113,7 @@ def scaling(rs: ResultsSet) -> list[str]:
                 parts.append(f"{n} GPUs {pct(s.median / n / base.median, 0, signed=False)} "
                              f"({c.describe('above linear', 'below linear')})")
         name = attention + (f" (kv_lora_rank {rank})" if rank else "")
-        out.append(f"Scaling efficiency of {name} under {engine} (per-GPU tokens/s against one GPU, medians): "
+        out.append(f"Scaling efficiency of {name} under {setup} (per-GPU tokens/s against one GPU, medians): "
                    f"{', '.join(parts)}.")
     return out
 

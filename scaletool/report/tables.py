@@ -185,33 +185,49 @@ def train_table(rs: ResultsSet) -> Table | None:
 
 
 def scaling_groups(rs: ResultsSet) -> dict[tuple, dict[int, Row]]:
-    """Train runs of the same model and engine at several world sizes: {(attention, kv_lora_rank,
-    intermediate_size, engine): {world_size: row}}; only groups with a one-rank baseline and more."""
+    """Train runs of the same model and setup at several world sizes: {(attention, kv_lora_rank,
+    intermediate_size, setup): {world_size: row}}; only groups with a one-rank baseline and more. The
+    setup is the engine with compilation and a DeepSpeed passthrough (:attr:`Row.setup`), so compiled and
+    eager runs, or tuned and default ZeRO, never stand in for each other."""
     groups: dict[tuple, dict[int, Row]] = {}
     for r in rs.ok("train"):
         if r.world_size and r.across(lambda t: t.rate) is not None:
-            key = (r.attention, r.kv_lora_rank, r.intermediate_size, r.engine)
+            key = (r.attention, r.kv_lora_rank, r.intermediate_size, r.setup)
             groups.setdefault(key, {})[r.world_size] = r
     return {k: v for k, v in groups.items() if 1 in v and len(v) > 1}
 
 
+def single_baselines(rs: ResultsSet) -> dict[tuple, Row]:
+    """One-GPU runs of engine ``single``: {(attention, kv_lora_rank, intermediate_size, compiled): row},
+    the plain-PyTorch reference every engine's per-GPU rate is also set against."""
+    return {(r.attention, r.kv_lora_rank, r.intermediate_size, r.recipe.train.compile): r for r in rs.ok("train")
+            if r.engine == "single" and r.world_size == 1 and r.across(lambda t: t.rate) is not None}
+
+
 def scaling_table(rs: ResultsSet) -> Table | None:
-    """Per-GPU throughput at N ranks against one rank of the same engine: the scaling efficiency."""
-    groups = scaling_groups(rs)
+    """Per-GPU throughput at N ranks against one rank of the same setup (the scaling efficiency) and
+    against ``single`` on one GPU (what the engine costs over plain PyTorch)."""
+    groups, singles = scaling_groups(rs), single_baselines(rs)
     if not groups:
         return None
     t = Table("scaling", "Scaling across GPUs",
               [Column("attention"), Column("kv_lora_rank", "int"), Column("intermediate_size", "int"),
-               Column("engine"), Column("GPUs", "int"), *spread_columns("tokens/s"),
-               Column("tokens/s per GPU", "rate"), Column("MFU causal", "share"), Column("scaling efficiency", "share")],
-              note="Scaling efficiency is per-GPU tokens/s at N GPUs over the same engine's tokens/s on one GPU "
-                   "(100% = linear), medians. Compare only runs from the same machine.")
-    for (attention, rank, width, engine), by_n in sorted(groups.items(), key=lambda kv: str(kv[0])):
+               Column("setup"), Column("GPUs", "int"), *spread_columns("tokens/s"),
+               Column("tokens/s per GPU", "rate"), Column("MFU causal", "share"), Column("peak memory", "bytes"),
+               Column("memory vs estimate", "pct"), Column("scaling efficiency", "share"),
+               Column("per GPU vs single", "share")],
+              note="Scaling efficiency is per-GPU tokens/s at N GPUs over the same setup's tokens/s on one GPU "
+                   "(100% = linear), medians; 'per GPU vs single' sets it against engine single (plain PyTorch, "
+                   "same compilation) on one GPU. Compare only runs from the same machine.")
+    for (attention, rank, width, setup), by_n in sorted(groups.items(), key=lambda kv: str(kv[0])):
         base = by_n[1].across(lambda t: t.rate).median
+        single = singles.get((attention, rank, width, by_n[1].recipe.train.compile))
+        ref = single.across(lambda t: t.rate).median if single else None
         for n in sorted(by_n):
-            rate = by_n[n].across(lambda t: t.rate)
-            t.rows.append([attention, rank, width, engine, n, *spread_cells(rate), rate.median / n,
-                           by_n[n].median(lambda s: s.mfu), rate.median / n / base])
+            rate, peak = by_n[n].across(lambda t: t.rate), by_n[n].result.peak_memory_bytes
+            t.rows.append([attention, rank, width, setup, n, *spread_cells(rate), rate.median / n,
+                           by_n[n].median(lambda s: s.mfu), peak, rel_error(peak, train_analytic_memory(by_n[n])),
+                           rate.median / n / base, rate.median / n / ref if ref else None])
     return t
 
 
