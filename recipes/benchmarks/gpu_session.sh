@@ -31,6 +31,7 @@ python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 LOG="$ST/log-$CALL.txt"
 exec > >(tee -a "$LOG") 2>&1
 
+BG=()
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 sw() { timeout --signal=INT $(($(left) - 25)) python3 -m scaletool sweep "$@"; }  # a cut sweep resumes next call
 
@@ -109,10 +110,21 @@ for s in "$@"; do
     l8b) stage l8b 120 l8b ;;
     comp4) stage comp4 150 comp4 ;;
     prof) stage prof 120 prof ;;
+    posbg)  # ALiBi's cost on GPU 3 in the background (the stages after it must leave GPU 3 free at first)
+      if [ ! -f "$ST/positions-mha-1b.json" ]; then
+        CUDA_VISIBLE_DEVICES=3 timeout 200 python3 recipes/benchmarks/position_encodings.py recipes/mha-1b.yaml \
+          --out "$ST/positions-mha-1b.json" > "$ST/positions.log" 2>&1 &
+        BG+=($!)
+      fi ;;
     *) echo "unknown stage $s" ;;
   esac
 done
+# the background stages only: a bare `wait` also waits for the tee behind `exec > >(tee ...)`, which never
+# ends while this shell's stdout is open (the 2026-11-26 session lost a call's state to exactly that)
+[ ${#BG[@]} -gt 0 ] && wait "${BG[@]}"
 echo "== end ($(left) s left)"
-tar -czf "$OUT/state.tgz" -C "$ST" --exclude='*trace*' --exclude='checkpoints' --exclude='*.pt' --exclude='.restored' .
+# at most 16 MiB a file comes back: the state in 15 MiB parts (cat state.tgz.* > state.tgz)
+tar -czf - -C "$ST" --exclude='*trace*' --exclude='checkpoints' --exclude='*.pt' --exclude='.restored' . \
+  | split -b 15M -d - "$OUT/state.tgz."
 cp "$LOG" "$OUT/"
 ls -la "$OUT"

@@ -77,7 +77,7 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
     for r in sorted(rs.ok("train"), key=rs.order):
         if r.across(_rate_of) is not None:
             width = None if r.record.match_params else r.intermediate_size
-            groups[(r.source, width, r.engine, r.world_size)].append(r)
+            groups[(r.source, width, r.setup, r.world_size)].append(r)
     engines = {k[2:] for k in groups}
     out = []
     for (source, width, engine, n), rows in groups.items():
