@@ -168,3 +168,14 @@ def test_shipped_files_are_what_their_kind_says():
         load_recipe(name)
     for name in sweeps:
         assert load_sweep(name).path == sweeps[name]
+
+
+@pytest.mark.parametrize("name", sorted(resources.shipped("sweep")))
+def test_every_point_of_every_shipped_sweep_validates(name):
+    """A shipped sweep whose point would be skipped as invalid (a mistyped key, a value its attention kind
+    refuses) is a broken benchmark that only a GPU session would find: every point must build a recipe."""
+    from scaletool.sweep.points import expand
+    from scaletool.sweep.spec import load_sweep
+
+    points = expand(load_sweep(name))
+    assert points and not [(p.label, p.reason) for p in points if p.skipped]
