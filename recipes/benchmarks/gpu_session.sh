@@ -7,10 +7,15 @@
 # unpacks .gpu/state.tgz (the last call's, copied back and carried) and resumes: sweeps skip what is
 # recorded, stages that finished are not rerun.
 #
-# Usage (repository root of the GPU machine; carry .whl and .gpu):
+# Usage (repository root of the GPU machine; carry .whl and .gpu/state.tgz):
 #   bash recipes/benchmarks/gpu_session.sh DEADLINE_S STAGE...
-# Stages: demo dyn s1 s2 s4 tp lanes l8b comp4 prof (see `stage` lines below for what each runs).
+# Stages: demo dyn s1 s2 s4 tp lanes l8b comp4 prof posbg (see the `case` below for what each runs).
 # The estimate and count modes of the sweeps run on a CPU beforehand (same results directories).
+# DEADLINE_S must end well inside the call's limit: the state is packed after the last stage, and a call
+# killed at its limit brings nothing back. After each call, here:
+#   cat /work/.device/N/state.tgz.* > .gpu/state.tgz
+# Measured on 4x H100 (2026-11-26): demo 71 s, dyn 820 s (24 points, 105-165 s each, four at once),
+# s1 82 s, s2 130 s, s4 367 s; a 4-GPU eager point of mha-1b takes 26-40 s, a compiled one 40 s.
 set -u
 DEADLINE=${1:?deadline in seconds}; shift
 T0=$(date +%s)
@@ -101,10 +106,10 @@ prof() {  # the profiler's communication and overlap share per engine, mha-1b on
 for s in "$@"; do
   case $s in
     demo) stage demo 90 demo ;;
-    dyn) stage dyn 240 dyn ;;
+    dyn) stage dyn 250 dyn ;;   # resumes: a cut sweep keeps its finished points
     s1) stage s1 130 s1 ;;
     s2) stage s2 90 s2 ;;
-    s4) stage s4 300 s4 ;;
+    s4) stage s4 120 s4 ;;      # resumes too
     tp) stage tp 200 tp ;;
     lanes) stage lanes 300 lanes ;;
     l8b) stage l8b 120 l8b ;;
