@@ -493,7 +493,9 @@ def _torch_engine(cfg, engine, N, units, loss_temp, s: EngineSettings) -> dict:
       (torch/nn/parallel/distributed.py ``_pre_forward`` → ``Reducer::rebuild_buckets`` →
       ``initialize_buckets``), and the first set stayed allocated through that step's backward in the
       GPU validation (recipes/benchmarks/memory_phases.md: +4Ψ in 7 of 8 two-GPU cells; what still
-      references them was not traced). The estimate counts them: it is the run's peak, not a later step's.
+      references them was not traced). The estimate counts them: it is the run's peak, not a later step's
+      (``train`` reports both: ``memory/peak_allocated_bytes`` over the measured steps after warm-up, where
+      4x H100 runs were 4Ψ under this estimate, and ``memory/run_peak_allocated_bytes`` over the whole run).
     - FSDP2: sharded fp32 gradients appear as each block's reduce-scatter finishes. Buffers
       (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_all_gather``,
       ``foreach_reduce``): the root (embedding, head, final norm; ``reshard_after_forward=False``)

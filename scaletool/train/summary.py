@@ -41,13 +41,19 @@ def device_uuid(device: torch.device) -> str | None:
 
 
 def rank_report(env: DistEnv, sampler: NvmlSampler, since: float | None, resident: int | None,
-                threads: int | None) -> dict:
-    """This rank's own figures: device, allocator peaks, NVML samples, CPU threads."""
+                threads: int | None, before_window_peak: int | None = None) -> dict:
+    """This rank's own figures: device, allocator peaks, NVML samples, CPU threads.
+
+    ``peak_allocated_bytes`` is the measured window's peak (the steps after warm-up);
+    ``run_peak_allocated_bytes`` the whole run's, model build and warm-up steps included
+    (``before_window_peak``: the allocator's peak when the window opened)."""
     cuda = env.device.type == "cuda"
+    window = torch.cuda.max_memory_allocated(env.device) if cuda else None
     return {
         "rank": env.rank,
         "device_name": torch.cuda.get_device_name(env.device) if cuda else platform.processor() or "cpu",
-        "peak_allocated_bytes": torch.cuda.max_memory_allocated(env.device) if cuda else None,
+        "peak_allocated_bytes": window,
+        "run_peak_allocated_bytes": max(window, before_window_peak or 0) if cuda else None,
         "resident_bytes": resident,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
         "nvml": sampler.summary(since),
@@ -119,18 +125,24 @@ def _flops_metrics(rate: float | None, world: int, flops: dict, peak: Peak) -> d
 def _memory(r: RunRecord) -> tuple[dict, dict]:
     """(metrics, the summary's memory section): measured peaks against the analytic estimate."""
     def most(key):
-        vals = [x[key] for x in r.reports if x[key] is not None]
+        vals = [x.get(key) for x in r.reports if x.get(key) is not None]  # reports of older peers may lack a key
         return max(vals) if vals else None
 
-    peak_alloc = most("peak_allocated_bytes")
+    peak_alloc, run_peak = most("peak_allocated_bytes"), most("run_peak_allocated_bytes")
     est = analytic.recipe_memory(r.recipe, r.env.world_size)
-    rel = (peak_alloc - est["total_bytes"]) / est["total_bytes"] if peak_alloc else None
+
+    def rel(x):
+        return (x - est["total_bytes"]) / est["total_bytes"] if x else None
+
     metrics = {"memory/peak_allocated_bytes": peak_alloc, "memory/peak_reserved_bytes": most("peak_reserved_bytes"),
                "memory/resident_bytes": most("resident_bytes"), "memory/analytic_bytes": est["total_bytes"],
-               "memory/analytic_rel_error": rel}
-    section = {"measured_peak_allocated_bytes": peak_alloc, "analytic": est, "rel_error": rel,
-               "per_rank": [{k: x[k] for k in ("rank", "peak_allocated_bytes", "peak_reserved_bytes", "resident_bytes")}
-                            for x in r.reports]}
+               "memory/analytic_rel_error": rel(peak_alloc),
+               # the whole run's peak (build and warm-up steps too), which is what the estimate models
+               "memory/run_peak_allocated_bytes": run_peak, "memory/analytic_rel_error_run": rel(run_peak)}
+    section = {"measured_peak_allocated_bytes": peak_alloc, "measured_run_peak_allocated_bytes": run_peak,
+               "analytic": est, "rel_error": rel(peak_alloc), "rel_error_run": rel(run_peak),
+               "per_rank": [{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "run_peak_allocated_bytes",
+                                                   "peak_reserved_bytes", "resident_bytes")} for x in r.reports]}
     return metrics, section
 
 

@@ -186,6 +186,7 @@ class Trainer:
         self.measure_start = self.start_step + t.measure_warmup_steps
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
         self.resident: int | None = None  # allocated between steps once warm: states and engine buffers
+        self.before_window_peak: int | None = None  # allocator peak before the measured window (build, warm-up)
         self.nvml_since: float | None = None
         self.checkpoint_s = 0.0
         # the recipe's MoE load metrics and router-bias updates, then the caller's callbacks
@@ -300,6 +301,9 @@ class Trainer:
     def _open_window(self) -> None:
         synchronize(self.env.device, self.env.world_size)
         if self.env.device.type == "cuda":
+            # the warm-up steps' peak, kept before the window's own: DDP's second step holds two sets of gradient
+            # buckets (it rebuilds them), a peak the run has and the measured steps do not
+            self.before_window_peak = torch.cuda.max_memory_allocated(self.env.device)
             torch.cuda.reset_peak_memory_stats(self.env.device)
             self.resident = torch.cuda.memory_allocated(self.env.device)
         self.clock.start_window()
@@ -323,7 +327,8 @@ class Trainer:
 
     def _finish(self, status: str, message: str | None, *, collective: bool) -> TrainResult:
         """Build the result, let callbacks add to it (not after a failure), write summary.json, close."""
-        report = rank_report(self.env, self.sampler, self.nvml_since, self.resident, self.threads)
+        report = rank_report(self.env, self.sampler, self.nvml_since, self.resident, self.threads,
+                             before_window_peak=self.before_window_peak)
         record = RunRecord(
             recipe=self.recipe, env=self.env, out=self.out, status=status, message=message, history=self.history,
             segments=[*self.segments, self.segment], measure_start=self.measure_start,
