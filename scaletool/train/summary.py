@@ -29,6 +29,7 @@ from scaletool.engines import DistEnv
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.results.train import History, Segment, Timing, TrainResult, timing_of
+from scaletool.stats import rel_error
 
 
 def device_uuid(device: torch.device) -> str | None:
@@ -132,7 +133,7 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
     est = analytic.recipe_memory(r.recipe, r.env.world_size)
 
     def rel(x):
-        return (x - est["total_bytes"]) / est["total_bytes"] if x else None
+        return rel_error(x or None, est["total_bytes"])
 
     metrics = {"memory/peak_allocated_bytes": peak_alloc, "memory/peak_reserved_bytes": most("peak_reserved_bytes"),
                "memory/resident_bytes": most("resident_bytes"), "memory/analytic_bytes": est["total_bytes"],
