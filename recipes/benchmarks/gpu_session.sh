@@ -3,8 +3,8 @@
 # sweep (issue 15), the GPU training-dynamics study and ALiBi's cost (issue 19), the peers and MoE
 # dispatch (issue 16). Stages run in the order given while DEADLINE_S (seconds from start) allows;
 # a stage that would not fit is deferred and says so. State lives in $ST (sweep results directories,
-# run JSONs, logs) and is packed to $OUT/state.tgz at the end of every call; a call on a fresh machine
-# unpacks .gpu/state.tgz (the last call's, copied back and carried) and resumes: sweeps skip what is
+# run JSONs, logs) and is packed to $OUT/state.tgz.NN (15 MiB parts) at the end of every call; a call on a
+# fresh machine unpacks .gpu/state.tgz (the last call's parts joined, copied back and carried) and resumes: sweeps skip what is
 # recorded, stages that finished are not rerun.
 #
 # Usage (repository root of the GPU machine; carry .whl and .gpu/state.tgz):
@@ -77,16 +77,17 @@ l8b() {  # Llama-3-8B under FSDP2 on 4 GPUs, full activation checkpointing, 8192
 }
 lanes() {  # four one-GPU benchmarks, one per GPU, at once: each compares within its own process or sweep
   mkdir -p "$ST/peers" "$ST/moe"
-  local lim=$(($(left) - 20))
+  local lim=$(($(left) - 20)) pids=()
   CUDA_VISIBLE_DEVICES=0 timeout $lim python3 recipes/benchmarks/peers/torchtitan_train.py recipes/mha-1b.yaml \
-    --torch-compat --out "$ST/peers/torchtitan-mha-1b.json" > "$ST/peers/torchtitan-mha-1b.log" 2>&1 &
+    --torch-compat --out "$ST/peers/torchtitan-mha-1b.json" > "$ST/peers/torchtitan-mha-1b.log" 2>&1 & pids+=($!)
   CUDA_VISIBLE_DEVICES=1 timeout $lim python3 recipes/benchmarks/peers/torchtitan_train.py recipes/mla-1b.yaml \
-    --torch-compat --out "$ST/peers/torchtitan-mla-1b.json" > "$ST/peers/torchtitan-mla-1b.log" 2>&1 &
+    --torch-compat --out "$ST/peers/torchtitan-mla-1b.json" > "$ST/peers/torchtitan-mla-1b.log" 2>&1 & pids+=($!)
   CUDA_VISIBLE_DEVICES=2 timeout $lim python3 recipes/benchmarks/moe_dispatch.py "$ST/moe" > "$ST/moe/log.txt" 2>&1 &
+  pids+=($!)
   (CUDA_VISIBLE_DEVICES=3 timeout $lim python3 recipes/benchmarks/position_encodings.py recipes/mha-1b.yaml \
      --out "$ST/positions-mha-1b.json" > "$ST/positions.log" 2>&1
-   CUDA_VISIBLE_DEVICES=3 sw recipes/sweeps/mla-rope.yaml -o "$ST/mla-rope" --mode train --mode decode) &
-  wait
+   CUDA_VISIBLE_DEVICES=3 sw recipes/sweeps/mla-rope.yaml -o "$ST/mla-rope" --mode train --mode decode) & pids+=($!)
+  wait "${pids[@]}"  # these four only: a bare wait would also wait for the log's tee (see the end)
   ls -la "$ST/peers" "$ST/moe"
 }
 prof() {  # the profiler's communication and overlap share per engine, mha-1b on 4 GPUs, eager
