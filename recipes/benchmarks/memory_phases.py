@@ -213,6 +213,7 @@ def worker(out: Path, cells: list[Cell], steps: int, deadline: float, tag: str) 
     import torch.distributed as dist
 
     from scaletool.engines import init_distributed
+    from scaletool.engines.dist import leave_distributed
     from scaletool.errors import describe
     from scaletool.threads import pin_threads
 
@@ -248,8 +249,7 @@ def worker(out: Path, cells: list[Cell], steps: int, deadline: float, tag: str) 
         if env.rank == 0:
             (out / "cells" / f"{cell.name}.json").write_text(json.dumps(rec, indent=1, sort_keys=True))
             print(f"[{tag}] {n}/{len(cells)} {progress_line(rec)}", file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_distributed()
 
 
 # -- reading results -----------------------------------------------------------------------------------
@@ -478,7 +478,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         cells = [Cell(**c) for c in json.loads(Path(a.cells).read_text())]
         worker(Path(a.out), cells, a.steps, a.deadline, a.tag)
-        return 0
+        # Every cell is written and the group is gone. Skip the interpreter's native teardown, as
+        # `scaletool train`'s ranks do: DeepSpeed over gloo sometimes aborts there ("terminate called
+        # without an active exception", a joinable C++ thread destroyed at exit), which torchrun
+        # reports as a failed rank (a CI run of the smoke test failed so, 2026-11-26).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     sys.stdout.write(render_table(load_records(Path(a.src)))[1])
     return 0
 
