@@ -478,13 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "worker":
         cells = [Cell(**c) for c in json.loads(Path(a.cells).read_text())]
         worker(Path(a.out), cells, a.steps, a.deadline, a.tag)
-        # Every cell is written and the group is gone. Skip the interpreter's native teardown, as
-        # `scaletool train`'s ranks do: DeepSpeed over gloo sometimes aborts there ("terminate called
-        # without an active exception", a joinable C++ thread destroyed at exit), which torchrun
-        # reports as a failed rank (a CI run of the smoke test failed so, 2026-11-26).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from scaletool.engines.dist import end_worker_process
+
+        end_worker_process()  # every cell is written and the group is gone (a CI run aborted in the teardown)
     sys.stdout.write(render_table(load_records(Path(a.src)))[1])
     return 0
 

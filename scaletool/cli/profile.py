@@ -79,16 +79,20 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
             for line in failed.lines:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)
-    if report is None:  # not rank 0 of a launched run
-        return None
-    deliver(report, as_json)
-    if not as_json:
-        console = Console(soft_wrap=True)  # paths and notes stay on one line when piped
-        if monitors:
-            _print_monitors(out, console)
-        from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir  # torch: only once the command runs
+    if report is not None:  # None: not rank 0 of a launched run
+        deliver(report, as_json)
+        if not as_json:
+            console = Console(soft_wrap=True)  # paths and notes stay on one line when piped
+            if monitors:
+                _print_monitors(out, console)
+            from scaletool.profile.trace import BREAKDOWN_FILE, profile_dir  # torch: only once the command runs
 
-        print_breakdown(report.model_dump(mode="json"), console, profile_dir(out) / BREAKDOWN_FILE)
+            print_breakdown(report.model_dump(mode="json"), console, profile_dir(out) / BREAKDOWN_FILE)
+    from scaletool.engines.dist import end_worker_process, launcher_env
+
+    le = launcher_env()
+    if le["launched"] and le["world_size"] > 1:
+        end_worker_process()  # as train's ranks: DeepSpeed over gloo can abort in the native teardown
     return report
 
 

@@ -66,6 +66,7 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
     loss_first, loss_last and every other figure; --json prints it.
     """
     from scaletool.engines import launcher_env
+    from scaletool.engines.dist import end_worker_process
 
     mode = "auto" if auto_resume else "required" if resume else "never"
     result = _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node)
@@ -76,13 +77,7 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
             click.echo(f"error: {result.message}", err=True)
             sys.exit(1)
     if le["launched"] and le["world_size"] > 1:
-        # Everything is written and the process group is gone. A worker process now skips the
-        # interpreter's native teardown: DeepSpeed ZeRO-3 over gloo intermittently aborts there
-        # ("terminate called without an active exception": a joinable C++ thread destroyed at exit,
-        # seen in about 1 of 4 CPU runs), which torchrun would report as a failed rank.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_worker_process()  # everything is written and the group is gone: no native teardown to abort in
     return result
 
 
