@@ -188,6 +188,17 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
+def _positive_finite(name: str, value: float | None) -> float | None:
+    """None, or a finite number > 0 (a NaN or infinite peak or budget would pass every comparison)."""
+    import math
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RecipeError(f"{name}: expected a finite number > 0, got {str(value)[:40]!r}")
+    return float(value)
+
+
 def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Sequence[int] | None = None,
            batch: int | str | Sequence[int | str] = 1, new_tokens: int = 32, device: str | None = None,
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
@@ -240,6 +251,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
         raise RecipeError(f"context: position_encoding=learned has a table of model.max_seq_len={cfg.max_seq_len} "
                           f"positions, and the longest point needs {longest} (context {max(contexts)} + "
                           f"{s.warmup_steps} warm-up + {s.new_tokens} new tokens); a learned table cannot grow")
+    memory_budget_gib = _positive_finite("memory_budget_gib", memory_budget_gib)
     budget = int(memory_budget_gib * 2**30) if memory_budget_gib else (
         torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None)
     fit = None if budget is None else memory_fit(cfg, budget, s.contexts, s.extra_positions)
@@ -326,6 +338,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
 
     r = resolve(recipe, overrides)
     resume = Resume.parse(resume)
+    peak_tflops = _positive_finite("peak_tflops", peak_tflops)
     options = _wandb_options(wandb)
     le = launcher_env()
     if nproc_per_node is not None and not le["launched"]:
@@ -395,12 +408,12 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
                        peak_tflops, measure: bool, wandb: str | None, quiet: bool):
     """Start ``nproc`` local ranks under torchrun (this process is their agent); rank 0's result."""
     import json
-    import os
     import time
 
     import yaml
 
     from scaletool.engines import check_recipe
+    from scaletool.fmt import write_atomic
     from scaletool.launch.commands import LaunchSpec, torchrun_argv
     from scaletool.launch.run import run_torchrun
     from scaletool.results.train import load_train_summary
@@ -437,9 +450,7 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
     partial = (summary or failed_result(r, out, lines[0])).model_copy(
         update={"status": "failed", "message": lines[0], "failures": lines})
     if path.parent.is_dir():  # rank 0's partial summary, with the verdict it could not know
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(partial.to_json() + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, partial.to_json() + "\n")
     raise TrainFailed(partial, lines)
 
 

@@ -3,6 +3,7 @@
 - :func:`si`, :func:`gib`, :func:`pct`: numbers for tables and log lines.
 - :func:`clean` and :func:`emit_json`: JSON without NaN/Inf (null instead), sorted for diffing.
 - :func:`stdout_to_stderr`: keep stdout for a command's own ``--json`` while workers print.
+- :func:`write_atomic`: a file replaced whole or not at all.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import json
 import math
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 
 def si(x: float | None, unit: str = "", digits: int = 3) -> str:
@@ -54,6 +56,22 @@ def clean(obj):
 def emit_json(obj) -> None:
     """The single place JSON goes to stdout: sorted for diffing, no NaN/Inf (null instead)."""
     sys.stdout.write(json.dumps(clean(obj), indent=2, sort_keys=True) + "\n")
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write ``path`` through a temporary file beside it and a rename: a reader, a kill or a full disk never
+    leaves it half-written, and the file it replaces survives a failed write. Raises the OSError."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager

@@ -41,3 +41,32 @@ def assert_counted_exactly(res: dict) -> None:
     assert f["fvcore"]["forward"] == f["analytic"]["forward_full"]
     for label, d in (f.get("decode") or {}).items():  # one decoded token per decode mode (lm)
         assert d["flop_counter"] == d["analytic"], label
+
+
+@pytest.fixture
+def small_fs(tmp_path, request):
+    """A directory on a tiny tmpfs of its own (needs permission to mount: root), for read-only and full disks;
+    512 KiB, or the size given by indirect parametrisation (``"2m"``)."""
+    d = tmp_path / "fs"
+    d.mkdir()
+    size = getattr(request, "param", "512k")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()[:80]}): read-only and full disks untested")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def fill(fs: Path) -> Path:
+    """Fill the file system under ``fs`` to its last block; the filler file (unlink it to free the space)."""
+    filler = fs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return filler

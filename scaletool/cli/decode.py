@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool.attention_kinds import MLA_MODES
-from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.stats import MIN_SAMPLES
 
@@ -84,7 +84,7 @@ class _Contexts(click.ParamType):
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Replay each decode step from a CUDA graph (default: on with CUDA). --no-cuda-graph runs the "
                    "eager reference path.")
-@click.option("--memory-budget", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
+@click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
               help="Weights from a `scaletool train` checkpoint directory (default: random, seeded).")
@@ -201,8 +201,9 @@ def print_decode(res, con: Console) -> None:
     for k in sorted({p.attention_kernel for p in ok}):
         con.print(f"• attention kernel: {k}")
     graphs = {p.cuda_graph for p in ok}
-    con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"
-                                    if graphs == {False} else "CUDA graph at some points, eager at others"))
+    if graphs:  # none when no point ran (no batch fit the budget)
+        con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"
+                                        if graphs == {False} else "CUDA graph at some points, eager at others"))
     con.print(f"• timing: {res.timing.clock}; warm-up excluded: {res.timing.rule}")
     if res.threads is not None:
         con.print(f"• CPU threads: {res.threads}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
 from scaletool.errors import RecipeError
 from scaletool.launch.commands import (
@@ -51,7 +51,7 @@ job_options = _stack(
                  "shared filesystem for multi-node checkpoints) [default: runs/<recipe>-<timestamp>]."),
     click.option("--dry-run", is_flag=True, help="Print what would run instead of running it."),
     json_option,
-    click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True), help="Passed to scaletool train."),
+    click.option("--peak-tflops", type=PositiveFloat(), help="Passed to scaletool train."),
     click.option("--python", "python", default=sys.executable, show_default=False,
                  help="Python on the nodes [default: this one]."),
 )

@@ -3,6 +3,7 @@ its tables and messages go to."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -21,24 +22,38 @@ set_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout instead of tables.")
 
 
+class PositiveFloat(click.FloatRange):
+    """A float > 0 that is finite: click's FloatRange lets NaN and infinity through (they fail no comparison)."""
+
+    def __init__(self) -> None:
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
 RESULT_FILE_KEY = "scaletool.result_file"
 
 
 def deliver(result, as_json: bool = False):
     """Hand out a command's result: to the ``--result-file`` given to ``scaletool`` (written atomically:
     a sweep worker's channel, never parsed from stdout) and, with ``--json``, to stdout. Returns it."""
-    from scaletool.fmt import clean
+    from scaletool.errors import RecipeError, shorten
+    from scaletool.fmt import clean, write_atomic
 
     data = result.model_dump(mode="json") if hasattr(result, "model_dump") else result
     ctx = click.get_current_context(silent=True)
     path = ctx.find_root().meta.get(RESULT_FILE_KEY) if ctx is not None else None
-    if path is not None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    if as_json:
+    if as_json:  # first: a result file that cannot be written loses nothing from stdout
         emit_json(data)
+    if path is not None:
+        try:
+            write_atomic(Path(path), json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
+        except OSError as e:
+            raise RecipeError(f"--result-file {shorten(str(path))}: cannot write: {e.strerror or e}") from None
     return result
 
 

@@ -10,8 +10,10 @@ from rich.table import Table
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 
 
-def parse_ranks(text: str) -> str | list[int]:
-    """``all`` or ``0,2,3`` -> ``"all"`` or the ranks."""
+def parse_ranks(ctx, param, text: str | None) -> str | list[int] | None:
+    """``all`` or ``0,2,3`` -> ``"all"`` or the ranks (a click callback: checked before anything runs)."""
+    if text is None:
+        return None
     if text.strip() == "all":
         return "all"
     try:
@@ -30,7 +32,7 @@ def parse_ranks(text: str) -> str | list[int]:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Run directory [default: runs/<recipe>-<timestamp>]; traces go to <out>/profile/traces, the "
                    "breakdown to <out>/profile/breakdown.json.")
-@click.option("--ranks", default=None, metavar="all|R[,R...]",
+@click.option("--ranks", default=None, metavar="all|R[,R...]", callback=parse_ranks,
               help="Ranks that profile (profile.ranks) [default: the recipe's, normally all].")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Start this many local ranks with torchrun, "
               "as `scaletool train --nproc-per-node` does.")
@@ -73,7 +75,7 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
         try:
             with stdout_to_stderr(as_json):  # the training log and the ranks' prints; stdout keeps the JSON
                 report = api.profile(recipe, overrides=overrides, out=out, quiet=as_json, monitors=monitors,
-                                     ranks=parse_ranks(ranks) if ranks is not None else None,
+                                     ranks=ranks,
                                      nproc_per_node=nproc_per_node)
         except TrainFailed as failed:
             for line in failed.lines:

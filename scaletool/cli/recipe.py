@@ -1,7 +1,6 @@
 """``scaletool recipe``: check, show and import recipes."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
@@ -105,12 +104,11 @@ def _output_path(output: str) -> Path:
 
 def _write_atomically(path: Path, text: str) -> None:
     """Write via a temporary file in the same directory and rename: a failure leaves no partial recipe."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    from scaletool.fmt import write_atomic
+
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise RecipeError(f"-o {shorten(path)}: cannot write: {e.strerror or e}") from None
 
 

@@ -10,7 +10,7 @@ import click
 from scaletool.api import TRAIN_CHILD_ENV as CHILD_ENV  # noqa: F401 (what `scaletool launch` sets for its ranks)
 from scaletool.api import WANDB_ENV
 from scaletool.api import default_out as _default_out
-from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import stdout_to_stderr
 
 
@@ -32,7 +32,7 @@ def default_out(recipe: str) -> Path:
               "step 0 (what `scaletool launch` passes: a restarted worker group continues where it failed).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Start this many local ranks with torchrun "
               "(python -m torch.distributed.run --standalone) and run this command in each.")
-@click.option("--peak-tflops", type=click.FloatRange(min=0, min_open=True),
+@click.option("--peak-tflops", type=PositiveFloat(),
               help="Accelerator peak for MFU, overriding profiles/*.yaml (needed for unknown GPUs and CPUs).")
 @click.option("--measure/--no-measure", default=True, help="Per-step timing, loss logging every "
               "train.log_every steps, NVML sampling and TensorBoard; throughput is measured either way.")

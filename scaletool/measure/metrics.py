@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import clean
+from scaletool.fmt import clean, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -60,9 +59,7 @@ def truncate_rows(path: Path, start_step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from scaletool import __version__
+from scaletool.errors import RecipeError, shorten
+from scaletool.fmt import write_atomic
 from scaletool.report import claims, dynamics, tables
 from scaletool.report.data import ResultsSet, load
 from scaletool.report.findings import all_findings
@@ -33,20 +35,22 @@ def all_tables(rs: ResultsSet) -> list[Table]:
 def build_report(dirs: list[Path], out: Path) -> ReportResult:
     """Read ``dirs``, write the report files into ``out``; return their paths, findings and warnings."""
     rs = load(dirs)
-    out.mkdir(parents=True, exist_ok=True)
     tabs = all_tables(rs)
     plots = all_plots(rs) + dynamics.dynamics_plots(rs)
     findings = all_findings(rs)
     plot_dir = out / "plots"
-    plot_dir.mkdir(exist_ok=True)
-    for p in plots:
-        (plot_dir / f"{p.key}.png").write_bytes(p.png)
     context = {"sources": _sources(rs), "tables": tabs, "plots": plots, "findings": findings,
                "warnings": rs.warnings, "version": __version__,
                "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    (out / "report.md").write_text(render_markdown(context))
-    (out / "report.html").write_text(render_html(context))
-    n_csv = write_csv(rs, out / "results.csv")
+    try:  # each file whole or not at all: a full disk leaves the previous report's files as they were
+        plot_dir.mkdir(parents=True, exist_ok=True)
+        for p in plots:
+            write_atomic(plot_dir / f"{p.key}.png", p.png)
+        write_atomic(out / "report.md", render_markdown(context))
+        write_atomic(out / "report.html", render_html(context))
+        n_csv = write_csv(rs, out / "results.csv")
+    except OSError as e:
+        raise RecipeError(f"{shorten(str(out))}: cannot write the report: {e.strerror or e}") from None
     return ReportResult(report_md=str(out / "report.md"), report_html=str(out / "report.html"),
                         results_csv=str(out / "results.csv"), plots=[str(plot_dir / f"{p.key}.png") for p in plots],
                         tables=[t.key for t in tabs], csv_rows=n_csv, findings=findings, warnings=rs.warnings)

@@ -8,10 +8,12 @@ Text that a spreadsheet would run as a formula is quoted.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
 
+from scaletool.fmt import write_atomic
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.tables import decode_points, train_analytic_memory
 from scaletool.stats import Spread
@@ -101,9 +103,10 @@ def write_csv(rs: ResultsSet, path: Path) -> int:
     rest: dict[str, None] = {}
     for row in rows:
         rest.update((k, None) for k in row if k not in IDENTITY)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=IDENTITY + list(rest))
-        w.writeheader()
-        for row in rows:
-            w.writerow({k: _csv_safe(v) for k, v in row.items()})
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=IDENTITY + list(rest))
+    w.writeheader()
+    for row in rows:
+        w.writerow({k: _csv_safe(v) for k, v in row.items()})
+    write_atomic(path, buf.getvalue().encode())  # bytes: the csv module's \r\n line ends as written
     return len(rows)

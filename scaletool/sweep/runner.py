@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from scaletool.errors import RecipeError
+from scaletool.fmt import write_atomic
 from scaletool.results import ResultLoadError
 from scaletool.results.sweep import STATUSES, RunRow, SweepRecord, SweepSummary, check_result
 from scaletool.sweep.lock import results_lock
@@ -133,13 +134,7 @@ def write_meta(sweep: Sweep, results_dir: Path) -> None:
     meta = {"name": sweep.name, "label": sweep.spec.label, "description": sweep.spec.description,
             "sweep_file": str(sweep.path.resolve()), "base_recipe": str(sweep.base_recipe_path),
             "modes": list(sweep.spec.modes), "repeats": sweep.spec.repeats, "spec": sweep.spec.model_dump(mode="json")}
-    _write_atomic(results_dir / SWEEP_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(results_dir / SWEEP_META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def base_fields(task: Task, sweep: Sweep) -> dict:
@@ -165,7 +160,7 @@ def prepare(task: Task, sweep: Sweep, results_dir: Path, timeout_s: float | None
     # The recipe as written, not resolved: a command may treat keys a recipe sets differently from
     # defaults (train rejects an explicit parallel.zero_stage under engine=single). Written atomically:
     # parallel repeats of one point write the same file.
-    _write_atomic(recipe_path, yaml.safe_dump(task.point.raw, sort_keys=False))
+    write_atomic(recipe_path, yaml.safe_dump(task.point.raw, sort_keys=False))
     argv = [sys.executable, "-m", "scaletool", "--result-file", str(run_dir / RESULT_FILE), task.mode,
             str(recipe_path), *task.args]
     if task.mode in ("train", "profile"):

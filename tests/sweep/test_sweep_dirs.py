@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, fill
 from sweep_helpers import AS_MHA, lines, write_sweep
 
 from scaletool import api
@@ -67,18 +67,6 @@ def test_a_name_never_leads_outside_the_results_root_and_the_api_returns_the_sum
     assert rec["sweep"] == "../../../../outside"  # the name itself is kept for reports
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A directory on a tiny tmpfs of its own (needs permission to mount: root)."""
-    d = tmp_path / "fs"
-    d.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(d)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()[:80]}): read-only and full disks untested")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def _seed(out: Path) -> bytes:
     """A results directory holding one record (from a finished sweep); its bytes."""
     out.mkdir()
@@ -105,15 +93,7 @@ def test_a_full_disk_is_one_error_line_and_a_rerun_resumes(small_fs, tmp_path):
                                              "modes": ["estimate"]})
     out = small_fs / "out"
     before = _seed(out)
-    filler = small_fs / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:  # fill the file system to the last block
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    filler = fill(small_fs)
     res = CliRunner().invoke(main, ["sweep", str(sweep), "-o", str(out)])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     (line,) = _error_lines(res.output)
