@@ -1,6 +1,7 @@
 """Shared test helpers: paths, a recipe writer, and a subprocess runner for the real CLI."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -63,10 +64,9 @@ def fill(fs: Path) -> Path:
     filler = fs / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
     try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # ENOSPC: the last block is taken
+            while os.write(fd, b"\0" * 4096):
+                continue
     finally:
         os.close(fd)
     return filler
