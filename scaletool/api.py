@@ -319,7 +319,7 @@ def default_out(recipe: RecipeLike) -> Path:
 def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path | None = None,
           resume: str | bool = "never", peak_tflops: float | None = None, measure: bool = True,
           nproc_per_node: int | None = None, callbacks: Sequence = (), quiet: bool = False,
-          wandb: str | None = None):
+          wandb: str | None = None, join_timeout_s: int | None = None):
     """Train ``recipe`` and return its :class:`~scaletool.results.train.TrainResult` (also ``<out>/summary.json``).
 
     Runs in this process (one rank, or a rank of torchrun or the DeepSpeed launcher), or, with
@@ -328,6 +328,9 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     the newest intact checkpoint when there is one) or ``required``. ``callbacks``
     (:class:`scaletool.train.callbacks.Callback`) run in this process, after the recipe's profiler and
     monitors. ``wandb``: ``offline`` or ``online`` (optionally ``mode:project``) logs to Weights & Biases.
+``join_timeout_s``: under a launcher without a rendezvous of its own (the DeepSpeed launcher), fail
+with :class:`~scaletool.errors.JoinTimeout` when the ranks have not all met at MASTER_ADDR:MASTER_PORT
+within this many seconds, instead of waiting the group's whole timeout.
 
     A diverged run returns its result (``status == "diverged"``); a run stopped by an exception, a
     signal or a failed rank raises :class:`~scaletool.train.trainer.TrainFailed`, whose ``result``
@@ -339,6 +342,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     r = resolve(recipe, overrides)
     resume = Resume.parse(resume)
     peak_tflops = _positive_finite("peak_tflops", peak_tflops)
+    join_timeout_s = None if join_timeout_s is None else _positive("join_timeout_s", join_timeout_s)
     options = _wandb_options(wandb)
     le = launcher_env()
     if nproc_per_node is not None and not le["launched"]:
@@ -352,7 +356,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
         raise RecipeError(f"nproc_per_node={nproc_per_node}: this process is one of {le['local_world_size']} local "
                           "ranks started by a launcher; leave it unset or make them agree")
     check_recipe(r, le["world_size"], le["local_world_size"] if le["launched"] else None)
-    return _train_rank(r, recipe, out, resume, peak_tflops, measure, callbacks, quiet, options)
+    return _train_rank(r, recipe, out, resume, peak_tflops, measure, callbacks, quiet, options, join_timeout_s)
 
 
 def _wandb_options(spec: str | None):
@@ -371,7 +375,8 @@ def _wandb_options(spec: str | None):
     return WandbOptions(mode=mode, project=project or "scaletool")
 
 
-def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure, callbacks, quiet, wandb):
+def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure, callbacks, quiet, wandb,
+                join_timeout_s=None):
     """This process's rank of the run: join the process group, train, leave it."""
     import torch.distributed as dist
 
@@ -383,7 +388,7 @@ def _train_rank(r: Recipe, recipe: RecipeLike, out, resume, peak_tflops, measure
     from scaletool.train.trainer import Trainer, TrainFailed
 
     owned = not dist.is_initialized()
-    env = init_distributed(r.parallel.engine, r.parallel.collective_timeout_s)
+    env = init_distributed(r.parallel.engine, r.parallel.collective_timeout_s, join_timeout_s)
     try:
         out = Path(agree(str(out or default_out(recipe)), env))
         trainer = None
@@ -413,7 +418,7 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
     import yaml
 
     from scaletool.engines import check_recipe
-    from scaletool.fmt import write_atomic
+    from scaletool.fmt import cannot_write, write_atomic
     from scaletool.launch.commands import LaunchSpec, torchrun_argv
     from scaletool.launch.run import run_torchrun
     from scaletool.results.train import load_train_summary
@@ -430,10 +435,11 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
         if not quiet:
             say(finished_note(out, start.finished, r.train.steps))
         return start.finished
-    if isinstance(recipe, Recipe):  # the ranks read the recipe from a file
+    with cannot_write(out, "the run directory"):  # before any rank starts
         out.mkdir(parents=True, exist_ok=True)
-        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json", exclude_unset=True)))
-        recipe, overrides = out / "recipe.yaml", ()
+        if isinstance(recipe, Recipe):  # the ranks read the recipe from a file
+            write_atomic(out / "recipe.yaml", yaml.safe_dump(recipe.model_dump(mode="json", exclude_unset=True)))
+            recipe, overrides = out / "recipe.yaml", ()
     flag = {Resume.NEVER: False, Resume.AUTO: "auto", Resume.REQUIRED: True}[resume]
     spec = LaunchSpec(str(recipe), str(out), nproc_per_node=nproc, overrides=tuple(overrides), peak_tflops=peak_tflops,
                       resume=flag, measure=measure)

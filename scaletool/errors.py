@@ -2,6 +2,8 @@
 
 - :class:`RecipeError`: a recipe, file or option that cannot be used; one human-readable line per
   problem. The CLI prints each as ``error: ...`` and exits with status 2.
+- :class:`JoinTimeout`: ranks started without a rendezvous of the launcher's own (the DeepSpeed
+  launcher) that did not all meet in time; its message is the whole cause.
 - :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
 - :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
@@ -21,6 +23,11 @@ class RecipeError(ValueError):
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
+
+
+class JoinTimeout(RuntimeError):
+    """The ranks did not all join the process group's store within the join timeout (a node that never
+    started, or an address or port its peers cannot reach)."""
 
 
 # Input echoed in a message can be anything a file holds (a megabyte string, a 10**4000 integer, an alias
@@ -83,6 +90,8 @@ def describe(exc: BaseException, environ=None) -> str:
     text = str(exc)
     low = text.lower()
     detail = _first_line(text)
+    if isinstance(exc, JoinTimeout):
+        return text
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in low:
         return (f"out of memory: {detail} (lower train.micro_batch_size, turn on train.activation_checkpointing, "
                 "or shard more: parallel.engine=fsdp or deepspeed with a higher zero_stage)")

@@ -3,13 +3,15 @@
 - :func:`si`, :func:`gib`, :func:`pct`: numbers for tables and log lines.
 - :func:`clean` and :func:`emit_json`: JSON without NaN/Inf (null instead), sorted for diffing.
 - :func:`stdout_to_stderr`: keep stdout for a command's own ``--json`` while workers print.
-- :func:`write_atomic`: a file replaced whole or not at all.
+- :func:`write_atomic`: a file replaced whole or not at all; :func:`cannot_write`: a failed write as one
+  error line.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import stat
 import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -60,7 +62,23 @@ def emit_json(obj) -> None:
 
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write ``path`` through a temporary file beside it and a rename: a reader, a kill or a full disk never
-    leaves it half-written, and the file it replaces survives a failed write. Raises the OSError."""
+    leaves it half-written, and the file it replaces survives a failed write. Raises the OSError.
+
+    Only a regular file (or a new one) is replaced: a device, a FIFO or ``/dev/stdout`` is written to as
+    it is (renaming over it would put a file where the device was, and as root it can), and a symbolic
+    link keeps pointing where it did while the file it names is replaced.
+    """
+    path = Path(path)
+    try:
+        regular = stat.S_ISREG(path.stat().st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        regular = True  # a new file (or a path that cannot be one: creating it below says why)
+    if not regular:
+        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         if isinstance(data, bytes):
@@ -72,6 +90,20 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def cannot_write(where: object, what: str = ""):
+    """An OSError inside (a full or read-only disk, a path under a file, a missing parent) becomes the
+    :class:`~scaletool.errors.RecipeError` ``<where>: cannot write [what] (<reason>)``: one ``error:`` line,
+    exit 2. ``where`` (a path, or an option and its path) is shortened to fit the line."""
+    from scaletool.errors import RecipeError, shorten
+
+    try:
+        yield
+    except OSError as e:
+        raise RecipeError(f"{shorten(str(where))}: cannot write{' ' + what if what else ''} ({e.strerror or e})") \
+            from None
 
 
 @contextmanager

@@ -18,6 +18,7 @@ import click
 from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
 from scaletool.errors import RecipeError
+from scaletool.fmt import cannot_write, write_atomic
 from scaletool.launch.commands import (
     LaunchSpec,
     check_spec,
@@ -127,7 +128,8 @@ def run_on_this_node(launcher: str, spec: LaunchSpec, argv: list[str], env: dict
 
     _check_local_gpus(spec.nproc_per_node)
     out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
+    with cannot_write(out, "the run directory"):
+        out.mkdir(parents=True, exist_ok=True)
     if before is not None:
         before()
     env = {**env, **thread_env(spec.nproc_per_node), CHILD_ENV: "1"}
@@ -238,18 +240,20 @@ def torchrun(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_
               "own parser.")
 @click.option("--hosts", help="Comma-separated hosts; writes <out>/hostfile with --nproc-per-node slots each "
               "[default for one node: localhost].")
+@rdzv_timeout_option
 # the DeepSpeed launcher has no restarts: accepted only to say so and point to torchrun
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, hidden=True)
 def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per_node: int | None,
               out: str | None, dry_run: bool, as_json: bool, peak_tflops: float | None, python: str,
               node_rank: int | None, rdzv_endpoint: str | None, hostfile: str | None, hosts: str | None,
-              max_restarts: int):
+              rdzv_timeout_s: int, max_restarts: int):
     """Run the DeepSpeed launcher over a hostfile (it reaches the hosts over pdsh/ssh).
 
     \b
     Without --node-rank it starts every host's ranks itself; with --node-rank R it runs this node's
-    ranks only (start it on every node). It does not restart failed workers: for restarts use
-    `scaletool launch torchrun`, which runs parallel.engine=deepspeed too.
+    ranks only (start it on every node). It has no rendezvous of its own: the ranks wait up to
+    --rdzv-timeout for each other at the endpoint, then fail with one line. It does not restart
+    failed workers: for restarts use `scaletool launch torchrun`, which runs parallel.engine=deepspeed too.
 
     \b
     Examples:
@@ -260,7 +264,8 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
     """
     spec = prepare(recipe, overrides, "deepspeed", nnodes=nnodes, nproc_per_node=nproc_per_node, out=out,
                    node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-                   peak_tflops=peak_tflops, python=python)
+                   rdzv_timeout_s=rdzv_timeout_s, join_timeout_s=rdzv_timeout_s, peak_tflops=peak_tflops,
+                   python=python)
     new_hostfile = None  # the text of a hostfile to write from --hosts
     if hostfile is None:
         if not hosts and spec.nnodes > 1:
@@ -270,8 +275,9 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
     argv, env = deepspeed_argv(spec, hostfile), node_env("deepspeed")
     if not dry_run:
         def write_and_check_hostfile():
-            if new_hostfile is not None:
-                Path(hostfile).write_text(new_hostfile)
+            if new_hostfile is not None:  # every node writes the same text: a reader sees it whole
+                with cannot_write(hostfile):
+                    write_atomic(Path(hostfile), new_hostfile)
             read_hostfile(hostfile, spec)
         return run_on_this_node("deepspeed", spec, argv, env, as_json, before=write_and_check_hostfile)
     from scaletool.results.launch import LaunchResult
@@ -340,8 +346,9 @@ def slurm(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per
         if not as_json:
             click.echo(text, nl=False)
         return deliver(LaunchResult(launcher="slurm", dry_run=True, script=text, script_path=str(path)), as_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    with cannot_write(path, "the batch script"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
     job_id = sbatch_submit(path) if submit else None
     res = deliver(LaunchResult(launcher="slurm", dry_run=False, script_path=str(path), job_id=job_id,
                                out_dir=spec.out), as_json)

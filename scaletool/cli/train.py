@@ -39,10 +39,14 @@ def default_out(recipe: str) -> Path:
 @click.option("--wandb", metavar="offline|online[:PROJECT]", envvar=WANDB_ENV,
               help="Also log to Weights & Biases (pip install 'scaletool[wandb]'); offline writes under "
                    "<out>/wandb without a network (wandb sync uploads it later).")
+@click.option("--join-timeout", "join_timeout_s", type=click.IntRange(min=1), metavar="SECONDS",
+              help="Under a launcher without a rendezvous of its own (the DeepSpeed launcher): fail when the ranks "
+                   "have not all met at MASTER_ADDR:MASTER_PORT within SECONDS, instead of waiting the group's "
+                   "whole timeout (`scaletool launch deepspeed` passes its --rdzv-timeout).")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, hidden=True)  # the DeepSpeed launcher's
 def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bool, resume: bool, auto_resume: bool,
           nproc_per_node: int | None, peak_tflops: float | None, measure: bool, wandb: str | None,
-          local_rank: int | None):
+          join_timeout_s: int | None, local_rank: int | None):
     """Train RECIPE's model and measure throughput, MFU and memory against the analytic model.
 
     \b
@@ -69,7 +73,7 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
     from scaletool.engines.dist import end_worker_process
 
     mode = "auto" if auto_resume else "required" if resume else "never"
-    result = _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node)
+    result = _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node, join_timeout_s)
     le = launcher_env()
     if le["rank"] == 0 and os.environ.get(CHILD_ENV) != "1":
         deliver(result, as_json)
@@ -81,7 +85,7 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
     return result
 
 
-def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node):
+def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, nproc_per_node, join_timeout_s):
     """Run api.train here (one rank, alone or started by a launcher) or over local ranks.
 
     A failure of a rank (out of memory, a missing GPU, NCCL/gloo errors, timeouts) ends as one line
@@ -100,7 +104,8 @@ def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, npr
         try:
             with stdout_to_stderr(as_json):  # the ranks' and libraries' prints; stdout keeps the JSON
                 return api.train(recipe, overrides=overrides, out=out, resume=mode, peak_tflops=peak_tflops,
-                                 measure=measure, nproc_per_node=nproc_per_node, quiet=as_json, wandb=wandb)
+                                 measure=measure, nproc_per_node=nproc_per_node, quiet=as_json, wandb=wandb,
+                                 join_timeout_s=join_timeout_s)
         except RecipeError:
             if le["rank"] != 0:  # every rank finds the same problem; one of them reports it
                 sys.exit(2)

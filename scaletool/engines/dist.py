@@ -36,13 +36,15 @@ def launcher_env() -> dict:
             "local_world_size": int(e.get("LOCAL_WORLD_SIZE", e.get("LOCAL_SIZE", world)))}
 
 
-def init_distributed(engine: str, timeout_s: int | None = None) -> DistEnv:
+def init_distributed(engine: str, timeout_s: int | None = None, join_timeout_s: int | None = None) -> DistEnv:
     """Join the env:// process group when launched (nccl on CUDA, gloo on CPU).
 
     A single process running a distributed engine (ddp, fsdp, deepspeed) gets a one-rank group on
     an in-memory store, so the same code path runs with world size 1. ``timeout_s``
     (``parallel.collective_timeout_s``) bounds the group's setup and every collective: a rank whose
     peers died or hang fails with an error instead of waiting forever (None: torch's default).
+    ``join_timeout_s`` bounds only the wait for every rank to reach the store at MASTER_ADDR:MASTER_PORT
+    (:func:`join_store`), for launchers without a rendezvous of their own (the DeepSpeed launcher).
     """
     le = launcher_env()
     cuda = torch.cuda.is_available()
@@ -51,13 +53,50 @@ def init_distributed(engine: str, timeout_s: int | None = None) -> DistEnv:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     if not dist.is_initialized():
-        if le["launched"]:
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        if le["launched"] and join_timeout_s:
+            store = join_store(le["rank"], le["world_size"], join_timeout_s, timeout or default_timeout(backend))
+            dist.init_process_group(backend, store=store, rank=le["rank"], world_size=le["world_size"],
+                                    device_id=device if cuda else None, timeout=timeout)
+        elif le["launched"]:
             dist.init_process_group(backend, init_method="env://", device_id=device if cuda else None,
-                                    timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+                                    timeout=timeout)
         elif engine != "single":
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(le["rank"], le["world_size"], le["local_rank"], le["local_world_size"], device, backend,
                    le["launched"])
+
+
+def join_store(rank: int, world_size: int, join_timeout_s: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's TCPStore at MASTER_ADDR:MASTER_PORT, as env:// builds it, once every rank has joined.
+
+    Rank 0 hosts it and waits for the other ranks to connect; they retry until it listens. Either side
+    gives up after ``join_timeout_s`` with a :class:`~scaletool.errors.JoinTimeout`, where env:// would
+    wait the group's whole timeout (30 minutes on gloo) for a node that never started. The store then
+    takes the group's own timeout for everything after the join, as env:// gives it.
+    """
+    from scaletool.errors import JoinTimeout
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
+                              timeout=timedelta(seconds=join_timeout_s), wait_for_workers=True)
+    except (dist.DistError, RuntimeError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise JoinTimeout(
+            f"the {world_size} ranks did not all join at {addr}:{port} within {join_timeout_s} s (--join-timeout; "
+            f"`scaletool launch deepspeed --rdzv-timeout`): {lines[0].rstrip('.') if lines else type(e).__name__}; start the "
+            "launch on every node with the same --rdzv-endpoint and check that its port is reachable from each"
+        ) from e
+    store.set_timeout(timeout)
+    return store
+
+
+def default_timeout(backend: str) -> timedelta:
+    """torch's timeout for a group of ``backend`` made without one (NCCL's is shorter)."""
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    return default_pg_nccl_timeout if backend == "nccl" and default_pg_nccl_timeout else default_pg_timeout
 
 
 def leave_distributed() -> None:

@@ -8,19 +8,24 @@ after a failure continues from the newest complete checkpoint in ``--out`` inste
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from scaletool.config import RecipeError
+from scaletool.errors import echo, shorten
 from scaletool.threads import child_env, threads_per_process
 
 TORCHRUN = "torch.distributed.run"
 DEEPSPEED_RUNNER = "deepspeed.launcher.runner"
 DEFAULT_PORT = 29500
+MAX_HOSTFILE_BYTES = 1 << 20  # a hostfile lists nodes; anything larger is the wrong file
 # Rendezvous ids name torchrun's log directories: keep them plain.
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+# A host of a hostfile: a name or address (IPv6 too), as pdsh, ssh and the ranks' MASTER_ADDR take it.
+_HOST = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None  # HOST:PORT where the nodes meet
     rdzv_id: str | None = None
     rdzv_timeout_s: int = 900  # how long a node waits for the others to join
+    join_timeout_s: int | None = None  # the ranks' own wait for each other (train --join-timeout)
     max_restarts: int = 0
     peak_tflops: float | None = None
     resume: bool | str = "auto"  # "auto": resume if --out holds a checkpoint (what a restarted group needs)
@@ -94,6 +100,8 @@ def train_module_args(spec: LaunchSpec) -> list[str]:
         args += ["--peak-tflops", repr(spec.peak_tflops)]
     if not spec.measure:
         args.append("--no-measure")
+    if spec.join_timeout_s is not None:
+        args += ["--join-timeout", str(spec.join_timeout_s)]
     return args
 
 
@@ -126,7 +134,8 @@ def deepspeed_argv(spec: LaunchSpec, hostfile: str) -> list[str]:
 
     With ``node_rank`` (or one node) it runs this node's ranks only (``--no_ssh``; start it on every
     node); without, it reaches the other hosts of the hostfile itself over pdsh/ssh. The first
-    ``nnodes`` hosts take ``nproc_per_node`` ranks each; rank 0's host is the endpoint's.
+    ``nnodes`` hosts take ``nproc_per_node`` ranks each; rank 0's host is the endpoint's. This launcher
+    has no rendezvous: the ranks bound their own wait for each other (``spec.join_timeout_s``).
     """
     host, port = spec.endpoint()
     argv = [spec.python, "-m", DEEPSPEED_RUNNER, "--hostfile", hostfile, "--num_nodes", str(spec.nnodes),
@@ -141,16 +150,41 @@ def deepspeed_argv(spec: LaunchSpec, hostfile: str) -> list[str]:
 def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
     """Parse a DeepSpeed hostfile (``host slots=N`` lines) with DeepSpeed's own parser and check it
     has ``nnodes`` hosts of at least ``nproc_per_node`` slots."""
-    from deepspeed.launcher.runner import fetch_hostfile
+    import logging
+    import stat
 
     p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"--hostfile {p}: no such file")
+    where = f"--hostfile {shorten(str(p))}"
     try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise RecipeError(f"{where}: no such file") from None
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RecipeError(f"{where}: not a regular file")
+    if st.st_size > MAX_HOSTFILE_BYTES:
+        raise RecipeError(f"{where}: {st.st_size} bytes; a hostfile holds one 'host slots=N' line per node "
+                          f"(at most {MAX_HOSTFILE_BYTES // 2**20} MiB)")
+    # DeepSpeed logs a notice at import (the accelerator it picked) and the whole file before raising on a bad
+    # one, on stdout (its handler takes sys.stdout at its first import): the line below says what matters, and
+    # stdout keeps --json alone.
+    ds_logger, quiet = logging.getLogger("DeepSpeed"), (lambda record: False)
+    ds_logger.addFilter(quiet)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.launcher.runner import fetch_hostfile
         pool = fetch_hostfile(str(p))
-    except ValueError as e:
-        raise RecipeError(f"--hostfile {p}: {e}") from None
-    problems = []
+    except UnicodeDecodeError:
+        raise RecipeError(f"{where}: not text (a hostfile holds 'host slots=N' lines)") from None
+    except ValueError as e:  # a bad entry, a repeated host, no host
+        raise RecipeError(f"{where}: {shorten(str(e), 200)}") from None
+    except OSError as e:
+        raise RecipeError(f"{where}: cannot read ({e.strerror or e})") from None
+    finally:
+        ds_logger.removeFilter(quiet)
+    problems = [f"{where}: {echo(h)} is not a host name (letters, digits, '.', '-', '_', ':'; at most 253 characters)"
+                for h in pool if not _HOST.fullmatch(h)][:3]
     if len(pool) < spec.nnodes:
         problems.append(f"--hostfile {p}: {len(pool)} host(s), but --nnodes is {spec.nnodes}")
     small = [h for h, slots in list(pool.items())[:spec.nnodes] if slots < spec.nproc_per_node]
@@ -164,9 +198,9 @@ def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
 
 def hostfile_text(hosts: list[str], slots: int) -> str:
     """A DeepSpeed hostfile with ``slots`` ranks on each of ``hosts``."""
-    bad = [h for h in hosts if not h or any(c.isspace() for c in h) or h.startswith("#")]
-    if bad or not hosts:
-        raise RecipeError(f"--hosts: expected comma-separated host names, got {','.join(hosts)!r}")
+    if not hosts or not all(_HOST.fullmatch(h) for h in hosts):
+        raise RecipeError(f"--hosts: expected comma-separated host names (letters, digits, '.', '-', '_', ':'; "
+                          f"at most 253 characters each), got {echo(','.join(hosts))}")
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 

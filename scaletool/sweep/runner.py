@@ -266,7 +266,7 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQU
 
 
 @contextlib.contextmanager
-def _disk_errors(results_dir: Path) -> Iterator[None]:
+def disk_errors(results_dir: Path) -> Iterator[None]:
     """A results directory that cannot be written (read-only, full) is one error line, not a traceback."""
     try:
         yield
@@ -321,9 +321,9 @@ def execute(sweep: Sweep, results_dir: Path, *, retry_failed: bool = False, mode
     if gpus is not None:
         parse_gpus(gpus)  # bad input fails before anything is written
     plan(sweep, results_dir)  # so does a sweep that cannot expand (two values, one recipe)
-    with _disk_errors(results_dir):
+    with disk_errors(results_dir):
         results_dir.mkdir(parents=True, exist_ok=True)
-    with results_lock(results_dir, what=f"scaletool sweep {sweep.name}"), _disk_errors(results_dir):
+    with results_lock(results_dir, what=f"scaletool sweep {sweep.name}"), disk_errors(results_dir):
         tasks, warnings = plan(sweep, results_dir)  # read under the lock: the truth for this sweep
         chosen = select(tasks, modes)
         for w in warnings:
@@ -369,7 +369,7 @@ def execute_task(sweep: Sweep, results_dir: Path, n: int, digest: str, console=N
 
     console = console or Console(stderr=True)
     results_dir = Path(results_dir)
-    with results_lock(results_dir, shared=True), _disk_errors(results_dir):
+    with results_lock(results_dir, shared=True), disk_errors(results_dir):
         tasks, _ = plan(sweep, results_dir)
         if plan_digest(tasks) != digest:
             raise RecipeError(f"{sweep.path}: the sweep's plan changed since it was submitted (plan {digest}, now "

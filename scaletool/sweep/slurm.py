@@ -24,10 +24,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from scaletool.errors import RecipeError
+from scaletool.fmt import write_atomic
 from scaletool.launch.slurm import Shell, SlurmOptions, render_array, submit
 from scaletool.results.sweep import SweepSubmission
 from scaletool.sweep.lock import results_lock
-from scaletool.sweep.runner import Task, gpus_needed, plan, plan_digest, select, skipped_record, to_run
+from scaletool.sweep.runner import (
+    Task,
+    disk_errors,
+    gpus_needed,
+    plan,
+    plan_digest,
+    select,
+    skipped_record,
+    to_run,
+)
 from scaletool.sweep.spec import Sweep, slug
 from scaletool.sweep.store import append_record
 
@@ -121,11 +131,13 @@ def submit_sweep(sweep: Sweep, results_dir: Path, *, overrides: list[str], modes
     if dry_run:
         return _submission(sweep, results_dir, overrides, modes, retry_failed, opts, throttle)
     slurm_dir = results_dir / SLURM_DIR
-    slurm_dir.mkdir(parents=True, exist_ok=True)  # also where Slurm opens the tasks' logs
+    with disk_errors(results_dir):
+        slurm_dir.mkdir(parents=True, exist_ok=True)  # also where Slurm opens the tasks' logs
     # No local sweep may be running here (it holds the directory exclusively); array tasks of an
     # earlier submission may (they hold it shared). Submitters take turns on the slurm/ lock, and
     # decide what is missing under it.
-    with results_lock(results_dir, shared=True), results_lock(slurm_dir, what=f"scaletool sweep --submit {sweep.name}"):
+    with results_lock(results_dir, shared=True), results_lock(slurm_dir, what=f"scaletool sweep --submit {sweep.name}"), \
+            disk_errors(results_dir):
         tasks, _ = plan(sweep, results_dir)
         for t in to_run(select(tasks, modes), retry_failed):
             if t.state == "skipped":
@@ -135,7 +147,7 @@ def submit_sweep(sweep: Sweep, results_dir: Path, *, overrides: list[str], modes
             return None
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         path = slurm_dir / f"{slug(sweep.name) or 'sweep'}-{stamp}.sbatch"
-        path.write_text(sub.script)
+        write_atomic(path, sub.script)
         job_id = submit(path)
         entry = {"job_id": job_id, "submitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "script": str(path), "tasks": dict(zip(map(str, sub.tasks), sub.keys))}

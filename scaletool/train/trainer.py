@@ -33,6 +33,7 @@ from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
 from scaletool.errors import describe
+from scaletool.fmt import cannot_write
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter, WandbOptions
 from scaletool.measure.nvml import NvmlSampler
@@ -130,11 +131,9 @@ class Trainer:
         if start.finished is not None:
             return
         self.threads = pin_threads(env.local_world_size) if env.device.type == "cpu" else None
-        try:
+        with cannot_write(self.out, "the run directory"):  # a file where it should be, no permission, a full disk
             self.writer = MetricsWriter(self.out, enabled=env.is_main, tensorboard=measure, quiet=quiet,
                                         start_step=self.start_step, wandb=wandb, config=recipe.to_dict())
-        except OSError as e:  # a file where the directory should be, no permission, a full disk
-            raise RecipeError(f"{self.out}: cannot write the run directory ({e.strerror or e})") from None
         try:
             self._build(peak_tflops, callbacks)
         except BaseException:

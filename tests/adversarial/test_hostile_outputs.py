@@ -4,7 +4,9 @@ or result file that cannot be written (a device, a path under a file, a full or 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,103 @@ def test_a_result_file_that_cannot_be_written_loses_nothing_from_stdout(small_fs
     assert res.stderr.splitlines() == [f"error: --result-file {target}: cannot write: Read-only file system"]
     assert json.loads(res.stdout) == json.loads(ok.stdout)  # the result still reached stdout, whole
     assert target.read_bytes() == before
+
+
+# -- where a launch writes: the run directory, the batch script, the hostfile ----------------------------
+
+
+@pytest.mark.parametrize("args", [
+    ["launch", "torchrun", "tiny"],
+    ["launch", "deepspeed", "tiny", "--set", "parallel.engine=deepspeed"],
+    ["launch", "slurm", "tiny"],
+    ["train", "tiny", "--nproc-per-node", "2", "--set", "parallel.engine=ddp"],
+], ids=lambda a: " ".join(a[:2]))
+@pytest.mark.parametrize("where", ["under-a-file", "read-only"])
+def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path, small_fs, args, where):
+    (small_fs / "file").write_text("x")
+    out = small_fs / "file" / "run" if where == "under-a-file" else small_fs / "run"
+    if where == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    lines, _ = invoke([*args, "--out", str(out)], within=small_fs)
+    reason = "Not a directory" if where == "under-a-file" else "Read-only file system"
+    what = "the batch script" if args[1] == "slurm" else "the run directory"
+    assert len(lines) == 1 and lines[0].endswith(f": cannot write {what} ({reason})"), lines
+
+
+def test_a_sweep_submission_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    lines, _ = invoke(["sweep", "quickstart", "--submit", "slurm", "--out", str(tmp_path / "file" / "res")],
+                      within=tmp_path)
+    assert len(lines) == 1 and "Not a directory" in lines[0], lines
+
+
+def _device_like(tmp_path: Path, name: str, major: int, minor: int) -> Path:
+    """A character device of our own (as /dev/null or /dev/full), made with mknod: root only."""
+    path = tmp_path / name
+    if subprocess.run(["mknod", "-m", "666", str(path), "c", str(major), str(minor)]).returncode != 0:
+        pytest.skip("mknod needs root: devices as outputs untested")
+    return path
+
+
+def test_a_result_file_on_a_device_or_fifo_is_written_into_never_replaced(tmp_path):
+    """--result-file /dev/stdout (or a FIFO a script reads) is written into. Renaming a temporary file over
+    it, as root can, would put a regular file where the device was: the next `> /dev/null` fills a disk."""
+    null, full = _device_like(tmp_path, "null", 1, 3), _device_like(tmp_path, "full", 1, 7)
+    ok = CliRunner().invoke(main, ["--result-file", str(null), "estimate", "tiny"])
+    assert ok.exit_code == 0, ok.output
+    assert null.is_char_device() and not list(tmp_path.glob(".null*"))
+    res = CliRunner().invoke(main, ["--result-file", str(full), "estimate", "tiny"])
+    assert res.exit_code == 2 and res.stderr.splitlines() == [
+        f"error: --result-file {full}: cannot write: No space left on device"]
+    assert full.is_char_device()
+    lines, _ = invoke(["launch", "slurm", "tiny", "--script", str(full), "--out", str(tmp_path / "run")])
+    assert lines == [f"error: {full}: cannot write the batch script (No space left on device)"]
+    assert full.is_char_device()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
+    ok = CliRunner().invoke(main, ["--result-file", str(fifo), "estimate", "tiny", "--json"])
+    assert ok.exit_code == 0 and json.loads(reader.communicate(timeout=30)[0]) == json.loads(ok.stdout)
+    assert fifo.is_fifo()
+
+
+def test_a_result_file_behind_a_symlink_replaces_the_file_and_keeps_the_link(tmp_path):
+    (tmp_path / "results").mkdir()
+    target = tmp_path / "results" / "estimate.json"
+    target.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(target)
+    ok = CliRunner().invoke(main, ["--result-file", str(link), "estimate", "tiny", "--json"])
+    assert ok.exit_code == 0 and link.is_symlink() and json.loads(target.read_text()) == json.loads(ok.stdout)
+
+
+HOSTFILES = {
+    "bad entry": ("node001 gpus=4\n", "Hostfile contains a bad entry: node001 gpus=4"),
+    "repeated host": ("a slots=1\na slots=1\n", "multiple entries for a"),
+    "no host": ("# nothing\n\n", "Hostfile is empty"),
+    "shell in a name": ("a;touch${IFS}pwned slots=1\n", "'a;touch${IFS}pwned' is not a host name"),
+    "a huge name": ("x" * 100_000 + " slots=1\n", "xxx' is not a host name"),
+    "binary": (bytes(range(128, 256)) * 8, "not text"),
+    "too big": ("n slots=1\n" + "#\n" * 600_000, "1200010 bytes; a hostfile holds"),
+}
+
+
+@pytest.mark.parametrize("name", HOSTFILES)
+def test_a_hostile_hostfile_is_one_line_and_launches_nothing(tmp_path, name):
+    text, needle = HOSTFILES[name]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_bytes(text if isinstance(text, bytes) else text.encode())
+    proc = subprocess.run([sys.executable, "-m", "scaletool", "launch", "deepspeed", "tiny", "--hostfile",
+                           str(hostfile), "--out", str(tmp_path / "run"), "--set", "parallel.engine=deepspeed"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and needle in errors[0] and len(errors[0]) < 400, errors
+    assert proc.stderr.splitlines() == errors and proc.stdout == ""  # not DeepSpeed's dump of the whole file
+    assert not (tmp_path / "pwned").exists() and not list((tmp_path / "run").glob("*.log"))
+
+
+@pytest.mark.parametrize("path, needle", [("/dev/zero", "not a regular file"), ("/nonexistent/h", "no such file")])
+def test_a_hostfile_that_is_not_a_file_is_one_line(tmp_path, path, needle):
+    lines, _ = invoke(["launch", "deepspeed", "tiny", "--hostfile", path, "--out", str(tmp_path / "run")])
+    assert lines == [f"error: --hostfile {path}: {needle}"]

@@ -89,6 +89,12 @@ def test_deepspeed_argv_pdsh_and_no_ssh():
     assert per_node[i + 1:i + 3] == ["--node_rank", "1"]
 
 
+def test_the_deepspeed_launchers_ranks_bound_their_own_join():
+    argv = deepspeed_argv(_spec(max_restarts=0, join_timeout_s=120), "/shared/hostfile")
+    assert argv[-2:] == ["--join-timeout", "120"]  # the ranks' argument: it travels over pdsh too
+    assert "--join-timeout" not in train_module_args(_spec())  # torchrun's rendezvous bounds the join itself
+
+
 def test_deepspeed_argv_is_what_the_deepspeed_runner_parses():
     from deepspeed.launcher.runner import parse_args
     spec = _spec(max_restarts=0, node_rank=1)

@@ -38,12 +38,13 @@ class Node:
                                      cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})},
                                      start_new_session=True)
 
-    def wait(self) -> int:
+    def wait(self, limit_s: float = LIMIT_S) -> int:
         try:
-            return self.proc.wait(timeout=LIMIT_S)
+            return self.proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
-            raise
+            pytest.fail(f"{self.err_path.stem} still running after {limit_s} s; its stderr ends:\n"
+                        f"{self.stderr[-3000:]}")
 
     @property
     def stderr(self) -> str:
@@ -57,8 +58,7 @@ def launch_nodes(tmp_path: Path, out: Path, *extra: str, node_ranks=(0, 1), laun
     port = free_port()
     argv = [sys.executable, "-m", "scaletool", "launch", launcher, TINY, "--nnodes", "2", "--nproc-per-node", "1",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--out", str(out), *extra]
-    if launcher == "torchrun":
-        argv += ["--rdzv-timeout", "60"]
+    argv += ["--rdzv-timeout", "60"]
     return [Node(argv + (["--node-rank", str(r)] if r is not None else []), tmp_path, f"node{i}")
             for i, r in enumerate(node_ranks)]
 
@@ -169,14 +169,38 @@ def test_rendezvous_that_cannot_form_fails_with_one_line(tmp_path):
 
 def test_deepspeed_launcher_two_nodes_with_a_hostfile(tmp_path):
     out = tmp_path / "run"
-    nodes = launch_nodes(tmp_path, out, "--hosts", "localhost,127.0.0.1", "--set", "parallel.engine=deepspeed",
-                         "--set", "parallel.zero_stage=2", launcher="deepspeed")
-    assert [n.wait() for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
-    assert (out / "hostfile").read_text() == "localhost slots=1\n127.0.0.1 slots=1\n"
+    out.mkdir()
+    hostfile = out / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")  # as a node that started first wrote it
+    with open(hostfile) as held:  # held open, its inode number cannot be taken by a new file
+        nodes = launch_nodes(tmp_path, out, "--hosts", "localhost,127.0.0.1", "--set", "parallel.engine=deepspeed",
+                             "--set", "parallel.zero_stage=2", launcher="deepspeed")
+        assert [n.wait() for n in nodes] == [0, 0], [n.stderr[-3000:] for n in nodes]
+        # Each node wrote the file anew beside it and renamed it over: never truncated in place, where a node
+        # reading it while the other rewrote it saw it cut, quit, and left the other waiting for it.
+        assert os.fstat(held.fileno()).st_ino != hostfile.stat().st_ino and held.read() == hostfile.read_text()
+    assert hostfile.read_text() == "localhost slots=1\n127.0.0.1 slots=1\n"
     s = summary(out)
     assert s["status"] == "completed" and s["engine"] == "deepspeed"
     assert s["environment"]["world_size"] == 2 and s["elastic"] is None  # not torchrun
     assert s["history"]["step"] == list(range(10)) and s["loss_last"] < s["loss_first"]
+
+
+def test_deepspeed_launcher_with_a_node_missing_fails_within_the_timeout(tmp_path):
+    """The DeepSpeed launcher has no rendezvous: a node that never starts would leave the other's rank
+    waiting the group's whole timeout (30 minutes on gloo); --rdzv-timeout bounds it."""
+    port = free_port()
+    node = Node([sys.executable, "-m", "scaletool", "launch", "deepspeed", TINY, "--nnodes", "2", "--node-rank", "0",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-timeout", "3", "--hosts", "localhost,127.0.0.1",
+                 "--out", str(tmp_path / "run"), "--set", "parallel.engine=deepspeed"], tmp_path, "node0")
+    assert node.wait(limit_s=60) == 1
+    line, last = node.error_lines()
+    assert last == "error: the DeepSpeed launcher failed (exit status 1); the failing ranks' error lines are above"
+    assert "Traceback" not in node.stderr
+    assert re.fullmatch(rf"error: rank 0/2 \(node 0, local rank 0, host .*\): the 2 ranks did not all join at "
+                        rf"127\.0\.0\.1:{port} within 3 s \(--join-timeout; `scaletool launch deepspeed "
+                        r"--rdzv-timeout`\): .*1/2 clients joined; start the launch on every node with the same "
+                        r"--rdzv-endpoint and check that its port is reachable from each", line), line
 
 
 # -- the sbatch script, run for real: stand-ins for srun and scontrol start its torchrun twice --------
