@@ -2,8 +2,8 @@
 
 - :class:`RecipeError`: a recipe, file or option that cannot be used; one human-readable line per
   problem. The CLI prints each as ``error: ...`` and exits with status 2.
-- :class:`JoinTimeout`: ranks started without a rendezvous of the launcher's own (the DeepSpeed
-  launcher) that did not all meet in time; its message is the whole cause.
+- :class:`JoinError`: ranks started without a rendezvous of the launcher's own (the DeepSpeed
+  launcher) that did not all meet in time, or could not host their store; its message is the whole cause.
 - :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
 - :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
@@ -25,9 +25,9 @@ class RecipeError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
-class JoinTimeout(RuntimeError):
+class JoinError(RuntimeError):
     """The ranks did not all join the process group's store within the join timeout (a node that never
-    started, or an address or port its peers cannot reach)."""
+    started, an address or port its peers cannot reach), or rank 0 could not listen on its port."""
 
 
 # Input echoed in a message can be anything a file holds (a megabyte string, a 10**4000 integer, an alias
@@ -90,7 +90,7 @@ def describe(exc: BaseException, environ=None) -> str:
     text = str(exc)
     low = text.lower()
     detail = _first_line(text)
-    if isinstance(exc, JoinTimeout):
+    if isinstance(exc, JoinError):
         return text
     if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in low:
         return (f"out of memory: {detail} (lower train.micro_batch_size, turn on train.activation_checkpointing, "

@@ -23,7 +23,7 @@ import time
 import traceback
 from contextlib import contextmanager
 
-from scaletool.errors import JoinTimeout, RecipeError, _first_line, describe, rank_label  # noqa: F401 (re-exported for launchers)
+from scaletool.errors import JoinError, RecipeError, _first_line, describe, rank_label  # noqa: F401 (re-exported for launchers)
 
 
 def _write_error_file(line: str) -> str | None:
@@ -50,7 +50,7 @@ def reported_failures():
     except BaseException as exc:  # noqa: BLE001 - every other failure of the rank is reported, then exits 1
         line = f"error: {rank_label()}: {describe(exc)}"
         where = _write_error_file(line)
-        if where is None and not isinstance(exc, JoinTimeout):  # no launcher to hold the traceback: it goes
+        if where is None and not isinstance(exc, JoinError):  # no launcher to hold the traceback: it goes
             traceback.print_exc()  # to stderr, above the line (a join timeout's line says all there is)
         print(line + (f" [traceback in {where}]" if where else ""), file=sys.stderr, flush=True)
         sys.exit(1)

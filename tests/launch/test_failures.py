@@ -109,3 +109,24 @@ def test_rendezvous_lines():
     line = rendezvous_failure_line(RendezvousTimeoutError(), "node001:29500", "job-1", 4, 60)
     assert line.startswith("error: rendezvous 'job-1' at node001:29500: 4 nodes did not all join within 60 s")
     assert "closed by another node" in rendezvous_failure_line(RendezvousClosedError(), "h:1", "j", 2, 5)
+
+
+def test_a_store_port_in_use_is_its_own_line_not_a_join_timeout(monkeypatch):
+    """Under the DeepSpeed launcher rank 0 hosts the group's store: a port another job holds is said as such,
+    at once, not after the join timeout as 'did not all join'."""
+    import socket
+    from datetime import timedelta
+
+    from scaletool.engines.dist import join_store
+    from scaletool.errors import JoinError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(JoinError) as e:
+            join_store(0, 2, 60, timedelta(seconds=60))
+    assert describe(e.value) == (f"rank 0 cannot host the group's store at 127.0.0.1:{port}: the port is in use on "
+                                 "this host (another job?); pick another port in --rdzv-endpoint")
