@@ -418,7 +418,8 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
     import yaml
 
     from scaletool.engines import check_recipe
-    from scaletool.fmt import cannot_write, write_atomic
+    from scaletool.errors import cannot_write
+    from scaletool.fmt import write_atomic
     from scaletool.launch.commands import LaunchSpec, torchrun_argv
     from scaletool.launch.run import run_torchrun
     from scaletool.results.train import load_train_summary

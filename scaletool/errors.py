@@ -7,6 +7,7 @@
 - :func:`describe`: ``cause: detail`` for an exception raised while running (out of memory, a missing
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
 - :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
+- :func:`cannot_write`: a write that fails (full or read-only disk, a path under a file) as one line.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import re
 import reprlib
 import socket
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -54,6 +56,18 @@ def echo(value: Any) -> str:
     except ValueError:  # an int too long for a decimal repr (sys.get_int_max_str_digits)
         return f"<a {value.bit_length()}-bit integer>" if isinstance(value, int) else f"<{type(value).__name__}>"
     return text if len(text) <= 100 else text[:97] + "..."
+
+
+@contextmanager
+def cannot_write(where: object, what: str = ""):
+    """An OSError inside (a full or read-only disk, a path under a file, a missing parent) becomes the
+    :class:`RecipeError` ``<where>: cannot write [what] (<reason>)``: one ``error:`` line, exit 2. ``where``
+    (a path) is shortened to fit the line."""
+    try:
+        yield
+    except OSError as e:
+        raise RecipeError(f"{shorten(str(where))}: cannot write{' ' + what if what else ''} ({e.strerror or e})") \
+            from None
 
 
 # Gloo and c10d prefix messages with the C++ source location: "[/__w/pytorch/.../pair.cc:553] ".

@@ -3,8 +3,7 @@
 - :func:`si`, :func:`gib`, :func:`pct`: numbers for tables and log lines.
 - :func:`clean` and :func:`emit_json`: JSON without NaN/Inf (null instead), sorted for diffing.
 - :func:`stdout_to_stderr`: keep stdout for a command's own ``--json`` while workers print.
-- :func:`write_atomic`: a file replaced whole or not at all; :func:`cannot_write`: a failed write as one
-  error line.
+- :func:`write_atomic`: a file replaced whole or not at all.
 """
 from __future__ import annotations
 
@@ -90,20 +89,6 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-
-
-@contextmanager
-def cannot_write(where: object, what: str = ""):
-    """An OSError inside (a full or read-only disk, a path under a file, a missing parent) becomes the
-    :class:`~scaletool.errors.RecipeError` ``<where>: cannot write [what] (<reason>)``: one ``error:`` line,
-    exit 2. ``where`` (a path, or an option and its path) is shortened to fit the line."""
-    from scaletool.errors import RecipeError, shorten
-
-    try:
-        yield
-    except OSError as e:
-        raise RecipeError(f"{shorten(str(where))}: cannot write{' ' + what if what else ''} ({e.strerror or e})") \
-            from None
 
 
 @contextmanager

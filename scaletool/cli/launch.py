@@ -17,8 +17,8 @@ import click
 
 from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
-from scaletool.errors import RecipeError
-from scaletool.fmt import cannot_write, write_atomic
+from scaletool.errors import RecipeError, cannot_write
+from scaletool.fmt import write_atomic
 from scaletool.launch.commands import (
     LaunchSpec,
     check_spec,

@@ -32,8 +32,7 @@ from rich.console import Console
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
-from scaletool.errors import describe
-from scaletool.fmt import cannot_write
+from scaletool.errors import cannot_write, describe
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter, WandbOptions
 from scaletool.measure.nvml import NvmlSampler
