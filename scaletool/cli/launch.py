@@ -17,7 +17,7 @@ import click
 
 from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.config import load_recipe
-from scaletool.errors import RecipeError, cannot_write
+from scaletool.errors import RecipeError, cannot_write, shorten
 from scaletool.fmt import write_atomic
 from scaletool.launch.commands import (
     LaunchSpec,
@@ -118,6 +118,20 @@ def _check_local_gpus(nproc_per_node: int) -> None:
                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
+def _check_local_python(launcher: str, python: str) -> None:
+    """--python on a run here: an interpreter this node can start; torchrun's agent is this process, and
+    its workers run this interpreter, so there --python may only name this one."""
+    import shutil
+
+    found = shutil.which(python)
+    if found is None or not Path(found).is_file():
+        raise RecipeError(f"--python {shorten(python)}: not an executable on this node")
+    if launcher == "torchrun" and os.path.abspath(found) != os.path.abspath(sys.executable):
+        raise RecipeError(f"--python {shorten(python)}: torchrun runs in this process and starts its workers with "
+                          f"this Python ({sys.executable}); run `python -m scaletool launch torchrun ...` with that "
+                          "Python instead (--python names the nodes' Python in --dry-run commands and sbatch scripts)")
+
+
 def run_on_this_node(launcher: str, spec: LaunchSpec, argv: list[str], env: dict[str, str], as_json: bool,
                      before=None):
     """Run this node's launcher process (torchrun in this process, DeepSpeed's as a child), then report
@@ -127,6 +141,7 @@ def run_on_this_node(launcher: str, spec: LaunchSpec, argv: list[str], env: dict
     from scaletool.results.launch import LaunchResult
 
     _check_local_gpus(spec.nproc_per_node)
+    _check_local_python(launcher, spec.python)
     out = Path(spec.out)
     with cannot_write(out, "the run directory"):
         out.mkdir(parents=True, exist_ok=True)
@@ -267,6 +282,8 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
                    rdzv_timeout_s=rdzv_timeout_s, join_timeout_s=rdzv_timeout_s, peak_tflops=peak_tflops,
                    python=python)
     new_hostfile = None  # the text of a hostfile to write from --hosts
+    if hostfile is not None and hosts is not None:
+        raise RecipeError("--hostfile and --hosts: give one (--hosts writes <out>/hostfile)")
     if hostfile is None:
         if not hosts and spec.nnodes > 1:
             raise RecipeError(f"--hostfile or --hosts: required with --nnodes {spec.nnodes}")

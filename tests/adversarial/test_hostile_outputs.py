@@ -182,6 +182,25 @@ def test_a_hostile_hostfile_is_one_line_and_launches_nothing(tmp_path, name):
     assert not (tmp_path / "pwned").exists() and not list((tmp_path / "run").glob("*.log"))
 
 
+@pytest.mark.parametrize("launcher, python, needle", [
+    ("deepspeed", "/nonexistent/python", "not an executable on this node"),
+    ("deepspeed", "/etc/passwd", "not an executable on this node"),
+    ("deepspeed", "/tmp", "not an executable on this node"),
+    ("torchrun", "/bin/true", "torchrun runs in this process"),  # it would have been ignored
+])
+def test_a_python_that_cannot_run_here_is_refused_before_anything_starts(tmp_path, launcher, python, needle):
+    lines, _ = invoke(["launch", launcher, "tiny", "--python", python, "--out", str(tmp_path / "run")],
+                      within=tmp_path)
+    assert len(lines) == 1 and lines[0].startswith(f"error: --python {python}: {needle}"), lines
+
+
+def test_a_hostfile_and_hosts_together_are_refused(tmp_path):
+    (tmp_path / "hostfile").write_text("a slots=1\n")
+    lines, _ = invoke(["launch", "deepspeed", "tiny", "--hostfile", str(tmp_path / "hostfile"), "--hosts", "b,c",
+                       "--dry-run"])
+    assert lines == ["error: --hostfile and --hosts: give one (--hosts writes <out>/hostfile)"]
+
+
 @pytest.mark.parametrize("path, needle", [("/dev/zero", "not a regular file"), ("/nonexistent/h", "no such file")])
 def test_a_hostfile_that_is_not_a_file_is_one_line(tmp_path, path, needle):
     lines, _ = invoke(["launch", "deepspeed", "tiny", "--hostfile", path, "--out", str(tmp_path / "run")])
