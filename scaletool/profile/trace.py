@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function, schedule, tensorboard_trace_handler
 
 from scaletool.config import ProfileConfig
-from scaletool.fmt import clean
+from scaletool.fmt import clean, write_atomic
 from scaletool.profile.breakdown import ALL_CATEGORIES, ALL_MODULES, REGION_PREFIX, SCHEMA_VERSION, analyze, load_trace
 from scaletool.results.train import TrainResult
 from scaletool.stats import spread
@@ -160,7 +160,7 @@ class ProfilerCallback(Callback):
             report["recipe"] = _recipe_digest(self.info.recipe)
             report["notes"] = self.notes
             path = self.dir / BREAKDOWN_FILE
-            path.write_text(json.dumps(clean(report), indent=2, sort_keys=True) + "\n")
+            write_atomic(path, json.dumps(clean(report), indent=2, sort_keys=True) + "\n")  # read by report
             section.update(breakdown=str(path), step_time_s=report["step_time_s"],
                            shares={k: v["share"] for k, v in report["categories"].items()})
             shares = sorted(section["shares"].items(), key=lambda kv: -(kv[1] or 0))
