@@ -328,9 +328,9 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     the newest intact checkpoint when there is one) or ``required``. ``callbacks``
     (:class:`scaletool.train.callbacks.Callback`) run in this process, after the recipe's profiler and
     monitors. ``wandb``: ``offline`` or ``online`` (optionally ``mode:project``) logs to Weights & Biases.
-``join_timeout_s``: under a launcher without a rendezvous of its own (the DeepSpeed launcher), fail
-with :class:`~scaletool.errors.JoinError` when the ranks have not all met at MASTER_ADDR:MASTER_PORT
-within this many seconds, instead of waiting the group's whole timeout.
+    ``join_timeout_s``: under a launcher without a rendezvous of its own (the DeepSpeed launcher), fail
+    with :class:`~scaletool.errors.JoinError` when the ranks have not all met at MASTER_ADDR:MASTER_PORT
+    within this many seconds, instead of waiting the group's whole timeout.
 
     A diverged run returns its result (``status == "diverged"``); a run stopped by an exception, a
     signal or a failed rank raises :class:`~scaletool.train.trainer.TrainFailed`, whose ``result``

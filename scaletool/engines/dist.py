@@ -73,8 +73,8 @@ def join_store(rank: int, world_size: int, join_timeout_s: int, timeout: timedel
     Rank 0 hosts it and waits for the other ranks to connect; they retry until it listens. Either side
     gives up after ``join_timeout_s`` with a :class:`~scaletool.errors.JoinError`, where env:// would
     wait the group's whole timeout (30 minutes on gloo) for a node that never started; a port that rank 0
-    cannot listen on is one too. The store then
-    takes the group's own timeout for everything after the join, as env:// gives it.
+    cannot listen on is one too. The store then takes the group's own timeout for everything after the
+    join, as env:// gives it.
     """
     from scaletool.errors import JoinError
 
@@ -83,13 +83,14 @@ def join_store(rank: int, world_size: int, join_timeout_s: int, timeout: timedel
         store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
                               timeout=timedelta(seconds=join_timeout_s), wait_for_workers=True)
     except (dist.DistError, RuntimeError) as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        text = str(e)
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         cause = lines[0].rstrip(".") if lines else type(e).__name__
         where = f"{addr}:{port}"
-        if "EADDRINUSE" in str(e):
+        if "EADDRINUSE" in text:
             raise JoinError(f"rank 0 cannot host the group's store at {where}: the port is in use on this host "
                             "(another job?); pick another port in --rdzv-endpoint") from e
-        if "timed out" not in str(e).lower():
+        if "timed out" not in text.lower():
             raise JoinError(f"cannot join the group's store at {where}: {cause}") from e
         raise JoinError(f"the {world_size} ranks did not all join at {where} within {join_timeout_s} s (--join-timeout; "
                         f"`scaletool launch deepspeed --rdzv-timeout`): {cause}; start the launch on every node with "
