@@ -9,7 +9,7 @@ import torch
 from conftest import assert_counted_exactly
 
 from scaletool import analytic
-from scaletool.config import RecipeError, recipe_from_dict
+from scaletool.config import RecipeError, expert_capacity, recipe_from_dict
 from scaletool.measure.count import count
 from scaletool.model import build_model
 from scaletool.model.moe import MoE, expert_load_metrics, segment_matmul
@@ -58,8 +58,8 @@ def test_param_counts_match_closed_forms(kw):
 
 def test_capacity_convention():
     cfg = cfg_of(moe_dispatch="capacity", capacity_factor=1.25)
-    assert analytic.expert_capacity(cfg, 100) == math.ceil(1.25 * 100 * 2 / 8) == 32
-    assert analytic.expert_capacity(cfg_of(moe_dispatch="capacity", capacity_factor=100.0), 10) == 10  # never more
+    assert expert_capacity(cfg, 100) == math.ceil(1.25 * 100 * 2 / 8) == 32
+    assert expert_capacity(cfg_of(moe_dispatch="capacity", capacity_factor=100.0), 10) == 10  # never more
     per_tok = analytic.flops_per_token(cfg, 16, tokens=100)
     expert_fwd = 2 * 3 * cfg.d_model * cfg.moe_intermediate_size
     extra = 2 * expert_fwd * (8 * 32 / 100 - 2)  # two MoE layers compute E·C/N - k experts too many per token
@@ -175,7 +175,7 @@ def test_capacity_drops_are_counted_and_only_touch_dropped_tokens():
     x = torch.randn(1, 16, 32)
     x[..., 0] = x[..., 0].abs() + 1
     out = moe(x)
-    C = analytic.expert_capacity(moe.cfg, 16)
+    C = expert_capacity(moe.cfg, 16)
     load = moe.tokens_per_expert
     assert load[0].item() == 16 and load.sum().item() == 32
     assert moe.dropped.item() == int((load - C).clamp_min(0).sum())

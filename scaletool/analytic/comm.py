@@ -1,0 +1,180 @@
+"""Communication: bytes per optimizer step of each engine's collectives, per rank and process group."""
+from __future__ import annotations
+
+from scaletool.analytic.params import _norm_params, attention_params, ffn_params, moe_params, param_counts
+from scaletool.analytic.timeline import MemoryInputs
+from scaletool.config import ModelConfig, Recipe, expert_capacity
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+#
+# Bytes per optimizer step of the collectives each engine issues, per rank, by process group:
+# tensor parallelism (``tp``, scaletool.engines.tp: Megatron-LM's column/row split with sequence and
+# loss parallelism) and the data-parallel engines (``dp``: DDP, FSDP2, ZeRO-0..3, expert parallelism's
+# all-to-alls). A row is one kind of collective: how many per step (None where the library buckets them
+# by size), their messages' bytes summed (a message is the full tensor: an all-gather's output, a
+# reduce-scatter's input, an all-reduce's tensor) and the bytes each rank sends for them
+# (:func:`wire_bytes`). scaletool.measure.collectives counts the same on a real process group.
+
+
+def wire_bytes(op: str, message_bytes: float, ranks: int) -> float:
+    """Bytes each of ``ranks`` ranks sends for one collective on a ``message_bytes`` message, in the
+    bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009; NCCL's bus-bandwidth convention,
+    nccl-tests PERFORMANCE.md): all-reduce 2(n-1)/n·S, all-gather, reduce-scatter and all-to-all
+    (n-1)/n·S; nothing on one rank."""
+    factor = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}[op]
+    return factor * (ranks - 1) / ranks * message_bytes
+
+
+def _row(group: str, op: str, what: str, count: int | None, message_bytes: float, ranks: int) -> dict:
+    return {"group": group, "op": op, "what": what, "count": count, "message_bytes": int(message_bytes),
+            "wire_bytes": int(wire_bytes(op, message_bytes, ranks))}
+
+
+def tensor_parallel_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model one of ``tp`` tensor-parallel ranks holds, as a config: query and K/V heads (MQA's one
+    K/V head stays whole), FFN width and vocabulary divided by ``tp``; d_model, head dims and MLA's
+    latent ranks unchanged (replicated). :func:`param_counts` of it is that rank's parameter count, and
+    its per-layer activations are that rank's inside the split sub-layers."""
+    if tp == 1:
+        return cfg
+    kv = cfg.n_kv_heads if cfg.attention == "mqa" else cfg.n_kv_heads // tp
+    return cfg.model_copy(update={"n_heads": cfg.n_heads // tp, "n_kv_heads": kv,
+                                  "intermediate_size": cfg.intermediate_size // tp, "vocab_size": cfg.vocab_size // tp})
+
+
+def tensor_parallel_replicated(cfg: ModelConfig) -> list[int]:
+    """Sizes of the weight tensors every tensor-parallel rank holds whole: the norms (sequence-parallel),
+    MLA's latent path (wkv_a, kv_norm; wq_a, q_norm), MQA's K/V projections. Each gets one all-reduce of
+    its partial gradients per step (engines.tp)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    norm = [d] if cfg.norm == "rmsnorm" else [d, d]  # LayerNorm: weight and bias
+    layer = 2 * norm
+    if cfg.attention == "mla":
+        layer += [d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.kv_lora_rank]
+        if cfg.q_lora_rank:
+            layer += [d * cfg.q_lora_rank, cfg.q_lora_rank]
+    elif cfg.attention == "mqa":
+        layer += [d * hd, d * hd] + ([hd, hd] if cfg.qkv_bias else [])
+    return cfg.n_layers * layer + norm
+
+
+def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInputs, grad_accum_steps: int = 1
+                                  ) -> list[dict]:
+    """Tensor parallelism's collectives per optimizer step, per rank of a group of ``tp``.
+
+    Sequence parallelism (Korthikanti et al. 2022, §4.2.2, Figure 5): each sub-layer (attention, FFN)
+    starts with an all-gather of its normed input and ends with a reduce-scatter of its output, and the
+    backward mirrors them (2 of each per sub-layer and micro-batch: the bandwidth of Megatron-LM's one
+    all-reduce forward and one backward, Shoeybi et al. 2019, §3); a recomputed (checkpointed) block
+    repeats its forward pair. The vocabulary-sharded embedding reduce-scatters its output (all-gather in
+    the backward), the final norm's output is gathered for the head (reduce-scatter in the backward).
+    Messages: micro_batch_size × seq_len × d_model in the compute dtype. Loss parallelism adds three
+    all-reduces of micro_batch_size × seq_len fp32 numbers (max, sum of exponentials, target logit).
+    Once per step the replicated weights' partial gradients are all-reduced, one per tensor, in the
+    parameter dtype (fp32 when accumulating: FSDP2 keeps accumulated gradients in its reduce dtype).
+    The global gradient norm's all-reduce of one number per tensor is left out.
+    """
+    if tp == 1:
+        return []
+    L, gas = cfg.n_layers, grad_accum_steps
+    ac = inputs.activation_checkpointing
+    recomputed = L if ac == "full" else (L // inputs.selective_every if ac == "selective" else 0)
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    activation = tokens * cfg.d_model * cfg.dtype_bytes
+    per_micro = 4 * L + 2 * recomputed + 2  # per op: blocks forward and backward, recompute, embedding and final norm
+    replicated = tensor_parallel_replicated(cfg)
+    grad_bytes = 4 if gas > 1 else cfg.dtype_bytes
+    return [
+        _row("tp", "all_gather", "sub-layer inputs, final norm; embedding (backward)", gas * per_micro,
+             gas * per_micro * activation, tp),
+        _row("tp", "reduce_scatter", "sub-layer outputs, embedding; final norm (backward)", gas * per_micro,
+             gas * per_micro * activation, tp),
+        _row("tp", "all_reduce", "loss parallelism (max, sum of exp, target logit)", 3 * gas, 3 * gas * tokens * 4, tp),
+        _row("tp", "all_reduce", "replicated weights' gradients", len(replicated), sum(replicated) * grad_bytes, tp),
+    ]
+
+
+def _layer_params(cfg: ModelConfig, expert_parallel: bool = False) -> list[int]:
+    """Parameters of each block (what FSDP2 gathers per block); routed experts left out under expert
+    parallelism (FSDP2 ignores them)."""
+    attn = sum(attention_params(cfg).values()) + 2 * _norm_params(cfg, cfg.d_model)
+    dense = attn + ffn_params(cfg)
+    if not cfg.n_moe_layers:
+        return [dense] * cfg.n_layers
+    moe = moe_params(cfg)
+    moe_layer = attn + moe["gate"] + moe["shared"] + (0 if expert_parallel else moe["routed"])
+    return [dense] * (cfg.n_layers - cfg.n_moe_layers) + [moe_layer] * cfg.n_moe_layers
+
+
+def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, zero_stage: int = 1,
+                                grad_accum_steps: int = 1, reshard_after_forward: bool = True,
+                                expert_parallel: bool = False, inputs: MemoryInputs | None = None) -> list[dict]:
+    """The data-parallel engine's collectives per optimizer step, per rank of ``ranks`` (``cfg`` is what
+    one rank of a tensor-parallel group holds, :func:`tensor_parallel_config`, when there is one).
+
+    - DDP: one all-reduce of the fp32 gradients per step (``no_sync`` while accumulating), in buckets.
+    - FSDP2: per micro-batch, each block's and the root's (embedding, final norm, head) 16-bit parameters
+      all-gathered for the forward, the blocks again for the backward when ``reshard_after_forward`` (the
+      root is not resharded); per step one reduce-scatter of the gradients per block and root, in fp32
+      (the reduce dtype). Without FSDP2's padding of each tensor's first dimension to a multiple of
+      ``ranks``. Expert parallelism (``inputs`` needed): the routed experts stay out of FSDP2, and each
+      MoE layer's dispatch buffer (n_routed_experts × capacity × d_model) goes by all-to-all twice in
+      the forward and twice in the backward.
+    - ZeRO (Rajbhandari et al. 2020, §7): stage 0 all-reduces the 16-bit gradients once per step;
+      stages 1 and 2 reduce-scatter them (stage 1 once per step, stage 2 every micro-batch: its gradients
+      are partitioned as the backward produces them) and all-gather the updated 16-bit parameters after
+      the step (2Ψ, as data parallelism); stage 3 all-gathers the parameters for every micro-batch's
+      forward and backward and reduce-scatters its gradients (3Ψ per micro-batch).
+    """
+    if ranks == 1 or engine == "single":
+        return []
+    gas, p16 = grad_accum_steps, cfg.dtype_bytes  # 16-bit parameters under mixed precision, else fp32
+    pc = param_counts(cfg)
+    psi = pc["total"]
+    if engine == "ddp":
+        return [_row("dp", "all_reduce", "gradients (fp32, bucketed)", None, 4 * psi, ranks)]
+    if engine == "deepspeed":
+        if zero_stage == 0:
+            return [_row("dp", "all_reduce", "gradients", None, p16 * psi, ranks)]
+        if zero_stage < 3:
+            reduces = gas if zero_stage == 2 else 1
+            return [_row("dp", "reduce_scatter", "gradients", None, reduces * p16 * psi, ranks),
+                    _row("dp", "all_gather", "updated parameters", None, p16 * psi, ranks)]
+        return [_row("dp", "all_gather", "parameters (forward and backward)", None, 2 * gas * p16 * psi, ranks),
+                _row("dp", "reduce_scatter", "gradients", None, gas * p16 * psi, ranks)]
+    if engine != "fsdp":
+        raise ValueError(f"unknown engine {engine!r}")
+    blocks = _layer_params(cfg, expert_parallel)
+    root = pc["embedding"] + pc["head"] + pc["final_norm"]
+    gathers = gas * (len(blocks) * (2 if reshard_after_forward else 1) + 1)
+    gathered = gas * (sum(blocks) * (2 if reshard_after_forward else 1) + root)
+    rows = [_row("dp", "all_gather", "parameters (blocks and root)", gathers, gathered * p16, ranks),
+            _row("dp", "reduce_scatter", "gradients (fp32)", len(blocks) + 1, 4 * (sum(blocks) + root), ranks)]
+    if expert_parallel and cfg.n_moe_layers:
+        slots = cfg.n_routed_experts * expert_capacity(cfg, inputs.micro_batch_size * inputs.seq_len)
+        count = 4 * cfg.n_moe_layers * gas
+        rows.append(_row("dp", "all_to_all", "expert dispatch and return", count,
+                         count * slots * cfg.d_model * p16, ranks))
+    return rows
+
+
+def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel: int | None = None) -> dict:
+    """Per-step communication of the recipe's engine at ``world_size`` ranks, ``tensor_parallel`` of them
+    per tensor-parallel group (defaults: ``parallel.world_size``, ``parallel.tensor_parallel``)."""
+    p, t = recipe.parallel, recipe.train
+    tp = tensor_parallel or p.tensor_parallel
+    N = world_size or p.world_size
+    if N % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide world_size={N}")
+    dp = N // tp
+    inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    local = tensor_parallel_config(recipe.model, tp)
+    rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps)
+    rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
+                                        reshard_after_forward=p.reshard_after_forward,
+                                        expert_parallel=p.expert_parallel, inputs=inputs)
+    by_group = {g: sum(r["wire_bytes"] for r in rows if r["group"] == g) for g in ("tp", "dp")}
+    return {"engine": p.engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "collectives": rows,
+            "tp_wire_bytes": by_group["tp"], "dp_wire_bytes": by_group["dp"],
+            "wire_bytes": by_group["tp"] + by_group["dp"]}

@@ -1,0 +1,176 @@
+"""Per-engine peak memory along the backward timeline: torch engines (single, DDP, FSDP2) and ZeRO-1/2/3."""
+from __future__ import annotations
+
+from scaletool.analytic.params import param_counts
+from scaletool.analytic.timeline import EngineSettings, _group_sizes, _timeline
+
+
+def _torch_engine(cfg, engine, N, units, loss_temp, s: EngineSettings) -> dict:
+    """single, DDP, FSDP2: fp32 parameters, gradients and AdamW m, v (16Ψ), FSDP2 sharding all of it.
+
+    - single: gradients are allocated as the backward produces them (``zero_grad(set_to_none=True)``
+      frees them after the step; AccumulateGrad steals the fresh gradient, no copy).
+    - DDP (``gradient_as_bucket_view=True``): the reducer's flat buckets are the gradients (4Ψ,
+      allocated at construction and kept: ``.grad`` are views into them); extra is one parameter's fresh
+      gradient at a time, copied into its bucket view and then freed
+      (torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::mark_variable_ready_dense``), and, once per
+      run, a second set of buckets: the second step's forward rebuilds them in gradient-arrival order
+      (torch/nn/parallel/distributed.py ``_pre_forward`` → ``Reducer::rebuild_buckets`` →
+      ``initialize_buckets``), and the first set stayed allocated through that step's backward in the
+      GPU validation (recipes/benchmarks/memory_phases.md: +4Ψ in 7 of 8 two-GPU cells; what still
+      references them was not traced). The estimate counts them: it is the run's peak, not a later step's
+      (``train`` reports both: ``memory/peak_allocated_bytes`` over the measured steps after warm-up, where
+      4x H100 runs were 4Ψ under this estimate, and ``memory/run_peak_allocated_bytes`` over the whole run).
+    - FSDP2: sharded fp32 gradients appear as each block's reduce-scatter finishes. Buffers
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_all_gather``,
+      ``foreach_reduce``): the root (embedding, head, final norm; ``reshard_after_forward=False``)
+      stays unsharded through the backward, and its unsharded gradients wait for its reduce-scatter
+      at the end; at a block, its unsharded 16-bit parameters and the prefetched next block's (all
+      blocks not yet reached with ``reshard_after_forward=False``), its unsharded gradients and the
+      fp32 reduce-scatter input (reduce_dtype fp32). At N = 1 the all-gather is a copy, so the same.
+    - Step: fused AdamW (torch/optim/adam.py ``_fused_adam``) updates in place, no temporaries;
+      foreach AdamW (``_multi_tensor_adam``) allocates ``exp_avg_sq_sqrt``, one fp32 tensor per
+      parameter of the group it is stepping: 4 bytes × the larger AdamW group.
+    """
+    psi = param_counts(cfg)["total"]
+    shard = N if engine == "fsdp" else 1
+    states = {"weights": 4 * psi / shard, "optimizer": 8 * psi / shard}
+    if engine == "single":
+        def grads_at(i, done): return 4 * done
+        def buffers_at(i): return 0.0
+    elif engine == "ddp":
+        def grads_at(i, done): return 4 * psi
+        def buffers_at(i): return 4 * psi + (4 * units[i].largest if i >= 0 else 0.0)
+    else:
+        p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
+        root = units[0].gathered + units[-1].gathered
+        blocks = [u.gathered for u in units[1:-1]]
+
+        def grads_at(i, done): return 4 * done / N
+
+        def buffers_at(i):
+            if i < 0:  # the root is still gathered from the forward; without resharding, every block too
+                return p * root + (0 if s.reshard_after_forward else p * sum(blocks))
+            waiting = p * units[0].params  # the head's unsharded gradient waits for the root's reduce-scatter
+            if i == 0:
+                return p * root + waiting + (0 if s.reshard_after_forward else p * sum(blocks))
+            if i == len(units) - 1:  # the root's reduce-scatter: its unsharded gradients and the fp32 input
+                return p * root + (p + 4) * root
+            b = i - 1
+            gathered = sum(blocks[b:]) if not s.reshard_after_forward else blocks[b] + sum(blocks[b + 1:b + 2])
+            return p * root + waiting + p * gathered + (p + 4) * blocks[b]
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at)
+    temp = 0.0 if s.fused_optimizer else 4 * max(_group_sizes(cfg)) / shard
+    step = {**states, "gradients": 4 * psi / shard, "activations": 0.0, "buffers": 0.0, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": 4 * psi / shard, "optimizer_bytes": states["optimizer"]}
+
+
+def _zero12(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, ``DeepSpeedZeroOptimizer``) as
+    scaletool configures it: 16-bit parameters (2Ψ, whole), fp32 master, m, v sharded (12Ψ/N),
+    contiguous_gradients and overlap_comm on.
+
+    - Backward: at the first gradient hook ``setup_buckets`` allocates the IPG buckets, 2 × reduce_bucket
+      16-bit elements with overlap_comm (one without), released in ``independent_gradient_partition_epilogue``;
+      gradients are copied into them as they come. At the first bucket flush (``reduce_ipg_grads``)
+      ``copy_grads_in_partition`` allocates ``grads_in_partition``, 16-bit, this rank's partition (Ψ/N):
+      for stage 2 and also for stage 1, whose hooks reduce during the backward once overlap_comm is on
+      (``process_gradients``); stage 1 without overlap_comm keeps every 16-bit gradient (2Ψ).
+    - Step (``step``): per parameter group, ``flatten(averaged_gradients)`` makes a flat 16-bit copy of the
+      group's partition and ``.to(fp32)`` the fp32 gradient the optimizer reads, while
+      ``grads_in_partition`` is still held by the groups' views: 2P + 4P on top of it for the larger group
+      (P its partition; an fp32 model skips the cast). The 16-bit all-gather of the updated partitions
+      writes into the flat parameter groups in place (runtime/utils.py ``all_gather_dp_groups``:
+      ``all_gather_into_tensor``, or narrow views per allgather_bucket_size), so it adds nothing.
+      DeepSpeed's own estimator counts this step copy since PR #5099
+      (``estimate_zero2_model_states_mem_needs``: 2Ψ + 18Ψ/N = 16-bit grads + fp32 grads + master + m, v).
+    - Stage 0 (not in the GPU validation): no sharding, no IPG buckets; 16-bit training runs DeepSpeed's
+      ``FP16_Optimizer`` (runtime/fp16/fused_optimizer.py ``step``), which casts every gradient to fp32 and
+      flattens the casts: 4P + 4P for the larger group.
+    """
+    psi = param_counts(cfg)["total"]
+    mixed = cfg.dtype != "fp32"
+    g16 = cfg.dtype_bytes if mixed else 4
+    stage0 = s.zero_stage == 0
+    shards = 1 if stage0 else N
+    partitioned = not stage0 and (s.zero_stage >= 2 or s.overlap_comm)
+    grad_bytes = g16 * psi / (N if partitioned else 1)
+    states = {"weights": g16 * psi, "optimizer": (12 if mixed else 8) * psi / shards}
+    buckets = 0 if stage0 else (2 if s.overlap_comm else 1) * s.reduce_bucket * g16
+    last = len(units) - 1
+
+    def grads_at(i, done):
+        if not partitioned:  # stage 0, or stage 1 without overlap: every gradient stays in param.grad
+            return g16 * done
+        return grad_bytes if (done > s.reduce_bucket or i == last) else 0.0
+
+    def buffers_at(i): return buckets if i >= 0 else 0.0
+
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at)
+    P = max(_group_sizes(cfg)) / shards
+    if stage0:  # every gradient cast to fp32 one by one, then flattened: 4P + 4P
+        temp = 8 * P
+    else:
+        temp = max((g16 + (4 if mixed else 0)) * P, (4 + (0 if s.fused_optimizer else 4)) * P)
+    step = {**states, "gradients": grad_bytes, "activations": 0.0, "buffers": 0.0, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": grad_bytes, "optimizer_bytes": states["optimizer"]}
+
+
+def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """DeepSpeed ZeRO-3 (deepspeed/runtime/zero/stage3.py, ``DeepSpeedZeroOptimizer_Stage3``):
+    16-bit parameter partitions (2Ψ/N), fp32 master, m, v (12Ψ/N), and two buffers allocated for good
+    in ``_setup_for_real_optimizer``: the flat 16-bit gradient partitions (2Ψ/N,
+    ``grad_partitions_flat_buffer``) and the contiguous IPG bucket (reduce_bucket 16-bit elements).
+
+    - Backward: gathered 16-bit parameters (partitioned_param_coordinator.py; none on one rank, where
+      partition_parameters.py ``all_gather_coalesced`` hands out the partition itself). A parameter used again
+      within ``max_reuse_distance`` gathered elements is not released: those used last in the forward,
+      needed first in the backward, stay gathered from forward to backward (the stops whose earlier stops
+      sum to under max_reuse_distance/2); each stop's own parameters and the prefetched next stop's (up to
+      prefetch_bucket elements) are gathered while it runs. A bucket flush (``__reduce_and_partition_ipg_grads``
+      → ``reduce_scatter_coalesced``) concatenates the bucket's gradients into one 16-bit buffer (torch.cat).
+    - Step: ``_partition_all_parameters`` releases what is gathered; per sub-group
+      (``_prepare_fp32_grad_for_sub_group``) ``flatten(...).to(fp32)`` makes a 16-bit flat copy and the fp32
+      gradient of the sub-group's partition, P = min(group, sub_group_size) elements / N: 2P + 4P.
+    """
+    psi = param_counts(cfg)["total"]
+    mixed = cfg.dtype != "fp32"
+    g16 = cfg.dtype_bytes if mixed else 4
+    states = {"weights": g16 * psi / N, "optimizer": (12 if mixed else 8) * psi / N}
+    grad_bytes = g16 * psi / N
+    bucket = s.reduce_bucket * g16
+    kept, before = [], 0
+    for u in units[:-1]:  # the embedding is used first in the forward, last in the backward: never kept
+        kept.append(2 * before < s.max_reuse_distance)
+        before += u.gathered
+    kept.append(False)
+    last = len(units) - 1
+
+    def gathered_at(i):
+        if N == 1:  # one rank: the "gathered" parameter is its partition (all_gather_coalesced -> NoGatherHandle)
+            return 0
+        if i < 0:
+            return sum(u.gathered for u, k in zip(units, kept) if k)
+        pending = sum(u.gathered for u, k in zip(units[i + 1:], kept[i + 1:]) if k)
+        ahead = units[i + 1].gathered if i < last and not kept[i + 1] else 0
+        return pending + units[i].gathered + min(ahead, s.prefetch_bucket)
+
+    flushes, fill = {}, 0  # stop -> elements flushed there (the bucket's content)
+    for i, u in enumerate(units):
+        if fill + u.params > s.reduce_bucket:
+            flushes[i], fill = fill, 0
+        fill += u.params
+    flushes[last] = flushes.get(last, 0) + fill
+
+    def grads_at(i, done): return grad_bytes
+    def buffers_at(i): return bucket + g16 * gathered_at(i)
+    def temp_at(i, done): return g16 * flushes.get(i, 0) if i >= 0 else 0.0
+
+    backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at, temp_at)
+    P = min(max(_group_sizes(cfg)), s.sub_group_size) / N
+    temp = max((g16 + (4 if mixed else 0)) * P, (4 + (0 if s.fused_optimizer else 4)) * P)
+    step = {**states, "gradients": grad_bytes, "activations": 0.0, "buffers": bucket, "temporaries": temp}
+    return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
+            "weights_bytes": states["weights"], "gradients_bytes": grad_bytes, "optimizer_bytes": states["optimizer"]}

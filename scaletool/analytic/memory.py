@@ -1,0 +1,184 @@
+"""Training memory per GPU by engine and phase, the engine table, and tensor parallelism's peak."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from scaletool.analytic.comm import tensor_parallel_config
+from scaletool.analytic.engine_memory import _torch_engine, _zero3, _zero12
+from scaletool.analytic.params import param_counts
+from scaletool.analytic.timeline import (
+    COMPONENTS,
+    PHASES,
+    ZERO3_MAX_REUSE_DISTANCE,
+    ZERO3_PREFETCH_BUCKET,
+    ZERO3_SUB_GROUP_SIZE,
+    ZERO_REDUCE_BUCKET,
+    EngineSettings,
+    MemoryInputs,
+    _timeline,
+    _units,
+)
+from scaletool.config import ModelConfig, Recipe
+from scaletool.errors import RecipeError
+
+
+def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs,
+                    settings: EngineSettings | None = None, **overrides) -> dict:
+    """Peak bytes per GPU of a training step, as the larger of its two phases (see the section comment).
+
+    Model states follow ZeRO (Rajbhandari et al. 2020, §3) as each engine really stores them: torch-native
+    engines keep fp32 parameters, gradients and AdamW m, v (16Ψ; FSDP2 shards all of it); DeepSpeed keeps
+    16-bit parameters and gradients and an fp32 master with m, v (12Ψ), sharded per ZeRO stage. The
+    engine-specific buffers and temporaries are documented, with their DeepSpeed and torch sources, in
+    :func:`_torch_engine`, :func:`_zero12` and :func:`_zero3`; activations in :func:`_units` and
+    :func:`_activation_bytes_per_token_per_layer` (eager mode).
+
+    MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
+    (FSDP2) each rank keeps 1/N of the routed experts itself: states stay Ψ/N per rank, but FSDP's
+    per-block all-gather no longer includes the routed experts.
+
+    ``settings`` (or keyword ``overrides`` of its fields) describes the engine's configuration.
+    Returns the phases (components per phase), the phase that sets ``total_bytes``, where the backward
+    peaks, and the model states and saved activations as single figures.
+    """
+    s = settings or EngineSettings()
+    if overrides:
+        s = replace(s, **overrides)
+    N = world_size
+    autocast = engine in ("single", "ddp")
+    units, loss_temp = _units(cfg, inputs, autocast=autocast, expert_parallel=s.expert_parallel)
+    if engine in ("single", "ddp", "fsdp"):
+        out = _torch_engine(cfg, engine, N, units, loss_temp, s)
+    elif engine == "deepspeed":
+        out = (_zero3 if s.zero_stage >= 3 else _zero12)(cfg, N, units, loss_temp, s)
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    phases = {name: {c: int(out["phases"][name][c]) for c in COMPONENTS} for name in PHASES}
+    totals = {name: sum(comp.values()) for name, comp in phases.items()}
+    phase = max(PHASES, key=lambda name: totals[name])
+    peak = phases[phase]
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    blocks = units[1:-1]
+    return {
+        "engine": engine, "world_size": N, "zero_stage": s.zero_stage if engine == "deepspeed" else None,
+        "weights_bytes": int(out["weights_bytes"]), "gradients_bytes": int(out["gradients_bytes"]),
+        "optimizer_bytes": int(out["optimizer_bytes"]),
+        # what autograd keeps at the end of the forward (the loss gradient not included)
+        "activations_bytes": int(sum(u.saved for u in units)),
+        "activations_per_token_per_layer_bytes": int(sum(u.live for u in blocks) / len(blocks) / tokens) if blocks else 0,
+        # the engine's buffers and the temporaries at the peak: what the model states and activations leave out
+        "transient_bytes": peak["buffers"] + peak["temporaries"],
+        "phases": phases, "phase": phase, "backward_peak_at": out["backward_peak_at"],
+        "total_bytes": totals[phase],
+    }
+
+
+def engine_settings(recipe: Recipe) -> EngineSettings:
+    """The :class:`EngineSettings` a recipe selects: parallel.* and the DeepSpeed passthrough's numbers
+    (unknown or malformed passthrough values fall back to the defaults DeepSpeed itself would use)."""
+    t, p = recipe.train, recipe.parallel
+    zero = p.deepspeed.get("zero_optimization") or {}
+
+    def number(key: str, default: float) -> float:
+        try:
+            return float(zero.get(key, default))
+        except (TypeError, ValueError):
+            return default
+
+    return EngineSettings(
+        zero_stage=p.zero_stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
+        # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
+        fused_optimizer=t.fused_optimizer is not False,
+        reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
+        overlap_comm=bool(zero.get("overlap_comm", True)),
+        max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),
+        prefetch_bucket=number("stage3_prefetch_bucket_size", ZERO3_PREFETCH_BUCKET),
+        sub_group_size=number("sub_group_size", ZERO3_SUB_GROUP_SIZE))
+
+
+#: the rows of :func:`memory_table`: (label, engine, ZeRO stage)
+TABLE_ENGINES = [("single", "single", 0), ("ddp", "ddp", 0), ("fsdp", "fsdp", 0),
+                 ("zero1", "deepspeed", 1), ("zero2", "deepspeed", 2), ("zero3", "deepspeed", 3)]
+
+
+def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
+    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
+    recipe's engine settings (single only at world size 1)."""
+    N = world_size or recipe.parallel.world_size
+    t = recipe.train
+    base = engine_settings(recipe)
+    rows = []
+    for ac in ("none", "full"):
+        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
+        for label, engine, stage in TABLE_ENGINES:
+            if engine == "single" and N > 1:
+                continue
+            settings = replace(base, zero_stage=stage or base.zero_stage,
+                               expert_parallel=base.expert_parallel and engine == "fsdp")
+            row = training_memory(recipe.model, engine, 1 if engine == "single" else N, inp, settings)
+            rows.append({**row, "activation_checkpointing": ac, "label": label})
+    return rows
+
+
+def recipe_memory(recipe: Recipe, world_size: int) -> dict:
+    """Memory estimate for the engine and settings the recipe itself selects."""
+    tp = recipe.parallel.tensor_parallel
+    if tp > 1:
+        if world_size % tp:
+            raise RecipeError(f"parallel.world_size: {world_size} is not a multiple of parallel.tensor_parallel={tp}; "
+                              "set the ranks to assume (estimate --world-size)")
+        return tensor_parallel_memory(recipe, world_size, tp)
+    t = recipe.train
+    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    return training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
+
+
+def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:
+    """Bytes ``scaletool count`` needs on a real device: the model in fp32, and one forward and backward
+    at ``batch`` sequences without autocast (FlopCounterMode runs both), i.e. the backward phase of a
+    ``single`` step with no optimizer state and fp32 compute."""
+    fp32 = cfg.model_copy(update={"dtype": "fp32"})
+    units, loss_temp = _units(fp32, MemoryInputs(batch, seq_len), autocast=False, expert_parallel=False)
+    psi = param_counts(cfg)["total"]
+    peak, _ = _timeline(units, loss_temp, {"weights": 4 * psi, "optimizer": 0.0},
+                        lambda i, done: 4 * done, lambda i: 0.0)
+    parts = {k: int(v) for k, v in peak.items() if k != "optimizer"}
+    return {**parts, "total_bytes": sum(parts.values())}
+
+
+
+
+def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int) -> dict:
+    """Peak bytes per GPU under FSDP2 × tensor parallelism (engines.fsdp with parallel.tensor_parallel).
+
+    Each rank holds :func:`tensor_parallel_config`'s model (sharded weights divided by the group size,
+    replicated ones whole) and FSDP2 shards it over ``world_size / tensor_parallel`` data-parallel ranks:
+    :func:`training_memory` of that model gives the states, FSDP2's buffers and the activations of the
+    split sub-layers (heads, FFN columns, vocabulary-sharded logits under loss parallelism; MLA's latent
+    and the normed inputs the column-parallel projections save are whole on every rank). Sequence
+    parallelism (Korthikanti et al. 2022, §4.2.2) then shards what that count keeps whole between the
+    sub-layers: each block's two norm inputs (a checkpointed block's one input) and the final norm's
+    input, the residual stream, saving ``sequence_parallel_saving_bytes``, subtracted from the
+    activations and the peak.
+    """
+    tp, t, cfg = tensor_parallel, recipe.train, recipe.model
+    if world_size % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide world_size={world_size}")
+    dp = world_size // tp
+    local = tensor_parallel_config(cfg, tp)
+    inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
+    row = training_memory(local, "fsdp", dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
+    res = cfg.dtype_bytes  # the residual stream is 16-bit under FSDP2's mixed precision, fp32 otherwise
+    ac, every = inputs.activation_checkpointing, inputs.selective_every
+    kept = sum(1 if ac == "full" or (ac == "selective" and (i + 1) % every == 0) else 2 for i in range(cfg.n_layers)) + 1
+    saving = int(inputs.micro_batch_size * inputs.seq_len * res * cfg.d_model * kept * (1 - 1 / tp))
+    # the saved norm inputs are live through the backward and gone by the optimizer step: the saving comes
+    # off the backward phase's activations, and the peak phase is chosen again
+    phases = {name: dict(comp) for name, comp in row["phases"].items()}
+    phases["backward"]["activations"] = max(0, phases["backward"]["activations"] - saving)
+    totals = {name: sum(comp.values()) for name, comp in phases.items()}
+    phase = max(totals, key=totals.get)
+    return {**row, "world_size": world_size, "tensor_parallel": tp, "data_parallel": dp,
+            "params_per_rank": param_counts(local)["total"], "sequence_parallel_saving_bytes": saving,
+            "activations_bytes": row["activations_bytes"] - saving, "phases": phases, "phase": phase,
+            "transient_bytes": phases[phase]["buffers"] + phases[phase]["temporaries"], "total_bytes": totals[phase]}
