@@ -1,0 +1,101 @@
+"""``python -m scaletool.bench STUDY [--out DIR] [--only NAME,...] [--list] [--dry-run]``."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from scaletool.bench.runner import gpu_count, plan, run_study
+from scaletool.bench.study import StudyError, load_study, study_names
+
+EPILOG = """\
+examples:
+  python -m scaletool.bench --list
+  python -m scaletool.bench decode --dry-run
+  python -m scaletool.bench decode --out runs/bench/decode-h100
+  python -m scaletool.bench regenerate-reports
+  python -m scaletool.bench regenerate-reports --only quickstart-cpu
+
+A study is recipes/benchmarks/studies/STUDY.yaml (or a path to such a
+file). Its commands run one after the other, each in its own process;
+rerunning resumes: a command whose result exists is skipped. OUT/runs.jsonl
+records each command with the card, date, torch and CUDA versions."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every scaletool command
+        self.exit(2, f"error: {message}; try 'python -m scaletool.bench --help'\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m scaletool.bench", description="Run a study of the benchmark suite.",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("study", nargs="?", help="a study name (see --list) or a study YAML file")
+    p.add_argument("--out", "-o", type=Path, help="output directory (default runs/bench/STUDY)")
+    p.add_argument("--only", help="comma-separated command names or patterns (fnmatch) to run")
+    p.add_argument("--list", action="store_true", help="list the studies, or the commands of STUDY")
+    p.add_argument("--dry-run", action="store_true", help="print what would run and what is done; run nothing")
+    return p
+
+
+def _list_studies() -> int:
+    rows = []
+    for name in study_names():
+        try:
+            s = load_study(name)
+            desc = s.description if len(s.description) <= 90 else s.description[:87] + "..."
+            rows.append((name, str(s.gpus), str(len(s.commands)), desc))
+        except StudyError as e:
+            rows.append((name, "?", "?", f"invalid: {e.problems[0]}"))
+    w = max((len(r[0]) for r in rows), default=5)
+    print(f"{'study':{w}}  GPUs  commands  description")
+    for name, gpus, n, desc in rows:
+        print(f"{name:{w}}  {gpus:>4}  {n:>8}  {desc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.study is None:
+        if args.list:
+            return _list_studies()
+        _parser().error("name a study, or --list to see them")
+    try:
+        study = load_study(args.study)
+        out = args.out if args.out is not None else Path("runs") / "bench" / study.name
+        if out.exists() and not out.is_dir():
+            raise StudyError([f"--out {out}: exists and is not a directory"])
+        only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+        planned = plan(study, out, only)
+        if args.list or args.dry_run:
+            print(f"study {study.name}: {study.description} (GPUs: {study.gpus}; output {out})")
+            for p in planned:
+                state = "done" if p.done else "todo"
+                line = f"  {state}  {p.command.name} -> {p.command.result}"
+                if args.dry_run:
+                    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.command.env.items())
+                    argv = [a.replace("{out}", str(out)) for a in p.command.argv]
+                    where = f"(in {out}) " if p.command.cwd == "out" else ""
+                    line += f"\n        {where}{env + ' ' if env else ''}{shlex.join(argv)}"
+                print(line)
+            return 0
+        if study.gpus:
+            present = gpu_count()
+            if present < study.gpus:
+                raise StudyError([f"study {study.name} needs {study.gpus} GPU(s), but this machine shows {present}"])
+        out.mkdir(parents=True, exist_ok=True)
+        return run_study(study, out, only, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except StudyError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
