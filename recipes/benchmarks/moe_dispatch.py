@@ -1,4 +1,4 @@
-"""MoE at dense speed? Capacity vs dropless dispatch, eager and compiled, on one GPU (issue 16 §3).
+"""MoE at dense speed? Capacity vs dropless dispatch, eager and compiled, on one GPU.
 
 Usage (repository root, on the GPU machine; about 3 minutes on an H100)::
 

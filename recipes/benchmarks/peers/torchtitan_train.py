@@ -1,4 +1,4 @@
-"""torchtitan beside scaletool: the same shapes, settings, data and card, in one process (issue 16 §1).
+"""torchtitan beside scaletool: the same shapes, settings, data and card, in one process.
 
 Usage (from the repository root; torchrun for N GPUs, FSDP2 over all of them)::
 
