@@ -205,8 +205,8 @@ def test_schema_of_an_unknown_kind_is_one_line():
     assert res.output.startswith("error: hardwre: no typed result of that kind; did you mean 'hardware'? known: ")
 
 
-def test_readme_python_api_example_runs_without_torch():
-    text = (ROOT / "README.md").read_text()
+def test_docs_python_api_example_runs_without_torch():
+    text = (ROOT / "docs" / "cli.md").read_text()
     section = text[text.index("## Python API"):]
     code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
     check = "\nimport sys\nassert 'torch' not in sys.modules, 'the API example imported torch'\n"

@@ -14,7 +14,7 @@ from scaletool.launch.commands import LaunchSpec, read_hostfile
 from scaletool.launch.slurm import TEMPLATE
 
 LAUNCH = ROOT / "launch"
-# The command that wrote launch/slurm-two-node.sbatch (README, "Launching on clusters").
+# The command that wrote launch/slurm-two-node.sbatch (docs/launch.md, "Launching on clusters").
 SLURM_EXAMPLE_ARGS = ["launch", "slurm", "recipes/mla-1b.yaml", "--nnodes", "2", "--nproc-per-node", "8",
                       "--partition", "gpu", "--account", "myproject", "--time", "04:00:00", "--max-restarts", "2",
                       "--out", "runs/mla-1b-2x8", "--python", "python3", "--workdir", "/path/to/scaletool",
@@ -27,7 +27,7 @@ def test_slurm_example_is_current(monkeypatch):
     res = CliRunner().invoke(main, SLURM_EXAMPLE_ARGS)
     assert res.exit_code == 0, res.output
     assert res.output == (LAUNCH / "slurm-two-node.sbatch").read_text(), \
-        "launch/slurm-two-node.sbatch is stale: regenerate it with the command in README"
+        "launch/slurm-two-node.sbatch is stale: regenerate it with the command in docs/launch.md"
     subprocess.run(["bash", "-n", str(LAUNCH / "slurm-two-node.sbatch")], check=True)
 
 
