@@ -48,6 +48,7 @@ from scaletool.analytic.kv import (  # noqa: F401
 )
 from scaletool.analytic.memory import (  # noqa: F401
     TABLE_ENGINES,
+    compiled_memory,
     count_memory,
     engine_settings,
     memory_table,
@@ -63,6 +64,14 @@ from scaletool.analytic.params import (  # noqa: F401
     matmul_split,
     moe_params,
     param_counts,
+)
+from scaletool.analytic.step import (  # noqa: F401
+    Calibration,
+    default_calibration,
+    fits,
+    gemm_shapes,
+    load_calibration,
+    predict_step,
 )
 from scaletool.analytic.timeline import (  # noqa: F401
     COMPONENTS,
