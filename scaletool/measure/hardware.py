@@ -2,7 +2,8 @@
 
 A profile is a YAML file (:class:`ProfileFile`): the device kind (``cuda`` or ``cpu``), substrings of
 ``torch.cuda.get_device_name()`` that select it (``match``, with optional ``exclude``), dense peak TFLOP/s
-per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``) and a ``reference``. Profiles are
+per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``), the memory one device offers
+(``memory_gib``, what ``scaletool plan`` fits layouts into) and a ``reference``. Profiles are
 read from, highest precedence first:
 
 1. every directory in ``$SCALETOOL_PROFILES`` (``os.pathsep``-separated),
@@ -45,6 +46,7 @@ class ProfileFile(BaseModel):
     exclude: list[str] = []
     peak_tflops: dict[Literal["bf16", "fp16", "fp32"], Positive] = {}
     peak_bandwidth_gb_s: Positive | None = None
+    memory_gib: Positive | None = None
     reference: str = ""
 
     @model_validator(mode="after")
@@ -101,6 +103,7 @@ def read_profile(path: Path, source: str) -> HardwareProfile:
     return HardwareProfile(name=f.name, device=f.device, match=tuple(f.match), exclude=tuple(f.exclude),
                            peak_tflops={k: float(v) for k, v in f.peak_tflops.items()},
                            peak_bandwidth_bytes_per_s=f.peak_bandwidth_gb_s * 1e9 if f.peak_bandwidth_gb_s else None,
+                           memory_bytes=int(f.memory_gib * 2**30) if f.memory_gib else None,
                            reference=f.reference, source=source)
 
 
