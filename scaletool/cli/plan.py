@@ -147,14 +147,14 @@ def print_verify(res, con) -> None:
     from rich.table import Table
 
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
-              title_justify="left", title="Verified on this machine: predicted vs measured")
-    for c in ("#", "layout", "tok/s pred", "measured (p10-p90, n)", "err", "GiB pred", "meas", "err"):
+              title_justify="left", title="Verified here: tokens/s (all ranks), GiB per rank, predicted vs measured")
+    for c in ("#", "layout", "pred", "median", "p10-p90", "n", "err", "GiB", "meas", "err"):
         t.add_column(c, no_wrap=c != "layout", justify="left" if c == "layout" else "right")
     for v in res.verify:
         m = v.measured_tokens_per_s
-        measured = f"{si(m['median'])} ({si(m['p10'])}-{si(m['p90'])}, {m['n']})" if m else v.status
+        spread = [si(m["median"]), f"{si(m['p10'])}-{si(m['p90'])}", str(m["n"])] if m else [v.status, "", ""]
         meas_mem = v.measured_peak_memory_bytes
-        t.add_row(str(v.rank), v.layout, si(v.predicted_tokens_per_s), measured, pct(v.rel_error_tokens_per_s, 0),
+        t.add_row(str(v.rank), v.layout, si(v.predicted_tokens_per_s), *spread, pct(v.rel_error_tokens_per_s, 0),
                   f"{v.predicted_memory_bytes / 2**30:.2f}", "-" if meas_mem is None else f"{meas_mem / 2**30:.2f}",
                   pct(v.rel_error_memory, 0))
     con.print(t)

@@ -90,13 +90,11 @@ def _run(argv: list[str]) -> tuple[dict | None, str | None]:
 def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command: str) -> dict:
     timing = (doc or {}).get("timing") or {}
     rate = timing.get("tokens_per_s")
-    metrics = (doc or {}).get("metrics") or {}
     peak = (doc or {}).get("peak_memory_bytes")
     predicted = row["prediction"]["tokens_per_s"]
     return {"rank": row["rank"], "layout": describe(row), "world_size": ranks, "predicted_tokens_per_s": predicted,
             "measured_tokens_per_s": rate, "rel_error_tokens_per_s": rel_error(predicted, rate["median"]) if rate else None,
             "predicted_memory_bytes": row["memory_bytes"], "measured_peak_memory_bytes": peak,
-            "measured_resident_bytes": metrics.get("memory/resident_bytes"),
             "rel_error_memory": rel_error(row["memory_bytes"], peak) if peak else None,
             "status": (doc or {}).get("status") or "failed", "message": why, "command": command}
 
@@ -121,8 +119,8 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
              f"{plan['calibration']}"]
     if machine["device"] == "cpu":
         notes.append("CPU: eager single/DDP/FSDP2 over gloo, micro-batches up to the recipe's; the CPU calibration is "
-                     "a placeholder, so the prediction's error is not meaningful here; no allocator peak (resident "
-                     "memory shown instead)")
+                     "a placeholder, so the prediction's error is not meaningful here; memory is measured on CUDA only "
+                     "(the allocator's peak)")
     out = []
     with tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
         for row in plan["layouts"]:

@@ -60,7 +60,6 @@ class Verified(_Part):
     rel_error_tokens_per_s: float | None
     predicted_memory_bytes: int
     measured_peak_memory_bytes: int | None = Field(description="the allocator's peak (CUDA); null on the CPU")
-    measured_resident_bytes: int | None = None
     rel_error_memory: float | None
     status: str
     message: str | None = None
