@@ -64,6 +64,14 @@ from scaletool.analytic.params import (  # noqa: F401
     moe_params,
     param_counts,
 )
+from scaletool.analytic.step import (  # noqa: F401
+    Calibration,
+    default_calibration,
+    fits,
+    gemm_shapes,
+    load_calibration,
+    predict_step,
+)
 from scaletool.analytic.timeline import (  # noqa: F401
     COMPONENTS,
     PHASES,

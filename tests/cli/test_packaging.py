@@ -72,7 +72,8 @@ def test_wheel_ships_recipes_sweeps_and_profiles_and_runs_from_anywhere(source_c
     data = [p for d in ("recipes", "profiles", "templates") for p in (target / "scaletool" / d).rglob("*") if p.is_file()]
     assert all(p.suffix in (".yaml", ".j2") for p in data), data  # nothing of recipes/benchmarks (its scripts)
     shipped = {p.relative_to(target / "scaletool").as_posix() for p in data if p.suffix == ".yaml"}
-    in_repo = {p.relative_to(ROOT).as_posix() for pat in ("recipes/*.yaml", "recipes/sweeps/*.yaml", "profiles/*.yaml")
+    in_repo = {p.relative_to(ROOT).as_posix() for pat in ("recipes/*.yaml", "recipes/sweeps/*.yaml", "profiles/*.yaml",
+                                                                  "profiles/calibrations/*.yaml")
                for p in ROOT.glob(pat)}
     assert shipped == in_repo  # every recipe, sweep and profile; nothing of recipes/benchmarks
     assert not (target / "scaletool" / "recipes").is_symlink()  # real files in the wheel

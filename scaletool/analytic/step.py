@@ -1,0 +1,246 @@
+"""Step time: a recipe's layout at a calibration's rates, every term shown.
+
+Per micro-batch on one rank: every GEMM at the calibrated rate for its shape (forward; backward is
+twice the forward's FLOPs at the same shape class), causal fused attention at the kernel's rate,
+recomputation under activation checkpointing, element-wise traffic (a calibrated factor times the
+bytes eager autograd saves, plus the logits) at HBM bandwidth. Per step: the optimizer's bytes
+(fused AdamW + clipping, 40 B per fp32 parameter on the rank), gradient accumulation's adds, each
+collective of :func:`~scaletool.analytic.comm.communication` at the calibrated bus bandwidth with an
+exposure model per engine, and the host overheads. Torch-free, IO-free (the calibration is passed in).
+"""
+from __future__ import annotations
+
+from scaletool.analytic.calibration import (  # noqa: F401  (the interface lives here too)
+    Calibration,
+    default_calibration,
+    load_calibration,
+)
+from scaletool.analytic.comm import communication, tensor_parallel_config
+from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
+from scaletool.analytic.params import attention_params, param_counts
+from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
+from scaletool.config import ModelConfig, Recipe
+
+OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p, m, v) + clipping (norm, scale)
+ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the fp32 gradient
+CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-batch (autocast, FSDP2's cast)
+
+
+def gemm_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int, int]]:
+    """Every GEMM of one forward over ``tokens`` tokens: (name, m, n, k, count). Backward runs each
+    shape twice more (input and weight gradients)."""
+    d, L = cfg.d_model, cfg.n_layers
+    out = []
+    for name, p in attention_params(cfg).items():
+        if name.endswith(("norm", "bias")) or p == 0:
+            continue
+        k = {"wo": p // d, "wkv_b": cfg.kv_lora_rank, "wq_b": cfg.q_lora_rank}.get(name, d)
+        out.append((f"attn.{name}", tokens, p // k, k, L))
+    dense = L - cfg.n_moe_layers
+    mats = 3 if cfg.ffn in ("swiglu", "moe") else 2
+    if dense and cfg.intermediate_size:
+        out.append(("ffn", tokens, cfg.intermediate_size, d, dense * mats))
+    if cfg.n_moe_layers:
+        E, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+        per_expert = max(1, round(tokens * routed_experts_computed(cfg, tokens) / E))
+        out.append(("moe.router", tokens, E, d, cfg.n_moe_layers))
+        out.append(("moe.experts", per_expert, i, d, cfg.n_moe_layers * E * 3))
+        if cfg.n_shared_experts:
+            out.append(("moe.shared", tokens, cfg.n_shared_experts * i, d, cfg.n_moe_layers * 3))
+    if cfg.task == "lm":
+        out.append(("lm_head", tokens, cfg.vocab_size, d, 1))
+    else:
+        out.append(("head", max(1, tokens // max(1, cfg.max_seq_len)), cfg.horizon, d, 1))
+    return out
+
+
+def _n_modules(cfg: ModelConfig) -> int:
+    """Modules with parameters (what ZeRO-3 hooks): per block its projections and norms."""
+    attn = sum(1 for k, v in attention_params(cfg).items() if v and not k.endswith("bias"))
+    ffn = (3 if cfg.ffn in ("swiglu", "moe") else 2) if not cfg.n_moe_layers else 4
+    return cfg.n_layers * (attn + ffn + 2) + 3
+
+
+def _exposure(engine: str, zero_stage: int, rows: list[dict], times: list[float], fwd: float, bwd: float,
+              gas: int, calib: Calibration) -> tuple[float, list[str]]:
+    """Exposed seconds of the data-parallel collectives per step (TP rows are handled by the caller)."""
+    ov = calib.overheads
+    hide = {"ddp": ov.get("ddp_overlap", 1.0), "fsdp": ov.get("fsdp_overlap", 1.0),
+            "deepspeed": ov.get("zero_overlap", 1.0)}[engine] if engine in ("ddp", "fsdp", "deepspeed") else 0.0
+    by = {}
+    for r, t in zip(rows, times):
+        by.setdefault(r["op"], []).append((r, t))
+    total = sum(times)
+    if engine == "ddp":  # one bucketed all-reduce overlapping the last micro-batch's backward
+        t = total
+        exposed = max(0.0, t - hide * bwd) + (1 - hide) * min(t, hide * bwd)
+        return exposed, ["ddp: gradient all-reduce overlaps the last backward; "
+                         f"{hide:.0%} of the overlapped part hidden (calibrated)"]
+    if engine == "fsdp" or (engine == "deepspeed" and zero_stage == 3):
+        ag = sum(t for r, t in by.get("all_gather", []))
+        rs = sum(t for r, t in by.get("reduce_scatter", []))
+        a2a = sum(t for r, t in by.get("all_to_all", []))
+        gathers = sum((r["count"] or 1) for r, _ in by.get("all_gather", [])) or 1
+        first = ag / gathers * gas  # each micro-batch's first gather waits
+        ag_f, ag_b = ag / 2, ag / 2
+        over = max(0.0, ag_f - gas * fwd) + max(0.0, ag_b + rs - gas * bwd)
+        hidden = ag + rs - over - first
+        exposed = over + first + (1 - hide) * max(0.0, hidden) + a2a
+        return exposed, [f"{engine}: parameter gathers prefetched under compute, first gather of each micro-batch "
+                         f"exposed; {hide:.0%} of the overlapped part hidden"]
+    # ZeRO-1/2: gradient reduce-scatter after the backward, parameter all-gather after the step
+    return total, ["deepspeed ZeRO-1/2: gradient reduce-scatter and parameter all-gather on the critical path"]
+
+
+def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: int, ac: str, every: int,
+             compiled: bool, calib: Calibration) -> dict:
+    """Seconds of one micro-batch on one rank: GEMMs, attention, element-wise traffic, recomputation."""
+    L = local.n_layers
+    shapes = gemm_shapes(local, tokens)
+    heads = ("lm_head", "head")
+    fwd_blocks = sum(2 * m * n * k * c / calib.gemm_rate(m, n, k) for name, m, n, k, c in shapes if name not in heads)
+    fwd_head = sum(2 * m * n * k * c / calib.gemm_rate(m, n, k) for name, m, n, k, c in shapes if name in heads)
+    att_flops = attention_flops_per_token(local, T, causal=cfg.task == "lm") * tokens
+    att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim)
+    frac = 1.0 if ac == "full" else ((L // every) / L if ac == "selective" else 0.0)
+    dense, moe = L - local.n_moe_layers, local.n_moe_layers
+    act = (dense * _activation_bytes_per_token_per_layer(local)
+           + (moe * _activation_bytes_per_token_per_layer(local, moe=True) if moe else 0)) / L
+    hbm = calib.hbm_gb_s * 1e9
+    factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
+    V = local.vocab_size if cfg.task == "lm" else 0
+    weights = sum(n * k * c for _, m, n, k, c in shapes)  # this rank's matmul weights (every routed expert)
+    casts = 0.0 if engine == "deepspeed" else CAST_BYTES_PER_PARAM * weights
+    elementwise = (factor * tokens * (L * act + 4 * V) + casts) / hbm
+    fwd_share = 1 / 3  # the forward's share of element-wise work, recomputed with the forward
+    recompute = frac * (fwd_blocks + att_flops / att_rate + fwd_share * factor * tokens * L * act / hbm)
+    return {"gemm_forward": fwd_blocks + fwd_head, "gemm_backward": 2 * (fwd_blocks + fwd_head),
+            "attention": 3 * att_flops / att_rate, "elementwise": elementwise, "recompute": recompute,
+            "recompute_fraction": frac, "att_rate": att_rate, "factor": factor}
+
+
+def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
+                   calib: Calibration) -> tuple[dict, float, float, list[str]]:
+    """Each collective's total seconds, the exposed TP and data-parallel seconds, and the assumptions."""
+    dp = N // tp
+    rows = communication(recipe, N, tp)["collectives"] if N > 1 else []
+    times, totals, notes = [], {}, []
+    for r in rows:
+        ranks = tp if r["group"] == "tp" else dp
+        inter = (tp > G) if r["group"] == "tp" else (N > G)
+        times.append(r["wire_bytes"] / calib.bus_bandwidth(r["op"], ranks, inter))
+        key = f"comm/{r['group']}.{r['op']}_total_s"
+        totals[key] = totals.get(key, 0.0) + times[-1]
+    tp_exposed = sum(x for r, x in zip(rows, times) if r["group"] == "tp")
+    if tp_exposed:
+        notes.append("tensor parallelism: every collective on the critical path (no overlap)")
+    dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] == "dp"]
+    dp_exposed = 0.0
+    if dp_rows:
+        p = recipe.parallel
+        fwd = c["gemm_forward"] + c["attention"] / 3 + c["elementwise"] / 3
+        bwd = c["gemm_backward"] + 2 * c["attention"] / 3 + c["recompute"]
+        dp_exposed, more = _exposure(p.engine, p.zero_stage, [r for r, _ in dp_rows], [x for _, x in dp_rows],
+                                     fwd, bwd, gas, calib)
+        notes += more
+    return totals, tp_exposed, dp_exposed, notes
+
+
+def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Calibration) -> float:
+    """Host seconds per step that no device work hides: Python, hooks, launches."""
+    ov = calib.overheads
+    host = ov.get("step_s", 0.0) + gas * ov.get("micro_batch_s", 0.0)
+    if engine == "ddp":
+        host += gas * ov.get("ddp_micro_batch_s", 0.0)
+    elif engine == "fsdp":
+        host += gas * ov.get("fsdp_per_block_s", 0.0) * (local.n_layers + 1)
+    elif engine == "deepspeed":
+        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * ov.get("zero3_per_module_s", 0.0) * _n_modules(local)
+    return host
+
+
+def _flops(cfg: ModelConfig, T: int, tokens: int, global_tokens: int, frac: float) -> tuple[float, float]:
+    """Model FLOPs (causal convention) and hardware FLOPs (computed, recomputation included) per step."""
+    fl = flops_per_token(cfg, T, tokens=tokens)
+    conv = fl["convention"]
+    head = 2 * cfg.d_model * cfg.vocab_size if cfg.task == "lm" else 0
+    recompute = frac * (fl[f"forward_{conv}_computed"] - head) * global_tokens
+    return fl["train"] * global_tokens, fl[f"train_{conv}_computed"] * global_tokens + recompute
+
+
+def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
+                 gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
+    """Predicted step time of the recipe's own layout on ``world_size`` GPUs (default: the recipe's),
+    ``gpus_per_node`` of them per node (default: all on one node up to 8). ``compiled`` None reads
+    ``train.compile``. Returns terms (seconds per optimizer step), step_s, tokens/s, MFU, HFU, the
+    bound and the assumptions, JSON-ready."""
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    engine = p.engine
+    N = 1 if engine == "single" else (world_size or p.world_size)
+    tp = p.tensor_parallel if engine != "single" else 1
+    if N % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide world_size={N}")
+    dp, G = N // tp, gpus_per_node or min(N, 8)
+    compiled = t.compile if compiled is None else compiled
+    B, T, gas, ac = t.micro_batch_size, recipe.seq_len, t.grad_accum_steps, t.activation_checkpointing
+    tokens = B * T
+    local = tensor_parallel_config(cfg, tp)
+    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib)
+    hbm = calib.hbm_gb_s * 1e9
+    psi = param_counts(local)["total"]
+    sharded_states = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 1)
+    sharded_grads = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 2)
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * (psi / dp if sharded_states else psi) / hbm
+    accumulate = ACCUMULATE_BYTES_PER_PARAM * (psi / dp if sharded_grads else psi) * (gas - 1) / hbm
+    totals, tp_exposed, dp_exposed, notes = _communication(recipe, N, tp, G, c, gas, calib)
+    host = _host(engine, p.zero_stage, local, gas, calib)
+    compute_terms = {"gemm_forward_s": gas * c["gemm_forward"], "gemm_backward_s": gas * c["gemm_backward"],
+                     "attention_s": gas * c["attention"], "recompute_s": gas * c["recompute"]}
+    memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}
+    exposed = tp_exposed + dp_exposed
+    step = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
+    terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
+             **totals, "host_overhead_s": host}
+    bounds = {"compute": sum(compute_terms.values()), "memory bandwidth": sum(memory_terms.values()),
+              "exposed communication": exposed}
+    global_tokens = tokens * gas * dp
+    model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, c["recompute_fraction"])
+    peak = calib.peak_tflops * 1e12
+    g = calib.gemm_tflops
+    assumptions = notes + [
+        f"GEMM rate {g['max_tflops']:.0f} TFLOP/s x s/(s+{g['half_dim']:.0f}), s the smallest GEMM dimension; "
+        "backward = 2 x forward at the same shapes",
+        f"attention {c['att_rate'] / 1e12:.0f} TFLOP/s (fused SDPA forward + backward, head dims "
+        f"{local.qk_head_dim}/{local.v_dim})",
+        f"element-wise traffic {c['factor']:g} x eager saved activations + logits at {calib.hbm_gb_s:.0f} GB/s "
+        f"({'compiled' if compiled else 'eager'})",
+        f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
+    ]
+    if N > G:
+        assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
+                           f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")
+    return {
+        "engine": engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "gpus_per_node": G,
+        "compiled": bool(compiled), "micro_batch_size": B, "grad_accum_steps": gas, "seq_len": T,
+        "activation_checkpointing": ac, "terms": {k: float(v) for k, v in terms.items()}, "step_s": step,
+        "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step,
+        "tokens_per_s_per_gpu": global_tokens / step / N, "mfu": model_flops / (step * N * peak),
+        "hfu": hw_flops / (step * N * peak), "bound": max(bounds, key=bounds.get),
+        "calibration": calib.source, "calibration_name": calib.name, "assumptions": assumptions,
+    }
+
+
+#: What the allocator needs beyond the estimate's live tensors: the caching allocator's fragmentation
+#: and block rounding, the CUDA context and library workspaces that ``mem_get_info`` counts as used.
+#: Measured on an 80 GB H100: mha-1b at micro-batch 20 eager is estimated at 74.8 GiB, under the
+#: 79.2 GiB the card reports, and runs out of memory (micro-batch 16 fits).
+ALLOCATOR_RESERVE_FRACTION = 0.08
+ALLOCATOR_RESERVE_MIN_BYTES = 2 * 2**30
+
+
+def fits(total_bytes: float, card_bytes: float) -> tuple[bool, float]:
+    """Whether an estimated peak of ``total_bytes`` fits a card of ``card_bytes`` (what the card reports),
+    keeping the allocator's reserve: (fits, margin_bytes), the margin negative by how much it does not."""
+    reserve = max(ALLOCATOR_RESERVE_FRACTION * card_bytes, ALLOCATOR_RESERVE_MIN_BYTES)
+    margin = card_bytes - reserve - total_bytes
+    return margin >= 0, margin

@@ -1,0 +1,53 @@
+"""The step-time model against every committed GPU training run: a change to the model or to the shipped
+calibrations that worsens the error distribution past the tolerances docs/prediction.md states fails here.
+
+Fitted on the H100 SXM single-GPU runs; the H200 runs and every 2- and 4-GPU run are held out."""
+from __future__ import annotations
+
+import pytest
+
+from scaletool.measure.validation import summarize, validate
+
+# docs/prediction.md: achieved, rounded up a little
+TOLERANCE = {  # (median |error|, worst |error|)
+    "dense": (0.045, 0.33),  # every committed dense run, H100 and H200 (80 runs: 3.3%, 30.9%)
+    "H100": (0.035, 0.19),   # the card the model was fitted on (48 runs: 2.6%, 17.7%)
+    "compiled": (0.02, 0.04),  # compiled single and FSDP (13 runs)
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    out = validate()
+    assert not out["skipped"]
+    return out["runs"]
+
+
+def _check(rows, key):
+    s = summarize(rows)["all"]
+    median, worst = TOLERANCE[key]
+    assert s["median_abs_error"] <= median and s["worst_abs_error"] <= worst, (key, s)
+    return s
+
+
+def test_every_committed_gpu_run_is_predicted(runs):
+    assert len(runs) >= 80
+    cards = {r["calibration"] for r in runs}
+    assert cards == {"H100 SXM", "H200"}
+    assert {r["world_size"] for r in runs} == {1, 2, 4}
+    assert {"ddp", "fsdp", "single", "deepspeed ZeRO-1", "deepspeed ZeRO-2", "deepspeed ZeRO-3"} <= {r["engine"] for r in runs}
+
+
+def test_error_distribution_within_the_stated_tolerance(runs):
+    dense = [r for r in runs if not r["moe"]]
+    _check(dense, "dense")
+    _check([r for r in dense if "H100" in r["card"]], "H100")
+    _check([r for r in dense if r["compiled"]], "compiled")
+
+
+def test_the_known_failure_stays_visible(runs):
+    """The one MoE run (16 experts, top-2, dropless) runs at less than half the predicted rate: its
+    dispatch (routing, gathers, one small GEMM per expert) is not modelled. Should the model learn it,
+    this test says so and docs/prediction.md's failure list needs updating."""
+    (moe,) = [r for r in runs if r["moe"]]
+    assert moe["rel_error"] > 0.5
