@@ -62,8 +62,9 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
     Searches engine (DDP, FSDP2, ZeRO-1/2/3; single on one GPU) × tensor
     parallelism (FSDP2, within a node) × micro-batch × accumulation ×
     activation checkpointing × eager/compiled; drops what the memory
-    estimate says does not fit the card (7% kept free); ranks the rest by
-    the step-time model's tokens/s. Each is a `scaletool launch` command.
+    estimate says does not fit the card (less the allocator's reserve);
+    ranks the rest by the step-time model's tokens/s (calibrated rates
+    of the card: `scaletool calibrate`). Each is a launch command.
 
     \b
     Examples:

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import math
 
+from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES
 from scaletool.config import Recipe, RecipeError
 from scaletool.errors import shorten
 from scaletool.measure.hardware import load_profiles
-from scaletool.measure.prediction import calibration_for
+from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.commands import command_line, command_problems, launch_argv
-from scaletool.plan.fit import ALLOCATOR_MARGIN
 from scaletool.plan.search import Request, search
 
 DEFAULT_HARDWARE = "H100 SXM"
@@ -59,7 +59,7 @@ def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_
             raise RecipeError(f"hardware {prof.name!r}: its profile ({prof.source}) has no memory_gib, so nothing can "
                               "be fitted to it; add memory_gib to a user profile of that name")
         hardware, card_bytes = prof.name, prof.memory_bytes
-        calibration = calibration if calibration is not None else calibration_for(prof.name, prof.device)
+        calibration = calibration if calibration is not None else calibration_for_device(prof.device, prof)
     return Request(gpus=gpus, gpus_per_node=g, hardware=hardware, card_bytes=card_bytes, calibration=calibration,
                    global_batch_tokens=global_batch_tokens, price_per_gpu_hour=price_per_gpu_hour,
                    attention_variants=attention_variants, top=top, **narrow)
@@ -82,7 +82,7 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
-            "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": getattr(req.calibration, "name", None),
+            "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": req.calibration.name,
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
             "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
             "elapsed_s": found["elapsed_s"]}
@@ -94,8 +94,9 @@ def assumptions(req: Request) -> list[str]:
     out = [f"{nodes} node{'s' if nodes > 1 else ''} × {req.gpus_per_node} GPUs: tensor parallelism stays within a "
            "node" + ("; data parallelism spans the nodes, so its collectives cross the inter-node network" if nodes > 1
                      else ""),
-           f"fits: the phase-resolved memory estimate within {100 * (1 - ALLOCATOR_MARGIN):.0f}% of the card's "
-           f"{req.card_bytes / 2**30:.1f} GiB (the rest is the allocator's and NCCL's)"]
+           f"fits: the phase-resolved memory estimate within the card's {req.card_bytes / 2**30:.1f} GiB less "
+           f"{100 * ALLOCATOR_RESERVE_FRACTION:.0f}% (at least {ALLOCATOR_RESERVE_MIN_BYTES / 2**30:.0f} GiB) kept for "
+           "the allocator, the CUDA context and NCCL"]
     if req.global_batch_tokens is None:
         out.append("global batch not fixed: gradient accumulation 1, the global batch grows with the micro-batch "
                    "(--global-batch-tokens fixes it)")

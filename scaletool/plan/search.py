@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
-from scaletool.plan.fit import fits
 from scaletool.plan.space import (
     CHECKPOINTING,
     MAX_MICRO_BATCH,
@@ -165,7 +165,7 @@ def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: R
         cost = req.price_per_gpu_hour * req.gpus / 3600 / pred["tokens_per_s"] * 1e6
     return {"rank": rank, **asdict(lay), "data_parallel": req.gpus // lay.tensor_parallel,
             "global_batch_tokens": lay.micro_batch_size * lay.grad_accum_steps * r.seq_len * (req.gpus // lay.tensor_parallel),
-            "memory_bytes": est["total_bytes"], "margin_bytes": margin, "memory_phase": est["phase"],
+            "memory_bytes": est["total_bytes"], "margin_bytes": int(margin), "memory_phase": est["phase"],
             "prediction": {k: pred.get(k) for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu",
                                                     "bound", "terms", "calibration")},
             "cost_per_million_tokens": cost}

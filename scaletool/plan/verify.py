@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
-from scaletool.measure.prediction import calibration_for
+from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.build import make_plan, make_request
 from scaletool.plan.commands import command_line, layout_sets
 from scaletool.stats import rel_error
@@ -37,12 +37,11 @@ def local_machine() -> dict:
 
     if torch.cuda.is_available() and torch.cuda.device_count():
         name = torch.cuda.get_device_name(0)
-        prof = profile_for("cuda", name)
-        return {"device": "cuda", "name": name, "ranks": torch.cuda.device_count(), "profile": prof.name if prof else None,
+        return {"device": "cuda", "name": name, "ranks": torch.cuda.device_count(), "profile": profile_for("cuda", name),
                 "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
     ranks = min(2, os.cpu_count() or 1)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"device": "cpu", "name": "CPU", "ranks": ranks, "profile": "CPU", "memory_bytes": ram // ranks}
+    return {"device": "cpu", "name": "CPU", "ranks": ranks, "profile": None, "memory_bytes": ram // ranks}
 
 
 def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, machine: dict) -> dict:
@@ -51,7 +50,7 @@ def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, ma
     narrow = {"labels": ("single", "ddp", "fsdp"), "compiled": (False,),
               "max_micro_batch": recipe.train.micro_batch_size} if cpu else {}
     req = make_request(machine["ranks"], machine["ranks"], machine["name"], top=k, card_bytes=machine["memory_bytes"],
-                       calibration=calibration_for(machine["profile"], machine["device"]), **narrow)
+                       calibration=calibration_for_device(machine["device"], machine["profile"]), **narrow)
     return make_plan(recipe, name, overrides, req)
 
 

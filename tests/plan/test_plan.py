@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from conftest import run_cli
 
 from scaletool import analytic
+from scaletool.analytic.step import fits
 from scaletool.cli import main
 from scaletool.config import load_recipe
-from scaletool.plan.fit import ALLOCATOR_MARGIN, fits
 from scaletool.plan.space import largest_fitting, micro_batches
 
 
@@ -38,9 +38,9 @@ def test_a_1024_gpu_plan_lists_fitting_layouts_fastest_first(big):
     assert big["kind"] == "plan" and big["nodes"] == 128 and big["gpus_per_node"] == 8 and 1 <= len(rows) <= 8
     rates = [r["prediction"]["tokens_per_s"] for r in rows]
     assert rates == sorted(rates, reverse=True) and rates[-1] > 0
-    usable = big["card_bytes"] * (1 - ALLOCATOR_MARGIN)
     for r in rows:
-        assert 0 < r["memory_bytes"] <= usable and r["margin_bytes"] == int(usable - r["memory_bytes"])
+        ok, margin = fits(r["memory_bytes"], big["card_bytes"])
+        assert ok and 0 < r["memory_bytes"] < big["card_bytes"] and r["margin_bytes"] == int(margin) >= 0
         assert r["prediction"]["bound"] and r["prediction"]["step_s"] > 0
         assert r["data_parallel"] * r["tensor_parallel"] == 1024 and 8 % r["tensor_parallel"] == 0
         assert math.isclose(r["cost_per_million_tokens"], 2.5 * 1024 / 3600 / r["prediction"]["tokens_per_s"] * 1e6)
