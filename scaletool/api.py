@@ -37,14 +37,20 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None):
-    """The analytic model of ``recipe``: parameters, FLOPs, KV cache and training memory in two phases
-    (no model built). Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
+             world_size: int | None = None, hardware: str | None = "H100 SXM"):
+    """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
+    on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
+    Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
     from scaletool import analytic
     from scaletool.results.estimate import EstimateResult
 
-    return EstimateResult.model_validate(analytic.estimate(resolve(recipe, overrides), tokens=tokens,
-                                                           world_size=world_size))
+    r = resolve(recipe, overrides)
+    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    if hardware is not None:
+        from scaletool.measure.prediction import engine_predictions
+
+        est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware)
+    return EstimateResult.model_validate(est)
 
 
 def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,

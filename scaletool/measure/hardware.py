@@ -172,3 +172,18 @@ def profile_for(device_type: str, device_name: str,
     """The first profile (user profiles first) that matches this device, or None."""
     profiles = load_profiles() if profiles is None else profiles
     return next((p for p in profiles if p.matches(device_type, device_name)), None)
+
+
+def profile_named(name: str, profiles: list[HardwareProfile] | None = None) -> HardwareProfile:
+    """The profile called ``name`` (its name or its file's stem, any case: ``H100 SXM``, ``h100-sxm``);
+    an unknown name is a RecipeError listing the known ones."""
+    profiles = load_profiles() if profiles is None else profiles
+    key = name.strip().lower()
+    for p in profiles:
+        stem = Path(p.source.rsplit(":", 1)[-1]).stem.lower()
+        if key in (p.name.lower(), stem):
+            return p
+    close = difflib.get_close_matches(key, [p.name.lower() for p in profiles], n=1)
+    tip = f"did you mean '{next(p.name for p in profiles if p.name.lower() == close[0])}'? " if close else ""
+    raise RecipeError(f"hardware {name.strip()[:60]!r}: unknown; {tip}known: {', '.join(p.name for p in profiles)} "
+                      "(`scaletool hardware` lists them and says how to add one)")

@@ -49,3 +49,27 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
     """The step-time model's prediction for the recipe as configured (its compile setting included)."""
     return predict_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,
                         compiled=recipe.train.compile)
+
+
+def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
+    """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
+    recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
+    recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
+    from scaletool.analytic.memory import TABLE_ENGINES
+    from scaletool.measure.hardware import profile_named
+
+    prof = profile_named(hardware)
+    calib = calibration_for_device(prof.device, prof)
+    p = recipe.parallel
+    if p.tensor_parallel > 1:
+        layouts = [(f"fsdp tp{p.tensor_parallel}", "fsdp", p.zero_stage)]
+    else:
+        layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]
+    rows = []
+    for label, engine, stage in layouts:
+        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
+        pred = predict(recipe.model_copy(update={"parallel": par}), calib, world_size)
+        rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
+                                                              "hfu", "bound")}})
+    return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
+            "world_size": world_size, "rows": rows}

@@ -5,8 +5,7 @@ import math
 
 from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES
 from scaletool.config import Recipe, RecipeError
-from scaletool.errors import shorten
-from scaletool.measure.hardware import load_profiles
+from scaletool.measure.hardware import profile_named
 from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.commands import command_line, command_problems, launch_argv
 from scaletool.plan.search import Request, search
@@ -17,16 +16,8 @@ DEFAULT_GPUS_PER_NODE = 8
 
 
 def hardware_profile(name: str):
-    """The profile named ``name`` (its name or its file's stem, any case); an unknown name lists the known."""
-    profiles = load_profiles()
-    key = name.strip().lower()
-    for p in profiles:
-        stem = p.source.rsplit(":", 1)[-1].rsplit("/", 1)[-1].removesuffix(".yaml").lower()
-        if key in (p.name.lower(), stem):
-            return p
-    known = ", ".join(p.name for p in profiles if p.memory_bytes)
-    raise RecipeError(f"hardware {shorten(name)!r}: unknown; known: {known} (`scaletool hardware` lists them; a "
-                      "profile with memory_gib adds one)")
+    """The card's profile (see :func:`~scaletool.measure.hardware.profile_named`)."""
+    return profile_named(name)
 
 
 def check_cluster(gpus: int, gpus_per_node: int | None) -> int:
