@@ -48,6 +48,7 @@ from scaletool.analytic.kv import (  # noqa: F401
 )
 from scaletool.analytic.memory import (  # noqa: F401
     TABLE_ENGINES,
+    compiled_memory,
     count_memory,
     engine_settings,
     memory_table,

@@ -39,6 +39,7 @@ class MemoryInputs:
     seq_len: int
     activation_checkpointing: str = "none"  # none | full | selective
     selective_every: int = 2
+    compiled: bool = False  # torch.compile: Inductor recomputes element-wise results in the backward
 
 
 #: Engine defaults the estimate depends on, in elements: scaletool's reduce bucket
@@ -68,8 +69,9 @@ class EngineSettings:
     sub_group_size: float = ZERO3_SUB_GROUP_SIZE
 
 
-def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4) -> float:
-    """Bytes autograd keeps per token in one block, eager mode, mixed precision.
+def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,
+                                          compiled: bool = False) -> float:
+    """Bytes autograd keeps per token in one block, eager mode (or ``compiled``), mixed precision.
 
     Counted tensor by tensor (residual stream of ``res`` bytes, 16-bit matmul inputs): each norm
     keeps its input (res·d) and the 16-bit cast its matmul reads (2d); fused SDPA keeps q, k, v and the output
@@ -79,9 +81,14 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     A MoE block (``moe``) keeps the router's fp32 logits and scores (2·E), the dispatch buffer
     (d per computed slot: k per token dropless, E·C/N ≈ capacity_factor·k with capacity) and each slot's SwiGLU
     (4·i_moe), the k gathered expert outputs (k·d), and the shared experts' SwiGLU (4·n_shared·i_moe).
+
+    ``compiled``: Inductor's partitioner saves matmul inputs and outputs and recomputes the element-wise
+    results from them in the backward: each norm keeps one 16-bit tensor (a·d: its input, the normed
+    output recomputed), SwiGLU keeps gate and up (2 of i; silu and the product recomputed), GELU/ReLU the
+    pre-activation (1 of i); attention saves what fused SDPA needs either way.
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
-    norms = 2 * (res * d + a * d)
+    norms = 2 * a * d if compiled else 2 * (res * d + a * d)
     if cfg.attention == "mla":
         c, r, qk, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim, cfg.v_dim
         # q, k, out; v is a view into wkv_b's output, so SDPA's saved v keeps the no-RoPE keys alive with it
@@ -95,10 +102,12 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     attn += 4 * H  # log-sum-exp
     if moe:
         slots, i = routed_experts_computed(cfg), cfg.moe_intermediate_size
-        ffn = (4 * 2 * cfg.n_routed_experts + a * slots * (d + 4 * i) + a * cfg.num_experts_per_tok * d
-               + a * 4 * cfg.n_shared_experts * i)
+        kept = 2 if compiled else 4  # of each SwiGLU's i-wide tensors
+        ffn = (4 * 2 * cfg.n_routed_experts + a * slots * (d + kept * i) + a * cfg.num_experts_per_tok * d
+               + a * kept * cfg.n_shared_experts * i)
     else:
-        ffn = a * cfg.intermediate_size * (4 if cfg.ffn in ("swiglu", "moe") else 2)
+        glu = cfg.ffn in ("swiglu", "moe")
+        ffn = a * cfg.intermediate_size * ((2 if glu else 1) if compiled else (4 if glu else 2))
     return norms + attn + ffn
 
 
@@ -150,7 +159,8 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         # the largest single tensor: a stacked expert weight (E·d·i_moe) or one FFN matrix
         largest = max(max(attn.values()), moe["routed"] // 3 if is_moe else ffn // (3 if cfg.ffn in ("swiglu", "moe") else 2))
         gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
-        full = tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res) + copy * (attn_matmul + ffn)
+        full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled)
+                + copy * (attn_matmul + ffn))
         ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)
         blocks.append(_Unit(f"block {i}", attn_total + norms + ffn, largest, gathered,
                             saved=tokens * res * d if ckpt else full, live=full, temp=0.0, checkpointed=ckpt))

@@ -78,8 +78,9 @@ def tensor_parallel_degrees(recipe: Recipe, gpus: int, gpus_per_node: int) -> tu
 
 
 class MemoryModel:
-    """Peak bytes per GPU of a layout, memoized; ``compiled`` uses the memory model's compiled switch
-    when it has one (else the eager estimate, an upper bound)."""
+    """Peak bytes per GPU of a layout, memoized. A compiled whole model (``single``, or
+    ``train.compile_scope: model``) saves fewer activations (the compiled activation model); per-block
+    compilation, what the sharded engines use, keeps the eager estimate, an upper bound."""
 
     def __init__(self, recipe: Recipe, gpus: int):
         self.recipe, self.gpus = recipe, gpus
@@ -94,7 +95,9 @@ class MemoryModel:
             return tensor_parallel_memory(r.model_copy(update={"train": tr}), self.gpus, fam.tensor_parallel)
         settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
                            expert_parallel=fam.expert_parallel)
-        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every)
+        # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
+        whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
+        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
         return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
 
     def total(self, fam: Family, micro_batch: int) -> int:

@@ -1,0 +1,133 @@
+"""``scaletool calibrate``: measure this machine's rates for the step-time model, or check the model
+against recorded training results (``--validate``)."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from scaletool.cli.options import console, deliver, json_option, set_option
+
+
+def _print_validation(res: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = console()
+    t = Table()
+    for col in ("run", "card", "engine", "GPUs", "compiled", "measured tok/s/GPU", "predicted", "error", "bound"):
+        t.add_column(col, justify="right" if col in ("GPUs", "measured tok/s/GPU", "predicted", "error") else "left")
+    for r in res["runs"]:
+        t.add_row(escape(r["run"]), escape(r["card"]), r["engine"], str(r["world_size"]), "yes" if r["compiled"] else "no",
+                  f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
+                  f"{r['rel_error']:+.1%}", r["bound"])
+    con.print(t)
+    for key, s in [("all runs", res["summary"]["all"]), *res["summary"]["by_engine"].items()]:
+        if s["n"]:
+            con.print(f"{key}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
+                      f"n={s['n']}", highlight=False)
+    for line in res["skipped"]:
+        con.print(f"skipped: {escape(line)}", highlight=False)
+
+
+def _print_calibration(cal: dict, out: Path) -> None:
+    con = console()
+    g = cal["gemm_tflops"]
+    con.print(f"{cal['source']}", highlight=False)
+    con.print(f"GEMM: {g['max_tflops']:.4g} TFLOP/s x s/(s+{g['half_dim']:.0f}) over {len(g['points'])} shapes",
+              highlight=False)
+    for k, v in cal["attention_tflops"].items():
+        con.print(f"attention {k}: {v:.4g} TFLOP/s (causal, forward + backward)", highlight=False)
+    con.print(f"HBM copy: {cal['hbm_gb_s']:.4g} GB/s", highlight=False)
+    c = cal["collectives"]
+    con.print(f"collectives ({c['source']}):", highlight=False)
+    for op, t in c["intra_node_gb_s"].items():
+        con.print(f"  {op}: " + ", ".join(f"{r} ranks {v:.4g} GB/s" for r, v in sorted(t.items())), highlight=False)
+    con.print(f"wrote {out}", highlight=False)
+
+
+@click.command()
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
+              help="Calibration YAML to write (default: calibration-<card>.yaml here).")
+@click.option("--gpus", type=click.IntRange(min=1, max=64), default=1, show_default=True,
+              help="Local processes for the collectives (group sizes 2..N); NCCL on GPUs, gloo on the CPU.")
+@click.option("--recipe", "recipe", metavar="RECIPE", help="Also time this recipe's GEMM and attention shapes.")
+@set_option
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where to measure GEMMs, attention and HBM.")
+@click.option("--validate", "validate", is_flag=True,
+              help="Instead of measuring: re-predict recorded training results (PATHS, default the committed "
+                   "ones) and print predicted against measured tokens/s per GPU.")
+@click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
+              "(default: the one of each run's card).")
+@click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@json_option
+def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str,
+              validate: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
+    """Measure this machine's rates for the step-time model and write a calibration YAML: GEMM rates
+    (the recipe's shapes and square sizes), causal attention forward + backward, HBM copy
+    bandwidth, and collective bus bandwidth over 2..N local processes. Each figure is a median
+    with p10/p90 and n, warm-up excluded; card, date, torch version and this command are kept
+    in the file. On a CPU it measures small sizes with gloo (what CI runs).
+
+    \b
+    Examples:
+      scaletool calibrate --gpus 8 --recipe mla-1b --out h100.yaml
+      scaletool calibrate --device cpu --gpus 2 --out cpu.yaml
+      scaletool calibrate --validate
+      scaletool calibrate --validate run/result.json --json
+    """
+    from scaletool.errors import RecipeError
+
+    if validate:
+        from scaletool.measure.validation import validate as run_validation
+
+        res = run_validation(list(paths) if paths else None, calibration)
+        deliver(res, as_json)
+        if not as_json:
+            _print_validation(res)
+        return res
+    if paths or calibration:
+        raise RecipeError("PATHS and --calibration go with --validate")
+    return _measure(out, gpus, recipe, overrides, device, as_json)
+
+
+def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str, as_json: bool):
+    import json
+    import re
+
+    import torch
+    import yaml
+
+    from scaletool import api
+    from scaletool.analytic.calibration import calibration_from_dict
+    from scaletool.errors import RecipeError, shorten
+    from scaletool.fmt import write_atomic
+    from scaletool.measure.calibrate import calibrate as measure
+    from scaletool.measure.calibrate import card_name
+    from scaletool.measure.calibrate_comm import measure_collectives
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("--device cuda: no CUDA device here (use --device cpu)")
+    dev = torch.device("cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    r = api.resolve(recipe, overrides) if recipe else None
+    if overrides and not recipe:
+        raise RecipeError("--set needs --recipe")
+    slug = re.sub(r"[^a-z0-9]+", "-", card_name(dev).lower()).strip("-")
+    out = out or Path(f"calibration-{slug}.yaml")
+    if out.exists() and out.is_dir():
+        raise RecipeError(f"--out {shorten(str(out))}: is a directory")
+    command = " ".join(shlex.quote(a) for a in ["scaletool", *sys.argv[1:]])
+    comm = measure_collectives(gpus) if gpus > 1 else {}
+    cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
+    calibration_from_dict(cal, str(out))  # what load_calibration will read back
+    try:
+        write_atomic(out, "# written by scaletool calibrate\n" + yaml.safe_dump(cal, sort_keys=False))
+    except OSError as e:
+        raise RecipeError(f"--out {shorten(str(out))}: cannot write: {e.strerror or e}") from None
+    deliver({"path": str(out), "calibration": cal}, as_json)
+    if not as_json:
+        _print_calibration(cal, out)
+    return cal

@@ -1,0 +1,161 @@
+"""Measure the rates the step-time model reads on this machine's card(s): GEMMs at the recipe's shapes and
+a few square sizes, fused causal attention forward + backward at its head dims, HBM copy bandwidth, and
+the collectives' bus bandwidth (``scaletool.measure.calibrate_comm``). Each figure is a median with
+p10/p90 and n over timed repetitions, warm-up excluded. The result is a calibration YAML that
+``scaletool.analytic.load_calibration`` reads.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.nn.functional as F
+
+from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, load_calibration
+from scaletool.analytic.step import gemm_shapes
+from scaletool.stats import spread
+
+WARMUP, REPS = 3, 10
+
+
+def time_fn(fn, device: torch.device, warmup: int = WARMUP, reps: int = REPS) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def _rate(flops: float, seconds: list[float]) -> dict:
+    """A rate's median with p10/p90 and n (the fastest calls give p90)."""
+    return spread([flops / s / 1e12 for s in seconds if s > 0]).model_dump()
+
+
+def measure_gemm(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> dict:
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return {"m": m, "n": n, "k": k, "tflops": _rate(2 * m * n * k, time_fn(lambda: a @ b, device))}
+
+
+def fit_gemm_curve(points: list[dict]) -> dict:
+    """Fit rate = R·s/(s+h), s the smallest dimension, to median rates: 1/rate = 1/R + (h/R)/s is linear
+    in 1/s (least squares); a degenerate fit keeps the fastest rate and h = 1."""
+    xs = [1 / min(p["m"], p["n"], p["k"]) for p in points]
+    ys = [1 / p["tflops"]["median"] for p in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    if a <= 0 or b < 0:
+        return {"max_tflops": max(1 / y for y in ys), "half_dim": 1.0}
+    return {"max_tflops": 1 / a, "half_dim": max(b / a, 1.0)}
+
+
+def measure_attention(heads: int, qk: int, v: int, seq: int, batch: int, device: torch.device,
+                      dtype: torch.dtype) -> dict:
+    """Causal SDPA forward + backward, FLOPs in the causal convention (3 × 2·B·H·T²·(qk+v)/2)."""
+    q = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
+    val = torch.randn(batch, heads, seq, v, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        F.scaled_dot_product_attention(q, k, val, is_causal=True).sum().backward()
+    flops = 3 * 2 * batch * heads * seq * seq * (qk + v) / 2
+    return {"heads": heads, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, time_fn(step, device))}
+
+
+def measure_hbm(nbytes: int, device: torch.device) -> dict:
+    """Copy bandwidth, GB/s: a copy reads and writes ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    secs = time_fn(lambda: dst.copy_(src), device)
+    return {"bytes": nbytes, "gb_s": spread([2 * nbytes / s / 1e9 for s in secs if s > 0]).model_dump()}
+
+
+def card_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str = "", comm: dict | None = None) -> dict:
+    """Every measurement on ``device``, as a calibration mapping (the YAML's content)."""
+    gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    sizes = [1024, 2048, 4096, 8192] if gpu else [64, 128, 256]
+    shapes = {(s, s, s) for s in sizes}
+    if recipe is not None:
+        tokens = recipe.train.micro_batch_size * recipe.seq_len if gpu else min(128, recipe.seq_len)
+        shapes |= {(m, n, k) for _, m, n, k, _ in gemm_shapes(recipe.model, tokens)}
+    if not gpu:  # keep the CPU path small: CI runs it
+        shapes = {(min(m, 256), min(n, 256), min(k, 256)) for m, n, k in shapes}
+    gemms = [measure_gemm(m, n, k, device, dtype) for m, n, k in sorted(shapes)]
+    curve = fit_gemm_curve(gemms)
+    cfg = recipe.model if recipe is not None else None
+    heads, qk, v = (cfg.n_heads, cfg.qk_head_dim, cfg.v_dim) if cfg else (16, 128, 128)
+    seq = (recipe.seq_len if recipe else 2048) if gpu else min(128, recipe.seq_len if recipe else 128)
+    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, seq, 4 if gpu else 1, device, dtype)]
+    hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
+    card = card_name(device)
+    base = _base_calibration(card, gpu)
+    comm = comm or {}
+    collectives = _collectives(comm, base)
+    version = str(torch.__version__)
+    date = datetime.date.today().isoformat()
+    peak = base.peak_tflops if gpu else max(curve["max_tflops"], 1e-3)
+    return {
+        "name": f"{card} (measured {date})", "hardware": base.hardware if gpu else "CPU",
+        "source": f"measured {date} {card} torch {version}" + ("" if comm.get("ops") else "; collectives not measured"),
+        "peak_tflops": peak, "memory_gib": (torch.cuda.get_device_properties(device).total_memory / 2**30) if gpu else None,
+        "gemm_tflops": {**curve, "points": [{"m": g["m"], "n": g["n"], "k": g["k"], "tflops": g["tflops"]["median"]}
+                                            for g in gemms]},
+        "attention_tflops": {f"{a['qk']}/{a['v']}": a["tflops"]["median"] for a in attention}
+        | {"default": attention[0]["tflops"]["median"]},
+        "hbm_gb_s": hbm["gb_s"]["median"],
+        "elementwise": dict(base.elementwise), "overheads": dict(base.overheads),
+        "collectives": collectives,
+        "measured": {"command": command, "date": date, "card": card, "torch": version, "device": str(device),
+                     "dtype": str(dtype).removeprefix("torch."), "warmup": WARMUP, "reps": REPS, "gemm": gemms,
+                     "attention": attention, "hbm": hbm, "collectives": comm.get("ops", {}),
+                     "fitted_elsewhere": "elementwise factors and overheads: copied from " + base.source},
+    }
+
+
+def _base_calibration(card: str, gpu: bool) -> Calibration:
+    """The shipped calibration the unmeasured parts (element-wise factors, overheads, datasheet
+    collectives) come from: the card's own when there is one, else the H100 SXM's."""
+    if gpu:
+        from scaletool.measure.hardware import profile_for
+        prof = profile_for("cuda", card)
+        cal = calibration_for(prof.name) if prof else None
+        if cal is not None:
+            return cal
+    return load_calibration("h100-sxm")
+
+
+def _collectives(comm: dict, base: Calibration) -> dict:
+    """Bus GB/s per op and group size: the measured medians, else the base calibration's figures."""
+    measured = comm.get("ops", {})
+    table = {}
+    for op in COLLECTIVE_OPS:  # an op the backend lacks takes the measured all-reduce's figures
+        sizes = {int(r): v["bus_gb_s"]["median"] for r, v in (measured.get(op) or measured.get("all_reduce") or {}).items()}
+        intra = base.collectives["intra_node_gb_s"]
+        table[op] = sizes or dict(intra.get(op) or intra["all_reduce"])
+    src = (f"measured {comm.get('backend')} over {comm.get('world_size')} local processes"
+           if measured else base.collectives.get("source", "not measured"))
+    return {"source": src, "intra_node_gb_s": table, "inter_node_gb_s": base.collectives["inter_node_gb_s"]}

@@ -1,0 +1,77 @@
+"""``scaletool calibrate`` end to end on the CPU: two real gloo processes measure the collectives, the
+written file loads, and the step-time model runs on it; bad input is one error line and exit 2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import run_cli
+
+from scaletool.analytic import load_calibration, predict_step
+from scaletool.config import load_recipe
+from scaletool.measure.calibrate import REPS, fit_gemm_curve
+
+
+@pytest.mark.distributed
+def test_calibrate_on_cpu_with_two_processes_writes_a_calibration_the_model_reads(tmp_path):
+    out = tmp_path / "cal.yaml"
+    res = run_cli("calibrate", "--device", "cpu", "--gpus", "2", "--recipe", "tiny", "--out", str(out), "--json",
+                  timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    printed = json.loads(res.stdout)
+    assert printed["path"] == str(out)
+    cal = load_calibration(str(out))
+    raw = yaml.safe_load(out.read_text())
+    m = raw["measured"]
+    assert m["device"] == "cpu" and m["torch"] and m["date"] and "--gpus 2" in m["command"]
+    assert {"median", "p10", "p90", "n"} <= set(m["hbm"]["gb_s"]) and m["hbm"]["gb_s"]["n"] == REPS
+    assert all(g["tflops"]["n"] == REPS for g in m["gemm"])
+    # the tiny recipe's own GEMM shapes were timed (d_model 64 -> FFN 192), and its attention head dims
+    assert any((g["n"], g["k"]) == (192, 64) for g in m["gemm"])
+    assert list(cal.attention_tflops)[0] == "24/16"
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert m["collectives"][op]["2"]["bus_gb_s"]["n"] == REPS, op
+        assert cal.bus_bandwidth(op, 2) > 0
+    assert cal.collectives["source"].startswith("measured gloo over 2")
+    recipe = load_recipe("tiny", ["parallel.engine=ddp"])
+    pred = predict_step(recipe, cal, world_size=2)
+    assert pred["step_s"] > 0 and pred["terms"]["comm/dp.all_reduce_total_s"] > 0
+    assert pred["calibration"] == cal.source
+
+
+def test_gemm_curve_fit_recovers_a_saturating_rate():
+    pts = [{"m": s, "n": s, "k": s, "tflops": {"median": 800 * s / (s + 300)}} for s in (256, 1024, 4096)]
+    fit = fit_gemm_curve(pts)
+    assert fit["max_tflops"] == pytest.approx(800, rel=1e-6) and fit["half_dim"] == pytest.approx(300, rel=1e-6)
+    flat = [{"m": s, "n": s, "k": s, "tflops": {"median": 5.0 - s / 1e4}} for s in (64, 128)]  # no saturation
+    assert fit_gemm_curve(flat)["half_dim"] == 1.0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "cpu", "--out", "{tmp}"], "is a directory"),
+    (["--device", "cpu", "--set", "train.micro_batch_size=2"], "--set needs --recipe"),
+    (["--device", "cpu", "--recipe", "no-such-recipe"], "no-such-recipe"),
+    (["--calibration", "h200"], "go with --validate"),
+    (["--validate", "--calibration", "b200"], "known ones are"),
+])
+def test_bad_input_is_one_error_line(tmp_path, args, says):
+    res = run_cli("calibrate", *[a.replace("{tmp}", str(tmp_path)) for a in args], cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_validate_prints_predicted_against_measured_for_given_results(tmp_path):
+    from scaletool.measure.validation import committed_paths
+
+    path = next(p for p in committed_paths() if p.name == "mha-1b-single.json")
+    res = run_cli("calibrate", "--validate", str(path), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    (run,) = out["runs"]
+    assert run["calibration"] == "H100 SXM" and abs(run["rel_error"]) < 0.1
+    assert out["summary"]["all"]["n"] == 1
+    text = run_cli("calibrate", "--validate", str(path))
+    assert "mha-1b-single.json" in text.stdout and "median |error|" in text.stdout
