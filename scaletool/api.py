@@ -37,14 +37,20 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None):
-    """The analytic model of ``recipe``: parameters, FLOPs, KV cache and training memory in two phases
-    (no model built). Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
+             world_size: int | None = None, hardware: str | None = "H100 SXM"):
+    """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
+    on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
+    Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
     from scaletool import analytic
     from scaletool.results.estimate import EstimateResult
 
-    return EstimateResult.model_validate(analytic.estimate(resolve(recipe, overrides), tokens=tokens,
-                                                           world_size=world_size))
+    r = resolve(recipe, overrides)
+    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    if hardware is not None:
+        from scaletool.measure.prediction import engine_predictions
+
+        est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware)
+    return EstimateResult.model_validate(est)
 
 
 def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,
@@ -92,6 +98,33 @@ def hardware(device_name: str | None = None):
     return HardwareResult(profiles=profiles, user_dirs=[str(d) for d in user_dirs()],
                           this_machine=ThisMachine(device=device, device_name=device_name, device_count=count,
                                                    profile=prof.name if prof else None))
+
+
+def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_per_node: int | None = None,
+         hardware: str = "H100 SXM", global_batch_tokens: int | None = None, seq_len: int | None = None,
+         price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5, verify: int = 0,
+         progress=None, verify_progress=None):
+    """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,
+    each with its ``scaletool launch`` command; ``verify`` K runs the best K that fit this machine for a
+    few steps and sets measured beside predicted. Returns a :class:`~scaletool.results.plan.PlanResult`.
+    ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run."""
+    from scaletool.plan.build import make_plan, make_request
+    from scaletool.results.plan import PlanResult
+
+    if seq_len is not None:
+        overrides = (*overrides, f"train.seq_len={_positive('seq_len', seq_len)}")
+    r = resolve(recipe, overrides)
+    req = make_request(gpus, gpus_per_node, hardware, global_batch_tokens=global_batch_tokens,
+                       price_per_gpu_hour=price_per_gpu_hour, attention_variants=attention_variants, top=top)
+    if verify < 0:
+        raise RecipeError(f"verify: {verify}: give the number of layouts to run (0: none)")
+    name = str(recipe) if isinstance(recipe, (str, Path)) else "recipe.yaml"
+    result = make_plan(r, name, tuple(overrides), req, progress)
+    if verify:
+        from scaletool.plan.verify import verify_locally
+
+        result["verify"], result["verify_notes"] = verify_locally(r, name, tuple(overrides), verify, verify_progress)
+    return PlanResult.model_validate(result)
 
 
 def load_sweep(sweep_file: str | Path, overrides: Sequence[str] = ()):

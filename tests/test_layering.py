@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"cli"},
     {"api"},
     {"report"},
-    {"profile", "sweep"},
+    {"profile", "sweep", "plan"},
     {"train", "decode", "launch"},
     {"engines", "measure"},
     {"model", "analytic", "hf"},

@@ -25,8 +25,8 @@ from scaletool.errors import RecipeError
 
 # Command name -> the module scaletool.cli.<name>, which defines the command as the attribute <name>.
 # In this order in --help: the estimate-measure-report workflow first, then the tools around it.
-COMMANDS = ("estimate", "count", "train", "decode", "profile", "sweep", "report", "calibrate", "quickstart", "recipe",
-            "launch", "hardware", "schema")
+COMMANDS = ("estimate", "plan", "count", "train", "decode", "profile", "sweep", "report", "calibrate", "quickstart",
+            "recipe", "launch", "hardware", "schema")
 
 
 class ErrorLines(click.ClickException):

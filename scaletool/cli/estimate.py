@@ -25,9 +25,11 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 @click.option("--world-size", type=click.IntRange(min=1), help="Ranks for the memory table (default parallel.world_size).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), help="Ranks per tensor-parallel group: the recipe under "
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
+@click.option("--hardware", default="H100 SXM", show_default=True, help="Card for the predicted step time per "
+              "engine (a profile of `scaletool hardware`).")
 @json_option
 def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None,
-             tensor_parallel: int | None, as_json: bool):
+             tensor_parallel: int | None, hardware: str, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     \b
@@ -50,13 +52,33 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     if tensor_parallel is not None:
         overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
     r = api.resolve(recipe, overrides)
-    est = api.estimate(r, tokens=tokens, world_size=world_size)
+    est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware)
     deliver(est, as_json)
     if not as_json:
         print_estimate(r, est, console())
         if r.parallel.tensor_parallel > 1:
             print_tensor_parallel(est, console())
+        print_prediction(r, est, console())
     return est
+
+
+def print_prediction(r, est, console: Console) -> None:
+    """The predicted step per engine, beside the memory table: step time, tokens/s per GPU, MFU, bound."""
+    pred = est.prediction
+    if pred is None:
+        return
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+              title_justify="left", title=f"Predicted step on {pred.hardware} (world size {pred.world_size})")
+    for c in ("engine", "step", "tokens/s/GPU", "MFU", "bound"):
+        t.add_column(c, justify="left" if c in ("engine", "bound") else "right", no_wrap=True)
+    for row in pred.rows:
+        t.add_row(row["label"], f"{row['step_s']:.3g} s", f"{row['tokens_per_s_per_gpu']:,.0f}",
+                  "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%", row["bound"])
+    console.print(t)
+    tr = r.train
+    console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, checkpointing "
+                  f"{tr.activation_checkpointing}, {'compiled' if tr.compile else 'eager'}; calibration "
+                  f"{pred.calibration}. `scaletool plan` searches the layouts.", highlight=False)
 
 
 def print_tensor_parallel(est, console: Console) -> None:

@@ -14,6 +14,7 @@ match: ["RTX 4090"]              # substrings of torch.cuda.get_device_name()
 exclude: []                      # substrings that rule a name out (optional)
 peak_tflops: {bf16: 165.2, fp16: 165.2, fp32: 82.6}   # dense, per dtype
 peak_bandwidth_gb_s: 1008        # device memory (optional)
+memory_gib: 23.99                # one device's memory (optional; plan)
 reference: "NVIDIA Ada architecture whitepaper, dense, fp32 accumulate"
 """
 

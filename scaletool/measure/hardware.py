@@ -2,7 +2,8 @@
 
 A profile is a YAML file (:class:`ProfileFile`): the device kind (``cuda`` or ``cpu``), substrings of
 ``torch.cuda.get_device_name()`` that select it (``match``, with optional ``exclude``), dense peak TFLOP/s
-per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``) and a ``reference``. Profiles are
+per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``), the memory one device offers
+(``memory_gib``, what ``scaletool plan`` fits layouts into) and a ``reference``. Profiles are
 read from, highest precedence first:
 
 1. every directory in ``$SCALETOOL_PROFILES`` (``os.pathsep``-separated),
@@ -45,6 +46,7 @@ class ProfileFile(BaseModel):
     exclude: list[str] = []
     peak_tflops: dict[Literal["bf16", "fp16", "fp32"], Positive] = {}
     peak_bandwidth_gb_s: Positive | None = None
+    memory_gib: Positive | None = None
     reference: str = ""
 
     @model_validator(mode="after")
@@ -101,6 +103,7 @@ def read_profile(path: Path, source: str) -> HardwareProfile:
     return HardwareProfile(name=f.name, device=f.device, match=tuple(f.match), exclude=tuple(f.exclude),
                            peak_tflops={k: float(v) for k, v in f.peak_tflops.items()},
                            peak_bandwidth_bytes_per_s=f.peak_bandwidth_gb_s * 1e9 if f.peak_bandwidth_gb_s else None,
+                           memory_bytes=int(f.memory_gib * 2**30) if f.memory_gib else None,
                            reference=f.reference, source=source)
 
 
@@ -169,3 +172,18 @@ def profile_for(device_type: str, device_name: str,
     """The first profile (user profiles first) that matches this device, or None."""
     profiles = load_profiles() if profiles is None else profiles
     return next((p for p in profiles if p.matches(device_type, device_name)), None)
+
+
+def profile_named(name: str, profiles: list[HardwareProfile] | None = None) -> HardwareProfile:
+    """The profile called ``name`` (its name or its file's stem, any case: ``H100 SXM``, ``h100-sxm``);
+    an unknown name is a RecipeError listing the known ones."""
+    profiles = load_profiles() if profiles is None else profiles
+    key = name.strip().lower()
+    for p in profiles:
+        stem = Path(p.source.rsplit(":", 1)[-1]).stem.lower()
+        if key in (p.name.lower(), stem):
+            return p
+    close = difflib.get_close_matches(key, [p.name.lower() for p in profiles], n=1)
+    tip = f"did you mean '{next(p.name for p in profiles if p.name.lower() == close[0])}'? " if close else ""
+    raise RecipeError(f"hardware {name.strip()[:60]!r}: unknown; {tip}known: {', '.join(p.name for p in profiles)} "
+                      "(`scaletool hardware` lists them and says how to add one)")

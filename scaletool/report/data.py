@@ -191,6 +191,7 @@ class TrainView(View):
     flops_per_token: FlopsPerToken = FlopsPerToken()
     history: TrainHistory = TrainHistory()
     dynamics: DynamicsSection | None = None
+    prediction: dict[str, Any] | None = None  # the step-time model's prediction the run recorded
 
     @classmethod
     def legacy(cls, doc: Any) -> Any:

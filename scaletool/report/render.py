@@ -14,7 +14,7 @@ from pathlib import Path
 from scaletool import __version__
 from scaletool.errors import RecipeError, shorten
 from scaletool.fmt import write_atomic
-from scaletool.report import claims, dynamics, tables
+from scaletool.report import claims, dynamics, prediction, tables
 from scaletool.report.data import ResultsSet, load
 from scaletool.report.findings import all_findings
 from scaletool.report.plots import Plot, all_plots
@@ -22,7 +22,8 @@ from scaletool.report.results_csv import write_csv
 from scaletool.report.tables import Table
 from scaletool.results.report import ReportResult
 
-TABLES = (tables.estimate_table, tables.count_table, tables.train_table, dynamics.dynamics_table, tables.scaling_table,
+TABLES = (tables.estimate_table, tables.count_table, tables.train_table, prediction.prediction_table,
+          dynamics.dynamics_table, tables.scaling_table,
           tables.moe_table, tables.decode_table, tables.budget_table, claims.claim_table, tables.breakdown_table,
           tables.failures_table)
 
@@ -36,7 +37,7 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
     """Read ``dirs``, write the report files into ``out``; return their paths, findings and warnings."""
     rs = load(dirs)
     tabs = all_tables(rs)
-    plots = all_plots(rs) + dynamics.dynamics_plots(rs)
+    plots = all_plots(rs) + dynamics.dynamics_plots(rs) + prediction.prediction_plots(rs)
     findings = all_findings(rs)
     plot_dir = out / "plots"
     context = {"sources": _sources(rs), "tables": tabs, "plots": plots, "findings": findings,

@@ -4,6 +4,7 @@ import scaletool.results.decode  # noqa: F401
 import scaletool.results.estimate  # noqa: F401
 import scaletool.results.hardware  # noqa: F401
 import scaletool.results.launch  # noqa: F401
+import scaletool.results.plan  # noqa: F401
 import scaletool.results.profile  # noqa: F401
 import scaletool.results.recipe  # noqa: F401
 import scaletool.results.report  # noqa: F401

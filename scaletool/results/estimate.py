@@ -133,6 +133,9 @@ class EstimateResult(Result):
     kv_cache: KVCache
     attention_scores: AttentionScores
     memory: Memory
+    #: the step-time model per engine on one card (scaletool.measure.prediction.engine_predictions):
+    #: hardware, calibration, world_size and rows of label, step_s, tokens_per_s(_per_gpu), mfu, hfu, bound
+    prediction: Part | None = None
 
     @classmethod
     def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,8 @@ class HardwareProfile(BaseModel):
                                                           "left out has no assumed peak")
     peak_bandwidth_bytes_per_s: float | None = Field(None, description="device-memory (HBM) bandwidth, for "
                                                                        "decoding's roofline")
+    memory_bytes: int | None = Field(None, description="device memory as torch reports it (total_memory), what "
+                                                       "`scaletool plan` fits layouts into")
     reference: str = Field("", description="where the figures come from (a datasheet)")
     source: str = Field("", description="the file it was read from: shipped:<file> or a user file's path")
     replaces: str | None = Field(None, description="the shipped profile of the same name this user profile replaces")

@@ -112,6 +112,10 @@ class TrainResult(Result):
     flops_per_token: dict[str, Any] | None = None
     hardware: dict[str, Any] | None = None
     memory: dict[str, Any] | None = None
+    #: the step-time model's prediction for this layout on this device (scaletool.analytic.step): step_s,
+    #: tokens_per_s, mfu, bound, terms, the calibration and its assumptions; rel_error_tokens_per_s is
+    #: (predicted - measured) / measured. On the CPU the calibration is a placeholder (not meaningful).
+    prediction: dict[str, Any] | None = None
     nvml: dict[str, Any] | None = None
     environment: dict[str, Any] | None = None
     elastic: dict[str, Any] | None = None

@@ -147,6 +147,30 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
     return metrics, section
 
 
+def _prediction(r: RunRecord, measured: float | None) -> tuple[dict, dict]:
+    """(metrics, the summary's prediction section): the step-time model for this layout and device,
+    with the calibration that matches the device (the CPU's is a placeholder), against the measured rate."""
+    from scaletool.errors import RecipeError, describe
+    from scaletool.measure.hardware import load_profiles
+    from scaletool.measure.prediction import calibration_for_device, predict
+
+    keys = ("predict/step_s", "predict/tokens_per_s", "predict/tokens_per_s_per_gpu", "predict/mfu",
+            "predict/rel_error_tokens_per_s")
+    try:
+        profile = next((p for p in load_profiles() if p.name == r.peak.profile), None)
+        calib = calibration_for_device(r.env.device.type, profile)
+        pred = predict(r.recipe, calib, r.env.world_size, r.env.local_world_size)
+    except (RecipeError, ValueError, KeyError, ZeroDivisionError) as e:
+        return dict.fromkeys(keys), {"unavailable": "; ".join(e.problems) if isinstance(e, RecipeError) else describe(e)}
+    err = rel_error(pred["tokens_per_s"], measured)
+    metrics = dict(zip(keys, (pred["step_s"], pred["tokens_per_s"], pred["tokens_per_s_per_gpu"], pred["mfu"], err)))
+    section = {k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound", "terms",
+                                    "assumptions")}
+    section.update(calibration=calib.name, calibration_source=calib.source, rel_error_tokens_per_s=err,
+                   meaningful=r.env.device.type != "cpu")
+    return metrics, section
+
+
 def _step_stats(timing: Timing | None) -> dict[str, float | None]:
     s = timing.step_s if timing else None
     return {"median": s.median if s else None, "p10": s.p10 if s else None, "p90": s.p90 if s else None}
@@ -160,6 +184,7 @@ def build_result(r: RunRecord) -> TrainResult:
     timing = seg.timing
     flops = _flops_metrics(seg.tokens_per_s, seg.world_size or r.env.world_size, r.flops, r.peak)
     mem_metrics, memory = _memory(r)
+    pred_metrics, prediction = _prediction(r, seg.tokens_per_s)
     hist = History(**r.history)
     losses = hist.loss
     steps_done = hist.step[-1] + 1 if hist.step else r.segments[-1]["start_step"]
@@ -171,6 +196,7 @@ def build_result(r: RunRecord) -> TrainResult:
         "throughput/tokens_per_s_window": (window_steps * r.tokens_per_step / r.window_s
                                            if r.window_s and window_steps > 0 else None),
         **mem_metrics,
+        **pred_metrics,
         "time/step_s_median": stats["median"], "time/step_s_p10": stats["p10"], "time/step_s_p90": stats["p90"],
         "time/step_s_mean": _mean(_measured_times(hist, seg)),
         "time/measured_s": r.window_s, "time/checkpoint_s": r.checkpoint_s, "time/unmeasured_s": r.unmeasured_s,
@@ -193,7 +219,7 @@ def build_result(r: RunRecord) -> TrainResult:
         flops_per_token=r.flops,
         hardware={"profile": r.peak.profile, "peak_tflops": r.peak.tflops, "source": r.peak.source,
                   "warning": r.peak.warning, "dtype": r.recipe.model.dtype},
-        memory=memory, nvml={"per_rank": [dict(x["nvml"], rank=x["rank"]) for x in r.reports]},
+        memory=memory, prediction=prediction, nvml={"per_rank": [dict(x["nvml"], rank=x["rank"]) for x in r.reports]},
         environment=environment(r.env, r.reports, r.recipe.parallel.engine), elastic=elastic(r.reports),
         recipe=r.recipe.to_dict(),
     )

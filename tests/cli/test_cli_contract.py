@@ -133,7 +133,7 @@ def _invoke(*argv: str):
                                     "try 'scaletool estimate --help'"),
     (["estimate"], "error: missing argument 'RECIPE'; try 'scaletool estimate --help'"),
     (["estimat", "tiny"], "error: no such command 'estimat'; did you mean 'estimate'?; try 'scaletool --help'"),
-    (["frobnicate"], "error: no such command 'frobnicate'; commands: estimate, count, "),
+    (["frobnicate"], "error: no such command 'frobnicate'; commands: estimate, plan, count, "),
     (["estimate", "tiny", "--world-size", "two"], "error: invalid value for '--world-size': 'two' is not a valid "
                                                   "integer range; try 'scaletool estimate --help'"),
     (["launch", "torchrun", "tiny", "--nnodes", "0"], "error: invalid value for '--nnodes': 0 is not in the range "

@@ -182,3 +182,34 @@ def test_help_teaches():
         assert cmd in res.stdout
     for cmd in ("estimate", "count"):
         assert "Examples:" in run_cli(cmd, "--help").stdout
+
+
+def test_estimate_predicts_the_step_of_every_engine_beside_memory():
+    """One prediction per memory-table engine at the world size, each the step model's for that engine."""
+    from scaletool.analytic.step import predict_step
+    from scaletool.measure.hardware import profile_named
+    from scaletool.measure.prediction import calibration_for_device
+
+    est = cli_json("estimate", str(RECIPES / "mla-1b.yaml"), "--world-size", "8", "--hardware", "h200")
+    pred = est["prediction"]
+    assert pred["hardware"] == "H200" and pred["world_size"] == 8
+    assert [r["label"] for r in pred["rows"]] == [r["label"] for r in est["memory"]["engines"]
+                                                   if r["activation_checkpointing"] == "none"]
+    r = api.resolve(str(RECIPES / "mla-1b.yaml"))
+    calib = calibration_for_device("cuda", profile_named("H200"))
+    zero3 = r.model_copy(update={"parallel": r.parallel.model_copy(update={"engine": "deepspeed", "zero_stage": 3})})
+    want = predict_step(zero3, calib, world_size=8)
+    got = next(row for row in pred["rows"] if row["label"] == "zero3")
+    assert got["step_s"] == pytest.approx(want["step_s"]) and got["bound"] == want["bound"]
+    for row in pred["rows"]:
+        assert row["step_s"] > 0 and 0 < row["mfu"] < 1
+        assert row["tokens_per_s_per_gpu"] * 8 == pytest.approx(row["tokens_per_s"])
+    text = CliRunner().invoke(main, ["estimate", "mla-1b", "--world-size", "8"]).output
+    assert "Predicted step on H100 SXM (world size 8)" in text and "tokens/s/GPU" in text
+
+
+def test_estimate_with_an_unknown_card_is_one_line():
+    res = CliRunner().invoke(main, ["estimate", "tiny", "--hardware", "h900"])
+    assert res.exit_code == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: hardware 'h900': unknown; did you mean 'H200'?")

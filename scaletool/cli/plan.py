@@ -1,0 +1,166 @@
+"""``scaletool plan``: which layout to run on N GPUs, predicted, fitted, ranked, and written as commands."""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
+from scaletool.fmt import gib, pct, si
+
+CKPT = {"none": "none", "selective": "sel", "full": "full"}
+BOUND = {"compute": "compute", "memory_bandwidth": "memory", "memory bandwidth": "memory",
+         "communication": "comm", "exposed_communication": "comm", "exposed communication": "comm"}
+
+
+class Progress:
+    """One line on stderr, rewritten in place, once the work has taken more than a second (a terminal only)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.start, self.shown = enabled, time.monotonic(), False
+
+    def search(self, done: int, total: int) -> None:
+        if self.enabled and time.monotonic() - self.start > 1:
+            sys.stderr.write(f"\rplanning: {done}/{total} engine, parallelism and checkpointing combinations")
+            sys.stderr.flush()
+            self.shown = True
+
+    def line(self, text: str) -> None:
+        self.done()
+        click.echo(text, err=True)
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+@click.command()
+@recipe_argument
+@click.option("--gpus", type=int, required=True, help="GPUs to plan for (all nodes).")
+@click.option("--gpus-per-node", type=int, help="GPUs per node [default: 8, or --gpus if fewer].")
+@click.option("--hardware", default="H100 SXM", show_default=True,
+              help="The card: a profile name of `scaletool hardware` (or its file name, e.g. h200).")
+@click.option("--global-batch-tokens", type=int, help="Tokens per optimizer step; accumulation reaches it "
+              "[default: not fixed, accumulation 1].")
+@click.option("--seq-len", type=int, help="Sequence length [default: the recipe's train.seq_len].")
+@click.option("--price-per-gpu-hour", type=PositiveFloat(), help="Adds the cost per million tokens.")
+@click.option("--attention-variants", is_flag=True, help="Also plan the model with each other attention kind.")
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts listed.")
+@click.option("--verify", type=click.IntRange(min=0), default=0, metavar="K",
+              help="Run the best K layouts that fit this machine for a few steps; predicted vs measured.")
+@set_option
+@json_option
+def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, global_batch_tokens: int | None,
+         seq_len: int | None, price_per_gpu_hour: float | None, attention_variants: bool, top: int, verify: int,
+         overrides: tuple[str, ...], as_json: bool):
+    """Plan RECIPE on --gpus GPUs: the layouts that fit, fastest first.
+
+    \b
+    Searches engine (DDP, FSDP2, ZeRO-1/2/3; single on one GPU) × tensor
+    parallelism (FSDP2, within a node) × micro-batch × accumulation ×
+    activation checkpointing × eager/compiled; drops what the memory
+    estimate says does not fit the card (less the allocator's reserve);
+    ranks the rest by the step-time model's tokens/s (calibrated rates
+    of the card: `scaletool calibrate`). Each is a launch command.
+
+    \b
+    Examples:
+      scaletool plan llama3-8b --gpus 8
+      scaletool plan llama3-405b-dense --gpus 1024 --hardware h200 \\
+          --global-batch-tokens 16777216 --price-per-gpu-hour 2.5
+      scaletool plan mla-1b --gpus 16 --attention-variants --top 3
+      scaletool plan tiny --gpus 2 --verify 2
+    """
+    from scaletool import api
+
+    prog = Progress(sys.stderr.isatty() and not as_json)
+    try:
+        res = api.plan(recipe, gpus=gpus, overrides=overrides, gpus_per_node=gpus_per_node, hardware=hardware,
+                       global_batch_tokens=global_batch_tokens, seq_len=seq_len, price_per_gpu_hour=price_per_gpu_hour,
+                       attention_variants=attention_variants, top=top, verify=verify, progress=prog.search,
+                       verify_progress=None if as_json else prog.line)
+    finally:
+        prog.done()
+    deliver(res, as_json)
+    if not as_json:
+        print_plan(res)
+    return res
+
+
+def _engine(row) -> str:
+    return row.label + (f" tp{row.tensor_parallel}" if row.tensor_parallel > 1 else "") + \
+        (" ep" if row.expert_parallel else "")
+
+
+def layouts_table(res):
+    """The top layouts, one row each; fits 80 columns (without --attention-variants and price)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+              title_justify="left", title=f"{res.recipe} on {res.nodes} × {res.gpus_per_node} {res.hardware} "
+              f"({gib(res.card_bytes)} each), T={res.seq_len}")
+    variants = len({row.attention for row in res.layouts}) > 1
+    cols = ["#", *(["attn"] if variants else []), "engine", "mb×acc", "ckpt", "mode", "tok/s/GPU", "MFU", "GiB",
+            "free", "bound", *(["$/Mtok"] if res.price_per_gpu_hour else [])]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("attn", "engine", "ckpt", "mode", "bound") else "right", no_wrap=True)
+    for row in res.layouts:
+        p = row.prediction
+        t.add_row(str(row.rank), *([row.attention] if variants else []), _engine(row),
+                  f"{row.micro_batch_size}×{row.grad_accum_steps}", CKPT.get(row.activation_checkpointing, "?"),
+                  "comp" if row.compiled else "eager", si(p.tokens_per_s_per_gpu),
+                  "-" if p.mfu is None else f"{100 * p.mfu:.0f}%", f"{row.memory_bytes / 2**30:.1f}",
+                  f"{row.margin_bytes / 2**30:.1f}", BOUND.get(p.bound, p.bound),
+                  *([f"{row.cost_per_million_tokens:.3g}"] if res.price_per_gpu_hour else []))
+    return t
+
+
+def print_plan(res) -> None:
+    con = console()
+    con.print(layouts_table(res))
+    con.print(f"{res.fitting_layouts} layouts fit; tok/s/GPU and MFU predicted (calibration {res.calibration}); GiB: "
+              "estimated peak per GPU, free: what is left of the usable memory.", highlight=False)
+    multi = res.nodes > 1
+    click.echo("\nCommands" + (" (run on every node: NODE0 is the first node's address, /shared/runs a directory "
+                               "every node sees)" if multi else "") + ":")
+    for row in res.layouts:
+        click.echo(f"{row.rank:>2}. {row.command}")
+        for line in row.command_problems:
+            click.echo(f"    note: launch would refuse it: {line}")
+    click.echo("\nAssumptions:")
+    for line in res.assumptions:
+        click.echo(f"  - {line}")
+    for line in res.notes:
+        click.echo(f"  note: {line}")
+    c = res.considered
+    click.echo(f"searched {c['families']} engine/parallelism/checkpointing/mode combinations, "
+               f"{c['memory_estimates']} memory estimates, {c['predicted']} layouts predicted in {res.elapsed_s:.2f} s")
+    if res.verify is not None:
+        print_verify(res, con)
+
+
+def print_verify(res, con) -> None:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+              title_justify="left", title="Verified here: tokens/s (all ranks), GiB per rank, predicted vs measured")
+    for c in ("#", "layout", "pred", "median", "p10-p90", "n", "err", "GiB", "meas", "err"):
+        t.add_column(c, no_wrap=c != "layout", justify="left" if c == "layout" else "right")
+    for v in res.verify:
+        m = v.measured_tokens_per_s
+        spread = [si(m["median"]), f"{si(m['p10'])}-{si(m['p90'])}", str(m["n"])] if m else [v.status, "", ""]
+        meas_mem = v.measured_peak_memory_bytes
+        t.add_row(str(v.rank), v.layout, si(v.predicted_tokens_per_s), *spread, pct(v.rel_error_tokens_per_s, 0),
+                  f"{v.predicted_memory_bytes / 2**30:.2f}", "-" if meas_mem is None else f"{meas_mem / 2**30:.2f}",
+                  pct(v.rel_error_memory, 0))
+    con.print(t)
+    for v in res.verify:
+        if v.message:
+            click.echo(f"  {v.rank}: {v.status}: {v.message}")
+    for line in res.verify_notes:
+        click.echo(f"  note: {line}")

@@ -1,0 +1,75 @@
+"""The step-time model's calibration for a device, and its prediction for a recipe there.
+
+A shipped calibration of the card (``profiles/calibrations/``) is used when one exists, else the
+datasheet default derived from the card's hardware profile. The CPU has neither: its calibration is
+a placeholder (:func:`cpu_calibration`) so that a CPU run records a prediction and exercises the
+whole path; its error there is not meaningful and says nothing about the model.
+"""
+from __future__ import annotations
+
+from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration, load_calibration
+from scaletool.analytic.step import predict_step
+from scaletool.config import Recipe
+from scaletool.errors import RecipeError
+
+#: the CPU placeholder's rates: a few-core CPU's order of magnitude, not a measurement
+CPU_PLACEHOLDER = {"gemm_tflops": 0.1, "half_dim": 64, "attention_tflops": 0.02, "memory_gb_s": 10.0, "gloo_gb_s": 1.0}
+CPU_NOTE = "CPU placeholder (not measured): the prediction's error on a CPU is not meaningful"
+
+
+def cpu_calibration() -> Calibration:
+    """A shipped or user calibration named ``cpu`` when there is one, else the placeholder."""
+    try:
+        return load_calibration("cpu")
+    except RecipeError:
+        pass
+    c = CPU_PLACEHOLDER
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    return Calibration(
+        name="CPU (placeholder)", source=CPU_NOTE, hardware="CPU", peak_tflops=c["gemm_tflops"],
+        gemm_tflops={"max_tflops": c["gemm_tflops"], "half_dim": c["half_dim"]},
+        attention_tflops={"default": c["attention_tflops"]}, hbm_gb_s=c["memory_gb_s"],
+        collectives={"intra_node_gb_s": {op: {2: c["gloo_gb_s"]} for op in ops}, "inter_node_gb_s": c["gloo_gb_s"],
+                     "source": "placeholder: gloo over shared memory"},
+        overheads={"step_s": 0.01, "micro_batch_s": 0.005})
+
+
+def calibration_for_device(device_type: str, profile=None) -> Calibration:
+    """The calibration for a device: the CPU placeholder, the card's shipped calibration, or the
+    datasheet default of its hardware ``profile`` (a RecipeError when there is no profile to derive from)."""
+    if device_type == "cpu":
+        return cpu_calibration()
+    if profile is None:
+        raise RecipeError("no hardware profile matches this GPU, so there is no calibration to predict with "
+                          "(`scaletool hardware` says how to add a profile)")
+    return calibration_for(profile.name) or default_calibration(profile)
+
+
+def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_node: int | None = None) -> dict:
+    """The step-time model's prediction for the recipe as configured (its compile setting included)."""
+    return predict_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,
+                        compiled=recipe.train.compile)
+
+
+def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
+    """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
+    recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
+    recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
+    from scaletool.analytic.memory import TABLE_ENGINES
+    from scaletool.measure.hardware import profile_named
+
+    prof = profile_named(hardware)
+    calib = calibration_for_device(prof.device, prof)
+    p = recipe.parallel
+    if p.tensor_parallel > 1:
+        layouts = [(f"fsdp tp{p.tensor_parallel}", "fsdp", p.zero_stage)]
+    else:
+        layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]
+    rows = []
+    for label, engine, stage in layouts:
+        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
+        pred = predict(recipe.model_copy(update={"parallel": par}), calib, world_size)
+        rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
+                                                              "hfu", "bound")}})
+    return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
+            "world_size": world_size, "rows": rows}

@@ -1,0 +1,97 @@
+"""A plan from a recipe and a cluster: the checked request, the search, the commands and the assumptions."""
+from __future__ import annotations
+
+import math
+
+from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES
+from scaletool.config import Recipe, RecipeError
+from scaletool.measure.hardware import profile_named
+from scaletool.measure.prediction import calibration_for_device
+from scaletool.plan.commands import command_line, command_problems, launch_argv
+from scaletool.plan.search import Request, search
+
+DEFAULT_HARDWARE = "H100 SXM"
+#: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def hardware_profile(name: str):
+    """The card's profile (see :func:`~scaletool.measure.hardware.profile_named`)."""
+    return profile_named(name)
+
+
+def check_cluster(gpus: int, gpus_per_node: int | None) -> int:
+    """GPUs per node, checked against the GPU count (one line per problem, before any search)."""
+    if gpus < 1:
+        raise RecipeError(f"gpus: {gpus}: need at least 1 GPU to plan for")
+    g = gpus_per_node if gpus_per_node is not None else min(gpus, DEFAULT_GPUS_PER_NODE)
+    if g < 1:
+        raise RecipeError(f"gpus per node: {g}: need at least 1")
+    if gpus % g:
+        raise RecipeError(f"gpus: {gpus} GPUs are not a whole number of nodes of {g} GPUs (give a multiple of {g}, "
+                          "or the GPUs per node that divides it)")
+    return g
+
+
+def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_batch_tokens: int | None = None,
+                 price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5,
+                 card_bytes: int | None = None, calibration=None, **narrow) -> Request:
+    """The checked :class:`Request` (``narrow``: the Request fields that restrict the search)."""
+    g = check_cluster(gpus, gpus_per_node)
+    if global_batch_tokens is not None and global_batch_tokens < 1:
+        raise RecipeError(f"global batch tokens: {global_batch_tokens}: must be at least 1")
+    if price_per_gpu_hour is not None and not (math.isfinite(price_per_gpu_hour) and price_per_gpu_hour > 0):
+        raise RecipeError(f"price per GPU hour: {price_per_gpu_hour}: must be a positive number")
+    if top < 1:
+        raise RecipeError(f"top: {top}: list at least 1 layout")
+    if card_bytes is None:
+        prof = hardware_profile(hardware)
+        if not prof.memory_bytes:
+            raise RecipeError(f"hardware {prof.name!r}: its profile ({prof.source}) has no memory_gib, so nothing can "
+                              "be fitted to it; add memory_gib to a user profile of that name")
+        hardware, card_bytes = prof.name, prof.memory_bytes
+        calibration = calibration if calibration is not None else calibration_for_device(prof.device, prof)
+    return Request(gpus=gpus, gpus_per_node=g, hardware=hardware, card_bytes=card_bytes, calibration=calibration,
+                   global_batch_tokens=global_batch_tokens, price_per_gpu_hour=price_per_gpu_hour,
+                   attention_variants=attention_variants, top=top, **narrow)
+
+
+def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: Request, progress=None) -> dict:
+    """The plan as the fields of :class:`~scaletool.results.plan.PlanResult` (without verification)."""
+    from scaletool.analytic.step import predict_step
+
+    def predict(r, lay):
+        return predict_step(r, req.calibration, world_size=req.gpus, gpus_per_node=req.gpus_per_node,
+                            compiled=lay.compiled)
+
+    found = search(recipe, req, predict, progress)
+    top = found["layouts"][:req.top]
+    for row in top:
+        row["argv"] = launch_argv(recipe_arg, overrides, recipe, row, req.gpus, req.gpus_per_node)
+        row["command"] = command_line(row["argv"])
+        row["command_problems"] = command_problems(recipe, row, req.gpus)
+    return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+            "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
+            "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
+            "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": req.calibration.name,
+            "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
+            "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
+            "elapsed_s": found["elapsed_s"]}
+
+
+def assumptions(req: Request) -> list[str]:
+    """What the plan assumes beyond the step-time model's own assumptions."""
+    nodes = req.gpus // req.gpus_per_node
+    out = [f"{nodes} node{'s' if nodes > 1 else ''} × {req.gpus_per_node} GPUs: tensor parallelism stays within a "
+           "node" + ("; data parallelism spans the nodes, so its collectives cross the inter-node network" if nodes > 1
+                     else ""),
+           f"fits: the phase-resolved memory estimate within the card's {req.card_bytes / 2**30:.1f} GiB less "
+           f"{100 * ALLOCATOR_RESERVE_FRACTION:.0f}% (at least {ALLOCATOR_RESERVE_MIN_BYTES / 2**30:.0f} GiB) kept for "
+           "the allocator, the CUDA context and NCCL"]
+    if req.global_batch_tokens is None:
+        out.append("global batch not fixed: gradient accumulation 1, the global batch grows with the micro-batch "
+                   "(--global-batch-tokens fixes it)")
+    else:
+        out.append(f"global batch {req.global_batch_tokens:,} tokens: micro-batch × accumulation × sequence length "
+                   "× data-parallel ranks")
+    return out

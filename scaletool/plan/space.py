@@ -1,0 +1,132 @@
+"""The layouts a plan considers, and which of them fit the card.
+
+A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3), a tensor-parallel degree (FSDP2 only, a divisor
+of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that reaches
+the global batch, activation checkpointing and eager or compiled training. Memory grows with the
+micro-batch, so the largest micro-batch that fits is found by doubling and bisection (a few estimates
+per engine instead of one per micro-batch), and every estimate is memoized.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cache
+
+from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, tensor_parallel_memory, training_memory
+from scaletool.analytic.timeline import MemoryInputs
+from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
+
+CHECKPOINTING = ("none", "selective", "full")
+#: the largest micro-batch searched when no global batch bounds it
+MAX_MICRO_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the recipe on the GPUs: what ``--set`` keys it becomes, nothing predicted yet."""
+
+    label: str  # single, ddp, fsdp, zero1, zero2, zero3
+    engine: str
+    zero_stage: int
+    tensor_parallel: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: str
+    compiled: bool
+    attention: str
+    expert_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    """Layouts that differ only in micro-batch and accumulation (memory is monotone in the micro-batch)."""
+
+    variant: str  # the attention kind of the recipe variant
+    label: str
+    engine: str
+    zero_stage: int
+    tensor_parallel: int
+    activation_checkpointing: str
+    compiled: bool
+    expert_parallel: bool = False
+
+
+def engines_for(gpus: int) -> list[tuple[str, str, int]]:
+    """(label, engine, ZeRO stage) worth planning at ``gpus`` ranks: single runs one process only."""
+    return [row for row in TABLE_ENGINES if row[1] != "single" or gpus == 1]
+
+
+def variant(recipe: Recipe, overrides: dict) -> Recipe:
+    """``recipe`` with dotted ``overrides`` applied and validated again (a RecipeError when they conflict)."""
+    return recipe_from_dict(apply_overrides(recipe.given(), list(overrides.items())), "recipe")
+
+
+def tensor_parallel_degrees(recipe: Recipe, gpus: int, gpus_per_node: int) -> tuple[list[int], dict[int, str]]:
+    """Tensor-parallel degrees within a node that the recipe allows (heads, K/V heads, FFN width, vocabulary
+    and positions split evenly; FSDP2 only), and why each other divisor of the node was left out."""
+    ok, why = [], {}
+    for tp in (d for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0 and gpus % d == 0):
+        if tp == 1:
+            ok.append(1)
+            continue
+        try:
+            variant(recipe, {"parallel.engine": "fsdp", "parallel.tensor_parallel": tp})
+        except RecipeError as e:
+            why[tp] = e.problems[0]
+            continue
+        ok.append(tp)
+    return ok, why
+
+
+class MemoryModel:
+    """Peak bytes per GPU of a layout, memoized. A compiled whole model (``single``, or
+    ``train.compile_scope: model``) saves fewer activations (the compiled activation model); per-block
+    compilation, what the sharded engines use, keeps the eager estimate, an upper bound."""
+
+    def __init__(self, recipe: Recipe, gpus: int):
+        self.recipe, self.gpus = recipe, gpus
+        self.base = engine_settings(recipe)
+        self.estimate = cache(self._estimate)
+
+    def _estimate(self, fam: Family, micro_batch: int) -> dict:
+        r, t = self.recipe, self.recipe.train
+        ac = fam.activation_checkpointing
+        if fam.tensor_parallel > 1:
+            tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac})
+            return tensor_parallel_memory(r.model_copy(update={"train": tr}), self.gpus, fam.tensor_parallel)
+        settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
+                           expert_parallel=fam.expert_parallel)
+        # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
+        whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
+        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
+        return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
+
+    def total(self, fam: Family, micro_batch: int) -> int:
+        return self.estimate(fam, micro_batch)["total_bytes"]
+
+
+def largest_fitting(fits, upper: int) -> int:
+    """The largest micro-batch in 1..upper for which ``fits(m)`` holds, assuming it holds for every
+    smaller one (0 when even 1 does not): doubling, then bisection."""
+    if upper < 1 or not fits(1):
+        return 0
+    lo = 1
+    while lo * 2 <= upper and fits(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, upper + 1)  # fits(lo), not fits(hi) (or hi past the bound)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def micro_batches(largest: int, sequences_per_rank: int | None) -> list[int]:
+    """Micro-batches to consider up to ``largest`` that fits: powers of two and ``largest`` itself; with a
+    fixed global batch only those that divide the sequences each data-parallel rank must process per step."""
+    if largest < 1:
+        return []
+    if sequences_per_rank is None:
+        out = {1 << k for k in range(largest.bit_length()) if 1 << k <= largest} | {largest}
+    else:
+        divides = [m for m in range(1, min(largest, sequences_per_rank) + 1) if sequences_per_rank % m == 0]
+        out = {m for m in divides if m & (m - 1) == 0} | ({max(divides)} if divides else set())
+    return sorted(out)

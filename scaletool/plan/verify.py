@@ -1,0 +1,132 @@
+"""``plan --verify K``: plan again for this machine, run the best K layouts for a few steps, and set the
+measurement beside the prediction.
+
+This machine is its CUDA devices (one rank each, their memory as torch reports it) or, without CUDA,
+up to two CPU ranks over gloo (eager only, engines single, DDP and FSDP2, micro-batches up to the
+recipe's: a CPU step of a large micro-batch takes minutes, and on the CPU the prediction's calibration
+is a placeholder, so its error says nothing about the model). Each layout runs as its own
+``python -m scaletool train`` process into a temporary run directory, removed afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from scaletool.config import Recipe
+from scaletool.errors import RecipeError
+from scaletool.measure.prediction import calibration_for_device
+from scaletool.plan.build import make_plan, make_request
+from scaletool.plan.commands import command_line, layout_sets
+from scaletool.stats import rel_error
+
+#: steps of a verification run, and how many of them are warm-up (not measured)
+VERIFY_STEPS, VERIFY_WARMUP = 6, 1
+#: seconds one verification run may take before it is stopped
+VERIFY_TIMEOUT_S = 1800
+
+
+def local_machine() -> dict:
+    """Ranks, device kind and name, memory per rank, and the matching profile of this machine."""
+    import torch
+
+    from scaletool.measure.hardware import profile_for
+
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        name = torch.cuda.get_device_name(0)
+        return {"device": "cuda", "name": name, "ranks": torch.cuda.device_count(), "profile": profile_for("cuda", name),
+                "memory_bytes": torch.cuda.get_device_properties(0).total_memory}
+    ranks = min(2, os.cpu_count() or 1)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"device": "cpu", "name": "CPU", "ranks": ranks, "profile": None, "memory_bytes": ram // ranks}
+
+
+def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, machine: dict) -> dict:
+    """The plan for this machine: its ranks, its memory, its calibration; on the CPU narrowed as above."""
+    cpu = machine["device"] == "cpu"
+    narrow = {"labels": ("single", "ddp", "fsdp"), "compiled": (False,),
+              "max_micro_batch": recipe.train.micro_batch_size} if cpu else {}
+    req = make_request(machine["ranks"], machine["ranks"], machine["name"], top=k, card_bytes=machine["memory_bytes"],
+                       calibration=calibration_for_device(machine["device"], machine["profile"]), **narrow)
+    return make_plan(recipe, name, overrides, req)
+
+
+def train_argv(name: str, overrides: tuple[str, ...], recipe: Recipe, row: dict, ranks: int, out: Path) -> list[str]:
+    """``python -m scaletool train`` of one layout for a few steps (the layout's keys after the user's)."""
+    sets = {**layout_sets(recipe, row), "train.steps": VERIFY_STEPS, "train.measure_warmup_steps": VERIFY_WARMUP,
+            "train.checkpoint_every": 0}
+    argv = [sys.executable, "-m", "scaletool", "train", name, "--out", str(out), "--json"]
+    if ranks > 1 or row["engine"] != "single":
+        argv += ["--nproc-per-node", str(ranks)]
+    for item in overrides:
+        argv += ["--set", item]
+    for key, value in sets.items():
+        argv += ["--set", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
+    return argv
+
+
+def _run(argv: list[str]) -> tuple[dict | None, str | None]:
+    """(the train result, None) or (None, why it failed in one line)."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, f"did not finish within {VERIFY_TIMEOUT_S} s"
+    try:
+        doc = json.loads(proc.stdout) if proc.stdout.strip() else None
+    except json.JSONDecodeError:
+        doc = None
+    if proc.returncode != 0 or doc is None:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        why = lines[0].removeprefix("error: ") if lines else f"exit status {proc.returncode}"
+        return doc, why
+    return doc, None
+
+
+def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command: str) -> dict:
+    timing = (doc or {}).get("timing") or {}
+    rate = timing.get("tokens_per_s")
+    peak = (doc or {}).get("peak_memory_bytes")
+    predicted = row["prediction"]["tokens_per_s"]
+    return {"rank": row["rank"], "layout": describe(row), "world_size": ranks, "predicted_tokens_per_s": predicted,
+            "measured_tokens_per_s": rate, "rel_error_tokens_per_s": rel_error(predicted, rate["median"]) if rate else None,
+            "predicted_memory_bytes": row["memory_bytes"], "measured_peak_memory_bytes": peak,
+            "rel_error_memory": rel_error(row["memory_bytes"], peak) if peak else None,
+            "status": (doc or {}).get("status") or "failed", "message": why, "command": command}
+
+
+def describe(row: dict) -> str:
+    """``fsdp tp2 mb4×1 full compiled``: one layout in a few words."""
+    engine = row["label"] + (f" tp{row['tensor_parallel']}" if row["tensor_parallel"] > 1 else "") + \
+        (" ep" if row.get("expert_parallel") else "")
+    return (f"{engine} mb{row['micro_batch_size']}×{row['grad_accum_steps']} {row['activation_checkpointing']}"
+            + (" compiled" if row["compiled"] else ""))
+
+
+def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None) -> tuple[list, list]:
+    """Run the best ``k`` layouts that fit this machine; (the verified rows, notes on what was assumed)."""
+    machine = local_machine()
+    try:
+        plan = local_plan(recipe, name, overrides, k, machine)
+    except RecipeError as e:
+        raise RecipeError(f"verify: {e.problems[0]}") from None
+    notes = [f"this machine: {machine['ranks']} × {machine['name']} ({machine['memory_bytes'] / 2**30:.1f} GiB each); "
+             f"{VERIFY_STEPS} steps per layout, the first {VERIFY_WARMUP} not measured; calibration "
+             f"{plan['calibration']}"]
+    if machine["device"] == "cpu":
+        notes.append("CPU: eager single/DDP/FSDP2 over gloo, micro-batches up to the recipe's; the CPU calibration is "
+                     "a placeholder, so the prediction's error is not meaningful here; memory is measured on CUDA only "
+                     "(the allocator's peak)")
+    out = []
+    with tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
+        for row in plan["layouts"]:
+            argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
+            if progress is not None:
+                progress(f"verify {row['rank']}/{len(plan['layouts'])}: {describe(row)}")
+            doc, why = _run(argv)
+            shown = command_line(["scaletool", *argv[3:]])
+            out.append(_verified(row, machine["ranks"], doc, why, shown))
+    return out, notes

@@ -1,0 +1,200 @@
+"""scaletool plan: the layouts fit the card by the memory estimate, rank by predicted tokens/s, and are
+commands launch accepts; bad input is one error line; --verify runs real training processes."""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import run_cli
+
+from scaletool import analytic
+from scaletool.analytic.step import fits
+from scaletool.cli import main
+from scaletool.config import load_recipe
+from scaletool.plan.space import largest_fitting, micro_batches
+
+
+def _plan(*argv: str) -> dict:
+    res = CliRunner().invoke(main, ["plan", *argv, "--json"], prog_name="scaletool")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _sets(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+@pytest.fixture(scope="module")
+def big():
+    return _plan("llama3-405b-dense", "--gpus", "1024", "--price-per-gpu-hour", "2.5", "--top", "8")
+
+
+def test_a_1024_gpu_plan_lists_fitting_layouts_fastest_first(big):
+    rows = big["layouts"]
+    assert big["kind"] == "plan" and big["nodes"] == 128 and big["gpus_per_node"] == 8 and 1 <= len(rows) <= 8
+    rates = [r["prediction"]["tokens_per_s"] for r in rows]
+    assert rates == sorted(rates, reverse=True) and rates[-1] > 0
+    for r in rows:
+        ok, margin = fits(r["memory_bytes"], big["card_bytes"])
+        assert ok and 0 < r["memory_bytes"] < big["card_bytes"] and r["margin_bytes"] == int(margin) >= 0
+        assert r["prediction"]["bound"] and r["prediction"]["step_s"] > 0
+        assert r["data_parallel"] * r["tensor_parallel"] == 1024 and 8 % r["tensor_parallel"] == 0
+        assert math.isclose(r["cost_per_million_tokens"], 2.5 * 1024 / 3600 / r["prediction"]["tokens_per_s"] * 1e6)
+    assert any("inter-node" in line for line in big["assumptions"])  # what crossing nodes assumes is stated
+    assert big["elapsed_s"] > 0 and big["considered"]["predicted"] == big["fitting_layouts"] >= len(rows)
+
+
+def test_each_layout_is_the_recipe_its_command_sets(big):
+    """Applying the command's --set keys to the recipe gives the layout, and the memory estimate of that
+    recipe is the memory the plan fitted."""
+    for r in big["layouts"]:
+        argv = shlex.split(r["command"])
+        assert argv == r["argv"] and argv[:4] == ["scaletool", "launch", "torchrun", "llama3-405b-dense"]
+        assert argv[argv.index("--nnodes") + 1] == "128" and argv[argv.index("--nproc-per-node") + 1] == "8"
+        rec = load_recipe("llama3-405b-dense", _sets(argv))
+        assert (rec.parallel.engine, rec.parallel.tensor_parallel, rec.train.micro_batch_size) == \
+            (r["engine"], r["tensor_parallel"], r["micro_batch_size"])
+        assert (rec.train.activation_checkpointing, rec.train.compile) == (r["activation_checkpointing"], r["compiled"])
+        if r["engine"] == "deepspeed":
+            assert rec.parallel.zero_stage == r["zero_stage"]
+        assert analytic.recipe_memory(rec, 1024)["total_bytes"] == r["memory_bytes"]
+        assert r["command_problems"] == []
+
+
+def test_the_largest_micro_batch_listed_is_the_boundary(big):
+    """The largest micro-batch of a family fits; one more sequence does not (the search is not timid)."""
+    top = big["layouts"][0]
+    rec = load_recipe("llama3-405b-dense", _sets(top["argv"]))
+    same = [r for r in big["layouts"] if (r["engine"], r["tensor_parallel"], r["activation_checkpointing"],
+                                          r["compiled"]) == (top["engine"], top["tensor_parallel"],
+                                                             top["activation_checkpointing"], top["compiled"])]
+    largest = max(r["micro_batch_size"] for r in same)
+    bigger = load_recipe("llama3-405b-dense", [*_sets(top["argv"]), f"train.micro_batch_size={largest + 1}"])
+    assert fits(analytic.recipe_memory(rec.model_copy(update={"train": bigger.train}), 1024)["total_bytes"],
+                big["card_bytes"])[0] is False
+
+
+def test_a_launch_dry_run_accepts_the_command(big):
+    argv = big["layouts"][0]["argv"]
+    res = CliRunner().invoke(main, [*argv[1:], "--dry-run", "--json"], prog_name="scaletool")
+    assert res.exit_code == 0, res.output
+    assert "--nnodes=128" in " ".join(json.loads(res.stdout)["argv"]) or "128" in json.loads(res.stdout)["argv"]
+
+
+def test_a_moe_model_plans_at_1024_gpus():
+    res = _plan("deepseek-v3", "--gpus", "1024", "--hardware", "h200")
+    assert res["hardware"] == "H200" and res["layouts"]
+    assert all(r["tensor_parallel"] == 1 for r in res["layouts"])  # tensor parallelism does not split MoE layers
+    assert any("tensor parallelism" in n for n in res["notes"])
+
+
+def test_a_global_batch_is_reached_by_every_layout():
+    res = _plan("mla-1b", "--gpus", "16", "--global-batch-tokens", str(2**21), "--top", "50")
+    assert res["layouts"]
+    for r in res["layouts"]:
+        assert r["micro_batch_size"] * r["grad_accum_steps"] * res["seq_len"] * r["data_parallel"] == 2**21
+        assert r["global_batch_tokens"] == 2**21
+
+
+def test_attention_variants_are_planned_too():
+    res = _plan("mla-1b", "--gpus", "8", "--attention-variants", "--top", "500", "--seq-len", "1024")
+    kinds = {r["attention"] for r in res["layouts"]}
+    assert "mla" in kinds and len(kinds) >= 2 and res["seq_len"] == 1024
+    mha = next(r for r in res["layouts"] if r["attention"] == "mha")
+    assert "model.attention=mha" in _sets(mha["argv"])
+
+
+def test_search_helpers():
+    assert largest_fitting(lambda m: m <= 37, 4096) == 37
+    assert largest_fitting(lambda m: m <= 37, 20) == 20
+    assert largest_fitting(lambda m: False, 8) == 0
+    assert micro_batches(6, None) == [1, 2, 4, 6]
+    assert micro_batches(6, 12) == [1, 2, 4, 6]  # divisors of 12 up to 6: powers of two and the largest
+    assert micro_batches(5, 12) == [1, 2, 4]
+
+
+def test_the_table_fits_80_columns(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    res = CliRunner().invoke(main, ["plan", "llama3-405b-dense", "--gpus", "1024", "--price-per-gpu-hour", "2"],
+                             prog_name="scaletool")
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    table = lines[:lines.index(next(x for x in lines if x.startswith("Commands")))]
+    assert max(len(x) for x in table if "scaletool launch" not in x) <= 80
+    assert "scaletool launch torchrun llama3-405b-dense" in res.stdout and "Assumptions:" in res.stdout
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["tiny", "--gpus", "0"], "at least 1 GPU"),
+    (["tiny", "--gpus", "-4"], "at least 1 GPU"),
+    (["tiny", "--gpus", "12", "--gpus-per-node", "8"], "not a whole number of nodes"),
+    (["tiny", "--gpus", "8", "--gpus-per-node", "0"], "gpus per node"),
+    (["tiny", "--gpus", "8", "--hardware", "h900"], "known: A100, CPU, H100 PCIe, H100 SXM, H200"),
+    (["tiny", "--gpus", "8", "--hardware", "cpu"], "no memory_gib"),
+    (["llama3-405b-dense", "--gpus", "8"], "GiB more than fits"),
+    (["tiny", "--gpus", "8", "--global-batch-tokens", "100"], "multiple of 64"),
+    (["tiny", "--gpus", "8", "--global-batch-tokens", "0"], "at least 1"),
+    (["tiny", "--gpus", "8", "--seq-len", "100000"], "exceeds model.max_seq_len"),
+    (["tiny", "--gpus", "8", "--seq-len", "0"], "seq_len"),
+    (["tiny", "--gpus", "8", "--price-per-gpu-hour", "nan"], "finite"),
+    (["tiny", "--gpus", "8", "--price-per-gpu-hour", "0"], "price-per-gpu-hour"),
+    (["tiny", "--gpus", "8", "--top", "0"], "--top"),
+    (["tiny", "--gpus", "8", "--verify", "-1"], "--verify"),
+    (["tiny"], "--gpus"),
+    (["no-such-recipe", "--gpus", "8"], "shipped recipes"),
+    (["tiny", "--gpus", "8", "--set", "model.n_heads=3"], "n_heads"),
+])
+def test_bad_input_is_one_error_line_and_exit_2(argv, needle):
+    res = CliRunner().invoke(main, ["plan", *argv], prog_name="scaletool")
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert res.stdout == ""
+
+
+def test_verify_runs_the_best_layouts_here_and_measures_them(tmp_path):
+    """A real subprocess: the plan, then one real training run on this machine; --json is all of stdout."""
+    proc = run_cli("plan", "tiny", "--gpus", "2", "--verify", "1", "--json", timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["kind"] == "plan" and len(doc["verify"]) == 1 and doc["verify_notes"]
+    v = doc["verify"][0]
+    assert v["status"] == "completed" and v["message"] is None, v
+    m = v["measured_tokens_per_s"]
+    assert m["n"] >= 1 and 0 < m["p10"] <= m["median"] <= m["p90"]
+    assert v["predicted_tokens_per_s"] > 0 and math.isfinite(v["rel_error_tokens_per_s"])
+    assert math.isclose(v["rel_error_tokens_per_s"], v["predicted_tokens_per_s"] / m["median"] - 1)
+    assert v["predicted_memory_bytes"] > 0
+    if v["measured_peak_memory_bytes"] is None:  # the CPU has no allocator peak: no memory error either
+        assert v["rel_error_memory"] is None and any("CUDA only" in n for n in doc["verify_notes"])
+    else:
+        assert v["measured_peak_memory_bytes"] > 0 and math.isfinite(v["rel_error_memory"])
+    assert v["command"].startswith("scaletool train tiny") and "--set" in v["command"]
+    assert list(tmp_path.iterdir()) == []  # the runs went to a temporary directory, removed
+
+
+def test_progress_line_goes_to_stderr_once_the_search_is_slow(capsys):
+    from scaletool.cli.plan import Progress
+
+    p = Progress(enabled=True)
+    p.start -= 5  # as if the search had run for 5 s
+    p.search(3, 10)
+    p.done()
+    err = capsys.readouterr().err
+    assert "planning: 3/10" in err and err.endswith("\r\033[K")
+    quiet = Progress(enabled=False)
+    quiet.start -= 5
+    quiet.search(3, 10)
+    assert capsys.readouterr().err == ""
+
+
+def test_python_api_plans_without_torch():
+    code = ("import sys; from scaletool import api; r = api.plan('mla-1b', gpus=16); "
+            "assert r.layouts and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
