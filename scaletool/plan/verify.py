@@ -24,7 +24,7 @@ from scaletool.plan.commands import command_line, layout_sets
 from scaletool.stats import rel_error
 
 #: steps of a verification run, and how many of them are warm-up (not measured)
-VERIFY_STEPS, VERIFY_WARMUP = 6, 1
+VERIFY_STEPS, VERIFY_WARMUP = 10, 3
 #: seconds one verification run may take before it is stopped
 VERIFY_TIMEOUT_S = 1800
 
