@@ -26,7 +26,7 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
     if isinstance(recipe, Recipe):
         if not overrides:
             return recipe
-        from scaletool.config import parse_override
+        from scaletool.yaml_input import parse_override
 
         # what the user gave (inactive keys included), so derived fields are derived again
         raw = apply_overrides(recipe.given(), [parse_override(o) for o in overrides])
@@ -96,8 +96,8 @@ def hardware(device_name: str | None = None):
 
 def load_sweep(sweep_file: str | Path, overrides: Sequence[str] = ()):
     """A validated :class:`~scaletool.sweep.spec.Sweep` from its file, ``key=value`` overrides applied to every point."""
-    from scaletool.config import parse_override
     from scaletool.sweep import spec
+    from scaletool.yaml_input import parse_override
 
     return spec.load_sweep(sweep_file, [parse_override(o) for o in overrides])
 

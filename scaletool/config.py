@@ -12,8 +12,7 @@ needs no other change. An inactive key is reset to its default, listed by ``reci
 out of :meth:`Recipe.digest`, so the MHA point of an MLA-based sweep has the key of a plain MHA recipe.
 
 Every problem becomes one line in a :class:`RecipeError`; the CLI prints them and exits with 2.
-Input is untrusted: YAML is read with the safe loader and refused past :data:`MAX_YAML_BYTES`,
-:data:`MAX_NODES` values (aliases expanded) or :data:`MAX_DEPTH` levels; sizes are bounded (every
+Input is untrusted: YAML is read by :mod:`scaletool.yaml_input` (bounded, safe loader); sizes are bounded (every
 integer to int64, widths and counts to the limits below, the weights to :data:`MAX_WEIGHTS`) so that
 no later stage overflows or hangs; floats are finite; echoed values are cut (:func:`~scaletool.errors.echo`).
 """
@@ -29,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from scaletool import attention_kinds
 from scaletool.attention_kinds import attention_kind, position_kind
 from scaletool.errors import RecipeError, echo, shorten
-from scaletool.resources import RECIPE, find_recipe, read_bounded
+from scaletool.resources import RECIPE, find_recipe
+from scaletool.yaml_input import check_tree, flatten_dotted, parse_override, read_yaml, set_dotted
+from scaletool.yaml_input import key_text as _key_text
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -53,12 +53,6 @@ MAX_VOCAB = 2**32       # token ids are at most uint32
 MAX_SEQ_LEN = 2**24     # the RoPE table holds max_seq_len rows
 MAX_WEIGHTS = 10**15    # bound on the weights of one model (see weights_bound)
 INT64 = 2**63
-
-# Untrusted YAML: a recipe or sweep file is a few kilobytes and a few hundred values.
-MAX_YAML_BYTES = 2**20
-MAX_NODES = 100_000
-MAX_DEPTH = 64
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
@@ -604,18 +598,6 @@ def deepspeed_settings(recipe: Recipe, world_size: int | None = None) -> dict[st
     return derived
 
 
-def flatten_dotted(d: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten_dotted(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def deepspeed_problems(recipe: Recipe, world_size: int | None = None) -> list[str]:
     """One line per ``parallel.deepspeed`` passthrough key that contradicts the recipe, and per offload
     setting ZeRO cannot do; without a world size, all but the train_batch_size conflict."""
@@ -658,11 +640,6 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
-def _key_text(part: Any) -> str:
-    """A key of the location path, cut for the message (a key can be a megabyte string)."""
-    return shorten(part, 60) if isinstance(part, (str, int)) else echo(part)
-
-
 def _describe(err: dict, source: str) -> str:
     loc = tuple(err["loc"])
     where = ".".join(_key_text(p) for p in loc) or "recipe"
@@ -694,131 +671,6 @@ def _problems_from(exc: ValidationError, source: str) -> list[str]:
     return lines
 
 
-class _SafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """The safe loader (libyaml's when present: it also caps nesting depth), refusing duplicate keys,
-    which plain YAML resolves silently to the last one."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {echo(key_node.value)} (first at line {seen[key] + 1})",
-                        key_node.start_mark)
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-
-def check_tree(data: Any, source: str) -> None:
-    """Refuse data whose tree, aliases expanded, has more than MAX_NODES values or MAX_DEPTH levels, or
-    that contains itself (``a: &a [*a]``).
-
-    The loader shares an aliased object instead of copying it, so a 700-byte file of nested aliases
-    loads instantly, yet stands for 10^9 values to anything that walks it (validation, messages,
-    hashing, JSON). Sizes are memoised per object: one pass over the distinct objects."""
-    size: dict[int, tuple[int, int]] = {}  # id -> (values, depth) of the expanded subtree
-    open_: set[int] = set()  # the containers on the path from the root
-    stack: list[tuple[Any, bool]] = [(data, False)]
-    while stack:
-        obj, leaving = stack.pop()
-        if isinstance(obj, dict):
-            kids = [x for kv in obj.items() for x in kv]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            kids = list(obj)
-        else:
-            continue  # a scalar: one value, depth 1
-        key = id(obj)
-        if leaving:
-            sub = [size.get(id(k), (1, 1)) for k in kids]
-            values, depth = 1 + sum(s[0] for s in sub), 1 + max((s[1] for s in sub), default=0)
-            if values > MAX_NODES:
-                raise RecipeError(f"{source}: more than {MAX_NODES:,} values once YAML aliases are expanded "
-                                  "(a recipe has about a hundred); refusing it")
-            if depth > MAX_DEPTH:
-                raise RecipeError(f"{source}: nested more than {MAX_DEPTH} levels deep; refusing it")
-            size[key] = (values, depth)
-            open_.discard(key)
-            continue
-        if key in size:
-            continue
-        if key in open_:
-            raise RecipeError(f"{source}: a YAML alias refers to a mapping or list that contains it (a cycle)")
-        open_.add(key)
-        stack.append((obj, True))
-        stack.extend((k, False) for k in kids)
-
-
-def load_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML text safely and bounded; problems become one-line RecipeErrors naming ``source``."""
-    try:
-        data = yaml.load(text, Loader=_SafeLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(f"{source}: malformed YAML{where}: {what[:200]}") from None
-    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
-        raise RecipeError(f"{source}: malformed YAML: {str(e).splitlines()[0][:200]}") from None
-    check_tree(data, source)
-    return data
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``model.kv_lora_rank=128`` -> (``model.kv_lora_rank``, 128); the value is read as YAML."""
-    if "=" not in item:
-        raise RecipeError(f"--set {echo(item)}: expected KEY=VALUE with a dotted key, e.g. model.kv_lora_rank=128")
-    key, _, raw = item.partition("=")
-    key = key.strip()
-    try:
-        value = load_yaml_text(raw, f"--set {_key_text(key)}") if raw.strip() else None
-    except RecipeError as e:
-        if "malformed YAML" not in e.problems[0]:
-            raise
-        value = raw  # not YAML: the text itself (validation says if a string does not fit)
-    return key, value
-
-
-def set_dotted(raw: dict, key: str, value: Any) -> None:
-    """Set ``raw['a']['b'] = value`` for ``key='a.b'``; unknown top-level sections are errors."""
-    parts = key.split(".")
-    shown = _key_text(key)
-    if not all(parts):
-        raise RecipeError(f"override {shown}: a dotted key needs a name at every level, e.g. model.d_model")
-    if parts[0] not in SECTIONS:
-        hint = difflib.get_close_matches(parts[0][:200], SECTIONS, n=1)
-        tip = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(SECTIONS)}"
-        raise RecipeError(f"override {shown}: unknown section {_key_text(parts[0])!r}{tip}")
-    node = raw
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise RecipeError(f"override {shown}: '{_key_text(p)}' is not a mapping")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping (a recipe or sweep file) safely; problems become one-line RecipeErrors."""
-    p = Path(path)
-    shown = shorten(p)
-    blob = read_bounded(p, MAX_YAML_BYTES, "a recipe or sweep file")
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecipeError(f"{shown}: not a UTF-8 text file (byte {e.start})") from None
-    data = load_yaml_text(text, shown)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise RecipeError(f"{shown}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
-    return data
-
-
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Validate a raw mapping; every problem becomes one line of the RecipeError."""
     if not isinstance(raw, dict):
@@ -839,7 +691,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
                 extra: dict | None = None) -> Recipe:
     """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
     ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    raw = read_yaml(find_recipe(path, RECIPE))
+    raw = read_yaml(find_recipe(path, RECIPE), SECTIONS)
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
     return recipe_from_dict(raw, shorten(path))
 
@@ -847,5 +699,5 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:
     out = copy.deepcopy(raw)
     for k, v in pairs:
-        set_dotted(out, k, v)
+        set_dotted(out, k, v, SECTIONS)
     return out

@@ -12,15 +12,8 @@ from conftest import MODEL_RECIPES, RECIPES
 
 from scaletool import api
 from scaletool.cli import main
-from scaletool.config import (
-    MAX_NODES,
-    RecipeError,
-    check_tree,
-    load_recipe,
-    load_yaml_text,
-    recipe_from_dict,
-    weights_bound,
-)
+from scaletool.config import RecipeError, load_recipe, recipe_from_dict, weights_bound
+from scaletool.yaml_input import MAX_NODES, check_tree, load_yaml_text
 
 
 def check(path, *sets: str):

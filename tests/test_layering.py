@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"model", "analytic", "hf"},
     {"config", "kernels"},
     {"attention_kinds"},  # torch-free: config's rules and analytic's closed forms for each attention kind
+    {"yaml_input"},  # the bounded safe YAML loader and dotted overrides, below the recipe schema
     {"results"},
     {"stats"},
     {"errors", "fmt", "threads", "resources", "__init__"},

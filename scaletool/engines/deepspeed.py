@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
-from scaletool.config import Recipe, RecipeError, deepspeed_problems, deepspeed_settings, flatten_dotted
+from scaletool.config import Recipe, RecipeError, deepspeed_problems, deepspeed_settings
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
 from scaletool.engines.serialization import load_pt, shape_problem
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
+from scaletool.yaml_input import flatten_dotted
 
 # Ours, not derived from a recipe field: the passthrough may override them freely.
 DEFAULTS = {
