@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scaletool.config import Recipe, RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from scaletool.kinds.engines import engine_kind
 
 RecipeLike = str | Path | Recipe
 
@@ -209,7 +210,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
     the analytic fit) or a sequence of them (``[1, "max"]``). ``device``: 'cuda' or 'cpu' (default:
-    cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.attention_kinds.MLA_MODES``;
+    cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.kinds.attention.MLA_MODES``;
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the
     GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default:
@@ -218,11 +219,11 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     """
     import torch
 
-    from scaletool.attention_kinds import attention_kind, position_kind
     from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
     from scaletool.decode.generate import require_lm
     from scaletool.decode.sizing import cache_bytes_per_token, check_memory, memory_fit
     from scaletool.kernels.mla_decode import triton_supports
+    from scaletool.kinds.attention import attention_kind, position_kind
     from scaletool.model.attention import DecodeMode
     from scaletool.model.layers import TORCH_DTYPES
 
@@ -346,7 +347,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     options = _wandb_options(wandb)
     le = launcher_env()
     if nproc_per_node is not None and not le["launched"]:
-        if nproc_per_node > 1 or r.parallel.engine != "single":
+        if nproc_per_node > 1 or engine_kind(r.parallel.engine).distributed:
             if callbacks:
                 raise RecipeError("callbacks: the ranks of a multi-process run are separate processes; pass "
                                   "callbacks to a run in this process (or to each rank's own train call)")

@@ -9,8 +9,8 @@ import yaml
 from conftest import RECIPES, ROOT
 
 from scaletool import analytic
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
+from scaletool.kinds.attention import attention_kind
 from scaletool.model import build_model
 
 

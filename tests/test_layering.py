@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"engines", "measure"},
     {"model", "analytic", "hf"},
     {"config", "kernels"},
-    {"attention_kinds"},  # torch-free: config's rules and analytic's closed forms for each attention kind
+    {"kinds"},  # torch-free: each attention kind's and engine's keys, rules and closed forms
     {"yaml_input"},  # the bounded safe YAML loader and dotted overrides, below the recipe schema
     {"results"},
     {"stats"},

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 
 from scaletool.analytic import cache_bytes_per_token, matmul_params, param_counts
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
+from scaletool.kinds.attention import attention_kind
 
 # Held back from a memory budget for what the analytic fit does not count: prefill activations of
 # one chunk, attention workspaces, logits, allocator fragmentation.

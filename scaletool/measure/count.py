@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from scaletool import analytic
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
+from scaletool.kinds.attention import attention_kind
 from scaletool.model import build_model
 from scaletool.stats import rel_error
 from scaletool.threads import pin_threads

@@ -1,6 +1,6 @@
 """Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA, each
 registered under its kinds (:func:`attention_module`); the kinds' rules and closed forms are
-``scaletool.attention_kinds``.
+``scaletool.kinds.attention``.
 
 Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
 also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from scaletool.attention_kinds import MLA_MODES, CacheLayout, attention_kind
 from scaletool.config import ModelConfig
 from scaletool.kernels.mla_decode import KERNELS, latent_attention
+from scaletool.kinds.attention import MLA_MODES, CacheLayout, attention_kind
 from scaletool.model.layers import RMSNorm
 from scaletool.model.positions import Positions, apply_rope
 
@@ -96,7 +96,7 @@ class DecodeMode:
     """How attention decodes, chosen by the caller (DeepSeek-V3's ``attn_impl``, passed as an argument
     instead of a module global, so two models in one process can decode differently).
 
-    ``mla`` (``scaletool.attention_kinds.MLA_MODES``): ``absorbed`` attends over the latent cache with
+    ``mla`` (``scaletool.kinds.attention.MLA_MODES``): ``absorbed`` attends over the latent cache with
     W_UK folded into the query and W_UV applied after (reads kv_lora_rank + rope numbers per cached
     token); ``expand`` keeps the latent cache and up-projects every cached latent to per-head K and V at
     each step; ``naive`` caches the up-projected per-head K and V and runs plain attention. None is

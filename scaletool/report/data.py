@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
+from scaletool.kinds.engines import engine_kind
 from scaletool.results import load_result, registered
 from scaletool.stats import Spread, settled_start, spread
 from scaletool.sweep.runner import SWEEP_META
@@ -411,7 +412,7 @@ class Row:
         if not self.recipe:
             return None
         p = self.recipe.parallel
-        return f"zero{p.zero_stage}" if p.engine == "deepspeed" else p.engine
+        return engine_kind(p.engine).label(p.zero_stage)
 
     @property
     def setup(self) -> str | None:
@@ -424,7 +425,7 @@ class Row:
             words.append(f"tp{p.tensor_parallel}")
         if self.recipe.train.compile:
             words.append("compiled")
-        if p.engine == "deepspeed" and p.deepspeed:
+        if p.deepspeed and "deepspeed" in engine_kind(p.engine).keys:  # the DeepSpeed passthrough
             words.append("+config")
         return " ".join(words)
 

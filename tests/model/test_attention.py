@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from scaletool.attention_kinds import ATTENTION_KINDS, attention_kind
 from scaletool.config import recipe_from_dict
+from scaletool.kinds.attention import ATTENTION_KINDS, attention_kind
 from scaletool.model import build_model
 from scaletool.model.attention import ATTENTION_MODULES, DecodeMode, tp_plan
 from scaletool.model.cache import make_caches
