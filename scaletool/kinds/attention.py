@@ -7,8 +7,9 @@ refuse a mode. ``scaletool.config`` builds the recipe's switch tables from :data
 :data:`POSITION_KINDS`, ``scaletool.analytic`` takes its closed forms from here, and the torch side
 finds its parts through the kind's name: the module class (``scaletool.model.attention``, registered
 per kind), the cache (``scaletool.model.cache``, built from :class:`CacheLayout`) and the
-tensor-parallel plan (the module class's ``tp_plan``). Nothing here imports torch, so ``estimate``
-stays fast. Adding a kind is a new object here and its module class registered under the name.
+tensor-parallel plan (``scaletool.engines.tp.ATTENTION_PLANS``). Nothing here imports torch, so
+``estimate`` stays fast. Adding a kind is a new object here, its module class registered under the
+name and, for tensor parallelism, its plan (docs/extending.md).
 
 Conventions: FLOPs count a multiply-add as 2; "per decoded token" is one query of a batch-1 decode
 step over ``keys`` cached positions (the new token included), all projections of one layer counted.

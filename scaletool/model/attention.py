@@ -19,10 +19,9 @@ per call, attention over the whole static cache with the positions past ``pos`` 
 launches no longer depend on the position, so a CUDA graph can replay the step). The training
 ``forward`` does not touch any of it.
 
-Tensor parallelism: each module class gives ``tp_plan(cfg)``, the sharding of its projections by
-heads (``colwise``: output features split, ``rowwise``: input features split and the partial outputs
-summed; the rest replicated), as data for the engine that applies it; the modules infer their head
-count from the projections' output widths, so a sharded module runs on its local heads unchanged.
+Tensor parallelism is applied from outside (``scaletool.engines.tp``, one plan per attention kind):
+the modules take their head count from the projections' output widths (or the plan sets it), so a
+sharded module runs on its local heads unchanged.
 """
 from __future__ import annotations
 
@@ -216,11 +215,6 @@ class Attention(nn.Module):
         self.backends = sdpa_backends(sdpa_backend, hd, hd)
         self.decode_backends = decode_backends(sdpa_backend)
 
-    @classmethod
-    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
-        """Megatron's attention split: q, k, v by heads (column-parallel), wo row-parallel."""
-        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
-
     def _rope(self, x, positions: Positions):
         r = self.rope_dim
         if positions.cos is None:
@@ -301,12 +295,6 @@ class MLA(nn.Module):
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         self.backends = sdpa_backends(sdpa_backend, self.qk_dim, self.v_dim)
         self.decode_backends = decode_backends(sdpa_backend)
-
-    @classmethod
-    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
-        """By heads: the query's last projection and wkv_b column-parallel, wo row-parallel; the latent
-        projections (wq_a, q_norm, wkv_a, kv_norm) are shared by every head, so replicated."""
-        return {"wq" if cfg.q_lora_rank == 0 else "wq_b": "colwise", "wkv_b": "colwise", "wo": "rowwise"}
 
     def query(self, x: torch.Tensor, positions: Positions):
         """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope)."""
@@ -403,9 +391,3 @@ def make_attention(cfg: ModelConfig, sdpa_backend: str = "auto") -> nn.Module:
     """The module registered for ``cfg.attention``."""
     return ATTENTION_MODULES[cfg.attention](cfg, sdpa_backend)
 
-
-def tp_plan(cfg: ModelConfig) -> dict[str, str]:
-    """How ``cfg``'s attention shards over tensor-parallel ranks: projection name -> colwise | rowwise (others
-    replicated). The engine applying it checks ``attention_kinds.attention_kind(cfg).tp_problems(cfg, degree)``
-    first."""
-    return ATTENTION_MODULES[cfg.attention].tp_plan(cfg)
