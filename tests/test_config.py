@@ -139,7 +139,7 @@ def test_a_sweep_file_is_not_a_recipe():
 
 
 # ---------------------------------------------------------------------------------------------
-# Inactive keys (issue 17): switching attention or FFN needs no other change
+# Inactive keys: switching attention or FFN needs no other change
 
 # Recipe.digest of the shipped recipes as scaletool computed them before inactive keys existed: the
 # keys of stored sweep results (recipes/benchmarks/sweep-results) must not move. The MoE recipes are the

@@ -155,7 +155,7 @@ def long_functions() -> list[str]:
 
 
 def test_no_function_is_longer_than_about_80_lines():
-    """Issue 18: a function past 80 lines splits into named steps, or says here why it reads best whole."""
+    """A function past 80 lines splits into named steps, or says here why it reads best whole."""
     assert long_functions() == []
 
 

@@ -249,10 +249,10 @@ class MLAKind(AttentionKind):
     - ``shared`` (DeepSeek-V2 §2.1.3, V3's inference code): one decoupled RoPE key of qk_rope_head_dim,
       taken from the hidden state by ``wkv_a`` (d·(kv_lora + rope)) and shared by all heads. The cache
       holds c_kv and k_pe; decode absorbs W_UK into the query.
-    - ``per_head`` (the 8-step MLA document, SEEDS.md §5): each head's RoPE key is up-projected from the
+    - ``per_head``: each head's RoPE key is up-projected from the
       latent with the rest (``wkv_b`` kv_lora·H·(nope + rope + v)) and rotated after. The cache holds
       c_kv only, but W_UK cannot be absorbed (:data:`ABSORB_REFUSED`). ``qk_nope_head_dim: 0`` rotates
-      whole heads (the price transformer's MLA, SEEDS.md §1).
+      whole heads (the price transformer's MLA).
 
     Defaults: qk_nope_head_dim and v_head_dim = head_dim, qk_rope_head_dim = head_dim/2 (even).
     """
