@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scaletool.config import Recipe, RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from scaletool.kinds.engines import engine_kind
 
 RecipeLike = str | Path | Recipe
 
@@ -26,7 +27,7 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
     if isinstance(recipe, Recipe):
         if not overrides:
             return recipe
-        from scaletool.config import parse_override
+        from scaletool.yaml_input import parse_override
 
         # what the user gave (inactive keys included), so derived fields are derived again
         raw = apply_overrides(recipe.given(), [parse_override(o) for o in overrides])
@@ -129,8 +130,8 @@ def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_p
 
 def load_sweep(sweep_file: str | Path, overrides: Sequence[str] = ()):
     """A validated :class:`~scaletool.sweep.spec.Sweep` from its file, ``key=value`` overrides applied to every point."""
-    from scaletool.config import parse_override
     from scaletool.sweep import spec
+    from scaletool.yaml_input import parse_override
 
     return spec.load_sweep(sweep_file, [parse_override(o) for o in overrides])
 
@@ -242,7 +243,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
     the analytic fit) or a sequence of them (``[1, "max"]``). ``device``: 'cuda' or 'cpu' (default:
-    cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.attention_kinds.MLA_MODES``;
+    cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.kinds.attention.MLA_MODES``;
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the
     GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default:
@@ -251,11 +252,11 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     """
     import torch
 
-    from scaletool.attention_kinds import attention_kind, position_kind
     from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
     from scaletool.decode.generate import require_lm
     from scaletool.decode.sizing import cache_bytes_per_token, check_memory, memory_fit
     from scaletool.kernels.mla_decode import triton_supports
+    from scaletool.kinds.attention import attention_kind, position_kind
     from scaletool.model.attention import DecodeMode
     from scaletool.model.layers import TORCH_DTYPES
 
@@ -379,7 +380,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     options = _wandb_options(wandb)
     le = launcher_env()
     if nproc_per_node is not None and not le["launched"]:
-        if nproc_per_node > 1 or r.parallel.engine != "single":
+        if nproc_per_node > 1 or engine_kind(r.parallel.engine).distributed:
             if callbacks:
                 raise RecipeError("callbacks: the ranks of a multi-process run are separate processes; pass "
                                   "callbacks to a run in this process (or to each rank's own train call)")

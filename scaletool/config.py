@@ -7,13 +7,12 @@ resolved once here so every later stage sees concrete numbers.
 
 Keys that belong to another attention type, FFN type or position encoding than the one selected are
 *inactive*, not errors (:data:`SWITCHES`; the attention kinds and position encodings themselves, with
-their closed forms, are :mod:`scaletool.attention_kinds`): switching ``model.attention`` from mla to mha
+their closed forms, are :mod:`scaletool.kinds.attention`): switching ``model.attention`` from mla to mha
 needs no other change. An inactive key is reset to its default, listed by ``recipe show`` and left
 out of :meth:`Recipe.digest`, so the MHA point of an MLA-based sweep has the key of a plain MHA recipe.
 
 Every problem becomes one line in a :class:`RecipeError`; the CLI prints them and exits with 2.
-Input is untrusted: YAML is read with the safe loader and refused past :data:`MAX_YAML_BYTES`,
-:data:`MAX_NODES` values (aliases expanded) or :data:`MAX_DEPTH` levels; sizes are bounded (every
+Input is untrusted: YAML is read by :mod:`scaletool.yaml_input` (bounded, safe loader); sizes are bounded (every
 integer to int64, widths and counts to the limits below, the weights to :data:`MAX_WEIGHTS`) so that
 no later stage overflows or hangs; floats are finite; echoed values are cut (:func:`~scaletool.errors.echo`).
 """
@@ -29,15 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from scaletool import attention_kinds
-from scaletool.attention_kinds import attention_kind, position_kind
 from scaletool.errors import RecipeError, echo, shorten
-from scaletool.resources import RECIPE, find_recipe, read_bounded
+from scaletool.kinds import attention as attention_kinds
+from scaletool.kinds.attention import attention_kind, position_kind
+from scaletool.kinds.engines import ENGINE_NAMES, engine_problems, layout_problems
+from scaletool.resources import RECIPE, find_recipe
+from scaletool.yaml_input import check_tree, parse_override, read_yaml, set_dotted
+from scaletool.yaml_input import key_text as _key_text
 
 SECTIONS = ("model", "train", "parallel", "data", "profile")
+ATTENTION_NAMES = tuple(attention_kinds.ATTENTION_KINDS)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # data.source=text: 256 byte ids + <|endoftext|> (scaletool.train.data.ByteTokenizer; a test keeps them equal)
 BYTE_VOCAB = 257
@@ -53,12 +55,6 @@ MAX_VOCAB = 2**32       # token ids are at most uint32
 MAX_SEQ_LEN = 2**24     # the RoPE table holds max_seq_len rows
 MAX_WEIGHTS = 10**15    # bound on the weights of one model (see weights_bound)
 INT64 = 2**63
-
-# Untrusted YAML: a recipe or sweep file is a few kilobytes and a few hundred values.
-MAX_YAML_BYTES = 2**20
-MAX_NODES = 100_000
-MAX_DEPTH = 64
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
@@ -92,7 +88,7 @@ MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "mo
 class ModelConfig(_Section):
     """The network. Names match DeepSeek-V2/V3 and Llama configs where they overlap."""
 
-    attention: Literal["mha", "gqa", "mqa", "mla"] = "mha"
+    attention: Literal[ATTENTION_NAMES] = "mha"
     d_model: int = _width(512)
     n_layers: int = Field(8, gt=0, le=MAX_LAYERS)
     n_heads: int = Field(8, gt=0, le=MAX_HEADS)
@@ -237,7 +233,7 @@ class Kind:
 
     ``reads``: the switch-specific keys this kind uses; a key that another kind of the same switch reads
     is inactive under this one. ``resolve`` fills the kind's derived fields and returns its problems.
-    Attention kinds and position encodings come from :mod:`scaletool.attention_kinds`, which holds their
+    Attention kinds and position encodings come from :mod:`scaletool.kinds.attention`, which holds their
     closed forms beside these rules.
     """
 
@@ -272,7 +268,7 @@ def _moe(m: ModelConfig) -> list[str]:
 
 
 def _from_spec(spec: attention_kinds.AttentionKind | attention_kinds.PositionKind) -> Kind:
-    """A switch entry for a kind of :mod:`scaletool.attention_kinds`: its derived fields set, then its rules."""
+    """A switch entry for a kind of :mod:`scaletool.kinds.attention`: its derived fields set, then its rules."""
     def resolve(m: ModelConfig) -> list[str]:
         for key, value in spec.derived(m).items():
             _derive(m, key, value)
@@ -359,7 +355,7 @@ class TrainConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    engine: Literal["single", "ddp", "fsdp", "deepspeed"] = "single"
+    engine: Literal[ENGINE_NAMES] = "single"
     zero_stage: int = Field(1, ge=0, le=3, description="deepspeed ZeRO stage")
     reshard_after_forward: bool = True
     cpu_offload: bool = Field(False, description="fsdp: CPUOffloadPolicy for params, grads and optimizer")
@@ -396,11 +392,6 @@ class ParallelConfig(_Section):
             elif not isinstance(v, (str, int, float, bool, type(None))):
                 raise ValueError(f"{where}: a {type(v).__name__} is not a JSON value")
         return value
-
-
-# Keys only one engine uses: set (to a non-default value) under another engine, they are errors.
-ENGINE_KEYS = {"zero_stage": "deepspeed", "offload_optimizer": "deepspeed", "offload_params": "deepspeed",
-               "deepspeed": "deepspeed", "cpu_offload": "fsdp"}
 
 
 class DataConfig(_Section):
@@ -465,74 +456,17 @@ class Recipe(_Section):
                             f"steps, but train.steps is {self.train.steps}")
         if pr.ranks != "all" and (not pr.ranks or min(pr.ranks) < 0):
             problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {echo(pr.ranks)}")
-        problems += self._parallel_problems()
+        problems += layout_problems(self, self.seq_len)
         if problems:
             raise RecipeError(problems)
         return self
 
-    def _parallel_problems(self) -> list[str]:
-        p, m = self.parallel, self.model
-        if p.tensor_parallel > 1:
-            problems = self._tensor_parallel_problems()
-            if problems:
-                return problems
-        if p.expert_parallel and m.ffn != "moe":
-            return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
-        if p.expert_parallel and m.moe_dispatch != "capacity":
-            return ["parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
-                    "fixed [E, C, d] buffer)"]
-        if p.expert_parallel and p.engine != "fsdp":
-            return [f"parallel.expert_parallel: supported with engine=fsdp (the expert shards are DTensors "
-                    f"beside FSDP2's), not engine={p.engine}"]
-        return []
-
-    def _tensor_parallel_problems(self) -> list[str]:
-        """What ``parallel.tensor_parallel`` > 1 needs of the engine and the model (engines.tp splits heads,
-        FFN width and vocabulary; sequence parallelism splits positions)."""
-        p, m = self.parallel, self.model
-        N = p.tensor_parallel
-        if p.engine != "fsdp":
-            return [f"parallel.tensor_parallel: {N} needs parallel.engine=fsdp (FSDP2 over the data-parallel ranks, "
-                    f"tensor parallelism within each group of {N}), not engine={p.engine}"]
-        if m.task != "lm":
-            return ["parallel.tensor_parallel: supported for task=lm (the regression model's feature embedding and "
-                    "head are not split)"]
-        if m.ffn == "moe":
-            return ["parallel.tensor_parallel: not supported with model.ffn=moe; parallel.expert_parallel splits "
-                    "the experts instead"]
-        problems = []
-        if m.position_encoding not in ("rope", "none"):
-            problems.append(f"model.position_encoding: {m.position_encoding} is not split by tensor parallelism "
-                            "(a position table would add to sequence-sharded states, ALiBi biases every head); "
-                            "use rope or none with parallel.tensor_parallel > 1")
-        if m.n_heads % N:
-            problems.append(f"model.n_heads: {m.n_heads} heads do not split over parallel.tensor_parallel={N} ranks")
-        if m.attention == "gqa" and m.n_kv_heads % N:
-            problems.append(f"model.n_kv_heads: {m.n_kv_heads} K/V heads do not split over parallel.tensor_parallel="
-                            f"{N} ranks (attention=mqa replicates its single K/V head instead)")
-        for key, size in (("model.intermediate_size", m.intermediate_size), ("model.vocab_size", m.vocab_size),
-                          ("train.seq_len", self.seq_len)):
-            if size % N:
-                what = "positions (sequence parallelism)" if key == "train.seq_len" else "columns"
-                problems.append(f"{key}: {size} {what} do not split evenly over parallel.tensor_parallel={N} ranks")
-        return problems
-
     def engine_problems(self, world_size: int | None = None) -> list[str]:
-        """The engine rules train applies before it builds anything: keys only another engine uses, and
-        DeepSpeed's offload and passthrough rules. ``recipe check`` runs them without a world size; a
-        launch passes it (DeepSpeed's train_batch_size) and adds its own (engines.check_recipe).
+        """The engine rules train applies before it builds anything (:func:`scaletool.kinds.engines.engine_problems`):
+        keys only another engine uses, and the engine's own rules. ``recipe check`` runs them without a world
+        size; a launch passes it (DeepSpeed's train_batch_size) and adds its own (engines.check_recipe).
         Other commands (estimate, count, decode) do not use the engine and do not apply them."""
-        p = self.parallel
-        defaults = type(p).model_fields
-        problems = [f"parallel.{key}: only used by engine={engine}, but parallel.engine={p.engine}"
-                    for key, engine in ENGINE_KEYS.items()
-                    if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
-        if p.engine == "deepspeed":
-            problems += deepspeed_problems(self, world_size)
-        if world_size is not None and world_size % p.tensor_parallel:
-            problems.append(f"parallel.tensor_parallel: {p.tensor_parallel} does not divide the world size "
-                            f"{world_size} (data-parallel ranks × tensor-parallel ranks)")
-        return problems
+        return engine_problems(self, world_size)
 
     @property
     def seq_len(self) -> int:
@@ -571,77 +505,6 @@ class Recipe(_Section):
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSpeed: the keys a recipe decides, and the passthrough rules
-
-
-def deepspeed_settings(recipe: Recipe, world_size: int | None = None) -> dict[str, tuple[Any, str]]:
-    """The DeepSpeed config keys the recipe decides: dotted key -> (value, the recipe field it comes from).
-    ``train_batch_size`` depends on the world size and is left out without one."""
-    t, p, m = recipe.train, recipe.parallel, recipe.model
-    derived: dict[str, tuple[Any, str]] = {
-        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (t.grad_accum_steps, "train.grad_accum_steps"),
-        "gradient_clipping": (t.grad_clip, "train.grad_clip"),
-        "bf16.enabled": (m.dtype == "bf16", "model.dtype"),
-        "fp16.enabled": (m.dtype == "fp16", "model.dtype"),
-        "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
-        "zero_optimization.offload_optimizer.device": ("cpu" if p.offload_optimizer else "none",
-                                                       "parallel.offload_optimizer"),
-    }
-    if world_size is not None:
-        derived["train_batch_size"] = (t.micro_batch_size * t.grad_accum_steps * world_size,
-                                       "train.micro_batch_size × train.grad_accum_steps × world size")
-    if p.zero_stage == 3:
-        derived["zero_optimization.offload_param.device"] = ("cpu" if p.offload_params else "none",
-                                                             "parallel.offload_params")
-    if p.offload_optimizer:
-        derived.update({
-            "optimizer.type": ("AdamW", "the AdamW of train.*"),
-            "optimizer.params.lr": (t.lr, "train.lr"),
-            "optimizer.params.betas": ([t.beta1, t.beta2], "train.beta1/beta2"),
-            "optimizer.params.weight_decay": (t.weight_decay, "train.weight_decay"),
-        })
-    return derived
-
-
-def flatten_dotted(d: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten_dotted(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def deepspeed_problems(recipe: Recipe, world_size: int | None = None) -> list[str]:
-    """One line per ``parallel.deepspeed`` passthrough key that contradicts the recipe, and per offload
-    setting ZeRO cannot do; without a world size, all but the train_batch_size conflict."""
-    p = recipe.parallel
-    problems = []
-    if p.offload_params and p.zero_stage != 3:
-        problems.append(f"parallel.offload_params: needs parallel.zero_stage=3 (got {p.zero_stage})")
-    if p.offload_optimizer and p.zero_stage == 0:
-        problems.append("parallel.offload_optimizer: needs parallel.zero_stage >= 1")
-    passthrough = dict(p.deepspeed)
-    if passthrough.pop("scheduler", None) is not None:
-        problems.append("parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr, "
-                        "train.warmup_steps and train.min_lr_ratio; remove it")
-    if passthrough.get("optimizer") is not None and not p.offload_optimizer:
-        passthrough.pop("optimizer")
-        problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
-                        "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
-    derived = deepspeed_settings(recipe, world_size)
-    for key, value in flatten_dotted(passthrough).items():
-        if key in derived and derived[key][0] != value:
-            problems.append(f"parallel.deepspeed.{key}={echo(value)} conflicts with {derived[key][1]} "
-                            f"(= {derived[key][0]!r}); set it in one place")
-    return problems
-
-
-# ---------------------------------------------------------------------------------------------
 # Loading
 
 
@@ -656,11 +519,6 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
         else:
             return []
     return list(cls.model_fields)
-
-
-def _key_text(part: Any) -> str:
-    """A key of the location path, cut for the message (a key can be a megabyte string)."""
-    return shorten(part, 60) if isinstance(part, (str, int)) else echo(part)
 
 
 def _describe(err: dict, source: str) -> str:
@@ -694,131 +552,6 @@ def _problems_from(exc: ValidationError, source: str) -> list[str]:
     return lines
 
 
-class _SafeLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """The safe loader (libyaml's when present: it also caps nesting depth), refusing duplicate keys,
-    which plain YAML resolves silently to the last one."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = (key_node.tag, key_node.value)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {echo(key_node.value)} (first at line {seen[key] + 1})",
-                        key_node.start_mark)
-                seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-
-def check_tree(data: Any, source: str) -> None:
-    """Refuse data whose tree, aliases expanded, has more than MAX_NODES values or MAX_DEPTH levels, or
-    that contains itself (``a: &a [*a]``).
-
-    The loader shares an aliased object instead of copying it, so a 700-byte file of nested aliases
-    loads instantly, yet stands for 10^9 values to anything that walks it (validation, messages,
-    hashing, JSON). Sizes are memoised per object: one pass over the distinct objects."""
-    size: dict[int, tuple[int, int]] = {}  # id -> (values, depth) of the expanded subtree
-    open_: set[int] = set()  # the containers on the path from the root
-    stack: list[tuple[Any, bool]] = [(data, False)]
-    while stack:
-        obj, leaving = stack.pop()
-        if isinstance(obj, dict):
-            kids = [x for kv in obj.items() for x in kv]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            kids = list(obj)
-        else:
-            continue  # a scalar: one value, depth 1
-        key = id(obj)
-        if leaving:
-            sub = [size.get(id(k), (1, 1)) for k in kids]
-            values, depth = 1 + sum(s[0] for s in sub), 1 + max((s[1] for s in sub), default=0)
-            if values > MAX_NODES:
-                raise RecipeError(f"{source}: more than {MAX_NODES:,} values once YAML aliases are expanded "
-                                  "(a recipe has about a hundred); refusing it")
-            if depth > MAX_DEPTH:
-                raise RecipeError(f"{source}: nested more than {MAX_DEPTH} levels deep; refusing it")
-            size[key] = (values, depth)
-            open_.discard(key)
-            continue
-        if key in size:
-            continue
-        if key in open_:
-            raise RecipeError(f"{source}: a YAML alias refers to a mapping or list that contains it (a cycle)")
-        open_.add(key)
-        stack.append((obj, True))
-        stack.extend((k, False) for k in kids)
-
-
-def load_yaml_text(text: str, source: str) -> Any:
-    """Parse YAML text safely and bounded; problems become one-line RecipeErrors naming ``source``."""
-    try:
-        data = yaml.load(text, Loader=_SafeLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        what = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise RecipeError(f"{source}: malformed YAML{where}: {what[:200]}") from None
-    except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
-        raise RecipeError(f"{source}: malformed YAML: {str(e).splitlines()[0][:200]}") from None
-    check_tree(data, source)
-    return data
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``model.kv_lora_rank=128`` -> (``model.kv_lora_rank``, 128); the value is read as YAML."""
-    if "=" not in item:
-        raise RecipeError(f"--set {echo(item)}: expected KEY=VALUE with a dotted key, e.g. model.kv_lora_rank=128")
-    key, _, raw = item.partition("=")
-    key = key.strip()
-    try:
-        value = load_yaml_text(raw, f"--set {_key_text(key)}") if raw.strip() else None
-    except RecipeError as e:
-        if "malformed YAML" not in e.problems[0]:
-            raise
-        value = raw  # not YAML: the text itself (validation says if a string does not fit)
-    return key, value
-
-
-def set_dotted(raw: dict, key: str, value: Any) -> None:
-    """Set ``raw['a']['b'] = value`` for ``key='a.b'``; unknown top-level sections are errors."""
-    parts = key.split(".")
-    shown = _key_text(key)
-    if not all(parts):
-        raise RecipeError(f"override {shown}: a dotted key needs a name at every level, e.g. model.d_model")
-    if parts[0] not in SECTIONS:
-        hint = difflib.get_close_matches(parts[0][:200], SECTIONS, n=1)
-        tip = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(SECTIONS)}"
-        raise RecipeError(f"override {shown}: unknown section {_key_text(parts[0])!r}{tip}")
-    node = raw
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = node[p] = {}
-        if not isinstance(nxt, dict):
-            raise RecipeError(f"override {shown}: '{_key_text(p)}' is not a mapping")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def read_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping (a recipe or sweep file) safely; problems become one-line RecipeErrors."""
-    p = Path(path)
-    shown = shorten(p)
-    blob = read_bounded(p, MAX_YAML_BYTES, "a recipe or sweep file")
-    try:
-        text = blob.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecipeError(f"{shown}: not a UTF-8 text file (byte {e.start})") from None
-    data = load_yaml_text(text, shown)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise RecipeError(f"{shown}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
-    return data
-
-
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
     """Validate a raw mapping; every problem becomes one line of the RecipeError."""
     if not isinstance(raw, dict):
@@ -839,7 +572,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
                 extra: dict | None = None) -> Recipe:
     """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
     ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    raw = read_yaml(find_recipe(path, RECIPE))
+    raw = read_yaml(find_recipe(path, RECIPE), SECTIONS)
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
     return recipe_from_dict(raw, shorten(path))
 
@@ -847,5 +580,5 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:
     out = copy.deepcopy(raw)
     for k, v in pairs:
-        set_dotted(out, k, v)
+        set_dotted(out, k, v, SECTIONS)
     return out

@@ -24,9 +24,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scaletool.config import RecipeError, check_tree, recipe_from_dict
+from scaletool.config import RecipeError, recipe_from_dict
 from scaletool.errors import echo, shorten
 from scaletool.resources import read_bounded
+from scaletool.yaml_input import check_tree
 
 DENSE_TYPES = {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3"}
 GPT2_TYPES = {"gpt2"}

@@ -9,8 +9,8 @@ import yaml
 from conftest import RECIPES, ROOT
 
 from scaletool import analytic
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
+from scaletool.kinds.attention import attention_kind
 from scaletool.model import build_model
 
 
@@ -267,7 +267,7 @@ def test_zero12_step_is_deepspeeds_own_estimate_plus_the_flat_copy():
 
 
 def test_the_optimizer_step_sets_deepspeeds_peak_when_activations_are_small():
-    """mha-1b, micro-batch 1, full checkpointing (the regime of issue 13): ZeRO-1/2/3's peak is the step."""
+    """mha-1b, micro-batch 1, full checkpointing (where the optimizer step sets the peak): ZeRO-1/2/3's peak is the step."""
     r = recipe_from_dict(yaml_recipe("mha-1b.yaml"))
     for stage in (1, 2, 3):
         m = mem(r.model, "deepspeed", 1, mb=1, ac="full", T=2048, zero_stage=stage)

@@ -12,15 +12,8 @@ from conftest import MODEL_RECIPES, RECIPES
 
 from scaletool import api
 from scaletool.cli import main
-from scaletool.config import (
-    MAX_NODES,
-    RecipeError,
-    check_tree,
-    load_recipe,
-    load_yaml_text,
-    recipe_from_dict,
-    weights_bound,
-)
+from scaletool.config import RecipeError, load_recipe, recipe_from_dict, weights_bound
+from scaletool.yaml_input import MAX_NODES, check_tree, load_yaml_text
 
 
 def check(path, *sets: str):
@@ -146,7 +139,7 @@ def test_a_sweep_file_is_not_a_recipe():
 
 
 # ---------------------------------------------------------------------------------------------
-# Inactive keys (issue 17): switching attention or FFN needs no other change
+# Inactive keys: switching attention or FFN needs no other change
 
 # Recipe.digest of the shipped recipes as scaletool computed them before inactive keys existed: the
 # keys of stored sweep results (recipes/benchmarks/sweep-results) must not move. The MoE recipes are the

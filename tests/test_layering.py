@@ -8,7 +8,12 @@ is still a dependency.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import scaletool
 
@@ -23,7 +28,8 @@ LAYERS: list[set[str]] = [
     {"engines", "measure"},
     {"model", "analytic", "hf"},
     {"config", "kernels"},
-    {"attention_kinds"},  # torch-free: config's rules and analytic's closed forms for each attention kind
+    {"kinds"},  # torch-free: each attention kind's and engine's keys, rules and closed forms
+    {"yaml_input"},  # the bounded safe YAML loader and dotted overrides, below the recipe schema
     {"results"},
     {"stats"},
     {"errors", "fmt", "threads", "resources", "__init__"},
@@ -150,5 +156,149 @@ def long_functions() -> list[str]:
 
 
 def test_no_function_is_longer_than_about_80_lines():
-    """Issue 18: a function past 80 lines splits into named steps, or says here why it reads best whole."""
+    """A function past 80 lines splits into named steps, or says here why it reads best whole."""
     assert long_functions() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# What runs at import time: cycles, torch-free rooms, the model free of distributed code
+
+
+#: rooms that never import torch, not even through another module at import time: ``estimate``,
+#: ``recipe check`` and the recipe schema stay fast and run where torch is absent
+TORCH_FREE = ("scaletool.kinds", "scaletool.analytic", "scaletool.config", "scaletool.yaml_input")
+
+
+def _module_names() -> set[str]:
+    return {name for name, _ in _modules()}
+
+
+def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Modules ``name`` imports when it is imported: statements at module level (not in functions, not
+    under ``if TYPE_CHECKING``), ``from a import b`` naming the submodule ``a.b`` where there is one, and
+    the packages above each imported scaletool module (importing ``a.b`` runs ``a`` first)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: set[str] = set()
+
+    def visit(stmts):
+        for node in stmts:
+            if isinstance(node, ast.If):
+                test = ast.unparse(node.test)
+                if "TYPE_CHECKING" not in test:
+                    visit(node.body)
+                    visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for h in node.handlers:
+                    visit(h.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = next(t for t, line in _imports(name, path) if line == node.lineno) if node.level else node.module
+                out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known)
+
+    visit(tree.body)
+    for target in list(out):
+        parts = target.split(".")
+        out.update(".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in known)
+    return out - {name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _module_names()
+    return {name: _module_level_imports(name, path, known) for name, path in _modules()}
+
+
+def import_cycles() -> list[str]:
+    """Cycles of module-level imports between modules of one room (a package's own modules and its
+    ``__init__`` re-exports excepted: the package runs before its modules, so that edge is no cycle)."""
+    graph = _graph()
+    edges = {a: {b for b in bs if b in graph and _room(a) == _room(b) and not a.startswith(b + ".")}
+             for a, bs in graph.items()}
+    cycles, state = [], {}
+
+    def dfs(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                dfs(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            dfs(node, [node])
+    return cycles
+
+
+def torch_imports(roots: tuple[str, ...] = TORCH_FREE) -> list[str]:
+    """The import chain from each torch-free module to torch, one line per module that reaches it."""
+    graph = _graph()
+    out = []
+    for start in sorted(n for n in graph if any(n == r or n.startswith(r + ".") for r in roots)):
+        seen, stack = {start: [start]}, [start]
+        while stack:
+            node = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == "torch" or nxt.startswith("torch."):
+                    out.append(" -> ".join(seen[node] + [nxt]))
+                    stack.clear()
+                    break
+                if nxt in graph and nxt not in seen:
+                    seen[nxt] = seen[node] + [nxt]
+                    stack.append(nxt)
+    return out
+
+
+def test_no_import_cycle_inside_a_room():
+    assert import_cycles() == []
+
+
+def test_torch_free_rooms_never_import_torch():
+    assert torch_imports() == []
+
+
+def test_torch_free_rooms_import_without_torch_in_a_fresh_interpreter():
+    code = f"import sys; import {', '.join(TORCH_FREE)}; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=PKG.parent, env={**os.environ, "PYTHONPATH": str(PKG.parent)})
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_model_never_imports_torch_distributed():
+    """The model is single-device code; what makes it distributed is applied from scaletool.engines."""
+    found = []
+    for name, path in _modules():
+        if _room(name) != "model":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{path.relative_to(PKG.parent)}:{node.lineno}: {n}" for n in names
+                      if n == "torch.distributed" or n.startswith("torch.distributed.")]
+    assert found == []
+
+
+def test_the_import_checks_are_not_vacuous(tmp_path, monkeypatch):
+    """A cycle, torch reached from analytic through another module, and torch.distributed in the model are reported."""
+    fake = tmp_path / "scaletool"
+    for room in ("analytic", "model", "fmt"):
+        (fake / room).mkdir(parents=True)
+        (fake / room / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "analytic" / "a.py").write_text("from scaletool.analytic import b\n")
+    (fake / "analytic" / "b.py").write_text("from scaletool.analytic.a import x\nfrom scaletool.fmt import c\n")
+    (fake / "fmt" / "c.py").write_text("import torch\n")
+    (fake / "model" / "m.py").write_text("def f():\n    from torch.distributed import all_reduce\n")
+    monkeypatch.setattr(__import__(__name__), "PKG", fake)
+    assert import_cycles() == ["scaletool.analytic.a -> scaletool.analytic.b -> scaletool.analytic.a"]
+    assert "scaletool.analytic.b -> scaletool.fmt.c -> torch" in torch_imports()
+    with pytest.raises(AssertionError, match="torch.distributed"):
+        test_the_model_never_imports_torch_distributed()

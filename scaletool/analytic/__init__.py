@@ -9,7 +9,7 @@ Conventions, stated once:
   token-embedding and learned-position lookups are gathers, no matmul; norms, biases, position
   tables added to the embeddings and ALiBi's score bias are element-wise (not counted).
 - Each attention kind's own closed forms (parameters by projection, cache per token, decode FLOPs)
-  live with the kind, ``scaletool.attention_kinds``; this package sums them over the model.
+  live with the kind, ``scaletool.kinds.attention``; this package sums them over the model.
 - Mixture of experts (ffn=moe): "active" parameters are those one token multiplies (dense parts,
   router, shared experts, its top-k routed experts); ``matmul_params`` and the FLOPs count those.
   The dropless dispatch (``moe_dispatch: dropless``) computes exactly k experts per token, so FLOPs
@@ -25,15 +25,23 @@ from scaletool.analytic.comm import (  # noqa: F401
     _row,
     communication,
     data_parallel_communication,
+    ddp_communication,
+    fsdp_communication,
+    no_communication,
     tensor_parallel_communication,
     tensor_parallel_config,
     tensor_parallel_replicated,
     wire_bytes,
+    zero_communication,
 )
 from scaletool.analytic.engine_memory import (  # noqa: F401
     _torch_engine,
     _zero3,
     _zero12,
+    ddp_memory,
+    fsdp_memory,
+    single_memory,
+    zero_memory,
 )
 from scaletool.analytic.flops import (  # noqa: F401
     attention_flops_per_token,
@@ -89,6 +97,7 @@ from scaletool.analytic.timeline import (  # noqa: F401
     _units,
 )
 from scaletool.config import ModelConfig, Recipe
+from scaletool.kinds.engines import engine_kind
 
 # ---------------------------------------------------------------------------------------------
 # Everything at once
@@ -134,7 +143,7 @@ def estimate(recipe: Recipe, *, tokens: int | None = None, world_size: int | Non
             "bytes_per_layer": cfg.n_heads * T * T * b,
         },
         # the recipe's own engine: single runs one process whatever the world size asked for
-        "memory": {"world_size": N, "recipe": recipe_memory(recipe, 1 if recipe.parallel.engine == "single" else N),
+        "memory": {"world_size": N, "recipe": recipe_memory(recipe, N if engine_kind(recipe.parallel.engine).distributed else 1),
                    "engines": memory_table(recipe, N)},
         "communication": communication(recipe, N),
     }

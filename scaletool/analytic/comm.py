@@ -4,6 +4,8 @@ from __future__ import annotations
 from scaletool.analytic.params import _norm_params, attention_params, ffn_params, moe_params, param_counts
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import ModelConfig, Recipe, expert_capacity
+from scaletool.kinds.attention import attention_kind
+from scaletool.kinds.engines import ENGINES, engine_kind
 
 # ---------------------------------------------------------------------------------------------
 # Communication
@@ -38,7 +40,7 @@ def tensor_parallel_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     its per-layer activations are that rank's inside the split sub-layers."""
     if tp == 1:
         return cfg
-    kv = cfg.n_kv_heads if cfg.attention == "mqa" else cfg.n_kv_heads // tp
+    kv = attention_kind(cfg).tp_kv_heads(cfg, tp)
     return cfg.model_copy(update={"n_heads": cfg.n_heads // tp, "n_kv_heads": kv,
                                   "intermediate_size": cfg.intermediate_size // tp, "vocab_size": cfg.vocab_size // tp})
 
@@ -47,15 +49,9 @@ def tensor_parallel_replicated(cfg: ModelConfig) -> list[int]:
     """Sizes of the weight tensors every tensor-parallel rank holds whole: the norms (sequence-parallel),
     MLA's latent path (wkv_a, kv_norm; wq_a, q_norm), MQA's K/V projections. Each gets one all-reduce of
     its partial gradients per step (engines.tp)."""
-    d, hd = cfg.d_model, cfg.head_dim
+    d = cfg.d_model
     norm = [d] if cfg.norm == "rmsnorm" else [d, d]  # LayerNorm: weight and bias
-    layer = 2 * norm
-    if cfg.attention == "mla":
-        layer += [d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.kv_lora_rank]
-        if cfg.q_lora_rank:
-            layer += [d * cfg.q_lora_rank, cfg.q_lora_rank]
-    elif cfg.attention == "mqa":
-        layer += [d * hd, d * hd] + ([hd, hd] if cfg.qkv_bias else [])
+    layer = 2 * norm + attention_kind(cfg).tp_replicated(cfg)
     return cfg.n_layers * layer + norm
 
 
@@ -127,24 +123,45 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
       the step (2Ψ, as data parallelism); stage 3 all-gathers the parameters for every micro-batch's
       forward and backward and reduce-scatters its gradients (3Ψ per micro-batch).
     """
-    if ranks == 1 or engine == "single":
+    if ranks == 1:
         return []
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}")
+    return engine_kind(engine).communication_form()(
+        cfg, ranks, zero_stage=zero_stage, grad_accum_steps=grad_accum_steps,
+        reshard_after_forward=reshard_after_forward, expert_parallel=expert_parallel, inputs=inputs)
+
+
+def no_communication(cfg: ModelConfig, ranks: int, **_) -> list[dict]:
+    """One process: no collectives."""
+    return []
+
+
+def ddp_communication(cfg: ModelConfig, ranks: int, **_) -> list[dict]:
+    """DDP: one all-reduce of the fp32 gradients per step, in buckets."""
+    return [_row("dp", "all_reduce", "gradients (fp32, bucketed)", None, 4 * param_counts(cfg)["total"], ranks)]
+
+
+def zero_communication(cfg: ModelConfig, ranks: int, *, zero_stage: int = 1, grad_accum_steps: int = 1, **_
+                       ) -> list[dict]:
+    """ZeRO's collectives at its stage (see :func:`data_parallel_communication`)."""
+    gas, p16, psi = grad_accum_steps, cfg.dtype_bytes, param_counts(cfg)["total"]
+    if zero_stage == 0:
+        return [_row("dp", "all_reduce", "gradients", None, p16 * psi, ranks)]
+    if zero_stage < 3:
+        reduces = gas if zero_stage == 2 else 1
+        return [_row("dp", "reduce_scatter", "gradients", None, reduces * p16 * psi, ranks),
+                _row("dp", "all_gather", "updated parameters", None, p16 * psi, ranks)]
+    return [_row("dp", "all_gather", "parameters (forward and backward)", None, 2 * gas * p16 * psi, ranks),
+            _row("dp", "reduce_scatter", "gradients", None, gas * p16 * psi, ranks)]
+
+
+def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 1, reshard_after_forward: bool = True,
+                       expert_parallel: bool = False, inputs: MemoryInputs | None = None, **_) -> list[dict]:
+    """FSDP2's all-gathers and reduce-scatters, and expert parallelism's all-to-alls (see
+    :func:`data_parallel_communication`)."""
     gas, p16 = grad_accum_steps, cfg.dtype_bytes  # 16-bit parameters under mixed precision, else fp32
     pc = param_counts(cfg)
-    psi = pc["total"]
-    if engine == "ddp":
-        return [_row("dp", "all_reduce", "gradients (fp32, bucketed)", None, 4 * psi, ranks)]
-    if engine == "deepspeed":
-        if zero_stage == 0:
-            return [_row("dp", "all_reduce", "gradients", None, p16 * psi, ranks)]
-        if zero_stage < 3:
-            reduces = gas if zero_stage == 2 else 1
-            return [_row("dp", "reduce_scatter", "gradients", None, reduces * p16 * psi, ranks),
-                    _row("dp", "all_gather", "updated parameters", None, p16 * psi, ranks)]
-        return [_row("dp", "all_gather", "parameters (forward and backward)", None, 2 * gas * p16 * psi, ranks),
-                _row("dp", "reduce_scatter", "gradients", None, gas * p16 * psi, ranks)]
-    if engine != "fsdp":
-        raise ValueError(f"unknown engine {engine!r}")
     blocks = _layer_params(cfg, expert_parallel)
     root = pc["embedding"] + pc["head"] + pc["final_norm"]
     gathers = gas * (len(blocks) * (2 if reshard_after_forward else 1) + 1)

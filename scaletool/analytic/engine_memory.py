@@ -5,7 +5,7 @@ from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import EngineSettings, _group_sizes, _timeline
 
 
-def _torch_engine(cfg, engine, N, units, loss_temp, s: EngineSettings) -> dict:
+def _torch_engine(cfg, shard, hooks, units, loss_temp, s: EngineSettings) -> dict:
     """single, DDP, FSDP2: fp32 parameters, gradients and AdamW m, v (16Ψ), FSDP2 sharding all of it.
 
     - single: gradients are allocated as the backward produces them (``zero_grad(set_to_none=True)``
@@ -31,34 +31,13 @@ def _torch_engine(cfg, engine, N, units, loss_temp, s: EngineSettings) -> dict:
     - Step: fused AdamW (torch/optim/adam.py ``_fused_adam``) updates in place, no temporaries;
       foreach AdamW (``_multi_tensor_adam``) allocates ``exp_avg_sq_sqrt``, one fp32 tensor per
       parameter of the group it is stepping: 4 bytes × the larger AdamW group.
+
+    ``shard``: the ranks the states are sharded over (1 unsharded); ``hooks``: the engine's
+    (gradients, buffers) at each stop of the backward.
     """
     psi = param_counts(cfg)["total"]
-    shard = N if engine == "fsdp" else 1
     states = {"weights": 4 * psi / shard, "optimizer": 8 * psi / shard}
-    if engine == "single":
-        def grads_at(i, done): return 4 * done
-        def buffers_at(i): return 0.0
-    elif engine == "ddp":
-        def grads_at(i, done): return 4 * psi
-        def buffers_at(i): return 4 * psi + (4 * units[i].largest if i >= 0 else 0.0)
-    else:
-        p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
-        root = units[0].gathered + units[-1].gathered
-        blocks = [u.gathered for u in units[1:-1]]
-
-        def grads_at(i, done): return 4 * done / N
-
-        def buffers_at(i):
-            if i < 0:  # the root is still gathered from the forward; without resharding, every block too
-                return p * root + (0 if s.reshard_after_forward else p * sum(blocks))
-            waiting = p * units[0].params  # the head's unsharded gradient waits for the root's reduce-scatter
-            if i == 0:
-                return p * root + waiting + (0 if s.reshard_after_forward else p * sum(blocks))
-            if i == len(units) - 1:  # the root's reduce-scatter: its unsharded gradients and the fp32 input
-                return p * root + (p + 4) * root
-            b = i - 1
-            gathered = sum(blocks[b:]) if not s.reshard_after_forward else blocks[b] + sum(blocks[b + 1:b + 2])
-            return p * root + waiting + p * gathered + (p + 4) * blocks[b]
+    grads_at, buffers_at = hooks
     backward, where = _timeline(units, loss_temp, states, grads_at, buffers_at)
     temp = 0.0 if s.fused_optimizer else 4 * max(_group_sizes(cfg)) / shard
     step = {**states, "gradients": 4 * psi / shard, "activations": 0.0, "buffers": 0.0, "temporaries": temp}
@@ -174,3 +153,47 @@ def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
     step = {**states, "gradients": grad_bytes, "activations": 0.0, "buffers": bucket, "temporaries": temp}
     return {"phases": {"backward": backward, "optimizer_step": step}, "backward_peak_at": where,
             "weights_bytes": states["weights"], "gradients_bytes": grad_bytes, "optimizer_bytes": states["optimizer"]}
+
+
+def single_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """engine=single: gradients as the backward produces them, no buffers (see :func:`_torch_engine`)."""
+    def grads_at(i, done): return 4 * done
+    def buffers_at(i): return 0.0
+    return _torch_engine(cfg, 1, (grads_at, buffers_at), units, loss_temp, s)
+
+
+def ddp_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """engine=ddp: the reducer's buckets are the gradients, plus one fresh gradient and a second set of
+    buckets once per run (see :func:`_torch_engine`)."""
+    psi = param_counts(cfg)["total"]
+    def grads_at(i, done): return 4 * psi
+    def buffers_at(i): return 4 * psi + (4 * units[i].largest if i >= 0 else 0.0)
+    return _torch_engine(cfg, 1, (grads_at, buffers_at), units, loss_temp, s)
+
+
+def fsdp_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """engine=fsdp: states sharded over N ranks, gathered 16-bit parameters and reduce-scatter buffers
+    per block (see :func:`_torch_engine`)."""
+    p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
+    root = units[0].gathered + units[-1].gathered
+    blocks = [u.gathered for u in units[1:-1]]
+
+    def grads_at(i, done): return 4 * done / N
+
+    def buffers_at(i):
+        if i < 0:  # the root is still gathered from the forward; without resharding, every block too
+            return p * root + (0 if s.reshard_after_forward else p * sum(blocks))
+        waiting = p * units[0].params  # the head's unsharded gradient waits for the root's reduce-scatter
+        if i == 0:
+            return p * root + waiting + (0 if s.reshard_after_forward else p * sum(blocks))
+        if i == len(units) - 1:  # the root's reduce-scatter: its unsharded gradients and the fp32 input
+            return p * root + (p + 4) * root
+        b = i - 1
+        gathered = sum(blocks[b:]) if not s.reshard_after_forward else blocks[b] + sum(blocks[b + 1:b + 2])
+        return p * root + waiting + p * gathered + (p + 4) * blocks[b]
+    return _torch_engine(cfg, N, (grads_at, buffers_at), units, loss_temp, s)
+
+
+def zero_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
+    """engine=deepspeed at its ZeRO stage: :func:`_zero3` for stage 3, :func:`_zero12` for 0-2."""
+    return (_zero3 if s.zero_stage >= 3 else _zero12)(cfg, N, units, loss_temp, s)

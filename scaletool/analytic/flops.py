@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from scaletool.analytic.params import attention_params, matmul_params, moe_params
-from scaletool.attention_kinds import attention_kind
-from scaletool.attention_kinds import matmul_params as matmul_params_of
 from scaletool.config import ModelConfig, expert_capacity
+from scaletool.kinds.attention import attention_kind
+from scaletool.kinds.attention import matmul_params as matmul_params_of
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs

@@ -1,8 +1,8 @@
 """KV-cache bytes per token and per sequence, by attention kind and decode mode."""
 from __future__ import annotations
 
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
+from scaletool.kinds.attention import attention_kind
 
 # ---------------------------------------------------------------------------------------------
 # KV cache
@@ -10,7 +10,7 @@ from scaletool.config import ModelConfig
 
 def cache_bytes_per_token(cfg: ModelConfig, mode: str | None = None) -> int:
     """KV-cache bytes per token, all layers, at the recipe dtype, in decode ``mode`` (None: the kind's
-    default; ``scaletool.attention_kinds.MLA_MODES``)."""
+    default; ``scaletool.kinds.attention.MLA_MODES``)."""
     kind = attention_kind(cfg)
     return kind.cache_layout(cfg, kind.resolve_mode(cfg, mode)).elements * cfg.dtype_bytes * cfg.n_layers
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scaletool.analytic.comm import tensor_parallel_config
-from scaletool.analytic.engine_memory import _torch_engine, _zero3, _zero12
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import (
     COMPONENTS,
@@ -20,6 +19,7 @@ from scaletool.analytic.timeline import (
 )
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
+from scaletool.kinds.engines import ENGINES, engine_kind, engines_with
 
 
 def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs,
@@ -30,7 +30,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     engines keep fp32 parameters, gradients and AdamW m, v (16Ψ; FSDP2 shards all of it); DeepSpeed keeps
     16-bit parameters and gradients and an fp32 master with m, v (12Ψ), sharded per ZeRO stage. The
     engine-specific buffers and temporaries are documented, with their DeepSpeed and torch sources, in
-    :func:`_torch_engine`, :func:`_zero12` and :func:`_zero3`; activations in :func:`_units` and
+    :mod:`scaletool.analytic.engine_memory` (the engine kind's ``memory`` form); activations in :func:`_units` and
     :func:`_activation_bytes_per_token_per_layer` (eager mode).
 
     MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
@@ -45,14 +45,11 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     if overrides:
         s = replace(s, **overrides)
     N = world_size
-    autocast = engine in ("single", "ddp")
-    units, loss_temp = _units(cfg, inputs, autocast=autocast, expert_parallel=s.expert_parallel)
-    if engine in ("single", "ddp", "fsdp"):
-        out = _torch_engine(cfg, engine, N, units, loss_temp, s)
-    elif engine == "deepspeed":
-        out = (_zero3 if s.zero_stage >= 3 else _zero12)(cfg, N, units, loss_temp, s)
-    else:
+    if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}")
+    kind = engine_kind(engine)
+    units, loss_temp = _units(cfg, inputs, autocast=kind.autocast, expert_parallel=s.expert_parallel)
+    out = kind.memory_form()(cfg, N, units, loss_temp, s)
     phases = {name: {c: int(out["phases"][name][c]) for c in COMPONENTS} for name in PHASES}
     totals = {name: sum(comp.values()) for name, comp in phases.items()}
     phase = max(PHASES, key=lambda name: totals[name])
@@ -60,7 +57,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     tokens = inputs.micro_batch_size * inputs.seq_len
     blocks = units[1:-1]
     return {
-        "engine": engine, "world_size": N, "zero_stage": s.zero_stage if engine == "deepspeed" else None,
+        "engine": engine, "world_size": N, "zero_stage": s.zero_stage if kind.zero_stages else None,
         "weights_bytes": int(out["weights_bytes"]), "gradients_bytes": int(out["gradients_bytes"]),
         "optimizer_bytes": int(out["optimizer_bytes"]),
         # what autograd keeps at the end of the forward (the loss gradient not included)
@@ -97,8 +94,7 @@ def engine_settings(recipe: Recipe) -> EngineSettings:
 
 
 #: the rows of :func:`memory_table`: (label, engine, ZeRO stage)
-TABLE_ENGINES = [("single", "single", 0), ("ddp", "ddp", 0), ("fsdp", "fsdp", 0),
-                 ("zero1", "deepspeed", 1), ("zero2", "deepspeed", 2), ("zero3", "deepspeed", 3)]
+TABLE_ENGINES = [(label, e.name, stage) for e in ENGINES.values() for label, stage in e.table_rows()]
 
 
 def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
@@ -111,11 +107,12 @@ def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
     for ac in ("none", "full"):
         inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
         for label, engine, stage in TABLE_ENGINES:
-            if engine == "single" and N > 1:
+            kind = engine_kind(engine)
+            if not kind.distributed and N > 1:
                 continue
             settings = replace(base, zero_stage=stage or base.zero_stage,
-                               expert_parallel=base.expert_parallel and engine == "fsdp")
-            row = training_memory(recipe.model, engine, 1 if engine == "single" else N, inp, settings)
+                               expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
+            row = training_memory(recipe.model, engine, N if kind.distributed else 1, inp, settings)
             rows.append({**row, "activation_checkpointing": ac, "label": label})
     return rows
 
@@ -178,7 +175,8 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     dp = world_size // tp
     local = tensor_parallel_config(cfg, tp)
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
-    row = training_memory(local, "fsdp", dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
+    engine = engines_with("tensor_parallel")[0]  # tensor parallelism is a layout of FSDP2
+    row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
     res = cfg.dtype_bytes  # the residual stream is 16-bit under FSDP2's mixed precision, fp32 otherwise
     ac, every = inputs.activation_checkpointing, inputs.selective_every
     kept = sum(1 if ac == "full" or (ac == "selective" and (i + 1) % every == 0) else 2 for i in range(cfg.n_layers)) + 1

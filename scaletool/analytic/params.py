@@ -1,9 +1,9 @@
 """Parameter counts: exact per component, matmul parameters, and the 12·d²·L rule of thumb."""
 from __future__ import annotations
 
-from scaletool.attention_kinds import attention_kind, position_kind
-from scaletool.attention_kinds import matmul_params as matmul_params_of
 from scaletool.config import ModelConfig
+from scaletool.kinds.attention import attention_kind, position_kind
+from scaletool.kinds.attention import matmul_params as matmul_params_of
 
 # ---------------------------------------------------------------------------------------------
 # Parameters
@@ -15,7 +15,7 @@ def _norm_params(cfg: ModelConfig, dim: int) -> int:
 
 def attention_params(cfg: ModelConfig) -> dict[str, int]:
     """Per-layer attention parameters by projection, named as the module's attributes (the kind's
-    closed form, ``scaletool.attention_kinds``).
+    closed form, ``scaletool.kinds.attention``).
 
     MHA/GQA/MQA (Llama layout): wq d·H·hd, wk and wv d·KV·hd each, wo H·hd·d (+ (H+2·KV)·hd
     biases with ``qkv_bias``, as Qwen2).

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from scaletool.analytic.flops import routed_experts_computed
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
 from scaletool.config import ModelConfig
+from scaletool.kinds.attention import attention_kind
 
 # ---------------------------------------------------------------------------------------------
 # Training memory
@@ -89,17 +90,7 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     norms = 2 * a * d if compiled else 2 * (res * d + a * d)
-    if cfg.attention == "mla":
-        c, r, qk, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_head_dim, cfg.v_dim
-        # q, k, out; v is a view into wkv_b's output, so SDPA's saved v keeps the no-RoPE keys alive with it
-        attn = a * (H * qk + H * qk + H * (cfg.qk_nope_head_dim + v) + H * v)
-        attn += a * (2 * c + r)  # latent split + kv_norm output (wkv_b input)
-        if cfg.q_lora_rank:
-            attn += a * 2 * cfg.q_lora_rank
-    else:
-        hd, KV = cfg.head_dim, cfg.n_kv_heads
-        attn = a * (2 * H * hd + 2 * KV * hd)  # q, out; k, v
-    attn += 4 * H  # log-sum-exp
+    attn = a * attention_kind(cfg).activation_elements(cfg) + 4 * H  # + the fp32 log-sum-exp
     if moe:
         slots, i = routed_experts_computed(cfg), cfg.moe_intermediate_size
         kept = 2 if compiled else 4  # of each SwiGLU's i-wide tensors

@@ -11,9 +11,9 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from scaletool.attention_kinds import MLA_MODES
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
+from scaletool.kinds.attention import MLA_MODES
 from scaletool.stats import MIN_SAMPLES
 
 

@@ -9,6 +9,7 @@ from rich.table import Table
 from scaletool import api
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
+from scaletool.kinds.engines import engine_kind
 
 #: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
 MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
@@ -185,7 +186,7 @@ def print_memory(r, est, console: Console) -> None:
     unit = memory_unit(mem.engines)
     console.print(memory_table(est, mem.world_size, unit))
     rec = mem.recipe
-    engine = f"ZeRO-{rec.zero_stage}" if rec.engine == "deepspeed" else rec.engine
+    engine = engine_kind(rec.engine).title(rec.zero_stage)
     where = f" (at the {rec.backward_peak_at})" if rec.phase == "backward" else ""
     console.print(f"micro-batch {tr.micro_batch_size} × {est.seq_len}, AdamW, {r.model.dtype}. * the phase that sets "
                   "the peak. activ: what autograd keeps; buffers: the engine's; temps: loss gradient, the "

@@ -11,7 +11,7 @@ import click
 
 from scaletool.fmt import emit_json, stdout_to_stderr  # noqa: F401 (the commands' JSON writer)
 
-# A plain string: config.read_yaml checks the path itself, so a directory or a FIFO gets the same
+# A plain string: yaml_input.read_yaml checks the path itself, so a directory or a FIFO gets the same
 # one-line `error:` as every other recipe problem instead of click's usage message.
 recipe_argument = click.argument("recipe", metavar="RECIPE")
 

@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from scaletool.analytic import kv_cache
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
 from scaletool.decode.generate import prefill, require_lm
 from scaletool.decode.sizing import (
@@ -43,6 +42,7 @@ from scaletool.decode.sizing import (
 from scaletool.decode.steps import make_steps
 from scaletool.errors import RecipeError
 from scaletool.kernels.mla_decode import triton_supports
+from scaletool.kinds.attention import attention_kind
 from scaletool.measure.hardware import profile_for
 from scaletool.measure.timing import StepTimer
 from scaletool.model.attention import DecodeMode

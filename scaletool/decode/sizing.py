@@ -6,13 +6,11 @@ the KV cache from its bytes per token (DeepSeek-V2, Table 1), at the decode dtyp
 """
 from __future__ import annotations
 
-import os
-
 from scaletool.analytic import cache_bytes_per_token, matmul_params, param_counts
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
+from scaletool.kinds.attention import attention_kind
 
 # Held back from a memory budget for what the analytic fit does not count: prefill activations of
 # one chunk, attention workspaces, logits, allocator fragmentation.
@@ -66,27 +64,6 @@ def memory_fit(cfg: ModelConfig, budget_bytes: int, contexts: tuple[int, ...], e
                      "for activations and workspaces", "rows": rows}
 
 
-def available_memory(device) -> tuple[int | None, str]:
-    """Bytes a run may still allocate on ``device`` and where the figure comes from (None: unknown)."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        return free, "free CUDA memory (cudaMemGetInfo)"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free physical pages (sysconf)"
-    except (ValueError, OSError, AttributeError):
-        return None, "unknown"
-
-
 def check_memory(cfg: ModelConfig, largest_cache_bytes: int, device, *, init_fp32: bool = True) -> None:
     """Refuse, naming the figures, a run whose weights and largest KV cache exceed the memory available.
 
@@ -97,6 +74,8 @@ def check_memory(cfg: ModelConfig, largest_cache_bytes: int, device, *, init_fp3
     fp32 = param_counts(cfg)["total"] * 4 if init_fp32 and cfg.dtype_bytes != 4 else 0
     weights = weight_bytes(cfg)
     need = weights + max(fp32, largest_cache_bytes)
+    from scaletool.measure.available import available_memory  # imports torch: not at import time
+
     have, source = available_memory(device)
     if have is None or need <= have:
         return

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
+from scaletool.kinds.engines import engine_kind, launch_problems, resolve
 
 
 def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) -> None:
@@ -17,10 +18,7 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
     and those of the launch itself."""
     p = recipe.parallel
     given = p.model_fields_set
-    problems = []
-    if p.engine == "single" and world_size > 1:
-        problems.append(f"parallel.engine: single runs one process, but this job has {world_size} ranks; "
-                        "use ddp, fsdp or deepspeed")
+    problems = launch_problems(recipe, world_size)
     if local_world_size is not None and "nproc_per_node" in given and p.nproc_per_node != local_world_size:
         problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
                         f"{local_world_size} processes per node; make them agree (or drop the key)")
@@ -56,10 +54,8 @@ class Engine(ABC):
 
 def startup_notes(recipe: Recipe, env: DistEnv) -> list[str]:
     """Lines worth saying before the engine is built: slow one-time work it is about to do."""
-    if recipe.parallel.engine != "deepspeed":
-        return []
-    from scaletool.engines.deepspeed import build_notes
-    return build_notes(recipe, env.device.type)
+    notes = engine_kind(recipe.parallel.engine).startup_notes
+    return resolve(notes)(recipe, env.device.type) if notes else []
 
 
 def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
@@ -67,13 +63,5 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     from scaletool.model import build_model
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
-    engine = recipe.parallel.engine
-    if engine == "single":
-        from scaletool.engines.single import SingleEngine as cls
-    elif engine == "ddp":
-        from scaletool.engines.ddp import DDPEngine as cls
-    elif engine == "fsdp":
-        from scaletool.engines.fsdp import FSDPEngine as cls
-    else:
-        from scaletool.engines.deepspeed import DeepSpeedEngine as cls
+    cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for
     return cls(model, recipe, env)

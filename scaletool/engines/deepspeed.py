@@ -5,7 +5,7 @@ ZeRO stage, offload) on top of defaults of our own; ``parallel.deepspeed`` is th
 unchanged. A passthrough key that contradicts a recipe field is reported, one line per key,
 instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
 engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
-:mod:`scaletool.config` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
+:mod:`scaletool.kinds.engines` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
 runs them; only ``train_batch_size`` waits for the world size.
 
 The optimizer is torch's AdamW (fused on CUDA), handed to DeepSpeed as a client optimizer; with
@@ -25,13 +25,15 @@ from pathlib import Path
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
-from scaletool.config import Recipe, RecipeError, deepspeed_problems, deepspeed_settings, flatten_dotted
+from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
 from scaletool.engines.serialization import load_pt, shape_problem
+from scaletool.kinds.engines import deepspeed_problems, deepspeed_settings
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
+from scaletool.yaml_input import flatten_dotted
 
 # Ours, not derived from a recipe field: the passthrough may override them freely.
 DEFAULTS = {
@@ -52,7 +54,7 @@ def _set(d: dict, dotted: str, value) -> None:
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
     """(config, problems): the DeepSpeed config for ``recipe`` and one line per passthrough conflict
-    (:func:`scaletool.config.deepspeed_problems`; a validated recipe can only still conflict on
+    (:func:`scaletool.kinds.engines.deepspeed_problems`; a validated recipe can only still conflict on
     ``train_batch_size``, which needs the world size)."""
     derived = deepspeed_settings(recipe, world_size)
     config = copy.deepcopy(DEFAULTS)

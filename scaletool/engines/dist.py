@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from scaletool.kinds.engines import engine_kind
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -61,7 +63,7 @@ def init_distributed(engine: str, timeout_s: int | None = None, join_timeout_s: 
         elif le["launched"]:
             dist.init_process_group(backend, init_method="env://", device_id=device if cuda else None,
                                     timeout=timeout)
-        elif engine != "single":
+        elif engine_kind(engine).distributed:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(le["rank"], le["world_size"], le["local_rank"], le["local_world_size"], device, backend,
                    le["launched"])

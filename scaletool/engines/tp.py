@@ -139,7 +139,8 @@ def _mla_plan(cfg: ModelConfig, tp: int) -> AttentionPlan:
     return AttentionPlan(styles, {"n_heads": cfg.n_heads // tp})
 
 
-#: attention kind -> its tensor-parallel plan (the seam a kinds registry can hold per kind)
+#: attention kind (``scaletool.kinds.attention.ATTENTION_KINDS``) -> its tensor-parallel plan; the kind's
+#: ``tp_problems``, ``tp_kv_heads`` and ``tp_replicated`` state the same split for config and analytic
 ATTENTION_PLANS: dict[str, Callable[[ModelConfig, int], AttentionPlan]] = {
     "mha": _heads_plan, "gqa": _heads_plan, "mqa": _mqa_plan, "mla": _mla_plan}
 

@@ -135,32 +135,10 @@ class KernelConfig:
 
 
 def choose_config(B: int, H: int, S: int, device: torch.device) -> KernelConfig:
-    """The launch shape for a (B, H, S) call on ``device``: one shape whose split count follows (B, S).
-
-    Both target cards have 132 SMs with 228 KB of shared memory each and differ in bandwidth (H100
-    SXM 3.35 TB/s, H200 4.8 TB/s), so one choice serves both. The kernel is not purely memory-bound:
-    per cached token it does 2 × 16 heads × 512 × 2 ≈ 33 kFLOP of mma.sync work (M = 16 rows:
-    Triton uses wgmma only from M = 64) against 1,152 bytes. Measured with
-    ``recipes/benchmarks/decode_bandwidth.py`` on an H100 (2026-11-26, torch 2.11, Triton 3.6, one
-    layer of mla-1b; TB/s of cache read, datasheet 3.35, device copy 3.01):
-
-    - 4 warps, 64-position tiles, 2 stages: 3.02 TB/s (90% of the datasheet, the copy's rate) at 32K ×
-      128 and 2.49 at 4K × 128; 8 warps lose 5-30% at every batch >= 8; 32-position tiles and a
-      third stage are within 2%.
-    - Splits fill two programs per SM once and no more: the rate follows how evenly the programs
-      fill whole waves of two per SM. On an H200 at 32K × 32, 8 splits (256 programs) read 4.04 TB/s,
-      5 (160) 3.30, 6 (192) 3.71, 12 (384) 3.40, 17 (544) 3.78; at 32K × 128, 2 splits 4.37 TB/s
-      (91%, the device copy reads 4.25) and 1 split 3.12. The H100 agrees where measured (32K × 8: 32 splits 2.38 TB/s, 17 2.29;
-      × 128: 2 splits 3.02). The earlier target of 4 programs per SM, rounded up, gave 2.80 instead of
-      3.02 at 32K × 128 on the H100; with the per-shape choice and the fused merge, mla-1b's whole
-      decode step at 32K reads at 85% (H100, batch 130) and 82% (H200, batch 232) of the datasheet.
-    - Splits down to 64 positions, at most 128: at batch 1 and 4K, 64 splits of 64 take 19 µs against
-      83 µs for 16 of 256 (latency, not bytes); 128 is the most measured (32K × 1: 1.0 TB/s).
-
-    The H100 run in issue 16 (49% at 32K) predates this. Its autotuner, keyed on the latent width alone,
-    kept whichever config won at the first (4K warm-up) shape; dropping it for a fixed shape already
-    gave 77% on an H100, so that choice was most likely the cause.
-    """
+    """The launch shape for a (B, H, S) call on ``device``: one fixed shape (4 warps, 64-position tiles,
+    2 stages) whose split count follows (B, S) through :meth:`KernelConfig.splits`. H100 and H200 have
+    the same SM count and shared memory, so one choice serves both; no autotuner, whose first-shape
+    pick was the slow case (the measured rates are in the decode benchmark documents)."""
     return KernelConfig()
 
 

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 
 from scaletool import analytic
-from scaletool.attention_kinds import attention_kind
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
+from scaletool.kinds.attention import attention_kind
+from scaletool.measure.available import available_memory
 from scaletool.model import build_model
 from scaletool.stats import rel_error
 from scaletool.threads import pin_threads
@@ -139,41 +140,6 @@ def check_device(device: str) -> None:
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise RecipeError(f"device cuda: no CUDA device is visible here (torch {torch.__version__}, {build}); "
                           "count on cpu, or on meta, which allocates nothing")
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        text = open(path).read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
-
-
-#: where the CPU's available memory is read (tests point them at files of their own)
-MEMINFO = "/proc/meminfo"
-CGROUP_DIR = "/sys/fs/cgroup"
-
-
-def available_memory(device: str) -> tuple[int | None, str | None]:
-    """Bytes a count may still allocate on ``device``, and where the figure comes from (None: unknown).
-
-    CUDA: the free memory of the current GPU (``torch.cuda.mem_get_info``). CPU: the kernel's
-    MemAvailable (/proc/meminfo), or the cgroup's remaining limit (memory.max - memory.current, cgroup v2)
-    when that is smaller: a container is OOM-killed at its limit, whatever the host has free.
-    """
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0], "free memory of the GPU (torch.cuda.mem_get_info)"
-    found = []
-    try:
-        for line in open(MEMINFO):
-            if line.startswith("MemAvailable:"):
-                found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
-    except (OSError, ValueError, IndexError):
-        pass
-    limit, used = _read_int(f"{CGROUP_DIR}/memory.max"), _read_int(f"{CGROUP_DIR}/memory.current")
-    if limit is not None and used is not None:
-        found.append((max(0, limit - used), "this cgroup's memory.max - memory.current"))
-    return min(found) if found else (None, None)
 
 
 #: headroom over the estimate before a count is refused: on a CPU the process grew 1.26x the estimate

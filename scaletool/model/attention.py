@@ -1,6 +1,6 @@
 """Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA, each
 registered under its kinds (:func:`attention_module`); the kinds' rules and closed forms are
-``scaletool.attention_kinds``.
+``scaletool.kinds.attention``.
 
 Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
 also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
@@ -19,10 +19,9 @@ per call, attention over the whole static cache with the positions past ``pos`` 
 launches no longer depend on the position, so a CUDA graph can replay the step). The training
 ``forward`` does not touch any of it.
 
-Tensor parallelism: each module class gives ``tp_plan(cfg)``, the sharding of its projections by
-heads (``colwise``: output features split, ``rowwise``: input features split and the partial outputs
-summed; the rest replicated), as data for the engine that applies it; the modules infer their head
-count from the projections' output widths, so a sharded module runs on its local heads unchanged.
+Tensor parallelism is applied from outside (``scaletool.engines.tp``, one plan per attention kind):
+the modules take their head count from the projections' output widths (or the plan sets it), so a
+sharded module runs on its local heads unchanged.
 """
 from __future__ import annotations
 
@@ -36,9 +35,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from scaletool.attention_kinds import MLA_MODES, CacheLayout, attention_kind
 from scaletool.config import ModelConfig
 from scaletool.kernels.mla_decode import KERNELS, latent_attention
+from scaletool.kinds.attention import MLA_MODES, CacheLayout, attention_kind
 from scaletool.model.layers import RMSNorm
 from scaletool.model.positions import Positions, apply_rope
 
@@ -96,7 +95,7 @@ class DecodeMode:
     """How attention decodes, chosen by the caller (DeepSeek-V3's ``attn_impl``, passed as an argument
     instead of a module global, so two models in one process can decode differently).
 
-    ``mla`` (``scaletool.attention_kinds.MLA_MODES``): ``absorbed`` attends over the latent cache with
+    ``mla`` (``scaletool.kinds.attention.MLA_MODES``): ``absorbed`` attends over the latent cache with
     W_UK folded into the query and W_UV applied after (reads kv_lora_rank + rope numbers per cached
     token); ``expand`` keeps the latent cache and up-projects every cached latent to per-head K and V at
     each step; ``naive`` caches the up-projected per-head K and V and runs plain attention. None is
@@ -216,11 +215,6 @@ class Attention(nn.Module):
         self.backends = sdpa_backends(sdpa_backend, hd, hd)
         self.decode_backends = decode_backends(sdpa_backend)
 
-    @classmethod
-    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
-        """Megatron's attention split: q, k, v by heads (column-parallel), wo row-parallel."""
-        return {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
-
     def _rope(self, x, positions: Positions):
         r = self.rope_dim
         if positions.cos is None:
@@ -301,12 +295,6 @@ class MLA(nn.Module):
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
         self.backends = sdpa_backends(sdpa_backend, self.qk_dim, self.v_dim)
         self.decode_backends = decode_backends(sdpa_backend)
-
-    @classmethod
-    def tp_plan(cls, cfg: ModelConfig) -> dict[str, str]:
-        """By heads: the query's last projection and wkv_b column-parallel, wo row-parallel; the latent
-        projections (wq_a, q_norm, wkv_a, kv_norm) are shared by every head, so replicated."""
-        return {"wq" if cfg.q_lora_rank == 0 else "wq_b": "colwise", "wkv_b": "colwise", "wo": "rowwise"}
 
     def query(self, x: torch.Tensor, positions: Positions):
         """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope)."""
@@ -403,9 +391,3 @@ def make_attention(cfg: ModelConfig, sdpa_backend: str = "auto") -> nn.Module:
     """The module registered for ``cfg.attention``."""
     return ATTENTION_MODULES[cfg.attention](cfg, sdpa_backend)
 
-
-def tp_plan(cfg: ModelConfig) -> dict[str, str]:
-    """How ``cfg``'s attention shards over tensor-parallel ranks: projection name -> colwise | rowwise (others
-    replicated). The engine applying it checks ``attention_kinds.attention_kind(cfg).tp_problems(cfg, degree)``
-    first."""
-    return ATTENTION_MODULES[cfg.attention].tp_plan(cfg)

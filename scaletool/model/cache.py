@@ -10,7 +10,7 @@ buffers (the attention masks the positions past ``pos``). Rows ``[:b]`` are used
 A cache only stores: how attention reads it is the caller's ``DecodeMode``
 (``scaletool.model.attention``); ``layout`` and ``names`` say what it holds, so a mode given the wrong
 cache is refused rather than silently read another way. What each attention kind caches in each
-mode is data (``scaletool.attention_kinds.CacheLayout``); :func:`make_caches` builds it:
+mode is data (``scaletool.kinds.attention.CacheLayout``); :func:`make_caches` builds it:
 
 - :class:`KVCache` (``layout = "kv"``): k (B, KV, S, d_k) and v (B, KV, S, d_v) per KV head, for
   MHA/GQA/MQA and for MLA's naive mode (H heads of up-projected nope+rope keys and v values).
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from scaletool.attention_kinds import CacheLayout, attention_kind
 from scaletool.config import ModelConfig
+from scaletool.kinds.attention import CacheLayout, attention_kind
 
 
 def _write(buf: torch.Tensor, dim: int, pos: int | torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Position encodings (``model.position_encoding``; the kinds themselves are ``scaletool.attention_kinds``).
+"""Position encodings (``model.position_encoding``; the kinds themselves are ``scaletool.kinds.attention``).
 
 - rope: :class:`RotaryEmbedding` tables, applied to q and k inside attention (:func:`apply_rope`);
 - learned, sinusoidal: a max_seq_len × d_model table added to the embeddings (:class:`SinusoidalTable`

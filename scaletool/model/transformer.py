@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from scaletool.attention_kinds import position_kind
 from scaletool.config import ModelConfig
+from scaletool.kinds.attention import position_kind
 from scaletool.model.attention import DecodeMode, make_attention
 from scaletool.model.layers import make_norm
 from scaletool.model.moe import MoE, aux_loss, make_ffn

@@ -4,12 +4,12 @@
   and mode, its repeats together).
 - :mod:`scaletool.report.tables`: one table per mode, measured next to analytic with relative errors,
   timed figures as median, p10–p90 and n.
-- :mod:`scaletool.report.claims`: the price-transformer design document's attention-memory claim,
+- :mod:`scaletool.report.claims`: the price transformer's stated attention-memory claim,
   checked when the data has that model.
 - :mod:`scaletool.report.plots`: matplotlib (Agg) plots with p10–p90 error bars, drawn only where the
   data has two x values.
 - :mod:`scaletool.report.dynamics`: the training-dynamics study, for monitored train runs: outcomes,
-  loss, entropy and effective-rank curves, and the design documents' claims judged against the data.
+  loss, entropy and effective-rank curves, and the stated training-dynamics claims judged against the data.
 - :mod:`scaletool.report.findings`: sentences computed from the data; throughput differences only
   beyond the noise.
 - :mod:`scaletool.report.results_csv`: results.csv from the typed rows.

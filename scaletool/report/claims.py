@@ -1,6 +1,6 @@
-"""The price-prediction design document's attention-memory claim (SEEDS.md §1), checked.
+"""The price-prediction transformer's stated attention-memory claim, checked.
 
-The document states "traditional attention memory = n_heads·seq²·head_dim = 663,552,000 vs MLA =
+The claim states "traditional attention memory = n_heads·seq²·head_dim = 663,552,000 vs MLA =
 kv_lora_rank·seq + n_heads·head_dim = 46,592, a 14,000× saving". That sets an attention-score count
 against a cache size. The report includes this check only when its data has the price transformer
 (an MLA regression model in estimate mode): a table and a finding giving the real figures per
@@ -97,7 +97,7 @@ def claim_findings(rs: ResultsSet) -> list[str]:
         c, m = claim_figures(r), r.recipe.model
         stated = ""
         if c.is_document_config:
-            stated = (f"The design document states {CLAIM_STATED['traditional']:,} vs {CLAIM_STATED['mla']:,}, "
+            stated = (f"The claim states {CLAIM_STATED['traditional']:,} vs {CLAIM_STATED['mla']:,}, "
                       f"a {CLAIM_STATED['saving']:,}× saving; its own formula n_heads·seq²·head_dim gives "
                       f"{c.claim_traditional:,}, and kv_lora_rank·seq + n_heads·head_dim gives {c.claim_mla:,}. ")
         where = (f"{r.source}: " if rs.multi else "") + f"kv_lora_rank={r.kv_lora_rank}"

@@ -27,8 +27,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
+from scaletool.kinds.engines import engine_kind
 from scaletool.results import load_result, registered
-from scaletool.stats import Spread, settled_start, spread
+from scaletool.results.train import TrainResult
+from scaletool.stats import Spread, spread
 from scaletool.sweep.runner import SWEEP_META
 from scaletool.sweep.store import RESULTS_FILE, read_records
 
@@ -195,30 +197,10 @@ class TrainView(View):
 
     @classmethod
     def legacy(cls, doc: Any) -> Any:
-        """Schema-1 summaries: the full-attention MFU sat in ``metrics``, and tokens/s came from the
-        mean step. Where the summary kept its per-step history, the timing is rebuilt from it by the
-        same warm-up rule new runs use, and tokens/s from the median step."""
-        if not isinstance(doc, dict):
-            return doc
-        doc = dict(doc)
-        metrics = doc.get("metrics") if isinstance(doc.get("metrics"), dict) else {}
-        doc.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))
-        times = doc["history"].get("step_time_s") if isinstance(doc.get("history"), dict) else None
-        tokens = doc.get("tokens_per_step")
-        numeric = isinstance(times, list) and all(isinstance(t, (int, float)) for t in times)
-        if times and numeric and isinstance(tokens, int) and tokens > 0 and "timing" not in doc:
-            start = settled_start(times, doc.get("measure_warmup_steps") or 0)
-            step = spread(times[start:])
-            if step is not None:
-                rate = step.inverse(tokens)
-                doc["timing"] = {"step_s": step, "tokens_per_s": rate, "warmup_steps_excluded": start,
-                                 "rule": "rebuilt from the recorded step history (a schema-1 summary)"}
-                if doc.get("mfu") and doc.get("tokens_per_s"):  # MFU is proportional to tokens/s
-                    doc["mfu"] *= rate.median / doc["tokens_per_s"]
-                    if doc.get("mfu_full_attention"):
-                        doc["mfu_full_attention"] *= rate.median / doc["tokens_per_s"]
-                doc["tokens_per_s"] = rate.median
-        return doc
+        """Schema-1 summaries (no ``kind``) go through the train result's own migration
+        (:meth:`scaletool.results.train.TrainResult.migrate`): timing rebuilt from the per-step history by
+        the warm-up rule new runs use, tokens/s and MFU from the median step."""
+        return TrainResult.migrate(doc) if isinstance(doc, dict) else doc
 
     @property
     def rate(self) -> Spread | None:
@@ -412,7 +394,7 @@ class Row:
         if not self.recipe:
             return None
         p = self.recipe.parallel
-        return f"zero{p.zero_stage}" if p.engine == "deepspeed" else p.engine
+        return engine_kind(p.engine).label(p.zero_stage)
 
     @property
     def setup(self) -> str | None:
@@ -425,7 +407,7 @@ class Row:
             words.append(f"tp{p.tensor_parallel}")
         if self.recipe.train.compile:
             words.append("compiled")
-        if p.engine == "deepspeed" and p.deepspeed:
+        if p.deepspeed and "deepspeed" in engine_kind(p.engine).keys:  # the DeepSpeed passthrough
             words.append("+config")
         return " ".join(words)
 

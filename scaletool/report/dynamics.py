@@ -1,4 +1,4 @@
-"""The training-dynamics study: what the runs' losses and monitors show, and the design documents' claims.
+"""The training-dynamics study: what the runs' losses and monitors show, and the claims about them.
 
 The section appears when a train run of the data carries the monitors' record (``profile.monitors``;
 :mod:`scaletool.profile.monitors`). It reads each run's per-step loss and the monitors' per-layer attention
@@ -20,10 +20,10 @@ sweeps all four). Its definitions, used by the table, the plots and the findings
   or effective rank over its maximum, falls below the run's own ``profile.monitors`` threshold (the ones
   its warnings use), before the run diverged.
 
-The claims (SEEDS.md §2), each judged per group of points that differ only in what the claim is about,
-then as a whole: *supported* (every judged group supports it), *contradicted* (every one contradicts
-it), *mixed*, or *cannot tell* (no group could be judged: the points are missing, or nothing happened
-that the claim is about, e.g. no run diverged).
+The claims (``CLAIM_NORM``, ``CLAIM_REMEDY``, ``CLAIM_COLLAPSE``), each judged per group of points
+that differ only in what the claim is about, then as a whole: *supported* (every judged group supports
+it), *contradicted* (every one contradicts it), *mixed*, or *cannot tell* (no group could be judged:
+the points are missing, or nothing happened that the claim is about, e.g. no run diverged).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from scaletool import analytic
 from scaletool.fmt import gib, pct, si
+from scaletool.kinds.engines import engine_kind
 from scaletool.report.data import DecodePoint, ResultsSet, Row
 from scaletool.stats import Spread, rel_error
 
@@ -201,7 +202,8 @@ def single_baselines(rs: ResultsSet) -> dict[tuple, Row]:
     """One-GPU runs of engine ``single``: {(attention, kv_lora_rank, intermediate_size, compiled): row},
     the plain-PyTorch reference every engine's per-GPU rate is also set against."""
     return {(r.attention, r.kv_lora_rank, r.intermediate_size, r.recipe.train.compile): r for r in rs.ok("train")
-            if r.engine == "single" and r.world_size == 1 and r.across(lambda t: t.rate) is not None}
+            if r.recipe is not None and not engine_kind(r.recipe.parallel.engine).distributed and r.world_size == 1
+            and r.across(lambda t: t.rate) is not None}
 
 
 def scaling_table(rs: ResultsSet) -> Table | None:

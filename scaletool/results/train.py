@@ -132,27 +132,35 @@ class TrainResult(Result):
         step, MFU scaled with it (it is proportional to tokens/s); the recorded mean-based figure is kept
         as ``metrics["throughput/tokens_per_s_window"]``, which is what it measured."""
         data = dict(data)
-        metrics = dict(data.get("metrics") or {})
+        metrics = dict(data["metrics"]) if isinstance(data.get("metrics"), dict) else {}
         data.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))
-        hist = data.get("history") or {}
-        start = int(data.get("start_step") or 0)
-        times = [t for s, t in zip(hist.get("step", []), hist.get("step_time_s", [])) if s >= start]
+        hist = data["history"] if isinstance(data.get("history"), dict) else {}
+        start = data.get("start_step") if _number(data.get("start_step")) else 0
+        steps, step_times = hist.get("step"), hist.get("step_time_s")
+        pairs = zip(steps, step_times) if isinstance(steps, list) and isinstance(step_times, list) else ()
+        times = [t for s, t in pairs if _number(s) and s >= start]
         tokens = data.get("tokens_per_step")
-        if data.get("timing") is None and times:
-            t = timing_of(times, int(data.get("measure_warmup_steps") or 0), tokens)
+        tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
+        recorded = data.get("tokens_per_s")
+        warmup = int(data["measure_warmup_steps"]) if _number(data.get("measure_warmup_steps")) else 0
+        if data.get("timing") is None and times and all(t is None or _number(t) for t in times):
+            t = timing_of(times, warmup, tokens)
             t.rule = "derived on load from a schema-1 summary's step times: " + t.rule
             data["timing"] = t.model_dump(mode="json")
-            recorded = data.get("tokens_per_s")
             if t.tokens_per_s is not None:
                 rate = t.tokens_per_s.median
                 metrics.setdefault("throughput/tokens_per_s_window", recorded)
                 for key in ("mfu", "mfu_full_attention"):
-                    if data.get(key) and recorded:
+                    if _number(data.get(key)) and _number(recorded) and data[key] and recorded:
                         data[key] *= rate / recorded
                 data.update(tokens_per_s=rate, tokens_per_s_spread=t.tokens_per_s.ratio_spread,
                             measured_steps=t.step_s.n)
         data["metrics"] = metrics
         return data
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def load_train_summary(data: Any, source: str = "summary.json") -> TrainResult:

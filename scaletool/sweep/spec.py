@@ -33,9 +33,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, read_yaml, recipe_from_dict
+from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.resources import SWEEP, find_recipe
 from scaletool.results.sweep import MODES, TIMED_MODES, Mode
+from scaletool.yaml_input import read_yaml
 
 __all__ = ["MODES", "TIMED_MODES", "Mode", "Sweep", "SweepFile", "load_sweep", "slug"]
 # Arguments the runner passes itself; a sweep file setting them would produce a second, conflicting copy.
@@ -200,7 +201,7 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
     """Read and validate a sweep file; ``overrides`` (from ``--set``) apply to every point after ``set``."""
     src = str(path)
     path = find_recipe(path, SWEEP)  # a file, or a shipped sweep by name
-    raw = read_yaml(path)
+    raw = read_yaml(path, SECTIONS)
     if raw and set(raw) <= set(SECTIONS):
         raise RecipeError(f"{src}: this is a recipe, not a sweep file; sweep it from a sweep file whose "
                           f"`recipe:` names it (see recipes/sweeps/)")
@@ -252,7 +253,7 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
     base_path = (path.parent / spec.recipe)
     base_raw: dict = {}
     try:
-        base_raw = apply_overrides(read_yaml(base_path), list(spec.set.items()) + list(overrides))
+        base_raw = apply_overrides(read_yaml(base_path, SECTIONS), list(spec.set.items()) + list(overrides))
         recipe_from_dict(base_raw, str(base_path))
     except RecipeError as e:
         problems.extend(f"{src}: recipe: {p}" for p in e.problems)
@@ -279,7 +280,7 @@ def _resolve_target(mp: MatchParams, path: Path, base_raw: dict) -> tuple[int, s
             raise RecipeError(f"must be a positive parameter count, got {t}")
         return t, f"{t:,} parameters"
     if isinstance(t, str):
-        ref = recipe_from_dict(read_yaml(path.parent / t), str(path.parent / t))
+        ref = recipe_from_dict(read_yaml(path.parent / t, SECTIONS), str(path.parent / t))
         return param_counts(ref.model)[mp.params], t
     bad = [p for p in (check_key(k) for k in t) if p]
     if bad:

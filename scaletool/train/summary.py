@@ -14,6 +14,7 @@ measurement, and the headline figures come from the latest segment that measured
 """
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import socket
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from scaletool import analytic
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
+from scaletool.kinds.engines import engine_kind
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.results.train import History, Segment, Timing, TrainResult, timing_of
@@ -258,9 +260,9 @@ def environment(env: DistEnv, reports: list[dict], engine: str) -> dict:
         "world_size": env.world_size, "local_world_size": env.local_world_size, "backend": env.backend,
         "launched": env.launched, "threads_per_rank": [r["threads"] for r in reports],
     }
-    if engine == "deepspeed":
-        import deepspeed
-        out["deepspeed"] = deepspeed.__version__
+    package = engine_kind(engine).package  # the engine's own library, when it has one
+    if package:
+        out[package] = importlib.import_module(package).__version__
     return out
 
 

@@ -5,7 +5,7 @@ Shaped like torchtitan's ``Trainer``: ``__init__`` decides where the run starts 
 bottom; one step, the loss flush, checkpointing and the summary are named methods, and the result is
 built in :mod:`scaletool.train.summary`.
 
-Measurement rules (STYLE.md §7): the first ``train.measure_warmup_steps`` steps of a process
+Measurement rules: the first ``train.measure_warmup_steps`` steps of a process
 (compilation, allocator warm-up) are never measured, and :func:`scaletool.stats.settled_start`
 excludes further leading steps until the step time settles. The host synchronises only at
 measurement boundaries: the start and end of the measured window, every ``train.log_every`` steps
@@ -42,7 +42,6 @@ from scaletool.train.callbacks import Callback, StepState, TrainInfo
 from scaletool.train.checkpoint import Checkpointer
 from scaletool.train.clock import Clock, synchronize
 from scaletool.train.data import make_source
-from scaletool.train.moe import moe_callbacks
 from scaletool.train.progress import StepProgress
 from scaletool.train.resume import Resume, Start, plan_start
 from scaletool.train.schedule import lr_at
@@ -187,8 +186,8 @@ class Trainer:
         self.before_window_peak: int | None = None  # allocator peak before the measured window (build, warm-up)
         self.nvml_since: float | None = None
         self.checkpoint_s = 0.0
-        # the recipe's MoE load metrics and router-bias updates, then the caller's callbacks
-        self.callbacks: list[Callback] = [*moe_callbacks(r), *callbacks]
+        # the recipe's (scaletool.profile.recipe_callbacks: MoE, profiler, monitors), then the caller's
+        self.callbacks: list[Callback] = list(callbacks)
         self.info = TrainInfo(r, self.out, env, self.engine, self.writer, self.clock.unmeasured)
         self.progress = StepProgress(self.writer.console, t.steps, self.start_step,
                                      enabled=env.is_main and not self.quiet)

@@ -1,4 +1,4 @@
-"""Hostile data.path values for data.source=tokens: the error names what the path is (issue 14: /dev/zero gave
+"""Hostile data.path values for data.source=tokens: the error names what the path is (/dev/zero once gave
 "4096 bytes is not a multiple of 2"), checked before the file is opened, so a FIFO cannot block."""
 from __future__ import annotations
 

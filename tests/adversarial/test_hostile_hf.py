@@ -1,5 +1,5 @@
 """Hostile Hugging Face config.json files and from-hf options: one `error:` line per problem, exit 2, and no
-recipe written (issue 14: wrong JSON types, 0 heads, non-UTF-8 bytes, -o into a missing directory)."""
+recipe written (wrong JSON types, 0 heads, non-UTF-8 bytes, -o into a missing directory)."""
 from __future__ import annotations
 
 import json

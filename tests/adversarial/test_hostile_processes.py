@@ -1,4 +1,4 @@
-"""The alias bombs of issue 14 against the real command line, each in its own process with a short timeout:
+"""YAML alias bombs against the real command line, each in its own process with a short timeout:
 a hang or runaway memory fails the test (subprocess.TimeoutExpired) instead of stalling the suite."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Hostile recipe files through `recipe check`, `recipe show --json` and `estimate --json`: each is refused
-with `error:` lines, fast, writing nothing (issue 14: alias bombs, validation gaps, tracebacks)."""
+with `error:` lines, fast, writing nothing (alias bombs, validation gaps, tracebacks)."""
 from __future__ import annotations
 
 import os

@@ -108,7 +108,7 @@ def test_estimate_table_and_overrides():
 
 
 def test_count_and_estimate_share_key_names_for_the_same_figures():
-    """issue 17: count --json has params.total, and every figure both report sits under the same key."""
+    """count --json has params.total, and every figure both report sits under the same key."""
     r = RECIPES / "tiny.yaml"
     est = cli_json("estimate", str(r))
     cnt = cli_json("count", str(r), "--no-fvcore")
@@ -168,7 +168,7 @@ def test_count_on_cuda_without_cuda_is_one_line():
 
 
 def test_count_refuses_what_would_not_fit_before_building_anything():
-    """issue 14: `count --batch 100000 --device cpu` was killed by the OOM killer at 13 GB, silently."""
+    """`count --batch 100000 --device cpu` was once killed by the OOM killer at 13 GB, silently."""
     err = _one_error(run_cli("count", str(RECIPES / "tiny.yaml"), "--device", "cpu", "--batch", "100000"),
                      "needs about", "available", "activations", "count on meta")
     need = re.search(r"needs about ([\d.]+) GiB", err)

@@ -34,7 +34,7 @@ def _cold_per_shape(model):
 
 
 def test_every_point_is_warmed_before_it_is_timed_so_no_point_is_cold():
-    """Issue 13: contexts 64,32,64 gave prefill 151 tokens/s at the first point and 49.5k at the third.
+    """Contexts 64,32,64 once gave prefill 151 tokens/s at the first point and 49.5k at the third.
 
     The mechanism, not CPU speed: a cold cost 100× a warm call lands in every point's excluded
     warm-up and never in a timed sample (the first and third points then differ by CPU noise only).
@@ -104,7 +104,7 @@ def test_api_decode_returns_the_typed_result_for_a_recipe_object():
 
 
 def test_mode_not_the_cache_picks_the_algorithm():
-    """Issue 18: the decode algorithm came from the cache object's attributes; now the caller's mode
+    """The decode algorithm once came from the cache object's attributes; now the caller's mode
     picks it, and a cache of the wrong kind for the mode is refused instead of silently followed."""
     from scaletool.model.cache import make_caches
 

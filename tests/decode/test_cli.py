@@ -50,7 +50,7 @@ def test_json_points_carry_the_contract_and_cache_bytes_match_the_analytic_model
 
 
 def test_two_new_tokens_fit_the_cache_and_the_rope_table():
-    """Issue 13: warm-up steps once ran past a cache sized for context + new tokens (RoPE crash)."""
+    """Warm-up steps once ran past a cache sized for context + new tokens (RoPE crash)."""
     res = _decode(TINY, "--device", "cpu", "--context", "64", "--batch", "1", "--new-tokens", "2", "--json")
     assert res.exit_code == 0, res.output
     (p,) = json.loads(res.stdout)["points"]
@@ -62,7 +62,7 @@ def test_batch_list_and_max_measure_both_and_the_table_names_the_kernel():
                   "--mla-mode", "naive")
     assert res.exit_code == 0, res.output
     assert "mla-naive" in res.stdout and "Largest batch" in res.stdout and "sdpa" in res.stdout
-    assert "cuDNN" not in res.output  # issue 17: a CPU run claimed cuDNN
+    assert "cuDNN" not in res.output  # a CPU run once claimed cuDNN
     # stderr is not a terminal here: one plain progress line per point, no frozen progress bar
     lines = res.stderr.splitlines()
     assert lines[0] == "[1/2] decode mla-naive: batch 1 × context 8"
@@ -127,7 +127,7 @@ def test_regression_recipes_are_refused():
 
 
 def test_a_model_too_large_for_memory_is_refused_with_the_figure_before_allocating():
-    """Issue 14: `decode` of a huge model on CPU was killed by the OOM killer; now it is refused."""
+    """`decode` of a huge model on CPU was once killed by the OOM killer; now it is refused."""
     res = run_cli("decode", TINY, "--device", "cpu", "--set", "model.d_model=1000000", "--set", "model.n_heads=4",
                   "--set", "model.intermediate_size=1000000", timeout=120)
     assert res.returncode == 2, res.stderr
@@ -136,7 +136,7 @@ def test_a_model_too_large_for_memory_is_refused_with_the_figure_before_allocati
 
 
 def test_the_command_module_does_not_import_torch():
-    """`--help` must stay fast (issue 17): cli/decode.py imports torch only when the command runs."""
+    """`--help` must stay fast: cli/decode.py imports torch only when the command runs."""
     code = ("import sys, types, pathlib, scaletool\n"
             "cli = types.ModuleType('scaletool.cli')\n"  # skip the group's __init__, which loads every command
             "cli.__path__ = [str(pathlib.Path(scaletool.__file__).parent / 'cli')]\n"
@@ -162,7 +162,7 @@ def test_checkpoint_from_scaletool_train_is_decoded(tmp_path):
     assert json.loads(res.stdout)["checkpoint"] == str(ckpt)
     res = _decode(TINY, "--checkpoint", str(tmp_path), *args)
     assert res.exit_code == 2 and "not a scaletool checkpoint" in res.output
-    # issue 14: a checkpoint of another shape is one line naming the tensor and both shapes (the check
+    # a checkpoint of another shape is one line naming the tensor and both shapes (the check
     # lives in load_model_weights, which gains it with trust_checkpoint in the train branch)
     import inspect
 

@@ -7,6 +7,7 @@ from conftest import MODEL_RECIPES, assert_counted_exactly
 
 from scaletool.config import load_recipe, recipe_from_dict
 from scaletool.errors import RecipeError
+from scaletool.measure import available
 from scaletool.measure import count as count_module
 from scaletool.measure.count import count
 from scaletool.results import load_result
@@ -58,17 +59,17 @@ def test_available_memory_takes_the_smaller_of_meminfo_and_the_cgroup(tmp_path, 
     meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:    8000000 kB\n")
     cgroup = tmp_path / "cgroup"
     cgroup.mkdir()
-    monkeypatch.setattr(count_module, "MEMINFO", str(meminfo))
-    monkeypatch.setattr(count_module, "CGROUP_DIR", str(cgroup))
-    assert count_module.available_memory("cpu") == (8_000_000 * 1024, "MemAvailable in /proc/meminfo")
+    monkeypatch.setattr(available, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(available, "CGROUP_DIR", str(cgroup))
+    assert available.available_memory("cpu") == (8_000_000 * 1024, "MemAvailable in /proc/meminfo")
     (cgroup / "memory.max").write_text("max\n")  # no limit
     (cgroup / "memory.current").write_text("1000\n")
-    assert count_module.available_memory("cpu")[0] == 8_000_000 * 1024
+    assert available.available_memory("cpu")[0] == 8_000_000 * 1024
     (cgroup / "memory.max").write_text(f"{2**30}\n")
-    assert count_module.available_memory("cpu") == (2**30 - 1000, "this cgroup's memory.max - memory.current")
+    assert available.available_memory("cpu") == (2**30 - 1000, "this cgroup's memory.max - memory.current")
     meminfo.unlink()
     (cgroup / "memory.max").unlink()
-    assert count_module.available_memory("cpu") == (None, None)  # unknown: counted without a check
+    assert available.available_memory("cpu") == (None, None)  # unknown: counted without a check
 
 
 def test_a_count_that_would_not_fit_is_refused_with_its_figures(monkeypatch):

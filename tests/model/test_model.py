@@ -107,7 +107,7 @@ def test_lm_loss_decreases(name):
 
 @pytest.mark.parametrize("name", list(ARCH))
 def test_each_position_encoding_and_post_norm_train(name):
-    """Issue 19: Post-LN and each position encoding train on CPU (loss falls on a fixed batch)."""
+    """Post-LN and each position encoding train on CPU (loss falls on a fixed batch)."""
     losses = _fit(small(**ARCH[name]))
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.7 * losses[0], losses
 

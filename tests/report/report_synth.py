@@ -12,10 +12,11 @@ from pathlib import Path
 import yaml
 
 from scaletool import api
-from scaletool.config import ModelConfig, recipe_from_dict, set_dotted
+from scaletool.config import SECTIONS, ModelConfig, recipe_from_dict
 from scaletool.report import data
 from scaletool.report.dynamics import ENTROPY, RANK
 from scaletool.stats import settled_start, spread
+from scaletool.yaml_input import set_dotted
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((ROOT / "recipes" / "tiny.yaml").read_text())
@@ -29,7 +30,7 @@ def recipe(**dotted) -> dict:
     """tiny.yaml as written, with dotted overrides (``recipe(**{"model.kv_lora_rank": 8})``)."""
     raw = json.loads(json.dumps(TINY))
     for k, v in dotted.items():
-        set_dotted(raw, k, v)
+        set_dotted(raw, k, v, SECTIONS)
     return raw
 
 

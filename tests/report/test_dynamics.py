@@ -1,4 +1,4 @@
-"""The report's training-dynamics section: outcomes, curves and the design documents' claims on both sides.
+"""The report's training-dynamics section: outcomes, curves and the training-dynamics claims on both sides.
 
 Synthetic train results (the schema the trainer and :class:`~scaletool.profile.monitors.DynamicsMonitor`
 write: ``history`` per step, ``dynamics`` per monitored step) with chosen losses and monitor values put

@@ -131,7 +131,7 @@ def test_findings_plots_and_hooks(report):
     assert not plots & {"mfu_vs_compression", "mfu_vs_ffn", "memory_vs_ffn"}
     assert all((out / "plots" / f"{p}.png").read_bytes()[:4] == b"\x89PNG" for p in plots)
     text = "\n".join(res["findings"])
-    # SEEDS.md's claim, checked against the real figures of the price transformer (kv_lora_rank 256)
+    # the price transformer's stated claim, checked against the real figures of the price transformer (kv_lora_rank 256)
     assert "663,552,000" in text and "16,588,800" in text and "46,592" in text
     assert "4.44× saving" in text
     # old CPU results have no spread: the throughput findings say so, state no difference, and warn about CPUs

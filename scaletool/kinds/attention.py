@@ -7,8 +7,9 @@ refuse a mode. ``scaletool.config`` builds the recipe's switch tables from :data
 :data:`POSITION_KINDS`, ``scaletool.analytic`` takes its closed forms from here, and the torch side
 finds its parts through the kind's name: the module class (``scaletool.model.attention``, registered
 per kind), the cache (``scaletool.model.cache``, built from :class:`CacheLayout`) and the
-tensor-parallel plan (the module class's ``tp_plan``). Nothing here imports torch, so ``estimate``
-stays fast. Adding a kind is a new object here and its module class registered under the name.
+tensor-parallel plan (``scaletool.engines.tp.ATTENTION_PLANS``). Nothing here imports torch, so
+``estimate`` stays fast. Adding a kind is a new object here, its module class registered under the
+name and, for tensor parallelism, its plan (docs/extending.md).
 
 Conventions: FLOPs count a multiply-add as 2; "per decoded token" is one query of a batch-1 decode
 step over ``keys`` cached positions (the new token included), all projections of one layer counted.
@@ -140,11 +141,22 @@ class AttentionKind(ABC):
         """FLOPs of one layer's attention for one decoded token over ``keys`` cached positions."""
 
     def tp_problems(self, m: Any, degree: int) -> list[str]:
-        """Why the heads do not split over ``degree`` tensor-parallel ranks (the module's ``tp_plan`` shards
-        projections by heads)."""
-        if m.n_heads % degree:
-            return [f"model.n_heads: {m.n_heads} heads do not split over {degree} tensor-parallel ranks"]
+        """Why this kind's K/V heads do not split over ``degree`` tensor-parallel ranks (the query heads'
+        rule is the same for every kind and lives with the engine's layout rules)."""
         return []
+
+    def tp_kv_heads(self, m: Any, degree: int) -> int:
+        """K/V heads one of ``degree`` tensor-parallel ranks holds."""
+        return m.n_kv_heads // degree
+
+    def tp_replicated(self, m: Any) -> list[int]:
+        """Sizes of this kind's weight tensors every tensor-parallel rank holds whole (engines.tp's plan)."""
+        return []
+
+    @abstractmethod
+    def activation_elements(self, m: Any) -> int:
+        """Elements autograd keeps per token in one layer's attention (fused SDPA, eager mode): its saved
+        inputs and outputs, no T×T scores and not the fp32 log-sum-exp."""
 
 
 @dataclass(frozen=True)
@@ -199,10 +211,26 @@ class MHAFamily(AttentionKind):
         return 2 * matmul_params(self.params(m)) + self.score_flops(m, keys)
 
     def tp_problems(self, m: Any, degree: int) -> list[str]:
-        out = super().tp_problems(m, degree)
-        if m.n_kv_heads % degree:
-            out.append(f"model.n_kv_heads: {m.n_kv_heads} KV heads do not split over {degree} tensor-parallel ranks")
-        return out
+        """GQA's K/V heads split like the query heads; MHA's are the query heads, MQA replicates its one."""
+        if self.kv_heads == "given" and m.n_kv_heads % degree:
+            return [f"model.n_kv_heads: {m.n_kv_heads} K/V heads do not split over parallel.tensor_parallel="
+                    f"{degree} ranks (attention=mqa replicates its single K/V head instead)"]
+        return []
+
+    def tp_kv_heads(self, m: Any, degree: int) -> int:
+        return m.n_kv_heads if self.kv_heads == "one" else m.n_kv_heads // degree
+
+    def tp_replicated(self, m: Any) -> list[int]:
+        """MQA's K/V projections (and their biases): its one K/V head is not split."""
+        if self.kv_heads != "one":
+            return []
+        d, hd = m.d_model, m.head_dim
+        return [d * hd, d * hd] + ([hd, hd] if m.qkv_bias else [])
+
+    def activation_elements(self, m: Any) -> int:
+        """q and the output (H·hd each), k and v (KV·hd each)."""
+        H, hd, KV = m.n_heads, m.head_dim, m.n_kv_heads
+        return 2 * H * hd + 2 * KV * hd
 
 
 ABSORB_REFUSED = ("mla_rope=per_head cannot absorb W_UK into the query: each cached key's RoPE part is RoPE_t(W_UR·c_t), "
@@ -221,10 +249,10 @@ class MLAKind(AttentionKind):
     - ``shared`` (DeepSeek-V2 §2.1.3, V3's inference code): one decoupled RoPE key of qk_rope_head_dim,
       taken from the hidden state by ``wkv_a`` (d·(kv_lora + rope)) and shared by all heads. The cache
       holds c_kv and k_pe; decode absorbs W_UK into the query.
-    - ``per_head`` (the 8-step MLA document, SEEDS.md §5): each head's RoPE key is up-projected from the
+    - ``per_head``: each head's RoPE key is up-projected from the
       latent with the rest (``wkv_b`` kv_lora·H·(nope + rope + v)) and rotated after. The cache holds
       c_kv only, but W_UK cannot be absorbed (:data:`ABSORB_REFUSED`). ``qk_nope_head_dim: 0`` rotates
-      whole heads (the price transformer's MLA, SEEDS.md §1).
+      whole heads (the price transformer's MLA).
 
     Defaults: qk_nope_head_dim and v_head_dim = head_dim, qk_rope_head_dim = head_dim/2 (even).
     """
@@ -263,6 +291,20 @@ class MLAKind(AttentionKind):
         out.update(wkv_a=d * (c + (r if m.mla_rope == "shared" else 0)), kv_norm=c, wkv_b=c * H * self._up_width(m),
                    wo=H * m.v_head_dim * d)
         return out
+
+    def tp_replicated(self, m: Any) -> list[int]:
+        """The latent path: wkv_a and kv_norm (and wq_a, q_norm with a low-rank query)."""
+        d = m.d_model
+        out = [d * (m.kv_lora_rank + m.qk_rope_head_dim), m.kv_lora_rank]
+        return out + ([d * m.q_lora_rank, m.q_lora_rank] if m.q_lora_rank else [])
+
+    def activation_elements(self, m: Any) -> int:
+        """q, k and the output; v is a view into wkv_b's output, so SDPA's saved v keeps the no-RoPE keys
+        alive with it (H·(nope + v)); the latent split and kv_norm's output (2·kv_lora + rope); a
+        low-rank query's latent and its norm (2·q_lora)."""
+        H, c, r, qk, v = m.n_heads, m.kv_lora_rank, m.qk_rope_head_dim, self.qk_head_dim(m), m.v_head_dim
+        out = H * qk + H * qk + H * (m.qk_nope_head_dim + v) + H * v + (2 * c + r)
+        return out + (2 * m.q_lora_rank if m.q_lora_rank else 0)
 
     def decode_modes(self, m: Any) -> tuple[str, ...]:
         return MLA_MODES if m.mla_rope == "shared" else ("expand", "naive")

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import RECIPES, ROOT
 
-from scaletool.attention_kinds import ABSORB_REFUSED, ATTENTION_KINDS, MLA_MODES, POSITION_KINDS, attention_kind
 from scaletool.cli import main
 from scaletool.config import SWITCHES, ModelConfig, RecipeError, load_recipe, recipe_from_dict
+from scaletool.kinds.attention import ABSORB_REFUSED, ATTENTION_KINDS, MLA_MODES, POSITION_KINDS, attention_kind
 
 MLA = {"attention": "mla", "kv_lora_rank": 32}
 
@@ -32,7 +32,7 @@ def test_every_key_a_kind_reads_is_a_model_field_and_every_switch_value_has_a_ki
 
 def test_the_spec_imports_without_torch():
     """estimate's closed forms come from here: importing it (and config) must not pull torch in."""
-    code = "import sys, scaletool.attention_kinds, scaletool.config; print('torch' in sys.modules)"
+    code = "import sys, scaletool.kinds.attention, scaletool.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
 

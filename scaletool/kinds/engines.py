@@ -1,0 +1,263 @@
+"""Engines as data: one object per ``parallel.engine``, torch-free.
+
+Each engine kind holds in one place the ``parallel.*`` keys only it uses, the rules a recipe must meet
+under it, how results and tables label it, and where its parts live: the memory closed form
+(:mod:`scaletool.analytic.engine_memory`), the data-parallel collectives (:mod:`scaletool.analytic.comm`)
+and the torch engine class (:mod:`scaletool.engines`). Parts are named as ``"module:attribute"`` and
+imported on first use, so this module (and ``scaletool.config``, which builds ``parallel.engine`` and
+its checks from :data:`ENGINES`) stays torch-free. Tensor and expert parallelism are layouts of an
+engine (:attr:`EngineKind.layouts`), not engines of their own.
+
+Adding an engine: a new object in :data:`ENGINES`, its torch class in ``scaletool/engines/`` and its
+memory closed form (and collectives) in ``scaletool/analytic/``.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from scaletool.errors import echo
+from scaletool.kinds.attention import attention_kind
+from scaletool.yaml_input import flatten_dotted
+
+
+def resolve(ref: str) -> Any:
+    """``"package.module:attribute"`` -> the attribute, its module imported now."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _or_list(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """One value of ``parallel.engine``.
+
+    ``keys``: ``parallel.*`` keys only this engine reads (set under another engine, they are errors).
+    ``distributed``: runs in a process group (False: one process). ``autocast``: computes in 16 bits by
+    autocast over fp32 weights (else the engine holds or gathers 16-bit weights itself). ``layouts``:
+    the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``). ``zero_stages``:
+    the ZeRO stages it takes (``parallel.zero_stage``), ``table_stages`` those the engine table shows.
+    ``memory``/``communication``/``engine``: the closed forms and the torch class, as references.
+    ``package``: the library whose version a training result records. ``rules``: the engine's own
+    recipe rules, ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet).
+    """
+
+    name: str
+    memory: str
+    communication: str
+    engine: str
+    keys: tuple[str, ...] = ()
+    distributed: bool = True
+    autocast: bool = False
+    layouts: tuple[str, ...] = ()
+    zero_stages: tuple[int, ...] = ()
+    table_stages: tuple[int, ...] = ()
+    package: str | None = None
+    startup_notes: str | None = None
+    rules: Callable[[Any, int | None], list[str]] | None = None
+
+    def label(self, zero_stage: int | None = None) -> str:
+        """Short name in results and tables: ``zero2`` for a ZeRO engine at stage 2, else the name."""
+        return f"zero{zero_stage}" if self.zero_stages and zero_stage is not None else self.name
+
+    def title(self, zero_stage: int | None = None) -> str:
+        """Name in prose: ``ZeRO-2``, else the name."""
+        return f"ZeRO-{zero_stage}" if self.zero_stages and zero_stage is not None else self.name
+
+    def table_rows(self) -> list[tuple[str, int]]:
+        """(label, ZeRO stage) of each row this engine has in the memory table."""
+        return [(self.label(s), s) for s in self.table_stages] or [(self.name, 0)]
+
+    def memory_form(self) -> Callable:
+        """``form(cfg, world_size, units, loss_temp, settings)`` -> phases and states (analytic.engine_memory)."""
+        return resolve(self.memory)
+
+    def communication_form(self) -> Callable:
+        """``form(cfg, ranks, *, zero_stage, grad_accum_steps, reshard_after_forward, expert_parallel, inputs)``
+        -> the collectives per optimizer step (analytic.comm)."""
+        return resolve(self.communication)
+
+    def engine_class(self) -> type:
+        """The torch engine (imports torch)."""
+        return resolve(self.engine)
+
+    def problems(self, recipe: Any, world_size: int | None = None) -> list[str]:
+        return self.rules(recipe, world_size) if self.rules else []
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed: the keys a recipe decides, and the passthrough rules
+
+
+def deepspeed_settings(recipe: Any, world_size: int | None = None) -> dict[str, tuple[Any, str]]:
+    """The DeepSpeed config keys the recipe decides: dotted key -> (value, the recipe field it comes from).
+    ``train_batch_size`` depends on the world size and is left out without one."""
+    t, p, m = recipe.train, recipe.parallel, recipe.model
+    derived: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (t.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (t.grad_accum_steps, "train.grad_accum_steps"),
+        "gradient_clipping": (t.grad_clip, "train.grad_clip"),
+        "bf16.enabled": (m.dtype == "bf16", "model.dtype"),
+        "fp16.enabled": (m.dtype == "fp16", "model.dtype"),
+        "zero_optimization.stage": (p.zero_stage, "parallel.zero_stage"),
+        "zero_optimization.offload_optimizer.device": ("cpu" if p.offload_optimizer else "none",
+                                                       "parallel.offload_optimizer"),
+    }
+    if world_size is not None:
+        derived["train_batch_size"] = (t.micro_batch_size * t.grad_accum_steps * world_size,
+                                       "train.micro_batch_size × train.grad_accum_steps × world size")
+    if p.zero_stage == 3:
+        derived["zero_optimization.offload_param.device"] = ("cpu" if p.offload_params else "none",
+                                                             "parallel.offload_params")
+    if p.offload_optimizer:
+        derived.update({
+            "optimizer.type": ("AdamW", "the AdamW of train.*"),
+            "optimizer.params.lr": (t.lr, "train.lr"),
+            "optimizer.params.betas": ([t.beta1, t.beta2], "train.beta1/beta2"),
+            "optimizer.params.weight_decay": (t.weight_decay, "train.weight_decay"),
+        })
+    return derived
+
+
+def deepspeed_problems(recipe: Any, world_size: int | None = None) -> list[str]:
+    """One line per ``parallel.deepspeed`` passthrough key that contradicts the recipe, and per offload
+    setting ZeRO cannot do; without a world size, all but the train_batch_size conflict."""
+    p = recipe.parallel
+    problems = []
+    if p.offload_params and p.zero_stage != 3:
+        problems.append(f"parallel.offload_params: needs parallel.zero_stage=3 (got {p.zero_stage})")
+    if p.offload_optimizer and p.zero_stage == 0:
+        problems.append("parallel.offload_optimizer: needs parallel.zero_stage >= 1")
+    passthrough = dict(p.deepspeed)
+    if passthrough.pop("scheduler", None) is not None:
+        problems.append("parallel.deepspeed.scheduler: the learning-rate schedule comes from train.lr, "
+                        "train.warmup_steps and train.min_lr_ratio; remove it")
+    if passthrough.get("optimizer") is not None and not p.offload_optimizer:
+        passthrough.pop("optimizer")
+        problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
+                        "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
+    derived = deepspeed_settings(recipe, world_size)
+    for key, value in flatten_dotted(passthrough).items():
+        if key in derived and derived[key][0] != value:
+            problems.append(f"parallel.deepspeed.{key}={echo(value)} conflicts with {derived[key][1]} "
+                            f"(= {derived[key][0]!r}); set it in one place")
+    return problems
+
+
+_MEMORY = "scaletool.analytic.engine_memory"
+_COMM = "scaletool.analytic.comm"
+
+#: parallel.engine -> its kind
+ENGINES: dict[str, EngineKind] = {
+    k.name: k for k in (
+        EngineKind("single", f"{_MEMORY}:single_memory", f"{_COMM}:no_communication",
+                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True),
+        EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
+                   "scaletool.engines.ddp:DDPEngine", autocast=True),
+        EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
+                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload",),
+                   layouts=("tensor_parallel", "expert_parallel")),
+        EngineKind("deepspeed", f"{_MEMORY}:zero_memory", f"{_COMM}:zero_communication",
+                   "scaletool.engines.deepspeed:DeepSpeedEngine",
+                   keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
+                   zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3), package="deepspeed",
+                   startup_notes="scaletool.engines.deepspeed:build_notes", rules=deepspeed_problems),
+    )
+}
+ENGINE_NAMES = tuple(ENGINES)
+#: parallel.* keys only one engine uses -> that engine
+ENGINE_KEYS = {key: e.name for e in ENGINES.values() for key in e.keys}
+
+
+def engine_kind(engine: str) -> EngineKind:
+    """The kind of ``parallel.engine`` (a recipe's engine or a result's); KeyError for an unknown name."""
+    return ENGINES[engine]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules of a recipe's engine and layout (``recipe`` is a config.Recipe, duck-typed: config sits above)
+
+
+def engines_with(layout: str) -> list[str]:
+    """The engines that compose with ``layout`` (``tensor_parallel``, ``expert_parallel``)."""
+    return [e.name for e in ENGINES.values() if layout in e.layouts]
+
+
+def tensor_parallel_problems(recipe: Any, seq_len: int) -> list[str]:
+    """What ``parallel.tensor_parallel`` > 1 needs of the engine and the model (engines.tp splits heads,
+    FFN width and vocabulary; sequence parallelism splits positions)."""
+    p, m = recipe.parallel, recipe.model
+    N = p.tensor_parallel
+    if "tensor_parallel" not in engine_kind(p.engine).layouts:
+        return [f"parallel.tensor_parallel: {N} needs parallel.engine={_or_list(engines_with('tensor_parallel'))} "
+                f"(FSDP2 over the data-parallel ranks, tensor parallelism within each group of {N}), "
+                f"not engine={p.engine}"]
+    if m.task != "lm":
+        return ["parallel.tensor_parallel: supported for task=lm (the regression model's feature embedding and "
+                "head are not split)"]
+    if m.ffn == "moe":
+        return ["parallel.tensor_parallel: not supported with model.ffn=moe; parallel.expert_parallel splits "
+                "the experts instead"]
+    problems = []
+    if m.position_encoding not in ("rope", "none"):
+        problems.append(f"model.position_encoding: {m.position_encoding} is not split by tensor parallelism "
+                        "(a position table would add to sequence-sharded states, ALiBi biases every head); "
+                        "use rope or none with parallel.tensor_parallel > 1")
+    if m.n_heads % N:
+        problems.append(f"model.n_heads: {m.n_heads} heads do not split over parallel.tensor_parallel={N} ranks")
+    problems += attention_kind(m).tp_problems(m, N)
+    for key, size in (("model.intermediate_size", m.intermediate_size), ("model.vocab_size", m.vocab_size),
+                      ("train.seq_len", seq_len)):
+        if size % N:
+            what = "positions (sequence parallelism)" if key == "train.seq_len" else "columns"
+            problems.append(f"{key}: {size} {what} do not split evenly over parallel.tensor_parallel={N} ranks")
+    return problems
+
+
+def layout_problems(recipe: Any, seq_len: int) -> list[str]:
+    """The parallel layout's rules (tensor and expert parallelism), checked on every recipe."""
+    p, m = recipe.parallel, recipe.model
+    if p.tensor_parallel > 1:
+        problems = tensor_parallel_problems(recipe, seq_len)
+        if problems:
+            return problems
+    if p.expert_parallel and m.ffn != "moe":
+        return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
+    if p.expert_parallel and m.moe_dispatch != "capacity":
+        return ["parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
+                "fixed [E, C, d] buffer)"]
+    if p.expert_parallel and "expert_parallel" not in engine_kind(p.engine).layouts:
+        return [f"parallel.expert_parallel: supported with engine={_or_list(engines_with('expert_parallel'))} (the expert "
+                f"shards are DTensors beside FSDP2's), not engine={p.engine}"]
+    return []
+
+
+def engine_problems(recipe: Any, world_size: int | None = None) -> list[str]:
+    """The engine rules train applies before it builds anything: keys only another engine uses, and the
+    engine's own rules (DeepSpeed's offload and passthrough); with a world size, that tensor parallelism
+    divides it."""
+    p = recipe.parallel
+    defaults = type(p).model_fields
+    problems = [f"parallel.{key}: only used by engine={engine}, but parallel.engine={p.engine}"
+                for key, engine in ENGINE_KEYS.items()
+                if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
+    problems += engine_kind(p.engine).problems(recipe, world_size)
+    if world_size is not None and world_size % p.tensor_parallel:
+        problems.append(f"parallel.tensor_parallel: {p.tensor_parallel} does not divide the world size "
+                        f"{world_size} (data-parallel ranks × tensor-parallel ranks)")
+    return problems
+
+
+def launch_problems(recipe: Any, world_size: int) -> list[str]:
+    """The engine's rule on the job itself: a one-process engine on more than one rank."""
+    p = recipe.parallel
+    if not engine_kind(p.engine).distributed and world_size > 1:
+        others = [e.name for e in ENGINES.values() if e.distributed]
+        return [f"parallel.engine: {p.engine} runs one process, but this job has {world_size} ranks; "
+                f"use {_or_list(others)}"]
+    return []
