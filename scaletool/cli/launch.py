@@ -25,9 +25,12 @@ from scaletool.launch.commands import (
     deepspeed_argv,
     hostfile_text,
     node_env,
+    pdsh_problems,
     read_hostfile,
     thread_env,
     torchrun_argv,
+    train_module_args,
+    uses_pdsh,
 )
 
 
@@ -281,6 +284,8 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
                    node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
                    rdzv_timeout_s=rdzv_timeout_s, join_timeout_s=rdzv_timeout_s, peak_tflops=peak_tflops,
                    python=python)
+    if uses_pdsh(spec) and (problems := pdsh_problems(spec)):
+        raise RecipeError(problems)
     new_hostfile = None  # the text of a hostfile to write from --hosts
     if hostfile is not None and hosts is not None:
         raise RecipeError("--hostfile and --hosts: give one (--hosts writes <out>/hostfile)")
@@ -303,6 +308,9 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
         if new_hostfile is not None:
             click.echo(f"# {hostfile} (written when run):")
             click.echo("".join(f"#   {line}\n" for line in new_hostfile.splitlines()), nl=False)
+        if uses_pdsh(spec):
+            click.echo(f"# every rank runs: {shlex.join(train_module_args(spec))}\n# (passed as the one word below: "
+                       "DeepSpeed's pdsh runner hands its command to each host's shell)")
         click.echo(_command_line(env, argv))
     return deliver(LaunchResult(launcher="deepspeed", dry_run=True, argv=argv, env=env, hostfile=hostfile,
                                 hostfile_text=new_hostfile), as_json)
