@@ -373,7 +373,7 @@ def slurm(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per
         return deliver(LaunchResult(launcher="slurm", dry_run=True, script=text, script_path=str(path)), as_json)
     with cannot_write(path, "the batch script"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
+        write_atomic(path, text, follow_links=script is not None)  # a path the user named is followed
     job_id = sbatch_submit(path) if submit else None
     res = deliver(LaunchResult(launcher="slurm", dry_run=False, script_path=str(path), job_id=job_id,
                                out_dir=spec.out), as_json)

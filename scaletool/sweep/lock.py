@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scaletool.errors import RecipeError
+from scaletool.fmt import open_state, refused
 
 LOCK_FILE = ".lock"
 
@@ -44,9 +45,9 @@ def results_lock(results_dir: Path, *, shared: bool = False, what: str = "") -> 
     its holder. ``shared``: several holders at once (array tasks), none while a sweep holds it."""
     path = Path(results_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_state(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
-        raise RecipeError(f"{results_dir}: cannot create the lock file {LOCK_FILE}: {e.strerror or e}") from None
+        raise RecipeError(f"{path}: {'' if refused(e) else 'cannot open the lock file: '}{e.strerror or e}") from None
     try:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
