@@ -139,15 +139,26 @@ def run_on_this_node(launcher: str, spec: LaunchSpec, argv: list[str], env: dict
                      before=None):
     """Run this node's launcher process (torchrun in this process, DeepSpeed's as a child), then report
     from rank 0's summary.json and exit with its status. ``before`` runs once the run directory exists."""
-    from scaletool.cli.train import CHILD_ENV
-    from scaletool.launch.run import run_subprocess, run_torchrun
-    from scaletool.results.launch import LaunchResult
+    import contextlib
+
+    from scaletool.sweep.lock import run_lock
 
     _check_local_gpus(spec.nproc_per_node)
     _check_local_python(launcher, spec.python)
     out = Path(spec.out)
     with cannot_write(out, "the run directory"):
         out.mkdir(parents=True, exist_ok=True)
+    # one node: no other launch may train into this directory meanwhile (several nodes share it on purpose)
+    with run_lock(out, f"scaletool launch {launcher} {spec.recipe}") if spec.nnodes == 1 else contextlib.nullcontext():
+        return _run_and_report(launcher, spec, argv, env, as_json, before, out)
+
+
+def _run_and_report(launcher: str, spec: LaunchSpec, argv: list[str], env: dict[str, str], as_json: bool, before,
+                    out: Path):
+    from scaletool.cli.train import CHILD_ENV
+    from scaletool.launch.run import run_subprocess, run_torchrun
+    from scaletool.results.launch import LaunchResult
+
     if before is not None:
         before()
     env = {**env, **thread_env(spec.nproc_per_node), CHILD_ENV: "1"}
