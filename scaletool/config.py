@@ -24,13 +24,23 @@ import difflib
 import hashlib
 import json
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from scaletool import attention_kinds
 from scaletool.attention_kinds import attention_kind, position_kind
@@ -60,8 +70,34 @@ MAX_NODES = 100_000
 MAX_DEPTH = 64
 
 
+def _takes(annotation: Any, kind: type) -> bool:
+    """Whether a field annotated ``annotation`` takes values of ``kind`` (bool, int, float) as such."""
+    if annotation is Any or annotation is kind:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return any(type(a) is kind for a in args)
+    return any(_takes(a, kind) for a in args)  # unions, Annotated, Optional
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        """Booleans are not numbers and numbers are not booleans: YAML reads yes/no/on/off as booleans,
+        and pydantic would take ``n_layers: yes`` as 1 and ``enabled: 2`` as true."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or isinstance(value, type) or not isinstance(value, (bool, int, float)):
+            return value
+        if isinstance(value, bool) and not _takes(field.annotation, bool):
+            raise ValueError("a boolean is not a number or text here (YAML reads true/false, yes/no and on/off as "
+                             "booleans)")
+        if not isinstance(value, bool) and _takes(field.annotation, bool) and not (
+                _takes(field.annotation, int) or _takes(field.annotation, float)):
+            raise ValueError("expected true or false, not a number")
+        return value
 
     @field_validator("*", mode="after")
     @classmethod
@@ -791,6 +827,16 @@ def set_dotted(raw: dict, key: str, value: Any) -> None:
         hint = difflib.get_close_matches(parts[0][:200], SECTIONS, n=1)
         tip = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(SECTIONS)}"
         raise RecipeError(f"override {shown}: unknown section {_key_text(parts[0])!r}{tip}")
+    if len(parts) == 1:  # a whole section: its keys are merged in, never the section reset to defaults
+        if value and not isinstance(value, dict):
+            raise RecipeError(f"override {shown}={echo(value)}: a section takes a mapping of its keys, e.g. "
+                              f"{parts[0]}.KEY=VALUE (or {parts[0]}={{KEY: VALUE}})")
+        if not value:
+            raise RecipeError(f"override {shown}={echo(value)}: would reset the whole {parts[0]} section to its "
+                              f"defaults; set its keys instead, e.g. {parts[0]}.KEY=VALUE (or {parts[0]}={{KEY: VALUE}})")
+        for k, v in flatten_dotted(value, f"{parts[0]}.").items():
+            set_dotted(raw, k, v)
+        return
     node = raw
     for p in parts[:-1]:
         nxt = node.get(p)
