@@ -1,4 +1,4 @@
-"""``python -m scaletool.launch.remote WORD``: run ``scaletool ARGS`` with ARGS packed in one word.
+"""``python -m scaletool.cli.remote WORD`` runs ``scaletool ARGS`` with ARGS packed in one word; the packing.
 
 DeepSpeed's pdsh runner joins its arguments into the command a remote shell runs on every host and
 quotes only arguments that contain spaces (in double quotes, where ``$(...)`` still expands). So a
@@ -11,9 +11,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import sys
 
-MODULE = "scaletool.launch.remote"
+MODULE = "scaletool.cli.remote"  # the entry point that unpacks and runs the arguments
 
 
 def encode(args: list[str]) -> str:
@@ -30,20 +29,3 @@ def decode(word: str) -> list[str]:
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise ValueError("not an encoded argument list")
     return args
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        sys.exit("error: usage: python -m scaletool.launch.remote WORD (the encoded scaletool arguments)")
-    try:
-        args = decode(argv[0])
-    except ValueError as e:
-        print(f"error: {MODULE}: {e}", file=sys.stderr)
-        sys.exit(2)
-    from scaletool.cli import main as cli
-
-    cli(args=args, prog_name="scaletool")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -92,7 +92,7 @@ def test_the_remote_command_carries_user_strings_as_one_inert_word(tmp_path, mon
     res = CliRunner().invoke(main, [*DS, "--rdzv-endpoint", "n1:29500", *hostile, "--dry-run", "--json"])
     assert res.exit_code == 0, res.output
     argv = json.loads(res.stdout)["argv"]
-    i = argv.index("scaletool.launch.remote")
+    i = argv.index("scaletool.cli.remote")
     assert argv[i + 1:] == [argv[-1]] and set(argv[-1]) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
                                                                "0123456789-_=")
     args = decode(argv[-1])
@@ -103,10 +103,10 @@ def test_the_remote_command_carries_user_strings_as_one_inert_word(tmp_path, mon
 
 @pytest.mark.parametrize("word", ["", "!!!", encode(["a"])[:-3], "eyJhIjogMX0=", "WzEsIDJd", "é"])
 def test_the_remote_module_refuses_a_word_that_is_not_an_argument_list(word):
-    proc = subprocess.run([sys.executable, "-m", "scaletool.launch.remote", word], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "scaletool.cli.remote", word], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("error: scaletool.launch.remote: not an encoded argument list"), proc.stderr
+    assert proc.stderr.startswith("error: scaletool.cli.remote: not an encoded argument list"), proc.stderr
 
 
 def test_what_pdsh_would_paste_unquoted_is_refused(tmp_path, monkeypatch):
@@ -149,7 +149,7 @@ def test_one_node_and_node_rank_launches_keep_plain_arguments(tmp_path, monkeypa
                                     "data.path=$(x)", "--out", str(tmp_path / "run"), "--dry-run", "--json"])
     assert res.exit_code == 0, res.output
     argv = json.loads(res.stdout)["argv"]
-    assert "scaletool.launch.remote" not in argv and "data.path=$(x)" in argv and "--no_ssh" in argv
+    assert "scaletool.cli.remote" not in argv and "data.path=$(x)" in argv and "--no_ssh" in argv
 
 
 @pytest.mark.distributed
@@ -173,7 +173,7 @@ def test_a_real_pdsh_launch_runs_the_training_and_no_injected_command(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not list(tmp_path.rglob("MARK"))
     remote = [ln for ln in log.read_text().splitlines() if "deepspeed.launcher.launch" in ln]
-    assert len(remote) == 1 and "scaletool.launch.remote" in remote[0] and "$(" not in remote[0]
+    assert len(remote) == 1 and "scaletool.cli.remote" in remote[0] and "$(" not in remote[0]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["environment"]["world_size"] == 2
     assert json.loads(proc.stdout)["exit_code"] == 0

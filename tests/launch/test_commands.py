@@ -84,7 +84,7 @@ def test_deepspeed_argv_pdsh_and_no_ssh():
     argv = deepspeed_argv(spec, "/shared/hostfile")
     assert argv == ["/opt/py/bin/python", "-m", "deepspeed.launcher.runner", "--hostfile", "/shared/hostfile",
                     "--num_nodes", "2", "--num_gpus", "4", "--master_addr", "node001", "--master_port", "29500",
-                    "--no_local_rank", "--module", "scaletool.launch.remote", encode(train_module_args(spec)[1:])]
+                    "--no_local_rank", "--module", "scaletool.cli.remote", encode(train_module_args(spec)[1:])]
     per_node = deepspeed_argv(_spec(max_restarts=0, node_rank=1), "/shared/hostfile")
     i = per_node.index("--no_ssh")
     assert per_node[i + 1:i + 3] == ["--node_rank", "1"]
