@@ -370,7 +370,7 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     signal or a failed rank raises :class:`~scaletool.train.trainer.TrainFailed`, whose ``result``
     holds what was measured and whose ``lines`` say what failed, root cause first.
     """
-    from scaletool.engines import check_recipe, launcher_env
+    from scaletool.engines import launcher_env
     from scaletool.train.resume import Resume
 
     r = resolve(recipe, overrides)
@@ -379,6 +379,25 @@ def train(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path 
     join_timeout_s = None if join_timeout_s is None else _positive("join_timeout_s", join_timeout_s)
     options = _wandb_options(wandb)
     le = launcher_env()
+    if not le["launched"]:  # the top of the run (alone, or the parent of local ranks): one run per directory
+        from scaletool.sweep.lock import run_lock
+
+        out = Path(out or default_out(recipe))
+        with run_lock(out, what=f"scaletool train {recipe if isinstance(recipe, (str, Path)) else '(a recipe object)'}"):
+            return _train_here(r, recipe, overrides, out, resume, peak_tflops, measure, nproc_per_node, callbacks,
+                               quiet, options, wandb, join_timeout_s, le)
+    return _train_here(r, recipe, overrides, out, resume, peak_tflops, measure, nproc_per_node, callbacks, quiet,
+                       options, wandb, join_timeout_s, le)
+
+
+def _train_here(r, recipe, overrides, out, resume, peak_tflops, measure, nproc_per_node, callbacks, quiet, options,
+                wandb, join_timeout_s, le):
+    """api.train once the run directory is this process's: local ranks, or this process's own rank."""
+    from scaletool.engines import check_recipe
+    from scaletool.measure.count import train_memory_check
+
+    if not le["launched"]:  # before any rank builds a model: a run that cannot fit is one line, not an OOM kill
+        train_memory_check(r, nproc_per_node or 1)
     if nproc_per_node is not None and not le["launched"]:
         if nproc_per_node > 1 or engine_kind(r.parallel.engine).distributed:
             if callbacks:

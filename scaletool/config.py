@@ -23,12 +23,22 @@ import difflib
 import hashlib
 import json
 import math
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.kinds import attention as attention_kinds
@@ -56,8 +66,34 @@ MAX_SEQ_LEN = 2**24     # the RoPE table holds max_seq_len rows
 MAX_WEIGHTS = 10**15    # bound on the weights of one model (see weights_bound)
 INT64 = 2**63
 
+def _takes(annotation: Any, kind: type) -> bool:
+    """Whether a field annotated ``annotation`` takes values of ``kind`` (bool, int, float) as such."""
+    if annotation is Any or annotation is kind:
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return any(type(a) is kind for a in args)
+    return any(_takes(a, kind) for a in args)  # unions, Annotated, Optional
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
+        """Booleans are not numbers and numbers are not booleans: YAML reads yes/no/on/off as booleans,
+        and pydantic would take ``n_layers: yes`` as 1 and ``enabled: 2`` as true."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None or isinstance(value, type) or not isinstance(value, (bool, int, float)):
+            return value
+        if isinstance(value, bool) and not _takes(field.annotation, bool):
+            raise ValueError("a boolean is not a number or text here (YAML reads true/false, yes/no and on/off as "
+                             "booleans)")
+        if not isinstance(value, bool) and _takes(field.annotation, bool) and not (
+                _takes(field.annotation, int) or _takes(field.annotation, float)):
+            raise ValueError("expected true or false, not a number")
+        return value
 
     @field_validator("*", mode="after")
     @classmethod

@@ -66,6 +66,8 @@ def cannot_write(where: object, what: str = ""):
     try:
         yield
     except OSError as e:
+        if getattr(e, "refusal", False):  # a link or FIFO where scaletool writes its own file: the path says it
+            raise RecipeError(f"{shorten(str(e.filename))}: {e.strerror}") from None
         raise RecipeError(f"{shorten(str(where))}: cannot write{' ' + what if what else ''} ({e.strerror or e})") \
             from None
 

@@ -4,9 +4,16 @@
 - :func:`clean` and :func:`emit_json`: JSON without NaN/Inf (null instead), sorted for diffing.
 - :func:`stdout_to_stderr`: keep stdout for a command's own ``--json`` while workers print.
 - :func:`write_atomic`: a file replaced whole or not at all.
+- :func:`open_state`: a file scaletool keeps in its own directories, opened never through a link.
+
+Files scaletool names itself inside a run, sweep or report directory (``summary.json``,
+``results.jsonl``, ``.lock``, ``report.md``, ...) are never written through a symbolic link or into
+a FIFO or device planted in their place: that is an OSError naming why (:data:`LINK_REFUSED`). A
+path the user names (``--result-file``, ``-o``, ``--script``) is followed like a shell redirection.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -59,31 +66,93 @@ def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(clean(obj), indent=2, sort_keys=True) + "\n")
 
 
-def write_atomic(path: Path, data: str | bytes) -> None:
+LINK_REFUSED = "is a symbolic link; scaletool does not write its own files through links (remove it)"
+NOT_REGULAR = "not a regular file; scaletool keeps its own files as regular files (remove it)"
+FIFO_UNREAD = "a FIFO that no process is reading; start the reader first"
+
+
+def _refusal(code: int, reason: str, path) -> OSError:
+    """An OSError that names ``path`` and says why it was refused (``refusal``: no more to add)."""
+    e = OSError(code, reason, str(path))
+    e.refusal = True
+    return e
+
+
+def refuse_link(path: Path) -> None:
+    """A directory scaletool names inside its own (``plots``, ``points/...``): never a link (the OSError)."""
+    if os.path.islink(path):
+        raise _refusal(errno.ELOOP, LINK_REFUSED, path)
+
+
+def refused(e: OSError) -> bool:
+    """Whether ``e`` is a refusal of :func:`open_state` or :func:`write_atomic` (its reason says all)."""
+    return bool(getattr(e, "refusal", False))
+
+
+def open_state(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file scaletool keeps in its own directory: never through a symbolic link
+    (``O_NOFOLLOW``), never a FIFO or device (checked on the open descriptor, which a FIFO does not
+    block). Raises OSError with :data:`LINK_REFUSED` or :data:`NOT_REGULAR` as its reason."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise _refusal(errno.ELOOP, LINK_REFUSED, path) from None
+        if e.errno == errno.ENXIO:  # a FIFO with no reader, opened for writing
+            raise _refusal(errno.ENXIO, NOT_REGULAR, path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(errno.EINVAL, NOT_REGULAR, path)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _write_special(path: Path, data: str | bytes) -> None:
+    """Write into a device or FIFO the user named; a FIFO nobody reads is an error, not a wait forever."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENXIO:
+            raise _refusal(errno.ENXIO, FIFO_UNREAD, path) from None
+        raise
+    os.set_blocking(fd, True)
+    with open(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def write_atomic(path: Path, data: str | bytes, *, follow_links: bool = False) -> None:
     """Write ``path`` through a temporary file beside it and a rename: a reader, a kill or a full disk never
     leaves it half-written, and the file it replaces survives a failed write. Raises the OSError.
 
-    Only a regular file (or a new one) is replaced: a device, a FIFO or ``/dev/stdout`` is written to as
-    it is (renaming over it would put a file where the device was, and as root it can), and a symbolic
-    link keeps pointing where it did while the file it names is replaced.
+    By default ``path`` is one of scaletool's own files: a symbolic link, FIFO or device there is refused
+    (:func:`open_state`'s reasons). ``follow_links`` for a path the user named: a link keeps pointing where
+    it did while the file it names is replaced, and a device or a FIFO (with a reader) is written to as
+    it is (renaming over it would put a file where the device was, and as root it can).
     """
     path = Path(path)
     try:
-        regular = stat.S_ISREG(path.stat().st_mode)
+        st = path.stat() if follow_links else path.lstat()
     except (FileNotFoundError, NotADirectoryError):
-        regular = True  # a new file (or a path that cannot be one: creating it below says why)
-    if not regular:
-        with open(path, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
+        st = None  # a new file (or a path that cannot be one: creating it below says why)
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise _refusal(errno.ELOOP, LINK_REFUSED, path)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if not follow_links:
+            raise _refusal(errno.EINVAL, NOT_REGULAR, path)
+        _write_special(path, data)
         return
-    if path.is_symlink():
+    if follow_links and path.is_symlink():
         path = Path(os.path.realpath(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        if isinstance(data, bytes):
-            tmp.write_bytes(data)
-        else:
-            tmp.write_text(data)
+        try:
+            fd = open_state(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:  # left by a killed writer of the same pid (or planted): never written through
+            tmp.unlink()
+            fd = open_state(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with open(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):

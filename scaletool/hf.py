@@ -157,7 +157,7 @@ def model_section(cfg: dict, drop: tuple[str, ...] = ()) -> tuple[dict, list[str
     if mtype in GPT2_TYPES:
         m, notes = _gpt2(f, cfg)
     else:
-        m, notes = _common(f), _rope_notes(cfg)
+        m, notes = _common(f), _rope_notes(cfg, f)
         f.check()
         if mtype in DEEPSEEK_TYPES:
             m.update(_deepseek(f, cfg, moe="moe" in present and "moe" not in drop, notes=notes))
@@ -234,11 +234,30 @@ def _gpt2(f: _Fields, cfg: dict) -> tuple[dict[str, Any], list[str]]:
     return m, notes
 
 
-def _rope_notes(cfg: dict) -> list[str]:
+def _rope_notes(cfg: dict, f: _Fields) -> list[str]:
+    """The note on a frequency-only RoPE scaling, after checking its numbers as transformers reads them
+    (a factor of at least 1; the original context, llama3's frequency factors and yarn's betas when given): nonsense is a problem
+    of ``f``, never copied into the notes."""
     kind = _rope_kind(cfg)
     if kind not in FREE_ROPE_SCALINGS:
         return []
     rs = cfg["rope_scaling"]
+    scaling = _Fields(rs)
+    factor = scaling.number("factor")
+    if factor is not None and factor < 1:
+        scaling.problems.append(f"factor: must be at least 1, got {echo(factor)}")
+    scaling.integer("original_max_position_embeddings", default=None)
+    if kind == "llama3":
+        low, high = scaling.number("low_freq_factor", default=None), scaling.number("high_freq_factor", default=None)
+        if low is not None and high is not None and not 0 < low < high:
+            scaling.problems.append(f"low_freq_factor {echo(low)}, high_freq_factor {echo(high)}: expected "
+                                    "0 < low_freq_factor < high_freq_factor")
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+            scaling.number(key, default=None)
+    f.problems += [f"rope_scaling.{p}" for p in scaling.problems]
+    if scaling.problems:
+        return []
     detail = ", ".join(f"{k} {echo(rs[k])}" for k in ("factor", "original_max_position_embeddings") if k in rs)
     return [f"rope_scaling {kind} ({detail}): rescales RoPE frequencies for long contexts; it changes no "
             "parameter, FLOP or KV-cache figure, and the model here uses plain RoPE"]
@@ -275,6 +294,10 @@ def _deepseek(f: _Fields, cfg: dict, *, moe: bool, notes: list[str]) -> dict[str
                      "MoE block and a 2*d_model x d_model projection, sharing the embedding and LM head; used in "
                      "training and for speculative decoding); the figures are the main model's")
     if not moe:
+        experts = f.integer("n_routed_experts", default=None, minimum=0)
+        if experts == 0 and "n_routed_experts" in cfg:
+            notes.append("n_routed_experts 0: no routed experts, so every layer is the dense FFN (intermediate_size); "
+                         "imported as a dense model")
         return out
     layers, dense = f.integer("num_hidden_layers"), f.integer("first_k_dense_replace", default=0, minimum=0)
     if layers is not None and dense is not None and dense >= layers:

@@ -137,6 +137,16 @@ def set_dotted(raw: dict, key: str, value: Any, sections: Sequence[str]) -> None
         hint = difflib.get_close_matches(parts[0][:200], sections, n=1)
         tip = f"; did you mean '{hint[0]}'?" if hint else f"; sections are {', '.join(sections)}"
         raise RecipeError(f"override {shown}: unknown section {key_text(parts[0])!r}{tip}")
+    if len(parts) == 1:  # a whole section: its keys are merged in, never the section reset to defaults
+        if value and not isinstance(value, dict):
+            raise RecipeError(f"override {shown}={echo(value)}: a section takes a mapping of its keys, e.g. "
+                              f"{parts[0]}.KEY=VALUE (or {parts[0]}={{KEY: VALUE}})")
+        if not value:
+            raise RecipeError(f"override {shown}={echo(value)}: would reset the whole {parts[0]} section to its "
+                              f"defaults; set its keys instead, e.g. {parts[0]}.KEY=VALUE (or {parts[0]}={{KEY: VALUE}})")
+        for k, v in flatten_dotted(value, f"{parts[0]}.").items():
+            set_dotted(raw, k, v, sections)
+        return
     node = raw
     for p in parts[:-1]:
         nxt = node.get(p)

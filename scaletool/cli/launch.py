@@ -25,9 +25,12 @@ from scaletool.launch.commands import (
     deepspeed_argv,
     hostfile_text,
     node_env,
+    pdsh_problems,
     read_hostfile,
     thread_env,
     torchrun_argv,
+    train_module_args,
+    uses_pdsh,
 )
 
 
@@ -136,15 +139,26 @@ def run_on_this_node(launcher: str, spec: LaunchSpec, argv: list[str], env: dict
                      before=None):
     """Run this node's launcher process (torchrun in this process, DeepSpeed's as a child), then report
     from rank 0's summary.json and exit with its status. ``before`` runs once the run directory exists."""
-    from scaletool.cli.train import CHILD_ENV
-    from scaletool.launch.run import run_subprocess, run_torchrun
-    from scaletool.results.launch import LaunchResult
+    import contextlib
+
+    from scaletool.sweep.lock import run_lock
 
     _check_local_gpus(spec.nproc_per_node)
     _check_local_python(launcher, spec.python)
     out = Path(spec.out)
     with cannot_write(out, "the run directory"):
         out.mkdir(parents=True, exist_ok=True)
+    # one node: no other launch may train into this directory meanwhile (several nodes share it on purpose)
+    with run_lock(out, f"scaletool launch {launcher} {spec.recipe}") if spec.nnodes == 1 else contextlib.nullcontext():
+        return _run_and_report(launcher, spec, argv, env, as_json, before, out)
+
+
+def _run_and_report(launcher: str, spec: LaunchSpec, argv: list[str], env: dict[str, str], as_json: bool, before,
+                    out: Path):
+    from scaletool.cli.train import CHILD_ENV
+    from scaletool.launch.run import run_subprocess, run_torchrun
+    from scaletool.results.launch import LaunchResult
+
     if before is not None:
         before()
     env = {**env, **thread_env(spec.nproc_per_node), CHILD_ENV: "1"}
@@ -281,6 +295,8 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
                    node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
                    rdzv_timeout_s=rdzv_timeout_s, join_timeout_s=rdzv_timeout_s, peak_tflops=peak_tflops,
                    python=python)
+    if uses_pdsh(spec) and (problems := pdsh_problems(spec)):
+        raise RecipeError(problems)
     new_hostfile = None  # the text of a hostfile to write from --hosts
     if hostfile is not None and hosts is not None:
         raise RecipeError("--hostfile and --hosts: give one (--hosts writes <out>/hostfile)")
@@ -303,6 +319,9 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
         if new_hostfile is not None:
             click.echo(f"# {hostfile} (written when run):")
             click.echo("".join(f"#   {line}\n" for line in new_hostfile.splitlines()), nl=False)
+        if uses_pdsh(spec):
+            click.echo(f"# every rank runs: {shlex.join(train_module_args(spec))}\n# (passed as the one word below: "
+                       "DeepSpeed's pdsh runner hands its command to each host's shell)")
         click.echo(_command_line(env, argv))
     return deliver(LaunchResult(launcher="deepspeed", dry_run=True, argv=argv, env=env, hostfile=hostfile,
                                 hostfile_text=new_hostfile), as_json)
@@ -365,7 +384,7 @@ def slurm(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per
         return deliver(LaunchResult(launcher="slurm", dry_run=True, script=text, script_path=str(path)), as_json)
     with cannot_write(path, "the batch script"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, text)
+        write_atomic(path, text, follow_links=script is not None)  # a path the user named is followed
     job_id = sbatch_submit(path) if submit else None
     res = deliver(LaunchResult(launcher="slurm", dry_run=False, script_path=str(path), job_id=job_id,
                                out_dir=spec.out), as_json)

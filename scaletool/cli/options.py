@@ -51,7 +51,7 @@ def deliver(result, as_json: bool = False):
         emit_json(data)
     if path is not None:
         try:
-            write_atomic(Path(path), json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
+            write_atomic(Path(path), json.dumps(clean(data), indent=2, sort_keys=True) + "\n", follow_links=True)
         except OSError as e:
             raise RecipeError(f"--result-file {shorten(str(path))}: cannot write: {e.strerror or e}") from None
     return result

@@ -107,7 +107,7 @@ def _write_atomically(path: Path, text: str) -> None:
     from scaletool.fmt import write_atomic
 
     try:
-        write_atomic(path, text)
+        write_atomic(path, text, follow_links=True)  # the user named it
     except OSError as e:
         raise RecipeError(f"-o {shorten(path)}: cannot write: {e.strerror or e}") from None
 

@@ -1,14 +1,19 @@
 """The commands a launch runs, built as argument lists.
 
-Every command here is a ``list[str]`` handed to ``subprocess`` (or to torchrun's own argument parser):
-no shell ever sees a user string, so a recipe path or an override with spaces or quotes arrives as
-given. Workers run ``python -m scaletool train`` (torchrun's ``-m``; the bare ``scaletool`` script
-may not be installed on a GPU node), always with ``--auto-resume``: a group that torchrun restarts
+Every command here is a ``list[str]`` handed to ``subprocess`` (or to torchrun's own argument parser),
+so a recipe path or an override with spaces or quotes arrives as given. The one launcher that hands
+a command to a shell, DeepSpeed's pdsh runner (several nodes without ``--node-rank``), gets the
+train arguments as one shell-inert word (:mod:`scaletool.launch.remote`), hosts and endpoints that
+are host names or IP addresses, and nothing else it would paste unquoted (:func:`pdsh_problems`).
+Workers run ``python -m scaletool train`` (torchrun's ``-m``; the bare ``scaletool`` script may not
+be installed on a GPU node), always with ``--auto-resume``: a group that torchrun restarts
 after a failure continues from the newest complete checkpoint in ``--out`` instead of step 0.
 """
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -24,8 +29,32 @@ DEFAULT_PORT = 29500
 MAX_HOSTFILE_BYTES = 1 << 20  # a hostfile lists nodes; anything larger is the wrong file
 # Rendezvous ids name torchrun's log directories: keep them plain.
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-# A host of a hostfile: a name or address (IPv6 too), as pdsh, ssh and the ranks' MASTER_ADDR take it.
-_HOST = re.compile(r"[A-Za-z0-9_.:%-]{1,253}")
+# One label of a host name ('_' too: some clusters use it); never a leading '-' (ssh would read an option).
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # an IPv6 zone (fe80::1%eth0)
+HOST_RULE = "a host name (letters, digits, '-', '_', dot-separated) or an IP address"
+# What DeepSpeed's pdsh runner pastes into the remote command unquoted (its own "plain" set).
+_SHELL_PLAIN = re.compile(r"[\w@%+=:,./-]+")
+# Environment variables it exports to every host (by name prefix; its accelerators' lists included),
+# in double quotes when not plain: there '$', '`', '\\' and '"' still act.
+_PDSH_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "NEUWARE_HOME", "CNCL", "LD_LIBRARY", "PATH", "ASCEND",
+                 "HCCL", "BCCL", "BIREN", "SUPA")
+_IN_DOUBLE_QUOTES = re.compile(r'[$`\\"\n\r]')
+
+
+def is_host(text: str) -> bool:
+    """A host name or an IPv4/IPv6 address (an IPv6 zone of plain characters), as pdsh, ssh and
+    MASTER_ADDR take it; nothing a shell or ssh would read as anything else."""
+    if not isinstance(text, str) or not 0 < len(text) <= 253:
+        return False
+    addr, scoped, zone = text.partition("%")
+    try:
+        ipaddress.ip_address(addr)
+        return not scoped or (":" in addr and bool(_SCOPE.fullmatch(zone)))
+    except ValueError:
+        pass
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    return all(_LABEL.fullmatch(label) for label in labels)
 
 
 @dataclass(frozen=True)
@@ -62,8 +91,10 @@ def split_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> (host, port); a bad one is a RecipeError."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in host):
-        raise RecipeError(f"--rdzv-endpoint {text!r}: expected HOST:PORT with a port in 1-65535, e.g. node001:29500")
+    if not sep or not host or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+        raise RecipeError(f"--rdzv-endpoint {echo(text)}: expected HOST:PORT with a port in 1-65535, e.g. node001:29500")
+    if not is_host(host):
+        raise RecipeError(f"--rdzv-endpoint {echo(text)}: {echo(host)} is not {HOST_RULE}")
     return host, int(port)
 
 
@@ -140,11 +171,56 @@ def deepspeed_argv(spec: LaunchSpec, hostfile: str) -> list[str]:
     host, port = spec.endpoint()
     argv = [spec.python, "-m", DEEPSPEED_RUNNER, "--hostfile", hostfile, "--num_nodes", str(spec.nnodes),
             "--num_gpus", str(spec.nproc_per_node), "--master_addr", host, "--master_port", str(port)]
-    if spec.node_rank is not None or spec.nnodes == 1:
+    if not uses_pdsh(spec):
         argv += ["--no_ssh", "--node_rank", str(spec.node_rank or 0)]
     # scaletool train reads LOCAL_RANK from the environment; no --local_rank argument.
-    argv += ["--no_local_rank", "--module", *train_module_args(spec)]
-    return argv
+    argv += ["--no_local_rank", "--module"]
+    if uses_pdsh(spec):  # a remote shell reads the command: the arguments go as one inert word
+        from scaletool.launch.remote import MODULE, encode
+
+        return argv + [MODULE, encode(train_module_args(spec)[1:])]
+    return argv + train_module_args(spec)
+
+
+def uses_pdsh(spec: LaunchSpec) -> bool:
+    """Whether the DeepSpeed launcher reaches the other hosts itself (pdsh over ssh, a remote shell)."""
+    return spec.node_rank is None and spec.nnodes > 1
+
+
+def pdsh_problems(spec: LaunchSpec, cwd: str | None = None, environ: dict[str, str] | None = None) -> list[str]:
+    """What DeepSpeed's pdsh runner would paste into the remote shell command unquoted (the working
+    directory, the Python) or in double quotes (exported environment variables, ``.deepspeed_env``
+    lines), where a shell would run part of it: one line each, to refuse before anything starts."""
+    import shutil
+
+    cwd = os.getcwd() if cwd is None else cwd
+    environ = dict(os.environ) if environ is None else environ
+    problems = []
+    plain = "letters, digits and _@%+=:,./- only"
+    if not _SHELL_PLAIN.fullmatch(cwd):
+        problems.append(f"the current directory {echo(cwd)}: DeepSpeed's pdsh runner puts it unquoted into the "
+                        f"command every host's shell runs; start launch from a directory whose path has {plain}")
+    for python in {spec.python, shutil.which(spec.python) or spec.python}:
+        if not _SHELL_PLAIN.fullmatch(os.path.abspath(python) if os.sep in python else python):
+            problems.append(f"--python {echo(python)}: DeepSpeed's pdsh runner puts it unquoted into the command "
+                            f"every host's shell runs; name a Python whose path has {plain}")
+    exported = [(f"environment variable {k}", v) for k, v in sorted(environ.items()) if k.startswith(_PDSH_EXPORTS)]
+    env_file = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    for folder in (os.path.expanduser("~"), cwd):
+        path = os.path.join(folder, env_file)
+        if os.path.isfile(path):
+            try:
+                with open(path, errors="replace") as f:
+                    lines = f.read(MAX_HOSTFILE_BYTES).splitlines()
+            except OSError as e:
+                problems.append(f"{shorten(path)}: cannot read ({e.strerror or e}); DeepSpeed's launcher exports it")
+                continue
+            exported += [(f"{shorten(path)} line {i}", line.partition("=")[2]) for i, line in enumerate(lines, 1)]
+    for where, value in exported:
+        if _IN_DOUBLE_QUOTES.search(value.strip()):
+            problems.append(f"{where}: DeepSpeed's pdsh runner exports it to every host in double quotes, where "
+                            f"'$', '`', '\\' and '\"' are read by the shell; remove those characters or unset it")
+    return problems
 
 
 def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
@@ -183,8 +259,7 @@ def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
         raise RecipeError(f"{where}: cannot read ({e.strerror or e})") from None
     finally:
         ds_logger.removeFilter(quiet)
-    problems = [f"{where}: {echo(h)} is not a host name (letters, digits, '.', '-', '_', ':'; at most 253 characters)"
-                for h in pool if not _HOST.fullmatch(h)][:3]
+    problems = [f"{where}: {echo(h)} is not {HOST_RULE}" for h in pool if not is_host(h)][:3]
     if len(pool) < spec.nnodes:
         problems.append(f"--hostfile {p}: {len(pool)} host(s), but --nnodes is {spec.nnodes}")
     small = [h for h, slots in list(pool.items())[:spec.nnodes] if slots < spec.nproc_per_node]
@@ -198,9 +273,8 @@ def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:
 
 def hostfile_text(hosts: list[str], slots: int) -> str:
     """A DeepSpeed hostfile with ``slots`` ranks on each of ``hosts``."""
-    if not hosts or not all(_HOST.fullmatch(h) for h in hosts):
-        raise RecipeError(f"--hosts: expected comma-separated host names (letters, digits, '.', '-', '_', ':'; "
-                          f"at most 253 characters each), got {echo(','.join(hosts))}")
+    if not hosts or not all(is_host(h) for h in hosts):
+        raise RecipeError(f"--hosts: expected comma-separated hosts, each {HOST_RULE}; got {echo(','.join(hosts))}")
     return "".join(f"{h} slots={slots}\n" for h in hosts)
 
 

@@ -144,6 +144,8 @@ def _directive_problems(opts: SlurmOptions, job_name: str, output: str) -> list[
                         ("--out (Slurm log path)", output), ("--workdir", opts.workdir)):
         if value is not None and not _DIRECTIVE.fullmatch(value):
             problems.append(f"{flag} {value!r}: goes on an #SBATCH line; use letters, digits and _.,:@%+=/- only")
+        elif flag == "--workdir" and value.startswith("-"):  # `cd -P` would read an option
+            problems.append(f"--workdir {value!r}: starts with '-'; write ./{value} for a relative directory")
     return problems
 
 

@@ -289,3 +289,34 @@ def _params_by_module(model) -> dict[str, int]:
         out[key] = out.get(key, 0) + p.numel()
     return out
 
+
+
+def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
+    """Refuse, with the estimate and the budget, a training run of ``nproc`` local ranks that cannot fit.
+
+    The estimate is the analytic peak per rank of the recipe's engine (:func:`analytic.recipe_memory`,
+    weights, gradients, optimizer state, activations, buffers). On CPU all ranks share this machine's
+    memory (``nproc`` times the estimate against :func:`available_memory`); on CUDA each rank has its
+    own GPU, whose free memory must hold one rank's share. Unknown memory: no check (None).
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        per_rank = int(analytic.recipe_memory(recipe, nproc)["total_bytes"])
+    except (RecipeError, ValueError, ZeroDivisionError, OverflowError):
+        return None  # the run's own checks say what is wrong with the recipe
+    if device == "cpu":
+        need, (avail, source) = per_rank * nproc, available_memory("cpu")
+        where = f"{nproc} CPU ranks" if nproc > 1 else "this CPU process"
+    else:
+        gpus = range(min(nproc, torch.cuda.device_count()))
+        need = per_rank
+        avail, source = min((torch.cuda.mem_get_info(i)[0] for i in gpus), default=None), \
+            "free memory of the GPU (torch.cuda.mem_get_info)"
+        where = "each GPU rank"
+    if avail is not None and need > avail:
+        t = recipe.train
+        raise RecipeError(f"training needs about {gib(need)} for {where} (analytic estimate for parallel.engine="
+                          f"{recipe.parallel.engine}, micro_batch_size {t.micro_batch_size} x seq_len "
+                          f"{recipe.seq_len}), but {gib(avail)} is available ({source}); lower train.micro_batch_size "
+                          "or the model size, or set train.activation_checkpointing")
+    return {"required_bytes": need, "available_bytes": avail, "available_source": source}

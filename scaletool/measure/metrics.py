@@ -15,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import clean, write_atomic
+from scaletool.fmt import clean, open_state, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -125,8 +126,8 @@ class MetricsWriter:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         truncate_rows(self.out_dir / METRICS_FILE, start_step)
-        self._jsonl = open(self.out_dir / METRICS_FILE, "a")
-        self._log = open(self.out_dir / "train.log", "a")
+        self._jsonl = open(open_state(self.out_dir / METRICS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
+        self._log = open(open_state(self.out_dir / "train.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"), purge_step=start_step or None)
@@ -164,9 +165,7 @@ class MetricsWriter:
             return None
         data = summary.model_dump(mode="json") if hasattr(summary, "model_dump") else summary
         path = self.out_dir / "summary.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        write_atomic(path, json.dumps(clean(data), indent=2, sort_keys=True) + "\n")
         metrics = data.get("metrics") or {}
         if self._tb is not None:
             for k, v in _finite(metrics).items():

@@ -497,6 +497,7 @@ def load(dirs: list[Path]) -> ResultsSet:
         out.warnings += warnings
         records = []
         for rec in raw:
+            rec = _tamed(rec, d, out.warnings)
             try:
                 records.append(Record.model_validate(rec))
             except ValidationError as e:
@@ -574,16 +575,55 @@ def _run_dir(d: Path, rec: Record) -> Path | None:
     return d / rec.run_dir if rec.run_dir else None
 
 
+#: no figure of a run comes near this (FLOPs of a whole training run are ~1e25): beyond it, or not finite,
+#: a number is a corrupt or hostile record and would overflow the tables' and plots' arithmetic
+MAX_MAGNITUDE = 1e30
+
+
+def _tamed(rec: Any, d: Path, warnings: list[str]) -> Any:
+    """``rec`` with every number beyond :data:`MAX_MAGNITUDE` (or not finite) replaced by None, and one
+    warning naming the first such key."""
+    bad: list[str] = []
+
+    def tame(obj: Any, where: str) -> Any:
+        if isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            if not -MAX_MAGNITUDE <= obj <= MAX_MAGNITUDE:  # NaN fails both comparisons too
+                bad.append(where)
+                return None
+            return obj
+        if isinstance(obj, dict):
+            return {k: tame(v, f"{where}.{k}" if where else str(k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [tame(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return obj
+
+    out = tame(rec, "")
+    if bad:
+        who = rec.get("key") if isinstance(rec, dict) and isinstance(rec.get("key"), str) else "a record"
+        warnings.append(f"{d / RESULTS_FILE}: {who[:80]}: {len(bad)} number(s) out of range (first: {bad[0][:80]}), "
+                        "left out")
+    return out
+
+
 def _read_meta(d: Path, warnings: list[str]) -> dict:
+    """sweep.json's text fields (label, name, description, base_recipe); anything unreadable or not text is
+    left out with a warning, and the directory name labels the results."""
     path = d / SWEEP_META
     if not path.is_file():
         return {}
     try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (ValueError, OSError, RecursionError):  # not JSON, not UTF-8, unreadable
         warnings.append(f"{path}: unreadable, using the directory name as label")
         return {}
-    return meta if isinstance(meta, dict) else {}
+    if not isinstance(meta, dict):
+        warnings.append(f"{path}: not a JSON object, using the directory name as label")
+        return {}
+    wrong = [k for k in ("label", "name", "description", "base_recipe") if meta.get(k) is not None
+             and not isinstance(meta[k], str)]
+    if wrong:
+        warnings.append(f"{path}: {', '.join(wrong)} not text, ignored")
+    return {k: v for k, v in meta.items() if k not in wrong}
 
 
 def breakdown_of(run_dir: Path) -> dict[str, float] | None:
@@ -598,11 +638,12 @@ def breakdown_of(run_dir: Path) -> dict[str, float] | None:
     if not path.is_file():
         return None
     try:
-        cats = json.loads(path.read_text()).get("categories")
-    except (json.JSONDecodeError, AttributeError):
+        cats = json.loads(path.read_bytes().decode("utf-8")).get("categories")
+    except (ValueError, OSError, RecursionError, AttributeError):  # not JSON or not UTF-8, unreadable, not an object
         return None
     if not isinstance(cats, dict):
         return None
     shares = {str(k): float(v["share"]) for k, v in cats.items()
-              if isinstance(v, dict) and isinstance(v.get("share"), (int, float))}
+              if isinstance(v, dict) and isinstance(v.get("share"), (int, float)) and not isinstance(v["share"], bool)
+              and 0 <= v["share"] <= 1}
     return shares or None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scaletool import __version__
 from scaletool.errors import RecipeError, shorten
-from scaletool.fmt import write_atomic
+from scaletool.fmt import refuse_link, refused, write_atomic
 from scaletool.report import claims, dynamics, prediction, tables
 from scaletool.report.data import ResultsSet, load
 from scaletool.report.findings import all_findings
@@ -44,6 +44,7 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
                "warnings": rs.warnings, "version": __version__,
                "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     try:  # each file whole or not at all: a full disk leaves the previous report's files as they were
+        refuse_link(plot_dir)
         plot_dir.mkdir(parents=True, exist_ok=True)
         for p in plots:
             write_atomic(plot_dir / f"{p.key}.png", p.png)
@@ -51,6 +52,8 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
         write_atomic(out / "report.html", render_html(context))
         n_csv = write_csv(rs, out / "results.csv")
     except OSError as e:
+        if refused(e):
+            raise RecipeError(f"{shorten(str(e.filename))}: {e.strerror}") from None
         raise RecipeError(f"{shorten(str(out))}: cannot write the report: {e.strerror or e}") from None
     return ReportResult(report_md=str(out / "report.md"), report_html=str(out / "report.html"),
                         results_csv=str(out / "results.csv"), plots=[str(plot_dir / f"{p.key}.png") for p in plots],

@@ -1,4 +1,4 @@
-"""The results directory's lock: one sweep at a time per directory.
+"""The results directory's lock: one sweep at a time per directory (and one training run per run directory).
 
 ``DIR/.lock`` is ``flock``-ed for as long as a sweep runs there. A sweep takes it exclusively and
 writes its pid and host into it; Slurm array tasks of a submitted sweep take it shared (they run side
@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scaletool.errors import RecipeError
+from scaletool.fmt import open_state, refused
 
 LOCK_FILE = ".lock"
 
@@ -39,20 +40,22 @@ def _one_line(value: object, limit: int) -> str:
 
 
 @contextlib.contextmanager
-def results_lock(results_dir: Path, *, shared: bool = False, what: str = "") -> Iterator[None]:
+def results_lock(results_dir: Path, *, shared: bool = False, what: str = "",
+                 advice: str = "write to another results directory (-o)") -> Iterator[None]:
     """Hold the results directory's lock for the duration; a held lock is one RecipeError line naming
-    its holder. ``shared``: several holders at once (array tasks), none while a sweep holds it."""
+    its holder and ending with ``advice``. ``shared``: several holders at once (array tasks), none while
+    a sweep holds it. A training run directory is locked the same way (:func:`run_lock`)."""
     path = Path(results_dir) / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_state(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
-        raise RecipeError(f"{results_dir}: cannot create the lock file {LOCK_FILE}: {e.strerror or e}") from None
+        raise RecipeError(f"{path}: {'' if refused(e) else 'cannot open the lock file: '}{e.strerror or e}") from None
     try:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RecipeError(f"{results_dir}: in use by {_holder(path)}; wait for it to finish, stop it, or "
-                              "write to another results directory (-o)") from None
+                              f"{advice}") from None
         if not shared:
             info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": what}) + "\n"
             with contextlib.suppress(OSError):  # the content is informative only; a full disk must not stop us
@@ -61,3 +64,27 @@ def results_lock(results_dir: Path, *, shared: bool = False, what: str = "") -> 
         yield
     finally:
         os.close(fd)  # releases the flock
+
+
+@contextlib.contextmanager
+def run_lock(out: Path, what: str) -> Iterator[None]:
+    """One training run at a time in the run directory ``out`` (created if needed: the lock lives in it).
+
+    A directory this call created and that holds nothing but the lock afterwards (the run was refused
+    before it wrote anything) is removed again.
+    """
+    out = Path(out)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"{out}: cannot write the run directory ({e.strerror or e})") from None
+    try:
+        with results_lock(out, what=what, advice="train into another directory (--out)"):
+            yield
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                if os.listdir(out) == [LOCK_FILE]:
+                    (out / LOCK_FILE).unlink()
+                    out.rmdir()

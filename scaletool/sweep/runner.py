@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import write_atomic
+from scaletool.fmt import refuse_link, refused, write_atomic
 from scaletool.results import ResultLoadError
 from scaletool.results.sweep import STATUSES, RunRow, SweepRecord, SweepSummary, check_result
 from scaletool.sweep.lock import results_lock
@@ -153,6 +153,8 @@ def prepare(task: Task, sweep: Sweep, results_dir: Path, timeout_s: float | None
     """Create the run's directory (clean: a run interrupted before, or retried, starts over) and its command."""
     point_dir = results_dir / POINTS_DIR / task.point.dirname
     run_dir = point_dir / task.run_dirname
+    for d in (results_dir / POINTS_DIR, point_dir, run_dir):  # a planted link would take the rmtree elsewhere
+        refuse_link(d)
     if run_dir.exists():  # only this task ever uses this directory, and the lock says no one else runs it
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -272,6 +274,8 @@ def disk_errors(results_dir: Path) -> Iterator[None]:
         yield
     except OSError as e:
         where = e.filename or results_dir
+        if refused(e):
+            raise RecipeError(f"{where}: {e.strerror}") from None
         what = "cannot write: " if e.errno in _DISK_ERRNOS else ""
         raise RecipeError(f"{where}: {what}{e.strerror or e}; the results recorded before are intact "
                           "(free space or fix permissions, then rerun to resume)") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import getpass
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import write_atomic
+from scaletool.fmt import open_state, write_atomic
 from scaletool.launch.slurm import Shell, SlurmOptions, render_array, submit
 from scaletool.results.sweep import SweepSubmission
 from scaletool.sweep.lock import results_lock
@@ -151,7 +152,7 @@ def submit_sweep(sweep: Sweep, results_dir: Path, *, overrides: list[str], modes
         job_id = submit(path)
         entry = {"job_id": job_id, "submitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "script": str(path), "tasks": dict(zip(map(str, sub.tasks), sub.keys))}
-        with open(slurm_dir / SUBMISSIONS, "a") as f:
+        with open(open_state(slurm_dir / SUBMISSIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
     return sub.model_copy(update={"job_id": job_id, "script": str(path)})
 

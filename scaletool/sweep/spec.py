@@ -42,6 +42,7 @@ __all__ = ["MODES", "TIMED_MODES", "Mode", "Sweep", "SweepFile", "load_sweep", "
 # Arguments the runner passes itself; a sweep file setting them would produce a second, conflicting copy.
 RESERVED_ARGS = {"--json", "--out", "--set", "--nproc-per-node", "--result-file"}
 DEFAULT_TIMEOUT_S = 1800.0
+MAX_POINTS = 10_000  # each point is at least one process; a larger grid is a mistake, planned or not
 
 
 def slug(text: str, limit: int = 80, sep: str = "-") -> str:
@@ -234,6 +235,16 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
             problems.append(f"{src}: zip: empty list of values")
     elif isinstance(spec.zip, list) and not spec.zip:
         problems.append(f"{src}: zip: empty list of points")
+    sizes = [len(v) for v in spec.grid.values()]
+    zipped = (len(spec.zip) if isinstance(spec.zip, list) else min(map(len, spec.zip.values()), default=1)) \
+        if spec.zip else 1
+    n_points = math.prod(sizes) * zipped  # from the lengths alone: nothing is enumerated before this check
+    if n_points > MAX_POINTS:
+        factors = [*map(str, sizes), *([f"zip {zipped}"] if spec.zip else [])]
+        shape = " x ".join(factors) if len(factors) <= 8 else f"the product of {len(factors)} lists"
+        count = f"{n_points:,}" if n_points < 10**15 else f"about 10^{int(math.log10(n_points))}"
+        problems.append(f"{src}: {count} points ({shape}); a sweep plans at most {MAX_POINTS:,}: split it into "
+                        "several sweep files or vary fewer values")
     if len(set(spec.modes)) != len(spec.modes):
         problems.append(f"{src}: modes: listed twice: {', '.join(m for m in MODES if spec.modes.count(m) > 1)}")
     for mode, args in spec.args.items():

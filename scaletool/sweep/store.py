@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import clean
+from scaletool.fmt import LINK_REFUSED, clean, open_state, refused
 from scaletool.results import ResultLoadError
 from scaletool.results.sweep import SweepRecord, load_record
 
@@ -30,7 +30,7 @@ def append_record(results_dir: Path, record: SweepRecord | dict) -> None:
     data = record.model_dump(mode="json") if isinstance(record, SweepRecord) else record
     line = (json.dumps(clean(data), sort_keys=True, default=str, allow_nan=False) + "\n").encode()
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_state(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # released by close
             if _ends_torn(fd):
@@ -42,6 +42,8 @@ def append_record(results_dir: Path, record: SweepRecord | dict) -> None:
         finally:
             os.close(fd)
     except OSError as e:
+        if refused(e):
+            raise RecipeError(f"{path}: {e.strerror}") from None
         raise RecipeError(f"{path}: cannot record a result: {e.strerror or e}; the results recorded "
                           "before are intact (free space or fix permissions, then rerun to resume)") from None
 
@@ -54,6 +56,8 @@ def _ends_torn(fd: int) -> bool:
 def load_records(results_dir: Path) -> tuple[list[SweepRecord], list[str]]:
     """All valid records in file order, and one warning per line that is torn, not JSON or not a record."""
     path = Path(results_dir) / RESULTS_FILE
+    if path.is_symlink():
+        raise RecipeError(f"{path}: {LINK_REFUSED}")
     if not path.exists():
         return [], []
     if not path.is_file():

@@ -55,6 +55,25 @@ CASES = [
     ("deepseek-scoring-list", v3(scoring_func=["sigmoid"]), "scoring_func: expected a string, got list"),
     ("deepseek-norm_topk_prob-int", v3(norm_topk_prob=1), "norm_topk_prob: expected true or false, got int 1"),
     ("deepseek-mtp-string", v3(num_nextn_predict_layers="1"), "num_nextn_predict_layers: expected an integer"),
+    ("rope-factor-string", llama(rope_scaling={**LLAMA["rope_scaling"], "factor": "$(x)"}),
+     "rope_scaling.factor: expected a finite number, got str '$(x)'"),
+    ("rope-factor-below-one", llama(rope_scaling={**LLAMA["rope_scaling"], "factor": 0.0}),
+     "rope_scaling.factor: must be at least 1, got 0.0"),
+    ("rope-factor-negative", v3(rope_scaling={**V3["rope_scaling"], "factor": -40}),
+     "rope_scaling.factor: must be at least 1, got -40"),
+    ("rope-factor-missing", llama(rope_scaling={"rope_type": "linear"}), "rope_scaling.factor: missing"),
+    ("rope-factor-huge", llama(rope_scaling={"rope_type": "dynamic", "factor": 1e400}),
+     "rope_scaling.factor: expected a finite number"),
+    ("rope-original-list", llama(rope_scaling={**LLAMA["rope_scaling"], "original_max_position_embeddings": [1]}),
+     "rope_scaling.original_max_position_embeddings: expected an integer, got list"),
+    ("rope-original-zero", llama(rope_scaling={**LLAMA["rope_scaling"], "original_max_position_embeddings": 0}),
+     "rope_scaling.original_max_position_embeddings: must be at least 1, got 0"),
+    ("rope-llama3-freq-order", llama(rope_scaling={**LLAMA["rope_scaling"], "low_freq_factor": 4.0,
+                                                   "high_freq_factor": 1.0}),
+     "rope_scaling.low_freq_factor 4.0, high_freq_factor 1.0: expected 0 < low_freq_factor < high_freq_factor"),
+    ("rope-yarn-beta-dict", v3(rope_scaling={**V3["rope_scaling"], "beta_fast": {"a": 1}}),
+     "rope_scaling.beta_fast: expected a finite number, got dict"),
+    ("deepseek-experts-bool", v3(n_routed_experts=False), "n_routed_experts: expected an integer, got bool False"),
     ("top-level-list", b"[1, 2, 3]", "expected a JSON object, got list"),
     ("not-json", b"{model_type: llama}", "malformed JSON at line 1, column 2"),
     ("empty", b"", "malformed JSON at line 1, column 1"),
@@ -111,3 +130,17 @@ def test_hostile_paths_and_options(tmp_path, make, args, expected):
     args = [a.format(tmp=tmp_path) for a in args]
     lines, _ = invoke(["recipe", "from-hf", str(cfg), *args], within=tmp_path)
     assert len(lines) == 1 and lines[0].startswith(f"error: {expected.format(cfg=cfg, tmp=tmp_path)}"), lines
+
+
+def test_a_deepseek_config_without_routed_experts_imports_dense_with_a_note(tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from scaletool.cli import main
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(v3(n_routed_experts=0))
+    res = CliRunner().invoke(main, ["recipe", "from-hf", str(cfg), "-o", str(tmp_path / "r.yaml")])
+    assert res.exit_code == 0, res.output
+    model = yaml.safe_load((tmp_path / "r.yaml").read_text())["model"]
+    assert model.get("ffn") != "moe" and "n_routed_experts" not in model
+    assert any(n.startswith("n_routed_experts 0: no routed experts") for n in model["notes"]), model["notes"]

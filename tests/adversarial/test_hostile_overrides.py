@@ -34,7 +34,7 @@ CASES = [
     ("negative-heads", ["model.n_kv_heads=-1"], "recipe.yaml: model.n_kv_heads: Input should be greater than 0"),
     ("python-tag", ["parallel.deepspeed=!!python/object/apply:os.system ['touch pwned-by-set']"],
      "recipe.yaml: parallel.deepspeed: Input should be a valid dictionary"),
-    ("list-for-a-section", ["model=[1, 2]"], "recipe.yaml: model: Input should be a valid dictionary"),
+    ("list-for-a-section", ["model=[1, 2]"], "override model=[1, 2]: a section takes a mapping of its keys"),
     ("wrong-type", ["model.qkv_bias=maybe"], "recipe.yaml: model.qkv_bias: Input should be a valid boolean"),
     ("deepspeed-scheduler", ["parallel.engine=deepspeed", "parallel.deepspeed={scheduler: {type: WarmupLR}}"],
      "recipe.yaml: parallel.deepspeed.scheduler: the learning-rate schedule"),

@@ -22,6 +22,7 @@ from scaletool.launch.commands import (
     torchrun_argv,
     train_module_args,
 )
+from scaletool.launch.remote import decode, encode
 
 TINY = str(RECIPES / "tiny.yaml")
 # An override whose value a shell would split, expand and unquote: it must arrive as one argument.
@@ -83,7 +84,7 @@ def test_deepspeed_argv_pdsh_and_no_ssh():
     argv = deepspeed_argv(spec, "/shared/hostfile")
     assert argv == ["/opt/py/bin/python", "-m", "deepspeed.launcher.runner", "--hostfile", "/shared/hostfile",
                     "--num_nodes", "2", "--num_gpus", "4", "--master_addr", "node001", "--master_port", "29500",
-                    "--no_local_rank", "--module", *train_module_args(spec)]
+                    "--no_local_rank", "--module", "scaletool.cli.remote", encode(train_module_args(spec)[1:])]
     per_node = deepspeed_argv(_spec(max_restarts=0, node_rank=1), "/shared/hostfile")
     i = per_node.index("--no_ssh")
     assert per_node[i + 1:i + 3] == ["--node_rank", "1"]
@@ -91,7 +92,7 @@ def test_deepspeed_argv_pdsh_and_no_ssh():
 
 def test_the_deepspeed_launchers_ranks_bound_their_own_join():
     argv = deepspeed_argv(_spec(max_restarts=0, join_timeout_s=120), "/shared/hostfile")
-    assert argv[-2:] == ["--join-timeout", "120"]  # the ranks' argument: it travels over pdsh too
+    assert decode(argv[-1])[-2:] == ["--join-timeout", "120"]  # the ranks' argument: it travels over pdsh too
     assert "--join-timeout" not in train_module_args(_spec())  # torchrun's rendezvous bounds the join itself
 
 

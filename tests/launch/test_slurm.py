@@ -90,6 +90,7 @@ def test_exports_reach_the_environment_verbatim(tmp_path):
     (SlurmOptions(time="2 hours"), "--time '2 hours'"),
     (SlurmOptions(job_name="x;y"), "--job-name"),
     (SlurmOptions(workdir="/shared/my work"), "--workdir '/shared/my work'"),
+    (SlurmOptions(workdir="-P"), "--workdir '-P': starts with '-'"),
     (SlurmOptions(exports=("1BAD=x",)), "--env '1BAD=x'"),
     (SlurmOptions(exports=("NOVALUE",)), "--env 'NOVALUE'"),
 ])

@@ -1,0 +1,49 @@
+"""A training run that cannot fit in memory is refused before any model is built, with the estimate
+and the budget (on CPU: every local rank shares this machine's memory; on CUDA: each rank's GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hostile import invoke
+
+from scaletool.measure import count
+
+
+@pytest.fixture
+def small_cpu(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 1048576 kB\nMemAvailable: 1024 kB\n")  # 1 MiB available
+    monkeypatch.setattr(count, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(count, "CGROUP_DIR", str(tmp_path / "no-cgroup"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("extra, where", [
+    ([], "this CPU process"),
+    (["--nproc-per-node", "2", "--set", "parallel.engine=ddp"], "2 CPU ranks"),
+    (["--set", "train.micro_batch_size=4096"], "this CPU process"),
+])
+def test_a_cpu_run_that_cannot_fit_is_one_line_with_the_estimate_and_the_budget(tmp_path, small_cpu, extra, where):
+    out = tmp_path / "run"
+    lines, _ = invoke(["train", "tiny", "--out", str(out), *extra], within=tmp_path)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: training needs about ") and f" for {where} (analytic estimate" in lines[0]
+    assert "but 1.0 MiB is available (MemAvailable in /proc/meminfo)" in lines[0]
+    assert not out.exists()
+
+
+def test_a_gpu_run_checks_each_ranks_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (2**20 if i == 1 else 2**40, 2**40))
+    lines, _ = invoke(["train", "tiny", "--out", str(tmp_path / "run"), "--nproc-per-node", "2", "--set",
+                       "parallel.engine=ddp"], within=tmp_path)
+    assert len(lines) == 1 and " for each GPU rank " in lines[0] and "but 1.0 MiB is available (free memory of the " \
+        "GPU" in lines[0], lines
+
+
+def test_a_run_that_fits_is_not_refused(tmp_path):
+    from scaletool.config import load_recipe
+
+    checked = count.train_memory_check(load_recipe("tiny"), 1)
+    assert checked is None or 0 < checked["required_bytes"] < checked["available_bytes"]
