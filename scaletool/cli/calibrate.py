@@ -124,7 +124,8 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
     cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
     calibration_from_dict(cal, str(out))  # what load_calibration will read back
     try:
-        write_atomic(out, "# written by scaletool calibrate\n" + yaml.safe_dump(cal, sort_keys=False), follow_links=True)  # the user named it
+        text = "# written by scaletool calibrate\n" + yaml.safe_dump(cal, sort_keys=False)
+        write_atomic(out, text, follow_links=True)  # the user named it
     except OSError as e:
         raise RecipeError(f"--out {shorten(str(out))}: cannot write: {e.strerror or e}") from None
     deliver({"path": str(out), "calibration": cal}, as_json)
