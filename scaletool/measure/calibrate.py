@@ -17,26 +17,50 @@ from scaletool.analytic.step import gemm_shapes
 from scaletool.stats import spread
 
 WARMUP, REPS = 3, 10
+#: a timed GPU sample lasts at least this long (the call repeated), so launch overhead does not count
+MIN_SAMPLE_S = 0.005
 
 
-def time_fn(fn, device: torch.device, warmup: int = WARMUP, reps: int = REPS) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (CUDA events on a GPU)."""
+def time_fn(fn, device: torch.device, warmup: int = WARMUP, reps: int = REPS, min_sample_s: float = 0.0) -> list[float]:
+    """Seconds per call of ``fn``: ``reps`` samples after ``warmup`` untimed calls (CUDA events on a GPU).
+
+    A sample repeats ``fn`` enough times to last ``min_sample_s`` (judged from the warm-up), so that a
+    small GEMM is timed by the kernel and not by the launch and event overhead."""
     for _ in range(warmup):
         fn()
-    out = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+    inner = 1
+    if min_sample_s > 0:
+        once = _sample(fn, device, 1)
+        inner = max(1, min(1000, int(min_sample_s / max(once, 1e-7))))
+    return [_sample(fn, device, inner) for _ in range(reps)]
+
+
+def _sample(fn, device: torch.device, inner: int) -> float:
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
             fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return out
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3 / inner
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) / inner
+
+
+def spin_up(device: torch.device, seconds: float = 1.0) -> None:
+    """Run large GEMMs for about ``seconds`` so that the GPU's clocks have left idle before anything is
+    timed (the first shapes measured otherwise run at a fraction of the sustained rate)."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize(device)
 
 
 def _rate(flops: float, seconds: list[float]) -> dict:
@@ -47,35 +71,51 @@ def _rate(flops: float, seconds: list[float]) -> dict:
 def measure_gemm(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype) -> dict:
     a = torch.randn(m, k, device=device, dtype=dtype)
     b = torch.randn(k, n, device=device, dtype=dtype)
-    return {"m": m, "n": n, "k": k, "tflops": _rate(2 * m * n * k, time_fn(lambda: a @ b, device))}
+    secs = time_fn(lambda: a @ b, device, min_sample_s=MIN_SAMPLE_S if device.type == "cuda" else 0.0)
+    return {"m": m, "n": n, "k": k, "tflops": _rate(2 * m * n * k, secs)}
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:
     """Fit rate = R·s/(s+h), s the smallest dimension, to median rates: 1/rate = 1/R + (h/R)/s is linear
-    in 1/s (least squares); a degenerate fit keeps the fastest rate and h = 1."""
+    in 1/s, fitted by least squares on the relative error (each point weighted by its rate squared, so
+    that the fast large shapes count as much as the slow small ones); a degenerate fit keeps the fastest
+    rate and h = 1."""
     xs = [1 / min(p["m"], p["n"], p["k"]) for p in points]
-    ys = [1 / p["tflops"]["median"] for p in points]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    rates = [p["tflops"]["median"] for p in points]
+    ys = [1 / r for r in rates]
+    ws = [r * r for r in rates]
+    sw = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    b = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
     a = my - b * mx
     if a <= 0 or b < 0:
-        return {"max_tflops": max(1 / y for y in ys), "half_dim": 1.0}
+        return {"max_tflops": max(rates), "half_dim": 1.0}
     return {"max_tflops": 1 / a, "half_dim": max(b / a, 1.0)}
 
 
 def measure_attention(heads: int, qk: int, v: int, seq: int, batch: int, device: torch.device,
                       dtype: torch.dtype) -> dict:
-    """Causal SDPA forward + backward, FLOPs in the causal convention (3 × 2·B·H·T²·(qk+v)/2)."""
+    """Causal SDPA forward + backward, FLOPs in the causal convention (3 × 2·B·H·T²·(qk+v)/2), through the
+    kernel priority training uses (``sdpa_backend: auto``: cuDNN first where q/k and v dims differ)."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
+    from scaletool.model.attention import sdpa_backends
+
     q = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
     val = torch.randn(batch, heads, seq, v, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, v, device=device, dtype=dtype)
+    backends = sdpa_backends("auto", qk, v) if device.type == "cuda" else None
 
     def step():
-        F.scaled_dot_product_attention(q, k, val, is_causal=True).sum().backward()
+        with sdpa_kernel(backends, set_priority=True) if backends else nullcontext():
+            F.scaled_dot_product_attention(q, k, val, is_causal=True).backward(grad)
     flops = 3 * 2 * batch * heads * seq * seq * (qk + v) / 2
-    return {"heads": heads, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, time_fn(step, device))}
+    secs = time_fn(step, device, min_sample_s=MIN_SAMPLE_S if device.type == "cuda" else 0.0)
+    return {"heads": heads, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, secs)}
 
 
 def measure_hbm(nbytes: int, device: torch.device) -> dict:
@@ -104,12 +144,14 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         shapes |= {(m, n, k) for _, m, n, k, _ in gemm_shapes(recipe.model, tokens)}
     if not gpu:  # keep the CPU path small: CI runs it
         shapes = {(min(m, 256), min(n, 256), min(k, 256)) for m, n, k in shapes}
+    spin_up(device)
     gemms = [measure_gemm(m, n, k, device, dtype) for m, n, k in sorted(shapes)]
     curve = fit_gemm_curve(gemms)
     cfg = recipe.model if recipe is not None else None
     heads, qk, v = (cfg.n_heads, cfg.qk_head_dim, cfg.v_dim) if cfg else (16, 128, 128)
     seq = (recipe.seq_len if recipe else 2048) if gpu else min(128, recipe.seq_len if recipe else 128)
-    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, seq, 4 if gpu else 1, device, dtype)]
+    batch = max(recipe.train.micro_batch_size if recipe else 8, 1) if gpu else 1
+    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, seq, batch, device, dtype)]
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
     card = card_name(device)
     base = _base_calibration(card, gpu)
