@@ -82,6 +82,9 @@ def environment() -> dict:
     env["cpu"] = _cpu_model()
     env["driver"] = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     env["commit"] = _run_quiet(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
+    # a tree that differs from that commit (uncommitted edits, or a copied tree whose .git is older)
+    status = _run_quiet(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+    env["tree_differs_from_commit"] = None if env["commit"] is None else bool(status)
     return env
 
 
