@@ -142,7 +142,7 @@ def test_a_result_file_on_a_device_or_fifo_is_written_into_never_replaced(tmp_pa
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
     ok = CliRunner().invoke(main, ["--result-file", str(fifo), "estimate", "tiny", "--json"])
-    assert ok.exit_code == 0 and json.loads(reader.communicate(timeout=30)[0]) == json.loads(ok.stdout)
+    assert ok.exit_code == 0 and json.loads(reader.communicate(timeout=300)[0]) == json.loads(ok.stdout)
     assert fifo.is_fifo()
 
 
