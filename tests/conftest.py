@@ -16,6 +16,13 @@ RECIPES = ROOT / "recipes"
 MODEL_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if "grid:" not in p.read_text())
 
 
+def pytest_collection_modifyitems(config, items):
+    """A distributed test is a slow one: ``-m "not slow"`` leaves out every multi-process job."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     """Write a recipe mapping (or raw text) to a YAML file and return its path."""

@@ -18,6 +18,8 @@ from scaletool import api
 from scaletool.cli import main
 from scaletool.errors import RecipeError
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 FIXTURE = Path(__file__).resolve().parents[1] / "report" / "fixtures" / "tiny"
 
 

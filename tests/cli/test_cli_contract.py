@@ -13,6 +13,8 @@ from conftest import ROOT
 
 from scaletool.cli import COMMANDS, main
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 #: command modules that still import torch at module level (their owners move the imports into the
 #: functions that run); an entry no longer needed fails test_pending_entries_are_still_needed. Keep empty.
 HEAVY_AT_IMPORT_PENDING: set[str] = set()

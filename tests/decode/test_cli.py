@@ -12,6 +12,8 @@ from scaletool.results import load_result
 from scaletool.results.decode import DecodeResult
 from scaletool.stats import Spread
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(RECIPES / "tiny.yaml")
 FAST = ["--device", "cpu", "--warmup-steps", "1", "--prefill-repeats", "1"]
 

@@ -1,5 +1,5 @@
 """Contention detection on the kernel's own figures: the step rule on chosen samples (it cannot flake),
-the parsing of real /proc files, and the run flag. A real CPU hog is in tests/report/test_contention.py."""
+the parsing of real /proc files, and the run flag. A real CPU hog is in tests/report/test_contended_report.py."""
 from __future__ import annotations
 
 import os

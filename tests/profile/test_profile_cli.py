@@ -14,6 +14,8 @@ from scaletool import api
 from scaletool.config import load_recipe
 from scaletool.profile.monitors import DynamicsMonitor
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(RECIPES / "tiny.yaml")
 
 

@@ -16,6 +16,8 @@ from conftest import RECIPES, ROOT, run_cli
 from scaletool.sweep.runner import classify
 from scaletool.sweep.store import RESULTS_FILE
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,
           "model.qk_rope_head_dim": None, "model.v_head_dim": None}
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 from sweep_helpers import MARK, marked, new_mark, wait_for
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="subreapers and /proc are Linux")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="subreapers and /proc are Linux")]
 
 # A command whose grandchild leaves the session (as torchrun's ranks do) and ignores SIGTERM and SIGHUP.
 DAEMON = "setsid sh -c 'trap \"\" TERM HUP; sleep 600' & "

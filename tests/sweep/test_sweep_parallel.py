@@ -5,12 +5,16 @@ import json
 import os
 import sys
 
+import pytest
 from click.testing import CliRunner
 from sweep_helpers import AS_MHA, lines, write_sweep
 
 from scaletool import threads
 from scaletool.cli import main
 from scaletool.sweep.pool import Launch, Pool, thread_env
+
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 
 # What a run sees of its share, written as JSON. It marks that it started and waits (up to 300 s) for the
 # run named in argv[2] to have started too: both seeing the other's mark proves they ran at the same time.
