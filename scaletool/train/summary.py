@@ -267,7 +267,8 @@ def headline(s: TrainResult) -> str:
     elif s.tokens_per_s:
         parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
     if m.get("flops/achieved_tflops_per_gpu"):
-        parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s/GPU")
+        # per rank: a GPU, or on the CPU a process (its threads)
+        parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s per {'process' if s.threads else 'GPU'}")
     if s.mfu is not None:
         parts.append(f"MFU {100 * s.mfu:.1f}% causal, {100 * (s.mfu_full_attention or 0):.1f}% full attention")
     if s.peak_memory_bytes:
