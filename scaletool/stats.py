@@ -114,6 +114,8 @@ class Comparison(BaseModel):
 
     def describe(self, more: str = "higher", less: str = "lower") -> str:
         """``+12.3% higher`` or ``within noise (±4.1%)``."""
+        if self.reason.startswith("not called"):
+            return self.reason
         if not self.significant:
             return f"within noise (±{pct(self.noise, 1, signed=False)})" if not self.reason else f"not compared: {self.reason}"
         return f"{pct(self.rel_diff, 1)} ({more if self.rel_diff > 0 else less})"

@@ -16,6 +16,13 @@ RECIPES = ROOT / "recipes"
 MODEL_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if "grid:" not in p.read_text())
 
 
+def pytest_collection_modifyitems(config, items):
+    """A distributed test is a slow one: ``-m "not slow"`` leaves out every multi-process job."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def write_recipe(tmp_path):
     """Write a recipe mapping (or raw text) to a YAML file and return its path."""
@@ -70,3 +77,50 @@ def fill(fs: Path) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+class FakeClock:
+    """A clock that moves only when a test says so: timing code reads it instead of the wall clock, so a
+    test asserts which work fell into which timed sample, never how fast the machine was."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Every step timer (decode benchmark, training loop) reads a :class:`FakeClock`."""
+    import types
+
+    from scaletool.measure import timing
+    from scaletool.train import clock as train_clock
+
+    fake = FakeClock()
+    ns = types.SimpleNamespace(perf_counter=fake.perf_counter, monotonic=fake.perf_counter, time=fake.perf_counter)
+    monkeypatch.setattr(timing, "time", ns)
+    monkeypatch.setattr(train_clock, "time", ns)
+    return fake
+
+
+@contextlib.contextmanager
+def no_hang(seconds: float = 180):
+    """Fail (TimeoutError) if the body runs longer than ``seconds``: a guard against a hang, sized far
+    above any busy machine's time for the body, never a speed check."""
+    import signal
+
+    def _expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: a hang")
+
+    old = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

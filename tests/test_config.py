@@ -3,12 +3,11 @@ attention or FFN type are inactive; sizes, floats and YAML are bounded; check ru
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import MODEL_RECIPES, RECIPES
+from conftest import MODEL_RECIPES, RECIPES, no_hang
 
 from scaletool import api
 from scaletool.cli import main
@@ -253,10 +252,10 @@ def test_floats_are_finite(key, value):
     (("model.max_seq_len=1000000000000",), "model.max_seq_len: Input should be less than or equal to 16777216"),
 ])
 def test_sizes_are_bounded_with_the_figure_named(sets, expected):
-    t0 = time.monotonic()
-    lines = refused(check(RECIPES / "tiny.yaml", *sets))
+    with no_hang():  # a size checked by building it would hang here
+        lines = refused(check(RECIPES / "tiny.yaml", *sets))
     assert len(lines) == 1 and expected in lines[0], lines
-    assert len(lines[0]) < 300 and time.monotonic() - t0 < 10
+    assert len(lines[0]) < 300
 
 
 def test_the_weights_bound_is_an_upper_bound_within_a_small_factor():
@@ -269,12 +268,11 @@ def test_the_weights_bound_is_an_upper_bound_within_a_small_factor():
             assert exact <= weights_bound(m) <= 3 * exact, (path.name, sets)
 
 
-def test_estimate_and_count_refuse_absurd_sizes_at_once():
+def test_estimate_and_count_refuse_absurd_sizes_before_building():
     for cmd in ("estimate", "count"):
-        t0 = time.monotonic()
-        res = CliRunner().invoke(main, [cmd, str(RECIPES / "tiny.yaml"), "--set", f"model.n_layers={10**30}"])
+        with no_hang():
+            res = CliRunner().invoke(main, [cmd, str(RECIPES / "tiny.yaml"), "--set", f"model.n_layers={10**30}"])
         assert "model.n_layers: Input should be less than or equal to 4096" in refused(res)[0]
-        assert time.monotonic() - t0 < 10
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,16 +336,15 @@ def _alias_bomb(levels: int = 9, fan: int = 9) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_an_alias_bomb_is_refused_fast_in_one_line(write_recipe):
+def test_an_alias_bomb_is_refused_unexpanded_in_one_line(write_recipe):
     """Nine levels of nine aliases: 700 bytes standing for 9^9 values in model.d_model."""
     path = write_recipe(_alias_bomb() + "model: {d_model: *a8}\n")
     assert len(path.read_bytes()) < 800
-    t0 = time.monotonic()
     for cmd in (["recipe", "check"], ["recipe", "show", "--json"], ["estimate"]):
-        lines = refused(CliRunner().invoke(main, [*cmd[:2], str(path), *cmd[2:]]))
+        with no_hang():  # expanding 9^9 values would hang here
+            lines = refused(CliRunner().invoke(main, [*cmd[:2], str(path), *cmd[2:]]))
         assert lines == [f"error: {path}: more than {MAX_NODES:,} values once YAML aliases are expanded "
                          "(a recipe has about a hundred); refusing it"]
-    assert time.monotonic() - t0 < 10
 
 
 def test_check_tree_counts_shared_objects_as_expanded_and_finds_cycles():

@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

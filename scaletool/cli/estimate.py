@@ -187,10 +187,12 @@ def print_memory(r, est, console: Console) -> None:
     console.print(memory_table(est, mem.world_size, unit))
     rec = mem.recipe
     engine = engine_kind(rec.engine).title(rec.zero_stage)
-    where = f" (at the {rec.backward_peak_at})" if rec.phase == "backward" else ""
+    at = rec.backward_peak_at or ""
+    where = (f" (at {'' if at.startswith('block') else 'the '}{at})" if rec.phase == "backward" and at else "")
     console.print(f"micro-batch {tr.micro_batch_size} × {est.seq_len}, AdamW, {r.model.dtype}. * the phase that sets "
                   "the peak. activ: what autograd keeps; buffers: the engine's; temps: loss gradient, the "
                   "optimizer's gradient copies. --json has every figure in bytes.")
     console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
-                  f"checkpointing {tr.activation_checkpointing}): [bold]{gib(rec.total_bytes)}[/] per GPU, set by the "
+                  f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] per GPU, "
+                  f"set by the "
                   f"{rec.phase.replace('_', ' ')}{where}.")

@@ -43,6 +43,8 @@ from scaletool.decode.steps import make_steps
 from scaletool.errors import RecipeError
 from scaletool.kernels.mla_decode import triton_supports
 from scaletool.kinds.attention import attention_kind
+from scaletool.measure.contention import RULE as CONTENTION_RULE
+from scaletool.measure.contention import Probe, summarize
 from scaletool.measure.hardware import profile_for
 from scaletool.measure.timing import StepTimer
 from scaletool.model.attention import DecodeMode
@@ -104,12 +106,16 @@ def _allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
-def _timed(device: torch.device, runs: int, fn) -> list[float]:
-    timer = StepTimer(device)
+def _timed(device: torch.device, runs: int, fn, samples: list | None = None) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample."""
+    timer = StepTimer(device, Probe())
     for _ in range(runs):
         with timer.step():
             fn()
-    return timer.seconds()
+    out = timer.seconds()
+    if samples is not None:
+        samples.extend(timer.contention)
+    return out
 
 
 def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, context: int,
@@ -135,17 +141,22 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     gen = torch.Generator(device=device).manual_seed(s.seed)
     prompt = torch.randint(cfg.vocab_size, (1, context), device=device, generator=gen)
     out = {}
+    probe: list[dict] = []
     times = _timed(device, 1 + s.prefill_repeats,
-                   lambda: out.update(logits=prefill(model, prompt, caches, chunk=s.prefill_chunk, mode=s.mode)))
+                   lambda: out.update(logits=prefill(model, prompt, caches, chunk=s.prefill_chunk, mode=s.mode)), probe)
     start = settled_start(times, 1)
+    timed_samples = probe[start:]
     prefill_s = spread(times[start:])
     point.update(prefill_s=prefill_s, prefill_runs_excluded=start, prefill_tokens_per_s=context / prefill_s.median)
 
     replicate_first_row(caches, context, batch)
     first = out["logits"].argmax(-1).expand(batch).contiguous()  # (B,)
     steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph)
-    times = _timed(device, s.warmup_steps + s.new_tokens, steps.step)
+    probe = []
+    times = _timed(device, s.warmup_steps + s.new_tokens, steps.step, probe)
     start = settled_start(times, s.warmup_steps)
+    timed_samples += probe[start:]
+    summary = summarize(timed_samples) if timed_samples else {}
     step_s = spread(times[start:])
     # The step at position context + i reads the cache up to and including it: context + i + 1 tokens.
     measured_steps = range(start, len(times))
@@ -164,6 +175,10 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
         "decode_bandwidth_bytes_per_s": bw,
         "decode_bandwidth_fraction_of_peak": None if peak_bytes_per_s is None else bw / peak_bytes_per_s,
         "memory_peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "contention": {"contended": summary.get("contention/contended"),
+                       "contended_steps": summary.get("contention/contended_steps"),
+                       "sampled_steps": summary.get("contention/sampled_steps"),
+                       **{k: v for k, v in summary.items() if k.endswith(("_share", "_1m", "_avg10"))}} if summary else None,
     })
     return DecodePoint(**point)
 
@@ -218,5 +233,5 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
                   "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
-        timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps)},
+        timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps), "contention": CONTENTION_RULE},
         cuda_graph=any(p.cuda_graph for p in points))

@@ -2,12 +2,20 @@
 
 Uses nvidia-ml-py (``import pynvml``). Where there is no GPU or no NVML the sampler is a no-op whose
 summary says why; it never raises into the training loop. Sampling costs no CUDA synchronisation:
-NVML queries the driver, not the CUDA stream.
+NVML queries the driver, not the CUDA stream. Alongside, what NVML can see of contention on the card:
+other processes holding a context on it, the SM clock below the card's default (base) application
+clock, and throttle reasons other than idle (power cap, thermal, hardware slowdown); the summary gives
+them as ``contention/gpu_*`` keys.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+# throttle reasons that slow a busy card: power cap, hardware slowdown, thermal (software and hardware),
+# power brake; idle, the application-clock setting and sync boost are not contention
+_THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 
 
 class NvmlSampler:
@@ -19,6 +27,9 @@ class NvmlSampler:
     def __init__(self, index: int | None, uuid: str | None = None, interval_s: float = 0.1):
         self.interval_s = interval_s
         self.samples: list[tuple[float, float, float, float]] = []  # (t, util %, mem bytes, power W)
+        # (t, other processes on the card, throttled by power/thermal/slowdown, SM clock below base), None: unseen
+        self.contention: list[tuple[float, int | None, bool | None, bool | None]] = []
+        self._base_mhz: int | None = None
         self.note: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -52,10 +63,29 @@ class NvmlSampler:
         power = n.nvmlDeviceGetPowerUsage(h) / 1000.0
         return time.perf_counter(), float(util), float(mem), power
 
+    def _query(self, fn, *args):
+        try:
+            return getattr(self._nvml, fn)(self._handle, *args)
+        except Exception:  # not supported on this card or driver: that figure is unseen
+            return None
+
+    def _read_contention(self) -> tuple[float, int | None, bool | None, bool | None]:
+        n = self._nvml
+        procs = self._query("nvmlDeviceGetComputeRunningProcesses")
+        others = None if procs is None else sum(1 for p in procs if p.pid != os.getpid())
+        reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons")
+        throttled = None if reasons is None else bool(reasons & _THROTTLE_MASK)
+        if self._base_mhz is None:
+            self._base_mhz = self._query("nvmlDeviceGetDefaultApplicationsClock", n.NVML_CLOCK_SM)
+        sm = self._query("nvmlDeviceGetClockInfo", n.NVML_CLOCK_SM)
+        below = None if sm is None or not self._base_mhz else sm < self._base_mhz
+        return time.perf_counter(), others, throttled, below
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.samples.append(self._read())
+                self.contention.append(self._read_contention())
             except Exception as e:  # a driver hiccup ends sampling, never the run
                 self.note = f"NVML read failed ({e}); sampling stopped early"
                 return
@@ -82,4 +112,16 @@ class NvmlSampler:
             vals = [r[i] for r in rows]
             out[f"{key}_mean"] = sum(vals) / len(vals)
             out[f"{key}_max"] = max(vals)
+        out.update(contention_summary([c for c in self.contention if since is None or c[0] >= since]))
         return out
+
+
+def contention_summary(rows: list[tuple]) -> dict:
+    """``contention/gpu_*`` figures of the samples: the most other processes seen, and the share of
+    samples throttled or clocked below base (None where NVML never told)."""
+    def share(i):
+        seen = [r[i] for r in rows if r[i] is not None]
+        return sum(seen) / len(seen) if seen else None
+    others = [r[1] for r in rows if r[1] is not None]
+    return {"contention/gpu_other_processes_max": max(others) if others else None,
+            "contention/gpu_throttled_share": share(2), "contention/gpu_clock_below_base_share": share(3)}

@@ -194,6 +194,15 @@ class TrainView(View):
     history: TrainHistory = TrainHistory()
     dynamics: DynamicsSection | None = None
     prediction: dict[str, Any] | None = None  # the step-time model's prediction the run recorded
+    contention: dict[str, Any] | None = None  # {contended, contended_steps, sampled_steps, rule}
+
+    @property
+    def contended(self) -> bool | None:
+        """Whether the run's measured steps were contended (None: not recorded, as before it was)."""
+        if self.contention and self.contention.get("contended") is not None:
+            return bool(self.contention["contended"])
+        v = self.metrics.get("contention/contended")
+        return None if v is None else bool(v)
 
     @classmethod
     def legacy(cls, doc: Any) -> Any:
@@ -242,6 +251,11 @@ class DecodePoint(View):
     prefill_tokens_per_s: float | None = None
     decode_step_s: Spread | None = None  # one step decodes one token of every sequence in the batch
     prefill_s: Spread | None = None  # one prompt of `context` tokens (the batch's other rows are copies)
+    contention: dict[str, Any] | None = None  # the timed steps' contention (scaletool.measure.contention)
+
+    @property
+    def contended(self) -> bool | None:
+        return None if not self.contention or self.contention.get("contended") is None else bool(self.contention["contended"])
 
     @property
     def decode_rate(self) -> Spread | None:
@@ -263,6 +277,11 @@ class Device(View):
 class DecodeView(View):
     points: list[DecodePoint] = []
     device: Device = Device()
+
+    @property
+    def contended(self) -> bool | None:
+        flags = [p.contended for p in self.points if p.contended is not None]
+        return any(flags) if flags else None
 
     @field_validator("device", mode="before")
     @classmethod
@@ -427,6 +446,10 @@ class Row:
         if len(got) <= 1:
             return got[0] if got else None
         return spread([s.median for s in got])
+
+    def contended_runs(self) -> tuple[int, int]:
+        """(runs whose timed steps were contended, runs) of this point."""
+        return sum(bool(getattr(r, "contended", None)) for r in self.runs), len(self.runs)
 
     def median(self, figure: Callable[[Any], float | None]) -> float | None:
         """A scalar figure of the point: its median across the repeats."""

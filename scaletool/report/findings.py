@@ -4,8 +4,10 @@ Each function returns zero or more sentences; one that lacks its data returns no
 latency finding compares medians by the noise rule (:func:`scaletool.stats.compare`): a difference is
 stated only where the p10–p90 ranges of both sides are disjoint and each side has n ≥ 3; otherwise it
 is "within noise (±x%)", or, with no spread recorded (results written before timing statistics, a
-single run with too few steps), the finding says so and states no difference. Findings from CPU
-timings say that they do not predict GPU behaviour.
+single run with too few steps), the finding says so and states no difference. Where a compared run
+was contended (another process took the CPUs during its timed steps: ``scaletool.measure.contention``),
+no difference is called ("not called: N of M runs contended") and the finding says that it rests on
+contended runs. Findings from CPU timings say that they do not predict GPU behaviour.
 """
 from __future__ import annotations
 
@@ -49,12 +51,38 @@ def _rate_of(t) -> Spread | None:
     return t.rate
 
 
+def contended(*rows: Row) -> tuple[int, int]:
+    """(contended runs, runs) over ``rows``' repeats."""
+    counts = [r.contended_runs() for r in rows]
+    return sum(c for c, _ in counts), sum(n for _, n in counts)
+
+
+def gated(c: Comparison, *rows: Row) -> Comparison:
+    """``c``, or no difference called where any of ``rows``' runs was contended (contention explains it)."""
+    n, m = contended(*rows)
+    if not n:
+        return c
+    return c.model_copy(update={"significant": False, "reason": f"not called: {n} of {m} runs contended"})
+
+
+def contention_note(*rows: Row) -> str:
+    """' This finding rests on contended runs: ...' where any of ``rows``' runs was contended, else ''."""
+    n, m = contended(*rows)
+    if not n:
+        return ""
+    return (f" This finding rests on contended runs ({n} of {m}: another process took the CPUs during their timed "
+            "steps); no difference involving them is called.")
+
+
 def _crossover(cmps: list[tuple[Row, Comparison]]) -> str:
     """Where MLA (in ascending compression ratio) differs from MHA beyond the noise."""
     slower = [r for r, c in cmps if c.significant and c.rel_diff < 0]
     faster = [r for r, c in cmps if c.significant and c.rel_diff > 0]
     order = [r for r, _ in cmps]
     if not slower and not faster:
+        if any(c.reason.startswith("not called") for _, c in cmps):
+            return "no difference called: contended runs at " + ", ".join(
+                f"{r.compression_ratio:.2f}×" for r, c in cmps if c.reason.startswith("not called"))
         return "no difference beyond the noise at any compression ratio measured"
     if len(slower) == len(order) or len(faster) == len(order):
         return f"MLA is {'slower' if slower else 'faster'} than MHA beyond the noise at every compression ratio measured"
@@ -97,13 +125,15 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
         where = (f"{source}, " if rs.multi else "") + (f"intermediate_size {width}" if width else "equal parameters")
         if len(engines) > 1:
             where += f", {engine} on {n} GPU(s)"
-        cmps = [(r, compare(r.across(_rate_of), ref)) for r in mla]
+        raw = [(r, compare(r.across(_rate_of), ref)) for r in mla]
+        cmps = [(r, gated(c, r, mha[0])) for r, c in raw]
         head = f"Training throughput, MLA against MHA ({_rate(ref)}; {where}): "
-        if all(c.reason for _, c in cmps):
+        if all(c.reason for _, c in raw):
             text = head + NO_SPREAD + "."
         else:
             detail = "; ".join(f"{_kv(rs, r)}: {c.describe('faster', 'slower')}" for r, c in cmps)
             text = head + _crossover(cmps) + f" ({detail})."
+        text += contention_note(mha[0], *mla)
         out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
     return out
 
@@ -117,12 +147,12 @@ def scaling(rs: ResultsSet) -> list[str]:
         for n in sorted(by_n):
             if n > 1:
                 s = by_n[n].across(_rate_of)
-                c = compare(s.scaled(1 / n), base)
+                c = gated(compare(s.scaled(1 / n), base), by_n[n], by_n[1])
                 parts.append(f"{n} GPUs {pct(s.median / n / base.median, 0, signed=False)} "
                              f"({c.describe('above linear', 'below linear')})")
         name = attention + (f" (kv_lora_rank {rank})" if rank else "")
         out.append(f"Scaling efficiency of {name} under {setup} (per-GPU tokens/s against one GPU, medians): "
-                   f"{', '.join(parts)}.")
+                   f"{', '.join(parts)}." + contention_note(*by_n.values()))
     return out
 
 
@@ -137,7 +167,7 @@ def decode_speed(rs: ResultsSet) -> list[str]:
                 by[(r.source, width)][m.point.context].append((r, m))
     out = []
     for (source, width), contexts in by.items():
-        parts, judged, cpu = [], False, False
+        parts, judged, cpu, rows_seen = [], False, False, {}
         for context, items in contexts.items():
             mha = {m.point.batch: m for r, m in items if r.attention == "mha"}
             mla = sorted(((r, m) for r, m in items if r.attention == "mla"), key=lambda x: x[0].compression_ratio)
@@ -145,8 +175,11 @@ def decode_speed(rs: ResultsSet) -> list[str]:
                 continue
             cpu |= any(r.result.device.type == "cpu" for r, _ in items)
             cmps = [(r, m, mha.get(m.point.batch) or mha[max(mha)]) for r, m in mla]
-            cmps = [(r, m, ref, compare(m.decode, ref.decode)) for r, m, ref in cmps]
-            judged |= not all(c.reason for *_, c in cmps)
+            mha_rows = {m.point.batch: r for r, m in items if r.attention == "mha"}
+            cmps = [(r, m, ref, compare(m.decode, ref.decode), mha_rows[ref.point.batch]) for r, m, ref in cmps]
+            judged |= not all(c.reason for *_, c, _ in cmps)
+            cmps = [(r, m, ref, gated(c, r, ref_row)) for r, m, ref, c, ref_row in cmps]
+            rows_seen.update({id(x[0]): x[0] for x in items})
             refs = "; ".join(f"batch {b:,}: {_rate(mha[b].decode)}" for b in sorted({ref.point.batch for *_, ref, _ in cmps}))
             parts.append(f"context {context:,} (MHA {refs}): " + "; ".join(
                 f"kv_lora_rank {r.kv_lora_rank}" + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
@@ -155,7 +188,7 @@ def decode_speed(rs: ResultsSet) -> list[str]:
             continue
         where = ", ".join(([source] if rs.multi else []) + ([f"intermediate_size {width}"] if width else []))
         head = "Decode throughput, MLA against MHA" + (f" ({where})" if where else "") + ": "
-        text = head + (". ".join(parts) if judged else NO_SPREAD) + "."
+        text = head + (". ".join(parts) if judged else NO_SPREAD) + "." + contention_note(*rows_seen.values())
         out.append(text + (" " + CPU_CAVEAT if cpu else ""))
     return out
 

@@ -6,7 +6,6 @@ autoescaping in HTML, by :func:`md_escape` in markdown, and against spreadsheet 
 from __future__ import annotations
 
 import base64
-import html
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -72,12 +71,17 @@ def _sources(rs: ResultsSet) -> list[dict]:
 
 
 _MD_SPECIAL = re.compile(r"([\\`*\[\]|#])")
+_ENTITY = re.compile(r"&(?=#?\w+;)")  # an & that a renderer would read as the start of an entity
 
 
 def md_escape(s: object) -> str:
-    """Inline-safe markdown: HTML escaped (renderers pass raw HTML through), markup characters quoted."""
-    text = html.escape(str(s), quote=False).replace("\r", " ").replace("\n", " ")
-    return _MD_SPECIAL.sub(r"\\\1", text)
+    """Inline-safe markdown, readable as plain text: ``<`` (which opens raw HTML, passed through by
+    renderers) and an ``&`` that would start an entity are escaped; ``>`` opens nothing inline and stays
+    as written (``runs > 1``), quoted only at the start, where it would open a quote; markup characters
+    are quoted."""
+    text = _ENTITY.sub("&amp;", str(s)).replace("<", "&lt;").replace("\r", " ").replace("\n", " ")
+    text = _MD_SPECIAL.sub(r"\\\1", text)
+    return "\\" + text if text.startswith(">") else text
 
 
 def md_table(t: Table) -> str:

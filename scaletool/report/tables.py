@@ -171,18 +171,19 @@ def train_table(rs: ResultsSet) -> Table | None:
         peak, est = s.peak_memory_bytes, train_analytic_memory(r)
         return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
                  r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
-                 s.loss_first, s.loss_last, s.steps_measured, s.timing.warmup_steps_excluded]]
+                 s.loss_first, s.loss_last, s.steps_measured, s.timing.warmup_steps_excluded, r.contended_runs()[0]]]
     cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
             *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
             Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
             Column("analytic", "bytes", "peak memory"), Column("measured vs analytic", "pct", "peak memory"),
             Column("first", "float", "loss"), Column("last", "float", "loss"), Column("measured", "int", "steps"),
-            Column("warm-up excluded", "int", "steps")]
+            Column("warm-up excluded", "int", "steps"), Column("contended", "int", "runs")]
     return _table(rs, "train", "Training", cols, rs.ok("train"), cells,
                   TIMING_NOTE + "Warm-up steps are excluded by rule (at least measure_warmup_steps, then until the "
                   "step time settles). MFU causal counts half the T² attention scores (Megatron's convention, ours); "
                   "full attention counts all of them (torchtitan's); blank where the device has no known peak "
-                  "(CPU). Threads: CPU intra-op threads. Peak memory is the allocator's peak.")
+                  "(CPU). Threads: CPU intra-op threads. Peak memory is the allocator's peak. Contended runs: runs whose "
+                  "timed steps waited for a CPU that another process held (no difference involving them is called).")
 
 
 def scaling_groups(rs: ResultsSet) -> dict[tuple, dict[int, Row]]:

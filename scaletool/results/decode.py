@@ -49,6 +49,8 @@ class DecodePoint(_Part):
     decode_bandwidth_bytes_per_s: float | None = None
     decode_bandwidth_fraction_of_peak: float | None = None
     memory_peak_allocated_bytes: int | None = None
+    # the timed steps' contention: {contended, contended_steps, sampled_steps, contention/... medians}
+    contention: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -65,6 +67,7 @@ class DecodeDevice(_Part):
 class DecodeTiming(_Part):
     clock: str  # what measured each step
     rule: str  # which samples were excluded as warm-up
+    contention: str | None = None  # the rule that flags a contended step (scaletool.measure.contention)
 
 
 class MemoryFitRow(_Part):

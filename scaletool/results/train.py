@@ -39,6 +39,7 @@ class History(_Part):
     grad_norm: list[float | None] = Field(default_factory=list)
     lr: list[float | None] = Field(default_factory=list)
     step_time_s: list[float | None] = Field(default_factory=list)  # None where per-step timing was off
+    contended: list[bool | None] = Field(default_factory=list)  # by scaletool.measure.contention's rule; None: unknown
 
 
 class Timing(_Part):
@@ -108,6 +109,8 @@ class TrainResult(Result):
     out_dir: str | None = None
     engine: str | None = None
     measure: bool | None = None
+    # {contended, contended_steps, sampled_steps, rule} over the measured steps (scaletool.measure.contention)
+    contention: dict[str, Any] | None = None
     step_time_s: dict[str, float | None] | None = None  # mean/median/min/max of the measured steps
     flops_per_token: dict[str, Any] | None = None
     hardware: dict[str, Any] | None = None

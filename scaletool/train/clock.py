@@ -29,11 +29,11 @@ class Clock:
     """Step durations (a :class:`~scaletool.measure.timing.StepTimer`) and the measured window of one
     training process; ``per_step=False`` (``--no-measure``) keeps the window only."""
 
-    def __init__(self, device: torch.device, per_step: bool):
+    def __init__(self, device: torch.device, per_step: bool, probe=None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.per_step = per_step
-        self._steps = StepTimer(device)
+        self._steps = StepTimer(device, probe if per_step else None)
         self.begin: float | None = None  # perf_counter at the start of the measured window
         self.end: float | None = None
         self.excluded_s = 0.0  # unmeasured time inside the window
@@ -56,6 +56,11 @@ class Clock:
     def fetch(self, n: int) -> list[float | None]:
         """Seconds of each of the ``n`` steps marked since the last fetch (may wait for the device)."""
         return self._steps.fetch() if self.per_step else [None] * n
+
+    @property
+    def contention(self) -> list[dict]:
+        """The probe's sample for each step of the last fetch (empty without per-step timing or a probe)."""
+        return self._steps.contention if self.per_step else []
 
     def start_window(self) -> None:
         self.begin = time.perf_counter()

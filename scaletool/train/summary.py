@@ -18,7 +18,7 @@ import importlib
 import os
 import platform
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from scaletool import analytic
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
 from scaletool.kinds.engines import engine_kind
+from scaletool.measure.contention import GPU_THROTTLED_MAX, RULE, summarize
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.results.train import History, Segment, Timing, TrainResult, timing_of
@@ -95,6 +96,7 @@ class RunRecord:
     peak: Peak
     flops: dict
     threads: int | None
+    contention: dict[int, dict] = field(default_factory=dict)  # step -> the probe's sample (this rank's)
 
 
 def _segment(r: RunRecord, seg: dict, current: bool) -> Segment:
@@ -205,6 +207,18 @@ def build_result(r: RunRecord) -> TrainResult:
         "loss/first": losses[0] if losses else None, "loss/last": losses[-1] if losses else None,
     }
     measured = _measured_times(hist, seg)
+    first = seg.start_step + (seg.timing.warmup_steps_excluded if seg.timing else 0)
+    samples = [c for st, c in sorted(r.contention.items()) if first <= st < seg.end_step]
+    contention = summarize(samples) if samples else {}
+    gpu = [x.get("nvml") or {} for x in r.reports]
+    others = [g["contention/gpu_other_processes_max"] for g in gpu if g.get("contention/gpu_other_processes_max") is not None]
+    throttled = [g["contention/gpu_throttled_share"] for g in gpu if g.get("contention/gpu_throttled_share") is not None]
+    if others or throttled:  # a card shared with another process, or slowed by power or heat, is contended too
+        contention["contention/gpu_other_processes_max"] = max(others, default=None)
+        contention["contention/gpu_throttled_share"] = max(throttled, default=None)
+        if max(others, default=0) > 0 or max(throttled, default=0) > GPU_THROTTLED_MAX:
+            contention["contention/contended"] = True
+    metrics.update({k: float(v) if isinstance(v, bool) else v for k, v in contention.items()})
     return TrainResult(
         status=r.status, message=r.message,
         tokens_per_s=seg.tokens_per_s, tokens_per_s_spread=rate_spread.ratio_spread if rate_spread else None,
@@ -224,6 +238,9 @@ def build_result(r: RunRecord) -> TrainResult:
         memory=memory, prediction=prediction, nvml={"per_rank": [dict(x["nvml"], rank=x["rank"]) for x in r.reports]},
         environment=environment(r.env, r.reports, r.recipe.parallel.engine), elastic=elastic(r.reports),
         recipe=r.recipe.to_dict(),
+        contention={"contended": bool(contention.get("contention/contended")),
+                    "contended_steps": contention.get("contention/contended_steps"),
+                    "sampled_steps": contention.get("contention/sampled_steps"), "rule": RULE} if contention else None,
     )
 
 
@@ -278,7 +295,8 @@ def headline(s: TrainResult) -> str:
     elif s.tokens_per_s:
         parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
     if m.get("flops/achieved_tflops_per_gpu"):
-        parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s/GPU")
+        # per rank: a GPU, or on the CPU a process (its threads)
+        parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s per {'process' if s.threads else 'GPU'}")
     if s.mfu is not None:
         parts.append(f"MFU {100 * s.mfu:.1f}% causal, {100 * (s.mfu_full_attention or 0):.1f}% full attention")
     if s.peak_memory_bytes:
@@ -286,6 +304,11 @@ def headline(s: TrainResult) -> str:
                      f" GiB, {100 * m['memory/analytic_rel_error']:+.1f}%)")
     if s.threads:
         parts.append(f"{s.threads} CPU thread{'s' if s.threads > 1 else ''}")
+    c = s.contention or {}
+    if c.get("contended"):
+        why = (f"{c['contended_steps']} of {c['sampled_steps']} measured steps waited for a CPU another process held"
+               if c.get("contended_steps") else "another process on the GPU, or the GPU throttled")
+        parts.append(f"CONTENDED: {why} (compare no figure of this run)")
     return "; ".join(parts)
 
 

@@ -33,6 +33,7 @@ from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
 from scaletool.errors import cannot_write, describe
+from scaletool.measure.contention import Probe, is_contended
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter, WandbOptions
 from scaletool.measure.nvml import NvmlSampler
@@ -151,6 +152,9 @@ class Trainer:
         state = self.start.state
         self.history: dict[str, list] = state.get("history") or {k: [] for k in
                                                                    ("step", "loss", "grad_norm", "lr", "step_time_s")}
+        # whether each step was contended (None: not known, as in a checkpoint from before contention was recorded)
+        self.history.setdefault("contended", [None] * len(self.history["step"]))
+        self.contention_samples: dict[int, dict] = {}
         # earlier processes' segments; a checkpoint from before segments were recorded is one segment
         self.segments = state.get("segments") or ([{"start_step": 0, "end_step": self.start_step}] if state else [])
         self.segment = {"start_step": self.start_step, "end_step": self.start_step,
@@ -179,7 +183,7 @@ class Trainer:
         self.sampler = NvmlSampler(env.device.index if on else None, device_uuid(env.device) if on else None)
         if cuda and not self.measure:
             self.sampler.note = "measurement off: NVML sampling off"
-        self.clock = Clock(env.device, per_step=self.measure)
+        self.clock = Clock(env.device, per_step=self.measure, probe=Probe(self.threads))
         self.measure_start = self.start_step + t.measure_warmup_steps
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
         self.resident: int | None = None  # allocated between steps once warm: states and engine buffers
@@ -268,14 +272,22 @@ class Trainer:
         norm_vals = (torch.stack([n.float() for n in norms]).tolist() if all(n is not None for n in norms)
                      else [None] * len(norms))
         times = self.clock.fetch(len(self.pending))
+        samples = self.clock.contention
+        samples = samples if len(samples) == len(times) else [None] * len(times)
         bad = None
-        for (s, _, _, lr), loss, norm, dt in zip(self.pending, losses.tolist(), norm_vals, times):
-            for key, value in (("step", s), ("loss", loss), ("grad_norm", norm), ("lr", lr), ("step_time_s", dt)):
+        for (s, _, _, lr), loss, norm, dt, c in zip(self.pending, losses.tolist(), norm_vals, times, samples):
+            flag = None if c is None else is_contended(c)
+            if c is not None:
+                self.contention_samples[s] = c
+            for key, value in (("step", s), ("loss", loss), ("grad_norm", norm), ("lr", lr), ("step_time_s", dt),
+                               ("contended", flag)):
                 self.history[key].append(value)
             if self.measure:
-                self.writer.scalars(s, {"loss/train": loss, "grad/norm": norm, "lr/lr": lr, "time/step_s": dt,
-                                        "throughput/tokens_per_s": self.tokens_per_step / dt if dt else None},
-                                    echo=s == self.pending[-1][0])
+                row = {"loss/train": loss, "grad/norm": norm, "lr/lr": lr, "time/step_s": dt,
+                       "throughput/tokens_per_s": self.tokens_per_step / dt if dt else None}
+                if c is not None:
+                    row.update({f"contention/{k}": v for k, v in c.items()}, **{"contention/contended": float(flag)})
+                self.writer.scalars(s, row, echo=s == self.pending[-1][0])
             if bad is None and not math.isfinite(loss):
                 bad = s
         self.pending.clear()
@@ -332,7 +344,7 @@ class Trainer:
             tokens_per_step=self.tokens_per_step, measure=self.measure, window_s=self.clock.window_s,
             checkpoint_s=self.checkpoint_s, unmeasured_s=self.clock.excluded_s,
             reports=gather_reports(report, self.env, collective), peak=self.peak, flops=self.flops,
-            threads=self.threads)
+            threads=self.threads, contention=getattr(self, "contention_samples", {}))
         result = build_result(record)
         if collective:
             for cb in self.callbacks:

@@ -18,6 +18,8 @@ from scaletool import api
 from scaletool.cli import main
 from scaletool.errors import RecipeError
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 FIXTURE = Path(__file__).resolve().parents[1] / "report" / "fixtures" / "tiny"
 
 
@@ -142,7 +144,7 @@ def test_a_result_file_on_a_device_or_fifo_is_written_into_never_replaced(tmp_pa
     os.mkfifo(fifo)
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE, text=True)
     ok = CliRunner().invoke(main, ["--result-file", str(fifo), "estimate", "tiny", "--json"])
-    assert ok.exit_code == 0 and json.loads(reader.communicate(timeout=30)[0]) == json.loads(ok.stdout)
+    assert ok.exit_code == 0 and json.loads(reader.communicate(timeout=300)[0]) == json.loads(ok.stdout)
     assert fifo.is_fifo()
 
 

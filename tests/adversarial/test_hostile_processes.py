@@ -6,8 +6,10 @@ import pytest
 from hostile import RECIPES, assert_process_refused, run_scaletool
 from test_hostile_recipes import alias_bomb
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 # a child that gets past validation would walk 9^9 values: far longer than this, and gigabytes
-TIMEOUT_S = 60
+TIMEOUT_S = 300
 
 
 @pytest.mark.parametrize("files, args, expected", [

@@ -15,6 +15,8 @@ from conftest import RECIPES, ROOT
 
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 SCRIPT = ROOT / "recipes" / "benchmarks" / "peers" / "torchtitan_train.py"
 spec = importlib.util.spec_from_file_location("torchtitan_train", SCRIPT)
 peer = importlib.util.module_from_spec(spec)

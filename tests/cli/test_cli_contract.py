@@ -13,6 +13,8 @@ from conftest import ROOT
 
 from scaletool.cli import COMMANDS, main
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 #: command modules that still import torch at module level (their owners move the imports into the
 #: functions that run); an entry no longer needed fails test_pending_entries_are_still_needed. Keep empty.
 HEAVY_AT_IMPORT_PENDING: set[str] = set()
@@ -159,7 +161,7 @@ def test_several_recipe_problems_are_one_line_each():
 
 def test_a_real_process_writes_the_error_line_to_stderr_only():
     res = subprocess.run([sys.executable, "-m", "scaletool", "hardware", "--frobnicate"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+                         text=True, timeout=300, cwd=ROOT)
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr.splitlines() == ["error: no such option '--frobnicate'; try 'python -m scaletool hardware --help'"]
 

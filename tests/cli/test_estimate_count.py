@@ -16,6 +16,8 @@ from scaletool.cli import main
 from scaletool.cli.estimate import MEMORY_COLUMNS, UNITS, memory_table, memory_unit
 from scaletool.results import load_result
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 
 def cli_json(*args: str) -> dict:
     res = CliRunner().invoke(main, [*args, "--json"])

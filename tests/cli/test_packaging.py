@@ -21,6 +21,8 @@ from conftest import RECIPES, ROOT
 from scaletool import resources
 from scaletool.errors import RecipeError
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 # The tree a build needs, without what is large or written by runs.
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", "benchmarks",
                                  ".pytest_cache", ".ruff_cache")
@@ -31,6 +33,7 @@ import json, scaletool
 from scaletool import resources
 from scaletool.measure.hardware import peak_for
 from scaletool.sweep.spec import load_sweep
+
 p = peak_for("cuda", "NVIDIA H100 80GB HBM3", "bf16")
 print(json.dumps({"package": scaletool.__file__, "llama3-8b": str(resources.find_recipe("llama3-8b")),
                   "quickstart": str(load_sweep("quickstart").path), "peak": [p.tflops, p.profile, p.source],

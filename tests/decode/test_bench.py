@@ -1,8 +1,6 @@
 """The decode benchmark's procedure: warm-up per point, timing samples, sizing and the memory refusal."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from conftest import RECIPES
@@ -15,42 +13,51 @@ from scaletool.decode.sizing import check_memory, memory_fit
 from scaletool.errors import RecipeError
 from scaletool.model.attention import DecodeMode
 
-COLD_S = 0.4  # what a cold first call costs in the test below: far above a tiny model's warm step (~1 ms)
+COLD_S = 1000.0  # what a cold first call costs on the fake clock below
+WARM_S = 0.001  # and every other call
 
 
-def _cold_per_shape(model):
-    """Make the first call of every input shape slow, as first kernel launches, autotuning and lazy
-    allocations are: a point that times such a call reports the cold cost instead of the model's."""
+def _cold_per_shape(model, clock, calls):
+    """Make the first call of every input shape cost COLD_S on ``clock`` (first kernel launches, autotuning and
+    lazy allocations do that), every other call WARM_S; ``calls`` logs (shape, cold) in order."""
     seen, step = set(), model.step
 
     def slow_first(tokens, *args, **kwargs):
-        if tokens.shape not in seen:
-            seen.add(tokens.shape)
-            time.sleep(COLD_S)
+        cold = tokens.shape not in seen
+        seen.add(tokens.shape)
+        calls.append((tuple(tokens.shape), cold))
+        clock.advance(COLD_S if cold else WARM_S)
         return step(tokens, *args, **kwargs)
 
     model.step = slow_first
     return model
 
 
-def test_every_point_is_warmed_before_it_is_timed_so_no_point_is_cold():
+def test_every_point_is_warmed_before_it_is_timed_so_no_point_is_cold(fake_clock):
     """Contexts 64,32,64 once gave prefill 151 tokens/s at the first point and 49.5k at the third.
 
-    The mechanism, not CPU speed: a cold cost 100× a warm call lands in every point's excluded
-    warm-up and never in a timed sample (the first and third points then differ by CPU noise only).
+    The mechanism: every point runs its excluded warm-up (one prefill, ``warmup_steps`` decode steps) before
+    its timed samples, so a cold call lands in a warm-up and never in a timed sample. The step timer reads a
+    fake clock that only the model's calls move: the samples say exactly which calls fell into them.
     """
     cfg, model, _ = tiny_model("mla")
+    calls = []
     s = DecodeSettings(batches=(1,), contexts=(64, 32, 64), new_tokens=4, warmup_steps=1, prefill_repeats=3)
-    res = run_decode(cfg, _cold_per_shape(model), s, budget_bytes=None)
+    res = run_decode(cfg, _cold_per_shape(model, fake_clock, calls), s, budget_bytes=None)
     assert [p.context for p in res.points] == [64, 32, 64]
+    # per point, in order: 1 warm-up + 3 timed prefills, then 1 warm-up + 4 timed decode steps
+    assert [shape for shape, _ in calls] == [shape for n in (64, 32, 64) for shape in [(1, n)] * 4 + [(1, 1)] * 5]
+    # the cold calls: the first prefill of contexts 64 and 32 and the first decode step: each a warm-up call
+    cold_at = [i for i, (_, cold) in enumerate(calls) if cold]
+    assert cold_at == [0, 4, 9]
     for p in res.points:
-        # the cold call fell into the excluded warm-up runs, never into the timed samples
-        assert p.prefill_s.n >= 2 and p.prefill_s.p90 < COLD_S / 4, p.prefill_s
-        assert p.decode_step_s.p90 < COLD_S / 4, p.decode_step_s
-        assert p.prefill_runs_excluded >= 1 and p.warmup_steps_excluded >= 1
+        assert p.prefill_runs_excluded == 1 and p.warmup_steps_excluded == 1
+        # the timed samples hold warm calls only: exactly one each
+        assert p.prefill_s.n == 3 and p.prefill_s.p90 == pytest.approx(WARM_S), p.prefill_s
+        assert p.decode_step_s.n == 4 and p.decode_step_s.p90 == pytest.approx(WARM_S), p.decode_step_s
 
 
-def test_a_slow_start_beyond_the_minimum_warm_up_is_excluded_by_rule():
+def test_a_slow_start_beyond_the_minimum_warm_up_is_excluded_by_rule(fake_clock):
     cfg, model, _ = tiny_model("mqa")
     calls = {"n": 0}
     step = model.step
@@ -58,16 +65,16 @@ def test_a_slow_start_beyond_the_minimum_warm_up_is_excluded_by_rule():
     def slow_start(tokens, *args, **kwargs):  # the first 3 decode steps are slow, the minimum excludes 1
         if tokens.shape[1] == 1:
             calls["n"] += 1
-            if calls["n"] <= 3:
-                time.sleep(0.5)
+        fake_clock.advance(0.5 if tokens.shape[1] == 1 and calls["n"] <= 3 else WARM_S)
         return step(tokens, *args, **kwargs)
 
     model.step = slow_start
     s = DecodeSettings(batches=(2,), contexts=(16,), new_tokens=12, warmup_steps=1, prefill_repeats=1)
     (p,) = run_decode(cfg, model, s, budget_bytes=None).points
-    # all three slow steps are out (a noisy fast one right after them may be too: the rule is one-sided)
-    assert 3 <= p.warmup_steps_excluded <= 6 and p.decode_step_s.n == 13 - p.warmup_steps_excluded
-    assert p.decode_step_s.p90 < 0.25
+    assert calls["n"] == 13
+    # the minimum (1) and the two slow steps after it are out by the settled-level rule; the rest are timed
+    assert p.warmup_steps_excluded == 3 and p.decode_step_s.n == 10
+    assert p.decode_step_s.p90 == pytest.approx(WARM_S)
 
 
 def test_batches_and_max_resolve_per_context_and_max_needs_a_budget():

@@ -69,6 +69,7 @@ def test_greedy_generate_continues_with_the_forward_pass_argmax(label):
     assert torch.equal(out[:, 7:], teacher[:, 6:])
 
 
+@pytest.mark.slow  # among the slowest of the rest (tens of seconds on a busy 2-core machine)
 def test_sampling_is_seeded_and_top_k_limits_the_choices():
     cfg, model, _ = tiny_model("mla")
     prompt = torch.randint(0, cfg.vocab_size, (4, 5), generator=torch.Generator().manual_seed(4))

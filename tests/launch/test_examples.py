@@ -6,12 +6,16 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 from conftest import ROOT
 
 from scaletool.cli import main
 from scaletool.launch.commands import LaunchSpec, read_hostfile
 from scaletool.launch.slurm import TEMPLATE
+
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 
 LAUNCH = ROOT / "launch"
 # The command that wrote launch/slurm-two-node.sbatch (docs/launch.md, "Launching on clusters").

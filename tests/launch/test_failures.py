@@ -15,6 +15,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from scaletool.launch.failures import child_failure_lines, describe, rank_label, rendezvous_failure_line
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 GLOO_RESET = ("\n[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
               "[127.0.0.1]:60045: Connection reset by peer. This is typically caused by a remote worker hanging "
               "or bugs in the application. Check the logs of the remote worker before reporting an error. GLHF!")

@@ -37,6 +37,7 @@ def test_counters_agree_with_the_full_convention(name, device):
     assert f["fvcore"]["by_operator"]["scaled_dot_product_attention"] > 0
 
 
+@pytest.mark.slow  # among the slowest of the rest (tens of seconds on a busy 2-core machine)
 @pytest.mark.parametrize("path", MODEL_RECIPES, ids=lambda p: p.name)
 def test_shipped_recipes_within_one_percent(path):
     r = load_recipe(path)

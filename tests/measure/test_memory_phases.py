@@ -11,6 +11,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 DRIVER = ROOT / "recipes" / "benchmarks" / "memory_phases.py"
 RESULT = ROOT / "recipes" / "benchmarks" / "results" / "memory-phases-h200x2.json"
 

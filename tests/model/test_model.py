@@ -203,6 +203,7 @@ def test_learned_positions_cannot_grow_but_computed_tables_do():
     assert build_model(small(position_encoding="alibi"), seed=0).extend_positions(10**4) is None  # no table at all
 
 
+@pytest.mark.slow  # among the slowest of the rest (tens of seconds on a busy 2-core machine)
 @pytest.mark.parametrize("name", ["mha", "mla"])
 def test_regression_task(name):
     torch.manual_seed(0)

@@ -254,6 +254,7 @@ def test_segment_matmul_loop_handles_empty_and_all_in_one_segments():
     assert segment_matmul(torch.empty(8, 6, device="meta"), w.to("meta"), c.to("meta"), "loop").shape == (8, 5)
 
 
+@pytest.mark.slow  # among the slowest of the rest (tens of seconds on a busy 2-core machine)
 def test_dropless_grouped_path_captures_in_one_graph():
     """No host sync and no data-dependent shapes on the grouped path: Dynamo captures it in one graph
     with no break, where the loop path (the reference, which reads the counts) breaks at every

@@ -16,6 +16,8 @@ from report_browser import Browser, find_chromium
 
 from scaletool import api
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WIDTH = 1400
 

@@ -256,6 +256,7 @@ def test_the_report_draws_the_section(tmp_path):
     assert sum(f.startswith("Claim “") for f in res.findings) == 4
 
 
+@pytest.mark.slow  # among the slowest of the rest (tens of seconds on a busy 2-core machine)
 def test_a_real_monitored_run_is_read(tmp_path):
     """The monitor's own keys and summary, from a real (tiny, CPU) run, reach the table."""
     out = tmp_path / "run"

@@ -39,7 +39,7 @@ def marked(mark: str) -> list[int]:
     return out
 
 
-def wait_for(cond, timeout: float = 60.0, step: float = 0.05):
+def wait_for(cond, timeout: float = 180.0, step: float = 0.05):
     """Poll ``cond()`` until it is truthy; its value, or None at the deadline."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

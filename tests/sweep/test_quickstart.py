@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 from scaletool import threads
+
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 
 
 def test_quickstart_sweeps_trains_and_reports(tmp_path):

@@ -16,6 +16,8 @@ from conftest import RECIPES, ROOT, run_cli
 from scaletool.sweep.runner import classify
 from scaletool.sweep.store import RESULTS_FILE
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 AS_MHA = {"model.attention": "mha", "model.kv_lora_rank": 0, "model.qk_nope_head_dim": None,
           "model.qk_rope_head_dim": None, "model.v_head_dim": None}
 
@@ -85,10 +87,10 @@ def test_raising_and_killed_points_are_recorded_and_the_rest_continue(tmp_path):
     assert summary["status_counts"] == {"ok": 1, "skipped": 0, "oom": 0, "timeout": 0, "error": 2}
 
     # nothing left to do on a plain rerun; --retry-failed would redo exactly the two failures
-    res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", timeout=60)
+    res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", timeout=300)
     runs = json.loads(res.stdout)["runs"]
     assert [r["will_run"] for r in runs] == [False] * 3
-    res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", "--retry-failed", timeout=60)
+    res = run_cli("sweep", str(sweep), "-o", str(out), "--dry-run", "--json", "--retry-failed", timeout=300)
     assert [r["will_run"] for r in json.loads(res.stdout)["runs"]] == [True, True, False]
 
 
@@ -116,7 +118,7 @@ def test_resume_after_killing_the_sweep_loses_and_duplicates_nothing(tmp_path):
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=300)
     before = _lines(out)  # every line parses: no torn write
     assert 3 <= len(before) < 6
 

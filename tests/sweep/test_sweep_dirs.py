@@ -20,6 +20,8 @@ from scaletool.results.sweep import SweepSummary
 from scaletool.sweep.lock import LOCK_FILE, results_lock
 from scaletool.sweep.store import RESULTS_FILE
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 HOLD = ("import sys, time; from pathlib import Path; from scaletool.sweep.lock import results_lock\n"
         "with results_lock(Path(sys.argv[1]), what='scaletool sweep other'):\n"
         "    print('held', flush=True); time.sleep(600)\n")

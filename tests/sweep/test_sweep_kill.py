@@ -41,7 +41,7 @@ def test_killing_the_sweep_kills_every_rank_and_a_rerun_completes(tmp_path, sig)
                             env={**os.environ, MARK: mark}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ranks = wait_for(lambda: len(_ranks(mark)) >= 2 and _ranks(mark), timeout=180)
-        assert ranks, f"the ranks never started: {proc.communicate(timeout=30)}"
+        assert ranks, f"the ranks never started: {proc.communicate(timeout=300)}"
         # the case the supervisor exists for: torchrun starts each rank in a session of its own
         assert all(os.getsid(r) != os.getsid(proc.pid) and os.getsid(r) == r for r in ranks)
         proc.send_signal(sig)
@@ -52,7 +52,7 @@ def test_killing_the_sweep_kills_every_rank_and_a_rerun_completes(tmp_path, sig)
     assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig), stderr
     if sig != signal.SIGKILL:
         assert f"stopped by {sig.name}" in stderr and "Traceback" not in stderr
-    assert wait_for(lambda: not marked(mark), timeout=30), f"survivors: {marked(mark)}"
+    assert wait_for(lambda: not marked(mark), timeout=300), f"survivors: {marked(mark)}"
     assert not (out / "results.jsonl").exists()  # the interrupted run recorded nothing
 
     if sig == signal.SIGKILL:  # the hardest case (no handler ran); the others leave the same state behind

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 
+import pytest
 from click.testing import CliRunner
 from sweep_helpers import AS_MHA, lines, write_sweep
 
@@ -12,18 +13,26 @@ from scaletool import threads
 from scaletool.cli import main
 from scaletool.sweep.pool import Launch, Pool, thread_env
 
-# What a run sees of its share, written as JSON; it waits a little so that two runs overlap.
-PROBE = ("import json, os, sys, time; t0 = time.time(); time.sleep(0.5)\n"
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
+
+# What a run sees of its share, written as JSON. It marks that it started and waits (up to 300 s) for the
+# run named in argv[2] to have started too: both seeing the other's mark proves they ran at the same time.
+PROBE = ("import json, os, pathlib, sys, time\n"
+         "pathlib.Path(sys.argv[1]).touch(); other = sys.argv[2]; deadline = time.monotonic() + 300\n"
+         "while other and not os.path.exists(other) and time.monotonic() < deadline: time.sleep(0.01)\n"
          "print(json.dumps({'cpus': sorted(os.sched_getaffinity(0)), 'omp': os.environ.get('OMP_NUM_THREADS'),"
          " 'share': os.environ.get('SCALETOOL_CPU_THREADS'), 'gpus': os.environ.get('CUDA_VISIBLE_DEVICES'),"
-         " 't0': t0, 't1': time.time()}))\n")
+         " 'met': bool(other) and os.path.exists(other)}))\n")
 
 
 def test_the_pool_gives_parallel_runs_disjoint_cores_and_gpu_slices(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv(threads.SHARE_ENV, raising=False)
-    launches = [Launch([sys.executable, "-c", PROBE], tmp_path / f"{i}.out", tmp_path / f"{i}.err", 60, ranks=1,
-                       gpus_needed=need) for i, need in enumerate((2, 2, 0))]
+    marks = [str(tmp_path / f"{i}.started") for i in range(3)]
+    partner = [marks[1], marks[0], ""]
+    launches = [Launch([sys.executable, "-c", PROBE, marks[i], partner[i]], tmp_path / f"{i}.out",
+                       tmp_path / f"{i}.err", 600, ranks=1, gpus_needed=need) for i, need in enumerate((2, 2, 0))]
     with Pool(2, gpus=["0", "1", "2", "3"], assign_gpus=True) as pool:
         started = [pool.start(launches[0]), pool.start(launches[1])]
         assert not pool.fits(2) and not pool.fits(0)  # both slots busy
@@ -42,7 +51,7 @@ def test_the_pool_gives_parallel_runs_disjoint_cores_and_gpu_slices(tmp_path, mo
     assert seen[0]["omp"] == seen[1]["omp"] == seen[0]["share"] == str(max(1, cores // 2))
     if len(os.sched_getaffinity(0)) >= 2:  # pinned to disjoint cores
         assert set(seen[0]["cpus"]).isdisjoint(seen[1]["cpus"]) and len(seen[0]["cpus"]) == cores // 2
-    assert seen[0]["t0"] < seen[1]["t1"] and seen[1]["t0"] < seen[0]["t1"]  # they ran at the same time
+    assert seen[0]["met"] and seen[1]["met"]  # each saw the other started: they ran at the same time
 
 
 def test_ranks_of_a_run_divide_its_share_and_an_explicit_omp_wins(monkeypatch):

@@ -10,11 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from sweep_helpers import AS_MHA, lines, write_sweep
 
 from scaletool.cli import main
 from scaletool.sweep.slurm import SLURM_DIR, SUBMISSIONS, array_spec
+
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 
 SQUEUE_OUT = "squeue.out"  # what the squeue stand-in prints
 

@@ -19,6 +19,8 @@ from scaletool.results import base, registered
 from scaletool.results.sweep import SweepRecord, load_record
 from scaletool.sweep.store import RESULTS_FILE, append_record, load_records, read_records
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 GOOD = {"key": "k1", "point_id": "p1", "mode": "estimate", "sweep": "s", "index": 0, "label": "base",
         "status": "ok", "result": json.loads(api.estimate(ROOT / "recipes" / "tiny.yaml").to_json())}
 

@@ -20,6 +20,8 @@ from scaletool.errors import RecipeError
 from scaletool.model import build_model
 from scaletool.train.checkpoint import MARKER, load_model_weights
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 SETS = ["train.steps=4", "train.checkpoint_every=2", "train.measure_warmup_steps=1"]
 

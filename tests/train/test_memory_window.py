@@ -13,6 +13,8 @@ from scaletool import analytic
 from scaletool.config import load_recipe
 from scaletool.train.summary import _memory
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -17,6 +17,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from scaletool.launch.failures import child_failure_lines
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 
 

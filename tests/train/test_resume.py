@@ -10,6 +10,8 @@ from click.testing import CliRunner
 
 from scaletool.cli import main
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 BASE = ["train.checkpoint_every=4", "train.measure_warmup_steps=1"]
 

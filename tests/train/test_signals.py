@@ -13,6 +13,8 @@ import pytest
 
 from scaletool import api
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 ENDLESS = ["train.steps=100000", "train.log_every=1", "train.checkpoint_every=3", "train.measure_warmup_steps=1"]
 

@@ -29,6 +29,8 @@ from scaletool.errors import RecipeError
 from scaletool.model import build_model
 from scaletool.train.checkpoint import load_model_weights
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 WORKER = str(Path(__file__).with_name("tp_worker.py"))
 COMMON = ["train.steps=3", "train.measure_warmup_steps=1"]

@@ -14,6 +14,8 @@ from scaletool.cli import main
 from scaletool.config import load_recipe
 from scaletool.train.callbacks import Callback
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = str(RECIPES / "tiny.yaml")
 FAST = ["train.steps=6", "train.measure_warmup_steps=1"]

@@ -11,6 +11,8 @@ from scaletool.results import ResultLoadError, load_result
 from scaletool.results.train import TrainResult, load_train_summary, timing_of
 from scaletool.stats import settled_start
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 BENCH = Path(__file__).resolve().parents[2] / "recipes" / "benchmarks"
 OLD_SUMMARIES = sorted(p for p in (BENCH / "results").glob("*.json") if "loss_first" in p.read_text())
 OLD_RECORDS = [(p.name, i, rec["result"]) for p in sorted((BENCH / "sweep-results").glob("*.jsonl"))

@@ -26,6 +26,8 @@ from scaletool.train.progress import StepProgress
 from scaletool.train.resume import Resume
 from scaletool.train.trainer import TrainFailed
 
+pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
+
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 FAST = ["train.steps=6", "train.measure_warmup_steps=1"]
 

@@ -1,0 +1,174 @@
+"""Contention: whether a timed step got the machine it was timed on.
+
+Another process taking the cores for a while moves a step time as much as any change under test, and
+interleaving repeats does not remove it. Between two marks the probe reads what Linux says of the
+interval: the process's CPU time against wall × threads (``cpu_share``), how long its threads were
+runnable but waited for a CPU (``run_delay_share``, ``/proc/self/task/*/schedstat``, over wall ×
+threads), the share of the interval in which some task of the machine waited for a CPU
+(``psi_some_share``, ``/proc/pressure/cpu``), the VM's steal time (``steal_share``, ``/proc/stat``) and
+the 1-minute load average. A source the kernel does not offer is None, never a guess.
+
+The rule (:data:`RULE`): a step is contended when its threads waited for a CPU for more than
+:data:`RUN_DELAY_MAX` of wall × threads, or steal took more than :data:`STEAL_MAX` of the CPU time, or
+(where schedstat is absent) the process got under :data:`CPU_SHARE_MIN` of wall × threads while some
+task waited for a CPU more than :data:`PSI_MIN` of the time. A run is contended when more than
+:data:`RUN_STEPS_MAX` of its measured steps are, or another process held its GPU, or NVML saw the GPU
+throttled (power, thermal) in more than :data:`GPU_THROTTLED_MAX` of its samples
+(:mod:`scaletool.measure.nvml`). Contended steps are flagged, not dropped.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_DELAY_MAX = 0.10
+STEAL_MAX = 0.10
+CPU_SHARE_MIN = 0.5
+PSI_MIN = 0.5
+RUN_STEPS_MAX = 0.10
+STEAL_MIN_JIFFIES = 100
+GPU_THROTTLED_MAX = 0.10
+RULE = (f"a step is contended when its threads waited for a CPU more than {RUN_DELAY_MAX:.0%} of wall × threads "
+        f"(schedstat), or steal exceeded {STEAL_MAX:.0%}, or (without schedstat) the process got under "
+        f"{CPU_SHARE_MIN:.0%} of wall × threads while some task waited for a CPU over {PSI_MIN:.0%} of the time "
+        f"(/proc/pressure/cpu); a run is contended when more than {RUN_STEPS_MAX:.0%} of its measured steps are, "
+        f"or (NVML) another process held its GPU or the GPU was throttled (power, thermal) in more than "
+        f"{GPU_THROTTLED_MAX:.0%} of the samples")
+KEYS = ("cpu_share", "run_delay_share", "psi_some_share", "steal_share", "loadavg_1m")
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def run_delay_ns(task_dir: str = "/proc/self/task") -> int | None:
+    """Nanoseconds this process's threads have waited on a run queue (None without schedstat)."""
+    try:
+        tasks = os.listdir(task_dir)
+    except OSError:
+        return None
+    total, seen = 0, False
+    for t in tasks:
+        text = _read(f"{task_dir}/{t}/schedstat")
+        if text:
+            parts = text.split()
+            if len(parts) >= 2:
+                total += int(parts[1])
+                seen = True
+    return total if seen else None
+
+
+def psi_some_total_us(text: str | None = None) -> int | None:
+    """Microseconds in which some task waited for a CPU (``/proc/pressure/cpu``), None where absent."""
+    text = _read("/proc/pressure/cpu") if text is None else text
+    for line in (text or "").splitlines():
+        if line.startswith("some "):
+            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+            return int(fields["total"]) if "total" in fields else None
+    return None
+
+
+def psi_some_avg10(text: str | None = None) -> float | None:
+    """The kernel's 10-second average of the share of time some task waited for a CPU, in percent."""
+    text = _read("/proc/pressure/cpu") if text is None else text
+    for line in (text or "").splitlines():
+        if line.startswith("some "):
+            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+            return float(fields["avg10"]) if "avg10" in fields else None
+    return None
+
+
+def cpu_jiffies(text: str | None = None) -> tuple[int, int] | None:
+    """(all CPU time, steal time) of the machine in jiffies, from the first line of ``/proc/stat``."""
+    text = _read("/proc/stat") if text is None else text
+    if not text or not text.startswith("cpu "):
+        return None
+    vals = [int(v) for v in text.split("\n", 1)[0].split()[1:]]
+    # user nice system idle iowait irq softirq steal guest guest_nice: guest time is already in user
+    return sum(vals[:8]), vals[7] if len(vals) > 7 else 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    wall: float
+    cpu: float
+    run_delay_ns: int | None
+    psi_us: int | None
+    jiffies: tuple[int, int] | None
+
+
+def snapshot() -> Snapshot:
+    return Snapshot(time.perf_counter(), time.process_time(), run_delay_ns(), psi_some_total_us(), cpu_jiffies())
+
+
+def loadavg_1m() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def interval(a: Snapshot, b: Snapshot, threads: int) -> dict[str, float | None]:
+    """What the kernel says of the interval from ``a`` to ``b`` for a process running ``threads`` threads."""
+    wall = b.wall - a.wall
+    threads = max(1, threads)
+    if wall <= 0:
+        return dict.fromkeys(KEYS)
+    out: dict[str, float | None] = {"cpu_share": (b.cpu - a.cpu) / (wall * threads)}
+    out["run_delay_share"] = (None if a.run_delay_ns is None or b.run_delay_ns is None
+                              else (b.run_delay_ns - a.run_delay_ns) / 1e9 / (wall * threads))
+    out["psi_some_share"] = None if a.psi_us is None or b.psi_us is None else (b.psi_us - a.psi_us) / 1e6 / wall
+    steal = None  # jiffies are coarse (10 ms): judged only over a second of CPU time or more
+    if a.jiffies and b.jiffies and b.jiffies[0] - a.jiffies[0] >= STEAL_MIN_JIFFIES:
+        steal = (b.jiffies[1] - a.jiffies[1]) / (b.jiffies[0] - a.jiffies[0])
+    out["steal_share"] = steal
+    out["loadavg_1m"] = loadavg_1m()
+    return out
+
+
+def is_contended(sample: dict) -> bool:
+    """The step rule of the module docstring, on one interval's figures."""
+    delay, steal = sample.get("run_delay_share"), sample.get("steal_share")
+    if steal is not None and steal > STEAL_MAX:
+        return True
+    if delay is not None:
+        return delay > RUN_DELAY_MAX
+    cpu, psi = sample.get("cpu_share"), sample.get("psi_some_share")
+    return cpu is not None and psi is not None and cpu < CPU_SHARE_MIN and psi > PSI_MIN
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def summarize(samples: list[dict]) -> dict[str, float | int | bool | None]:
+    """Run-level metrics (namespaced keys) from the measured steps' samples: medians, counts and the run flag."""
+    flags = [is_contended(s) for s in samples]
+    out: dict = {f"contention/{k}": _median([s[k] for s in samples if s.get(k) is not None]) for k in KEYS}
+    out["contention/contended_steps"] = sum(flags)
+    out["contention/sampled_steps"] = len(flags)
+    out["contention/contended"] = bool(flags) and sum(flags) > RUN_STEPS_MAX * len(flags)
+    out["contention/psi_some_avg10"] = psi_some_avg10()
+    return out
+
+
+class Probe:
+    """Snapshots taken at a timer's marks; :meth:`between` turns two of them into an interval's figures."""
+
+    def __init__(self, threads: int | None = None):
+        if threads is None:
+            import torch
+            threads = torch.get_num_threads()
+        self.threads = threads
+
+    def snap(self) -> Snapshot:
+        return snapshot()
+
+    def between(self, a: Snapshot, b: Snapshot) -> dict[str, float | None]:
+        return interval(a, b, self.threads)

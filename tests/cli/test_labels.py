@@ -1,0 +1,44 @@
+"""Figures carry the labels they are: the rule of thumb is neither measured nor exact, one unit per
+memory figure, a CPU rank is a process, and report.md reads as plain text."""
+from __future__ import annotations
+
+from click.testing import CliRunner
+from conftest import RECIPES
+
+from scaletool.cli import main
+from scaletool.report.render import md_escape
+from scaletool.results.train import TrainResult
+from scaletool.train.summary import headline
+
+
+def test_count_puts_the_rule_of_thumb_on_a_line_naming_each_figure():
+    res = CliRunner().invoke(main, ["count", str(RECIPES / "tiny.yaml")])
+    assert res.exit_code == 0, res.output
+    (line,) = [x for x in res.output.splitlines() if "12·d²·L" in x]
+    assert line.startswith("rule of thumb 12·d²·L = ") and "non-embedding (exact)" in line
+    header = next(x for x in res.output.splitlines() if "measured" in x and "exact" in x)
+    assert "12·d²·L" not in header
+
+
+def test_estimate_states_the_recipe_memory_in_the_table_unit():
+    res = CliRunner().invoke(main, ["estimate", str(RECIPES / "deepseek-v3.yaml")])
+    assert res.exit_code == 0, res.output
+    assert "Training memory per GPU, TiB (world size 1)" in res.output
+    (line,) = [x for x in res.output.splitlines() if x.startswith("This recipe (")]
+    assert " TiB per GPU" in line and "GiB" not in line and "at the block" not in line
+    assert "(at block " in line
+
+
+def test_the_cpu_train_line_says_per_process():
+    cpu = TrainResult(status="completed", threads=2, metrics={"flops/achieved_tflops_per_gpu": 0.0164})
+    gpu = TrainResult(status="completed", metrics={"flops/achieved_tflops_per_gpu": 400.0})
+    assert "0.0164 TFLOP/s per process" in headline(cpu) and "GPU" not in headline(cpu)
+    assert "400 TFLOP/s per GPU" in headline(gpu)
+
+
+def test_markdown_escapes_what_would_render_and_keeps_the_rest_readable():
+    assert md_escape("(runs > 1)") == "(runs > 1)"
+    assert md_escape("<script>x</script>") == "&lt;script>x&lt;/script>"
+    assert md_escape("a &amp; b & c") == "a &amp;amp; b & c"
+    assert md_escape("> quoted") == "\\> quoted"
+    assert md_escape("a|b*c") == "a\\|b\\*c"
