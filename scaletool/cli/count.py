@@ -59,8 +59,8 @@ def print_count(r, res, con: Console) -> None:
         t.add_row("active per token (MoE)", "", f"{p.active:,}", "")
     con.print(t)
     # the rule of thumb is neither measured nor exact: a line of its own, each figure named
-    con.print(f"rule of thumb 12·d²·L = {p.rule_of_thumb_12d2L:,} against {p.non_embedding:,} non-embedding "
-              f"(exact): {pct(p.rule_of_thumb_rel_error)}", soft_wrap=True)
+    con.print(f"rule of thumb 12·d²·L = {p.rule_of_thumb_12d2L:,}\n"
+              f"  against {p.non_embedding:,} non-embedding (exact): {pct(p.rule_of_thumb_rel_error)}", soft_wrap=True)
     f = res.flops
     a = f.analytic
     t = _table(f"FLOPs for {f.tokens:,} tokens (batch {res.batch} × seq_len {res.seq_len})")

@@ -14,8 +14,9 @@ from scaletool.train.summary import headline
 def test_count_puts_the_rule_of_thumb_on_a_line_naming_each_figure():
     res = CliRunner().invoke(main, ["count", str(RECIPES / "tiny.yaml")])
     assert res.exit_code == 0, res.output
-    (line,) = [x for x in res.output.splitlines() if "12·d²·L" in x]
-    assert line.startswith("rule of thumb 12·d²·L = ") and "non-embedding (exact)" in line
+    lines = res.output.splitlines()
+    (i,) = [i for i, x in enumerate(lines) if "12·d²·L" in x]
+    assert lines[i].startswith("rule of thumb 12·d²·L = ") and "non-embedding (exact)" in lines[i + 1]
     header = next(x for x in res.output.splitlines() if "measured" in x and "exact" in x)
     assert "12·d²·L" not in header
 
