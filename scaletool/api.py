@@ -48,17 +48,19 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
 
 
 def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,
-          fvcore: bool = True):
+          fvcore: bool = True, module_depth: int | None = -1):
     """Build ``recipe``'s model on ``device`` (meta: no memory) and measure its parameters and FLOPs
     against the closed forms. On cpu or cuda the memory the count needs is estimated first and a count
     that would not fit is refused (RecipeError) before anything is allocated; so is a device this
-    machine does not have. Returns a :class:`~scaletool.results.count.CountResult`."""
+    machine does not have. ``module_depth`` (not -1) adds parameters and forward FLOPs per module as a
+    tree cut below that depth (None: every module). Returns a :class:`~scaletool.results.count.CountResult`."""
     from scaletool.measure.count import count as measure
     from scaletool.results.count import CountResult
 
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise RecipeError(f"batch: expected a positive number of sequences, got {str(batch)[:40]!r}")
-    return CountResult.model_validate(measure(resolve(recipe, overrides), device=device, batch=batch, fvcore=fvcore))
+    return CountResult.model_validate(measure(resolve(recipe, overrides), device=device, batch=batch, fvcore=fvcore,
+                                              module_depth=module_depth))
 
 
 def report(results_dirs: Sequence[str | Path], out: str | Path | None = None):

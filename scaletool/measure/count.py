@@ -199,12 +199,14 @@ def memory_check(recipe: Recipe, device: str, batch: int) -> dict | None:
             "available_source": source}
 
 
-def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool = True) -> dict:
+def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool = True,
+          module_depth: int | None = -1) -> dict:
     """Build the model (on ``meta`` unless told otherwise) and measure it against the analytic model.
 
     On cpu or cuda the memory the count needs is estimated first (:func:`memory_check`) and a count
     that would not fit is refused before anything is allocated. Returns the ``count`` result's
-    document (:class:`scaletool.results.count.CountResult`)."""
+    document (:class:`scaletool.results.count.CountResult`). ``module_depth`` other than -1 adds the
+    per-module tree (``modules``, :mod:`scaletool.measure.count_modules`) cut below that depth (None: all)."""
     check_device(device)
     memory = memory_check(recipe, device, batch)
     if device == "cpu":  # its share of the cores, never torch's default of all of them
@@ -225,6 +227,11 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
                    "by_module": _params_by_module(model)},
     }
     out["flops"] = _flops(model, recipe, batch, device, per_tok, fvcore)
+    if module_depth != -1:
+        from scaletool.measure.count_modules import module_tree
+
+        x, y = _example_inputs(recipe, batch, device)
+        out["modules"] = module_tree(model, recipe, x, y, depth=module_depth)
     return out
 
 
