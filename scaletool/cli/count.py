@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
+from scaletool.cli.feedback import feedback
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 
@@ -45,8 +46,9 @@ def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_f
       scaletool count tiny --by module --depth 3
     """
     r = api.resolve(recipe, overrides)
-    res = api.count(r, device=device, batch=batch, fvcore=not no_fvcore,
-                    module_depth=depth if by == "module" else -1)
+    with feedback() as progress:
+        res = api.count(r, device=device, batch=batch, fvcore=not no_fvcore,
+                        module_depth=depth if by == "module" else -1, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_count(r, res, console())

@@ -14,7 +14,7 @@ from scaletool.cli import main
 def _count(*args: str) -> dict:
     res = CliRunner().invoke(main, ["count", *args, "--no-fvcore", "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def _walk(node):
@@ -78,3 +78,16 @@ def test_by_and_depth_are_checked():
     assert res.exit_code == 2 and "'layer' is not one of 'total', 'module'" in res.output
     res = CliRunner().invoke(main, ["count", str(RECIPES / "tiny.yaml"), "--by", "module", "--depth", "-1"])
     assert res.exit_code == 2 and "--depth" in res.output
+
+
+def test_piped_count_says_each_stage_on_stderr_and_keeps_stdout_one_json_document():
+    from conftest import run_cli
+
+    res = run_cli("count", str(RECIPES / "tiny.yaml"), "--no-fvcore", "--by", "module", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["modules"]["name"] == ""
+    assert "\r" not in res.stderr and "\x1b" not in res.stderr
+    assert res.stderr.splitlines() == [
+        "[1/4] count on meta: building the model", "[2/4] count on meta: FlopCounterMode: forward and backward",
+        "[3/4] count on meta: FlopCounterMode: one decoded token per decode mode",
+        "[4/4] count on meta: FlopCounterMode: FLOPs per module", "count on meta: done"]

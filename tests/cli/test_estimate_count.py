@@ -20,7 +20,7 @@ from scaletool.results import load_result
 def cli_json(*args: str) -> dict:
     res = CliRunner().invoke(main, [*args, "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_estimate_json_is_the_typed_result():
