@@ -55,9 +55,12 @@ def feedback(enabled: bool = True, interval_s: float = 10.0) -> Iterator:
         yield PlainLines(interval_s)
         return
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.table import Column
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                  TimeRemainingColumn(), console=err, transient=True) as bar:
+    # the text gives way on a narrow terminal (cut with …), never the bar's figures
+    text = TextColumn("{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"))
+    with Progress(text, BarColumn(bar_width=16), TaskProgressColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=err, transient=True, expand=True) as bar:
         task = bar.add_task("", total=None)
 
         def report(done: float, total: float | None, description: str, detail: str | None = None) -> None:
