@@ -223,7 +223,7 @@ def test_step_lines_carry_peak_memory_and_mfu_where_a_peak_is_known(tmp_path):
         assert f"tok/s {row['throughput/tokens_per_s']:,.0f}" in line
         assert row["memory/max_rss_bytes"] > 2**20 and f"rss {row['memory/max_rss_bytes'] / 2**30:.2f} GiB" in line
     s = json.loads((tmp_path / "peak" / "summary.json").read_text())
-    for step, row in rows.items():  # MFU of a step: its tokens/s per GPU × training FLOPs per token over the peak
+    for row in rows.values():  # MFU of a step: its tokens/s per GPU × training FLOPs per token over the peak
         assert row["flops/mfu"] == pytest.approx(row["throughput/tokens_per_s"] * s["flops_per_token"]["train"]
                                                  / 1e12 / 0.5)
     summary_of(train(tmp_path, "train.log_every=3", out="cpu"))
