@@ -55,17 +55,20 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
 
 
 def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,
-          fvcore: bool = True):
+          fvcore: bool = True, module_depth: int | None = -1, progress=None):
     """Build ``recipe``'s model on ``device`` (meta: no memory) and measure its parameters and FLOPs
     against the closed forms. On cpu or cuda the memory the count needs is estimated first and a count
     that would not fit is refused (RecipeError) before anything is allocated; so is a device this
-    machine does not have. Returns a :class:`~scaletool.results.count.CountResult`."""
+    machine does not have. ``module_depth`` (not -1) adds parameters and forward FLOPs per module as a
+    tree cut below that depth (None: every module). ``progress(done, total, description)`` hears of each
+    stage. Returns a :class:`~scaletool.results.count.CountResult`."""
     from scaletool.measure.count import count as measure
     from scaletool.results.count import CountResult
 
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise RecipeError(f"batch: expected a positive number of sequences, got {str(batch)[:40]!r}")
-    return CountResult.model_validate(measure(resolve(recipe, overrides), device=device, batch=batch, fvcore=fvcore))
+    return CountResult.model_validate(measure(resolve(recipe, overrides), device=device, batch=batch, fvcore=fvcore,
+                                              module_depth=module_depth, progress=progress))
 
 
 def report(results_dirs: Sequence[str | Path], out: str | Path | None = None):
@@ -247,7 +250,8 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the
     GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default:
-    random weights from ``seed``). ``progress(done, total, description)`` hears of each point. A run
+    random weights from ``seed``). ``progress(done, total, description, detail=None)`` hears of building the
+    model (``total`` None) and of each point, and of the parts of a point (fractional ``done``). A run
     whose weights and largest cache exceed the memory available is refused before anything is allocated.
     """
     import torch
@@ -296,6 +300,15 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
         from scaletool.threads import pin_threads
 
         threads = pin_threads()
+    if progress is not None:
+        from scaletool import analytic
+        from scaletool.decode.sizing import weight_bytes
+        from scaletool.fmt import gib
+
+        slow = dev.type == "cpu" and checkpoint is None and weight_bytes(cfg) > 2**29
+        progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
+                          f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
+                          + ("; drawing random weights on a CPU takes a while" if slow else ""))
     model = _decode_model(r, dev, seed, checkpoint, trust_checkpoint)
     res = run_decode(cfg, model, s, budget_bytes=budget, progress=progress)
     return res.model_copy(update={"recipe": str(recipe) if isinstance(recipe, (str, Path)) else None,

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
+from scaletool.cli.feedback import feedback
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 
@@ -19,8 +20,13 @@ from scaletool.fmt import gib, pct, si
                    "kernels, after checking that the count's memory fits.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences per counted batch.")
 @click.option("--no-fvcore", is_flag=True, help="Skip fvcore (FlopCounterMode only).")
+@click.option("--by", type=click.Choice(["total", "module"]), default="total", show_default=True,
+              help="module: parameters and forward FLOPs per module as a tree, measured and closed form.")
+@click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True,
+              help="With --by module: levels of the tree below the model (0: the model alone).")
 @json_option
-def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_fvcore: bool, as_json: bool):
+def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_fvcore: bool, by: str, depth: int,
+          as_json: bool):
     """Measure parameters and FLOPs of RECIPE's model; print them next to the closed forms.
 
     Parameters are summed over the built module; FLOPs come from torch's FlopCounterMode (forward
@@ -28,18 +34,26 @@ def count(recipe: str, overrides: tuple[str, ...], device: str, batch: int, no_f
     compared with the analytic 'full' convention; the causal (MFU) convention is shown beside.
     On cpu or cuda the memory the count needs (fp32 weights, gradients, one batch's activations)
     is estimated first; a count that would not fit is refused with the figures.
+    --by module adds a tree of the modules (to --depth levels) with their parameters and
+    forward FLOPs, and the closed form beside them where one exists; --json has the tree
+    under "modules".
 
     \b
     Examples:
       scaletool count recipes/mla-1b.yaml
       scaletool count recipes/tiny.yaml --device cpu --batch 4
       scaletool count recipes/deepseek-v3.yaml --no-fvcore --json | jq .params
+      scaletool count tiny --by module --depth 3
     """
     r = api.resolve(recipe, overrides)
-    res = api.count(r, device=device, batch=batch, fvcore=not no_fvcore)
+    with feedback() as progress:
+        res = api.count(r, device=device, batch=batch, fvcore=not no_fvcore,
+                        module_depth=depth if by == "module" else -1, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_count(r, res, console())
+        if res.modules is not None:
+            print_modules(res.modules, console(), lm=r.model.task == "lm")
     return res
 
 
@@ -84,3 +98,40 @@ def print_count(r, res, con: Console) -> None:
         avail = f", {gib(m.available_bytes)} available ({m.available_source})" if m.available_bytes is not None else ""
         con.print(f"• Memory: the count needed about {gib(m.required_bytes)} on {res.device} (estimated before "
                   f"building){avail}.")
+
+
+def module_rows(node, level: int = 0):
+    """(indented name, params, forward FLOPs, closed forms, node) for the tree in depth-first order. What a
+    module holds or computes outside its children is a row of its own ('(itself)'), so the rows under a
+    module add up to it; modules with neither parameters nor FLOPs (rotary tables, identity dropouts) are
+    left out of the table (they are in --json)."""
+    short = node.type if level == 0 else node.name.rsplit(".", 1)[-1]
+    if short.isdigit():
+        short = f"{short} ({node.type})"
+    a = node.analytic or {}
+    yield "  " * level + short, node.params, node.forward_flops, a.get("params"), a.get("forward_flops")
+    if node.children and (node.own_params or node.own_flops):
+        yield ("  " * (level + 1) + "(itself)", node.own_params, node.own_flops, None, a.get("own_forward_flops"))
+    for child in node.children:
+        if child.params or child.forward_flops:
+            yield from module_rows(child, level + 1)
+
+
+def print_modules(tree, con: Console, lm: bool = True) -> None:
+    """The module tree: measured parameters and forward FLOPs, the closed form beside them, the share of
+    the model's forward FLOPs. Fits 80 columns."""
+    t = _table(f"Per module, {tree.tokens:,} tokens: measured and closed form")
+    for c in ("module", "params", "closed", "fwd FLOPs", "closed", "share"):
+        t.add_column(c, justify="left" if c == "module" else "right", no_wrap=True)
+    total = tree.forward_flops or 1
+
+    def num(x):
+        return "" if x is None else si(x, "", 4)
+
+    for name, params, flops, a_params, a_flops in module_rows(tree):
+        t.add_row(name, num(params), num(a_params), num(flops), num(a_flops), f"{100 * flops / total:.1f}%")
+    con.print(t)
+    con.print(f"• Forward and backward, all modules: {si(tree.train_flops, 'FLOP', 5)} (FlopCounterMode). Per "
+              "module only the forward: torch's module tracker puts some backward operators on a neighbouring "
+              "module. (itself): what a module holds or computes outside its children"
+              + (" (the LM head's matmul runs in the model's own forward)." if lm else "."))

@@ -4,13 +4,12 @@ Parses options and calls :func:`scaletool.api.decode`; torch is imported only wh
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import click
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from scaletool.cli.feedback import feedback
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.attention import MLA_MODES
@@ -128,7 +127,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
         if device == "cpu" or not torch.cuda.is_available():
             raise click.BadParameter("'max' needs --memory-budget GiB on CPU (the default budget is the GPU's "
                                      "memory)", param_hint="--batch")
-    with _progress() as progress:
+    with feedback() as progress:
         res = api.decode(recipe, overrides=overrides, contexts=contexts, batch=batches, new_tokens=new_tokens,
                          device=device, dtype=dtype, mla_mode=mla_mode, mla_kernel=mla_kernel, cuda_graph=cuda_graph,
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
@@ -138,24 +137,6 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
     if not as_json:
         print_decode(res, console())
     return res
-
-
-@contextmanager
-def _progress():
-    """A progress callback: a transient rich bar on a terminal, plain lines when stderr is piped."""
-    err = Console(stderr=True)
-    if not err.is_terminal:
-        def line(done, total, description):
-            if done < total:
-                click.echo(f"[{done + 1}/{total}] {description}", err=True)
-        yield line
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True) as bar:
-        task = bar.add_task("decode", total=None)
-        yield lambda done, total, description: bar.update(task, completed=done, total=total, description=description)
 
 
 def _table(title: str, columns: list[str]) -> Table:

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
+from scaletool.cli.estimate_summary import print_summary
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind
@@ -28,12 +29,16 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
 @click.option("--hardware", default="H100 SXM", show_default=True, help="Card for the predicted step time per "
               "engine (a profile of `scaletool hardware`).")
+@click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
+              "tables, memory per engine and phase by component, tensor parallelism's collectives.")
 @json_option
 def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None,
-             tensor_parallel: int | None, hardware: str, as_json: bool):
+             tensor_parallel: int | None, hardware: str, detail: bool, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     \b
+    By default a summary of about 20 lines: parameters, FLOPs per token, KV bytes
+    per token and the peak memory per GPU of every engine. --detail adds the ledger:
     Parameters: exact count by component, and the rule of thumb 12·d²·L with its error.
     FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
     MoE: N counts the active parameters (top-k routed experts); total vs active is shown.
@@ -46,7 +51,8 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
 
     \b
     Examples:
-      scaletool estimate recipes/mla-1b.yaml
+      scaletool estimate mla-1b
+      scaletool estimate mla-1b --detail
       scaletool estimate recipes/mha-1b.yaml --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
     """
@@ -55,7 +61,9 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware)
     deliver(est, as_json)
-    if not as_json:
+    if not as_json and not detail:
+        print_summary(r, est, console())
+    elif not as_json:
         print_estimate(r, est, console())
         if r.parallel.tensor_parallel > 1:
             print_tensor_parallel(est, console())

@@ -106,21 +106,31 @@ def _allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
-def _timed(device: torch.device, runs: int, fn, samples: list | None = None) -> list[float]:
-    """Seconds of each of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample."""
+def _timed(device: torch.device, runs: int, fn, samples: list | None = None, after=None) -> list[float]:
+    """Per-run seconds of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample and
+    ``after(k)`` is called between runs, outside the timing."""
     timer = StepTimer(device, Probe())
-    for _ in range(runs):
+    for k in range(runs):
         with timer.step():
             fn()
+        if after is not None:
+            after(k + 1)
     out = timer.seconds()
     if samples is not None:
         samples.extend(timer.contention)
     return out
 
 
+#: the share of a point's progress each part takes (allocation, prefill runs, decode steps)
+POINT_SHARES = (0.05, 0.45, 0.5)
+
+
 def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, context: int,
-                  peak_bytes_per_s: float | None) -> DecodePoint:
-    """One context length at one batch size (see the module docstring for the procedure)."""
+                  peak_bytes_per_s: float | None, tick=None) -> DecodePoint:
+    """One context length at one batch size (see the module docstring for the procedure). ``tick(fraction,
+    what)`` hears of its parts: the allocation, each prefill run and, on a CPU, each decode step (on CUDA
+    the steps are not interrupted: the host must keep ahead of the card)."""
+    tick = tick or (lambda fraction, what: None)
     weight = next(model.parameters())
     device, dtype = weight.device, weight.dtype
     max_len = cache_positions(context, s.warmup_steps, s.new_tokens)
@@ -131,6 +141,8 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
              "kv_cache_bytes_per_token_analytic": per_token, "kv_cache_bytes_analytic": per_token * batch * max_len}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    a, p, _ = POINT_SHARES
+    tick(0.0, f"allocating the KV cache ({per_token * batch * max_len / 2**20:,.1f} MiB)")
     before = _allocated(device)
     caches = make_caches(cfg, batch, max_len, dtype=dtype, device=device, mla_mode=s.mode.mla)
     after = _allocated(device)
@@ -142,8 +154,11 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     prompt = torch.randint(cfg.vocab_size, (1, context), device=device, generator=gen)
     out = {}
     probe: list[dict] = []
-    times = _timed(device, 1 + s.prefill_repeats,
-                   lambda: out.update(logits=prefill(model, prompt, caches, chunk=s.prefill_chunk, mode=s.mode)), probe)
+    runs = 1 + s.prefill_repeats
+    tick(a, f"prefill 1/{runs} (warm-up)")
+    times = _timed(device, runs, lambda: out.update(logits=prefill(model, prompt, caches, chunk=s.prefill_chunk,
+                                                                   mode=s.mode)), probe,
+                   lambda k: tick(a + p * k / runs, f"prefill {min(k + 1, runs)}/{runs}"))
     start = settled_start(times, 1)
     timed_samples = probe[start:]
     prefill_s = spread(times[start:])
@@ -153,7 +168,11 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     first = out["logits"].argmax(-1).expand(batch).contiguous()  # (B,)
     steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph)
     probe = []
-    times = _timed(device, s.warmup_steps + s.new_tokens, steps.step, probe)
+    n_steps = s.warmup_steps + s.new_tokens
+    tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
+    times = _timed(device, n_steps, steps.step, probe,
+                   None if device.type == "cuda" else lambda k: tick(a + p + (1 - a - p) * k / n_steps,
+                                                                      f"decode step {k}/{n_steps}"))
     start = settled_start(times, s.warmup_steps)
     timed_samples += probe[start:]
     summary = summarize(timed_samples) if timed_samples else {}
@@ -199,7 +218,8 @@ def plan_points(cfg: ModelConfig, s: DecodeSettings, fit: dict | None) -> list[t
 
 
 def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int | None, progress=None) -> DecodeResult:
-    """Measure every (context, batch) point of ``s``; ``progress(done, total, description)`` hears of each."""
+    """Measure every (context, batch) point of ``s``; ``progress(done, total, description, detail=None)``
+    hears of each point and, with fractional ``done`` and a ``detail``, of the parts within one."""
     require_lm(cfg)
     s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
     device = next(model.parameters()).device
@@ -209,18 +229,21 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     plan = plan_points(cfg, s, fit)
     points = []
     for i, (n, batch) in enumerate(plan):
+        desc = f"[{i + 1}/{len(plan)}] decode {label}: batch {batch} × context {n}"
         if progress is not None:
-            progress(i, len(plan), f"decode {label}: batch {batch} × context {n}")
+            progress(i, len(plan), desc)
         if batch < 1:
             points.append(DecodePoint(attention=label, batch=0, context=n, error="no batch fits the memory budget"))
             continue
         try:
-            points.append(measure_point(model, cfg, s, batch, n, peak))
+            tick = None if progress is None else (
+                lambda fraction, what, i=i, desc=desc: progress(i + fraction, len(plan), desc, detail=what))
+            points.append(measure_point(model, cfg, s, batch, n, peak, tick))
         except torch.cuda.OutOfMemoryError:
             points.append(DecodePoint(attention=label, batch=batch, context=n, error="out of memory"))
         _free(device)
     if progress is not None:
-        progress(len(plan), len(plan), f"decode {label}: done")
+        progress(len(plan), len(plan), f"decode {label}: {len(plan)} point{'s' if len(plan) > 1 else ''} done")
     clock = ("CUDA events, one pair per step, read after one synchronisation" if device.type == "cuda"
              else "perf_counter around each step")
     return DecodeResult(

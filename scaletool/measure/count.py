@@ -165,17 +165,26 @@ def memory_check(recipe: Recipe, device: str, batch: int) -> dict | None:
             "available_source": source}
 
 
-def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool = True) -> dict:
+def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool = True,
+          module_depth: int | None = -1, progress=None) -> dict:
     """Build the model (on ``meta`` unless told otherwise) and measure it against the analytic model.
 
     On cpu or cuda the memory the count needs is estimated first (:func:`memory_check`) and a count
     that would not fit is refused before anything is allocated. Returns the ``count`` result's
-    document (:class:`scaletool.results.count.CountResult`)."""
+    document (:class:`scaletool.results.count.CountResult`). ``module_depth`` other than -1 adds the
+    per-module tree (``modules``, :mod:`scaletool.measure.count_modules`) cut below that depth (None: all).
+    ``progress(done, total, description)`` hears of each stage (building, each counter, the module tree)."""
     check_device(device)
     memory = memory_check(recipe, device, batch)
     if device == "cpu":  # its share of the cores, never torch's default of all of them
         pin_threads()
     cfg, T = recipe.model, recipe.seq_len
+    stages = ["building the model", "FlopCounterMode: forward and backward"]
+    stages += ["fvcore: tracing the forward"] if fvcore else []
+    stages += ["FlopCounterMode: one decoded token per decode mode"] if cfg.task == "lm" else []
+    stages += ["FlopCounterMode: FLOPs per module"] if module_depth != -1 else []
+    say = _stages(progress, stages, f"count on {device}")
+    say("building the model")
     model = build_model(cfg, device, seed=recipe.train.seed, sdpa_backend=recipe.train.sdpa_backend)
     # meta tensors carry no data, but dropout would still draw masks on a real device
     model.train(device == "meta")
@@ -190,14 +199,36 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
         "params": {**exact, "measured": n_measured, "rel_error": rel_error(n_measured, exact["total"]),
                    "by_module": _params_by_module(model)},
     }
-    out["flops"] = _flops(model, recipe, batch, device, per_tok, fvcore)
+    out["flops"] = _flops(model, recipe, batch, device, per_tok, fvcore, say)
+    if module_depth != -1:
+        from scaletool.measure.count_modules import module_tree
+
+        say("FlopCounterMode: FLOPs per module")
+        x, y = _example_inputs(recipe, batch, device)
+        out["modules"] = module_tree(model, recipe, x, y, depth=module_depth)
+    say(None)
     return out
 
 
-def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore: bool) -> dict:
+def _stages(progress, stages: list[str], name: str):
+    """``say(stage)`` reports ``stage`` (None: all done) to ``progress`` as ``[k/n] name: stage``."""
+    def say(stage: str | None) -> None:
+        if progress is None:
+            return
+        if stage is None:
+            progress(len(stages), len(stages), f"{name}: done")
+            return
+        k = stages.index(stage)
+        progress(k, len(stages), f"[{k + 1}/{len(stages)}] {name}: {stage}")
+    return say
+
+
+def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore: bool, say=None) -> dict:
     """Both counters against the closed forms for one batch of ``batch`` sequences, with notes."""
     cfg, T = recipe.model, recipe.seq_len
     tokens = batch * T
+    say = say or (lambda stage: None)
+    say("FlopCounterMode: forward and backward")
     fc = flop_counter_flops(model, recipe, batch, device)
     analytic_fwd_full = per_tok["forward_full_computed"] * tokens
     analytic_train_full = per_tok["train_full_computed"] * tokens
@@ -217,6 +248,7 @@ def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore
         },
     }
     if fvcore:
+        say("fvcore: tracing the forward")
         fv = fvcore_flops(model, recipe, batch, device)
         flops["fvcore"] = {"forward": fv["forward"], "forward_rel_error": rel_error(fv["forward"], analytic_fwd_full),
                            "by_operator": fv["by_operator"]}
@@ -245,6 +277,7 @@ def _flops(model, recipe: Recipe, batch: int, device: str, per_tok: dict, fvcore
         flops["notes"].append("regression: the first feature Linear needs no input gradient, so measured "
                               "training FLOPs sit slightly under 3 × forward.")
     else:
+        say("FlopCounterMode: one decoded token per decode mode")
         flops["decode"] = decode_flops(model, cfg, recipe.seq_len, device)
     return flops
 

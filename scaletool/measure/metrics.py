@@ -27,14 +27,31 @@ from scaletool.fmt import clean, open_state, write_atomic
 METRICS_FILE = "metrics.jsonl"
 
 
-def _fmt(key: str, v) -> str:
-    if v is None:
-        return "-"
-    if key.endswith("_bytes"):
-        return f"{v / 2**30:.2f}GiB"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+def console_line(step: int, values: dict) -> str:
+    """The per-step console line, as torchtitan prints it: ``step 10  loss 5.4321  memory 12.34 GiB (15.4%)
+    tok/s 12,345  mfu 41.2%  step 0.123 s  lr 3e-04``; a figure not in ``values`` (or None) is left out."""
+    def has(key):
+        return values.get(key) is not None
+
+    parts = []
+    if has("loss/train"):
+        parts.append(f"loss {values['loss/train']:.4f}")
+    if has("memory/max_allocated_bytes"):
+        mem = f"memory {values['memory/max_allocated_bytes'] / 2**30:.2f} GiB"
+        if has("memory/max_allocated_fraction"):
+            mem += f" ({100 * values['memory/max_allocated_fraction']:.1f}%)"
+        parts.append(mem)
+    if has("memory/max_rss_bytes"):
+        parts.append(f"rss {values['memory/max_rss_bytes'] / 2**30:.2f} GiB")
+    if has("throughput/tokens_per_s"):
+        parts.append(f"tok/s {values['throughput/tokens_per_s']:,.0f}")
+    if has("flops/mfu"):
+        parts.append(f"mfu {100 * values['flops/mfu']:.1f}%")
+    if has("time/step_s"):
+        parts.append(f"step {values['time/step_s']:.3g} s")
+    if has("lr/lr"):
+        parts.append(f"lr {values['lr/lr']:.3g}")
+    return f"step {step:>6}  " + "  ".join(parts)
 
 
 def _finite(values: dict) -> dict[str, float]:
@@ -109,18 +126,17 @@ class _WandbLogger:
 class MetricsWriter:
     """Write scalars per step and the run summary into ``out_dir``.
 
-    ``console_keys`` picks the scalars echoed on the console line (all go to the files and loggers);
+    The console line (:func:`console_line`) shows loss, peak memory, tokens/s, MFU, step time and learning
+    rate where present (all scalars go to the files and loggers);
     ``log`` appends free text to ``train.log`` and echoes it on stderr. ``start_step`` > 0 continues a
     run: rows and TensorBoard events from that step on are dropped first. ``wandb`` adds a W&B run
     (``config`` is its run configuration, e.g. the recipe).
     """
 
     def __init__(self, out_dir: Path, *, enabled: bool, tensorboard: bool = True, quiet: bool = False,
-                 start_step: int = 0, wandb: WandbOptions | None = None, config: dict | None = None,
-                 console_keys: tuple[str, ...] = ("loss/train", "time/step_s", "throughput/tokens_per_s", "lr/lr")):
+                 start_step: int = 0, wandb: WandbOptions | None = None, config: dict | None = None):
         self.out_dir, self.enabled, self.quiet = Path(out_dir), enabled, quiet
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)  # log lines stay whole when piped
-        self.console_keys = console_keys
         self._tb = self._jsonl = self._log = self._wandb = None
         if not enabled:
             return
@@ -155,9 +171,7 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(step, values)
         if echo:
-            parts = [f"{k.split('/')[-1] if k != 'loss/train' else 'loss'}={_fmt(k, values[k])}"
-                     for k in self.console_keys if k in values]
-            self.log(f"step {step:>6}  " + "  ".join(parts))
+            self.log(console_line(step, values))
 
     def summary(self, summary) -> Path | None:
         """Write ``summary.json`` atomically (a result model or a dict; sorted keys, NaN as null)."""

@@ -67,6 +67,23 @@ class CountMemory(Part):
     available_source: str | None
 
 
+class ModuleNode(Part):
+    """One module of ``count --by module``: parameters (each counted once, under the first module holding
+    it) and forward FLOPs (FlopCounterMode) of it and all below; ``own_*`` what its children do not hold
+    or compute (all of it where the tree is cut); ``analytic`` the closed form where one exists."""
+
+    name: str
+    type: str
+    params: int
+    own_params: int
+    forward_flops: float
+    own_flops: float
+    analytic: dict[str, float] | None = None
+    children: list[ModuleNode] = []
+    train_flops: float | None = None  # the root: forward and backward, all modules
+    tokens: int | None = None  # the root: tokens in the counted batch
+
+
 @register
 class CountResult(Result):
     """Measured parameters and FLOPs of a recipe's model, against the closed forms."""
@@ -81,6 +98,7 @@ class CountResult(Result):
     flops: CountFlops
     model: ModelSummary | None = None  # null in version-1 documents
     memory: CountMemory | None = None  # null on meta (nothing allocated) and in version 1
+    modules: ModuleNode | None = None  # count --by module only
 
     @classmethod
     def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -283,11 +283,13 @@ class Trainer:
                                ("contended", flag)):
                 self.history[key].append(value)
             if self.measure:
+                last = s == self.pending[-1][0]
                 row = {"loss/train": loss, "grad/norm": norm, "lr/lr": lr, "time/step_s": dt,
-                       "throughput/tokens_per_s": self.tokens_per_step / dt if dt else None}
+                       "throughput/tokens_per_s": self.tokens_per_step / dt if dt else None,
+                       **self._step_figures(dt, last)}
                 if c is not None:
                     row.update({f"contention/{k}": v for k, v in c.items()}, **{"contention/contended": float(flag)})
-                self.writer.scalars(s, row, echo=s == self.pending[-1][0])
+                self.writer.scalars(s, row, echo=last)
             if bad is None and not math.isfinite(loss):
                 bad = s
         self.pending.clear()
@@ -318,6 +320,27 @@ class Trainer:
         self.clock.start_window()
         self.clock.skip()  # the synchronisation above is no step's time
         self.nvml_since = time.perf_counter()
+
+    def _step_figures(self, dt: float | None, last: bool) -> dict[str, float]:
+        """MFU of a step where the card's peak is known (none is assumed for a CPU), and, for the last step
+        before a log line, the peak memory so far: CUDA's allocator peak (since the measured window opened)
+        and its share of the card, or on a CPU the process's peak resident set."""
+        out: dict[str, float] = {}
+        if dt and self.peak.tflops:
+            per_gpu = self.tokens_per_step / dt / self.env.world_size
+            out["flops/mfu"] = per_gpu * self.flops["train"] / 1e12 / self.peak.tflops
+        if not last:
+            return out
+        dev = self.env.device
+        if dev.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(dev)
+            out["memory/max_allocated_bytes"] = peak
+            out["memory/max_allocated_fraction"] = peak / torch.cuda.get_device_properties(dev).total_memory
+        elif dev.type == "cpu":
+            import resource
+
+            out["memory/max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return out
 
     def _at_boundary(self, done: int) -> bool:
         saves = self.t.checkpoint_every and done % self.t.checkpoint_every == 0

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # real processes or full training runs: left out 
 def cli_json(*args: str) -> dict:
     res = CliRunner().invoke(main, [*args, "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_estimate_json_is_the_typed_result():
@@ -92,6 +92,7 @@ def test_rendered_memory_table_adds_up_to_the_json_totals_and_fits_80_columns(re
 
 
 @pytest.mark.parametrize("args", [["estimate", "mla-1b.yaml"], ["estimate", "deepseek-v3.yaml"],
+                                  ["estimate", "mla-1b.yaml", "--detail"], ["estimate", "deepseek-v3.yaml", "--detail"],
                                   ["count", "mla-1b.yaml"], ["count", "deepseek-v3.yaml", "--no-fvcore"]])
 def test_human_output_fits_80_columns(args):
     res = CliRunner(env={"COLUMNS": "80"}).invoke(main, [args[0], str(RECIPES / args[1]), *args[2:]])
@@ -100,9 +101,44 @@ def test_human_output_fits_80_columns(args):
     assert "…" not in res.output
 
 
+def _size(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * dict(UNITS)[unit]
+
+
+@pytest.mark.parametrize("recipe, world", [("mla-1b.yaml", 1), ("deepseek-v3.yaml", 1), ("tiny.yaml", 4)])
+def test_estimate_summary_is_short_and_its_figures_are_the_json(recipe, world):
+    """The default view fits about 20 lines of 80 columns; each engine's peaks (without and with checkpointing)
+    and their phases are the JSON's, the ledger is left to --detail."""
+    args = ["estimate", str(RECIPES / recipe), "--world-size", str(world)]
+    res = CliRunner(env={"COLUMNS": "80"}).invoke(main, args)
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert len(lines) <= 22 and max(len(line) for line in lines) <= 80 and "…" not in res.output
+    assert "Training memory per GPU" not in res.output and "--detail" in res.output
+    est = cli_json(*args)
+    assert f"{est['params']['total']:,} total" in res.output
+    assert f"{est['kv_cache']['bytes_per_token']:,} B/token" in res.output
+    rows = {(r["label"], r["activation_checkpointing"]): r for r in est["memory"]["engines"]}
+    labels = {label for label, _ in rows}
+    seen = set()
+    for line in lines:
+        cells = line.split()
+        if cells and cells[0] in labels and len(cells) == 7:
+            seen.add(cells[0])
+            for ac, (value, unit, at) in zip(("none", "full"), (cells[1:4], cells[4:7])):
+                row = rows[(cells[0], ac)]
+                assert {"bwd": "backward", "step": "optimizer_step"}[at] == row["phase"]
+                assert abs(_size(f"{value} {unit}") - row["total_bytes"]) <= 0.01 * row["total_bytes"]
+    assert seen == labels
+    detail = CliRunner().invoke(main, [*args, "--detail"])
+    assert detail.exit_code == 0 and "Training memory per GPU" in detail.output
+    assert len(detail.output.splitlines()) > 2 * len(lines)
+
+
 def test_estimate_table_and_overrides():
     res = CliRunner().invoke(main, ["estimate", str(RECIPES / "mha-1b.yaml"), "--set", "model.attention=gqa",
-                                    "--set", "model.n_kv_heads=4", "--world-size", "8"])
+                                    "--set", "model.n_kv_heads=4", "--world-size", "8", "--detail"])
     assert res.exit_code == 0, res.output
     for text in ("Parameters", "12·d²·L", "FLOPs per token", "KV cache", "zero3", "world size 8", "bwd*",
                  "This recipe (single, 1 GPU"):

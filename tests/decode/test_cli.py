@@ -67,8 +67,9 @@ def test_batch_list_and_max_measure_both_and_the_table_names_the_kernel():
     assert "cuDNN" not in res.output  # a CPU run once claimed cuDNN
     # stderr is not a terminal here: one plain progress line per point, no frozen progress bar
     lines = res.stderr.splitlines()
-    assert lines[0] == "[1/2] decode mla-naive: batch 1 × context 8"
-    assert lines[1].startswith("[2/2] decode mla-naive: batch ") and lines[1].endswith(" × context 8")
+    assert lines[0].startswith("decode: building the model on cpu")
+    assert lines[1] == "[1/2] decode mla-naive: batch 1 × context 8"
+    assert lines[2].startswith("[2/2] decode mla-naive: batch ") and lines[2].endswith(" × context 8")
 
 
 def test_the_tables_fit_80_columns_without_truncation():
@@ -177,3 +178,41 @@ def test_checkpoint_from_scaletool_train_is_decoded(tmp_path):
     (line,) = res.stderr.strip().splitlines()[-1:]
     assert line.startswith("error: ") and "has shape [256, 64] in the checkpoint but [256, 32]" in line
     assert "Traceback" not in res.output
+
+
+def test_piped_progress_is_plain_lines_on_stderr_and_stdout_stays_one_json_document():
+    """stderr is a pipe here: no bar, no carriage returns or escapes; a line for building the model, one per
+    point, and the end; stdout holds the JSON document alone."""
+    res = run_cli("decode", TINY, "--device", "cpu", "--context", "8,16", "--batch", "1", "--new-tokens", "2", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["kind"] == "decode"
+    assert "\r" not in res.stderr and "\x1b" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("decode: building the model on cpu (") and "parameters" in lines[0]
+    assert lines[1:] == ["[1/2] decode mla: batch 1 × context 8", "[2/2] decode mla: batch 1 × context 16",
+                         "decode mla: 2 points done"]
+
+
+def test_progress_hears_of_every_part_of_a_point_with_the_time_left(capsys):
+    """With no interval, the plain form prints every detail: the cache allocation, each prefill run and each
+    decode step (a CPU run), with the time elapsed and, past the first, the time left; done only grows."""
+    from scaletool import api
+    from scaletool.cli.feedback import PlainLines
+
+    seen = []
+    plain = PlainLines(interval_s=0)
+
+    def progress(done, total, description, detail=None):
+        seen.append((done, total))
+        plain(done, total, description, detail)
+
+    api.decode(TINY, device="cpu", contexts=[8], batch=[1, 2], new_tokens=2, warmup_steps=1, prefill_repeats=2,
+               progress=progress)
+    err = capsys.readouterr().err
+    assert seen[0] == (0, None) and seen[-1] == (2, 2)
+    dones = [d for d, _ in seen[1:]]
+    assert dones == sorted(dones) and any(0 < d < 1 for d in dones)
+    for part in ("allocating the KV cache", "prefill 1/3 (warm-up)", "prefill 3/3", "decode steps (3, 1 of them warm-up)",
+                 "decode step 3/3"):
+        assert f"[2/2] decode mla: batch 2 × context 8: {part}" in err, part
+    assert "s elapsed, about " in err and " s left)" in err

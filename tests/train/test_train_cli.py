@@ -205,3 +205,30 @@ def test_help_teaches():
     assert r.exit_code == 0
     for word in ("--nproc-per-node", "--resume", "--peak-tflops", "fsdp", "deepspeed", "summary.json"):
         assert word in r.output
+
+
+def _step_lines(out: Path) -> list[str]:
+    return [line for line in (out / "train.log").read_text().splitlines() if line.startswith("step ")]
+
+
+def test_step_lines_carry_peak_memory_and_mfu_where_a_peak_is_known(tmp_path):
+    """Every log interval, a line as torchtitan prints it: loss, peak memory, tokens/s, MFU (from the card's
+    peak; a CPU has none, so the line says nothing of MFU rather than invent one)."""
+    summary_of(train(tmp_path, "train.log_every=3", args=("--peak-tflops", "0.5"), out="peak"))
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "peak" / "metrics.jsonl").read_text().splitlines())}
+    lines = _step_lines(tmp_path / "peak")
+    assert [int(line.split()[1]) for line in lines] == [2, 5]
+    for line in lines:
+        row = rows[int(line.split()[1])]
+        assert row["flops/mfu"] > 0
+        assert f"loss {row['loss/train']:.4f}" in line and f"mfu {100 * row['flops/mfu']:.1f}%" in line
+        assert f"tok/s {row['throughput/tokens_per_s']:,.0f}" in line
+        assert row["memory/max_rss_bytes"] > 2**20 and f"rss {row['memory/max_rss_bytes'] / 2**30:.2f} GiB" in line
+    s = json.loads((tmp_path / "peak" / "summary.json").read_text())
+    for row in rows.values():  # MFU of a step: its tokens/s per GPU × training FLOPs per token over the peak
+        assert row["flops/mfu"] == pytest.approx(row["throughput/tokens_per_s"] * s["flops_per_token"]["train"]
+                                                 / 1e12 / 0.5)
+    summary_of(train(tmp_path, "train.log_every=3", out="cpu"))
+    lines = _step_lines(tmp_path / "cpu")
+    assert len(lines) == 2 and all("mfu" not in line and "TFLOP" not in line and "tok/s" in line for line in lines)
+    assert all("flops/mfu" not in json.loads(r) for r in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines())

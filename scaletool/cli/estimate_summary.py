@@ -1,0 +1,132 @@
+"""The short view of ``scaletool estimate``: the few figures a reader asks first, in about 20 lines at 80
+columns (the full ledger is ``--detail``, every figure in bytes is ``--json``).
+
+The per-engine table is assembled from column groups: each is a function ``(recipe, est) -> EngineColumns``
+giving its headings and, for every engine label of ``est.memory.engines``, its cells. A new per-engine
+figure (a predicted step time, say) is one more function in :data:`ENGINE_GROUPS`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from scaletool.fmt import gib, si
+from scaletool.kinds.engines import engine_kind
+
+PHASE_SHORT = {"backward": "bwd", "optimizer_step": "step"}
+
+
+class EngineColumns(NamedTuple):
+    """Headings and, per engine label, one cell per heading (an engine missing from ``cells`` shows '-')."""
+    headings: list[str]
+    cells: dict[str, list[str]]
+    note: str = ""  # one line under the table saying what the columns mean, or ""
+
+
+def size(x: float) -> str:
+    """Bytes in the largest binary unit that reads at least 1 (TiB included), three significant figures."""
+    from scaletool.cli.estimate import UNITS
+
+    name, unit = next(((n, u) for n, u in UNITS if abs(x) >= u), UNITS[-1])
+    v = x / unit
+    return f"{v:.2f} {name}" if v < 10 else f"{v:.1f} {name}" if v < 100 else f"{v:.0f} {name}"
+
+
+def memory_columns(r, est) -> EngineColumns:
+    """Peak memory per GPU without and with full activation checkpointing, and the phase that sets it."""
+    cells: dict[str, list[str]] = {}
+    for ac in ("none", "full"):
+        for row in est.memory.engines:
+            if row.activation_checkpointing == ac:
+                cells.setdefault(row.label, []).extend([size(row.total_bytes), PHASE_SHORT[row.phase]])
+    note = (f"Peak memory per GPU at world size {est.memory.world_size}, micro-batch {r.train.micro_batch_size}×"
+            f"{est.seq_len}, AdamW;\nat: the phase that sets it, the backward (bwd) or the optimizer step (step).")
+    return EngineColumns(["no ckpt", "at", "full ckpt", "at"], cells, note)
+
+
+def prediction_columns(r, est) -> EngineColumns:
+    """The step-time model's tokens/s per GPU and MFU of each engine at the recipe's own layout."""
+    pred = est.prediction
+    if pred is None:
+        return EngineColumns([], {})
+    cells = {row["label"]: [si(row["tokens_per_s_per_gpu"]), "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"]
+             for row in pred.rows}
+    tr = r.train
+    note = (f"tok/s/GPU, MFU: predicted on {pred.hardware}, checkpointing {tr.activation_checkpointing}, "
+            f"{'compiled' if tr.compile else 'eager'}\n(--detail: the step's terms; `scaletool plan` searches layouts).")
+    return EngineColumns(["tok/s/GPU", "MFU"], cells, note)
+
+
+#: the per-engine column groups of the summary table, left to right
+ENGINE_GROUPS: list[Callable[..., EngineColumns]] = [memory_columns, prediction_columns]
+
+
+def engine_table(r, est, groups: list[Callable[..., EngineColumns]] | None = None) -> tuple[Table, list[str]]:
+    """One row per engine of ``est.memory.engines`` (in their order), the groups' columns side by side;
+    returns the table and the groups' notes."""
+    parts = [g(r, est) for g in (ENGINE_GROUPS if groups is None else groups)]
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    t.add_column("engine", no_wrap=True)
+    for part in parts:
+        for h in part.headings:
+            t.add_column(h, justify="left" if h == "at" else "right", no_wrap=True)
+    labels = list(dict.fromkeys(row.label for row in est.memory.engines))
+    for label in labels:
+        t.add_row(label, *(c for part in parts for c in part.cells.get(label, ["-"] * len(part.headings))))
+    return t, [p.note for p in parts if p.note]
+
+
+def headline_rows(r, est) -> list[tuple[str, str]]:
+    """(label, text) lines: parameters, FLOPs per token, KV cache per token, the training run's FLOPs."""
+    m, p, f, kv = r.model, est.params, est.flops, est.kv_cache
+    pt = f.per_token
+    params = f"{p.total:,} total, {p.non_embedding:,} non-embedding"
+    kv_text = f"{kv.bytes_per_token:,} B/token ({kv.dtype}), {kv.compression_ratio:.2f}× less than MHA"
+    if m.attention == "mha":
+        kv_text = f"{kv.bytes_per_token:,} B/token ({kv.dtype})"
+    return [
+        ("parameters", params),
+        *([("active", f"{p.active:,} parameters per token (top-k routed experts)")] if p.moe else []),
+        ("FLOPs/token", f"{si(pt['train_causal'], 'FLOP')} training (causal), "
+                        f"{si(pt['forward_causal'], 'FLOP')} forward"),
+        ("KV cache", f"{kv_text}; {gib(kv.bytes_per_sequence_at_seq_len)} per sequence"),
+        ("training", f"{si(f.train_total, 'FLOP')} for {si(f.train_tokens)} tokens"),
+    ]
+
+
+def print_summary(r, est, con: Console) -> None:
+    """The short view: the model in one line, four headline lines, the per-engine table, this recipe's figure."""
+    m = r.model
+    ffn = f"{m.ffn}×{m.intermediate_size}"
+    if m.ffn == "moe":
+        ffn = f"moe top-{m.num_experts_per_tok}/{m.n_routed_experts}+{m.n_shared_experts}"
+    con.print(f"[bold]{m.attention.upper()}[/] d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
+              f"{m.n_kv_heads} ffn={ffn} seq_len={est.seq_len} {m.dtype}")
+    width = max(len(label) for label, _ in headline_rows(r, est))
+    for label, text in headline_rows(r, est):
+        con.print(f"{label:<{width}}  {text}")
+    table, notes = engine_table(r, est)
+    con.print()
+    con.print(table)
+    for note in notes:
+        con.print(note)
+    rec, tr = est.memory.recipe, r.train
+    data = est.model_dump(mode="json")
+    tp = data["memory"]["recipe"].get("tensor_parallel") or 1
+    engine = engine_kind(rec.engine).title(rec.zero_stage)
+    at = rec.backward_peak_at or ""
+    where = (f" (at {'' if at.startswith('block') else 'the '}{at})" if rec.phase == "backward" and at else "")
+    con.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}"
+              f"{f', tensor-parallel {tp}' if tp > 1 else ''}, checkpointing {tr.activation_checkpointing}):\n"
+              f"  [bold]{size(rec.total_bytes)}[/] per GPU, peak in the {(rec.phase or 'backward').replace('_', ' ')}"
+              f"{where}.")
+    if tp > 1 and data.get("communication"):
+        c = data["communication"]
+        con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "
+                  f"ranks;\n  sent per GPU and step {size(c['wire_bytes'])}; sequence parallelism saves "
+                  f"{size(data['memory']['recipe']['sequence_parallel_saving_bytes'])}.")
+    con.print("[dim]--detail: the full ledger by component and phase; --json: every figure.[/]")
