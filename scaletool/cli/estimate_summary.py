@@ -56,8 +56,12 @@ def prediction_columns(r, est) -> EngineColumns:
     cells = {row["label"]: [si(row["tokens_per_s_per_gpu"]), "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"]
              for row in pred.rows}
     tr = r.train
-    note = (f"tok/s/GPU, MFU: predicted on {pred.hardware}, checkpointing {tr.activation_checkpointing}, "
-            f"{'compiled' if tr.compile else 'eager'}\n(--detail: the step's terms; `scaletool plan` searches layouts).")
+    where = (f"predicted on {pred.hardware}, checkpointing {tr.activation_checkpointing}, "
+             f"{'compiled' if tr.compile else 'eager'}")
+    if r.model.ffn == "moe":  # the step model has no routing or grouped-GEMM terms
+        note = f"tok/s/GPU, MFU: {where};\nMoE routing is not modelled: for reference only."
+    else:
+        note = f"tok/s/GPU, MFU: {where}\n(--detail: the step's terms; `scaletool plan` searches layouts)."
     return EngineColumns(["tok/s/GPU", "MFU"], cells, note)
 
 

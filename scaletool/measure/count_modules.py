@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from scaletool import analytic
-from scaletool.attention_kinds import matmul_params
 from scaletool.config import Recipe
+from scaletool.kinds.attention import matmul_params
 
 
 def _analytic(recipe: Recipe, tokens: int) -> dict[str, dict[str, float]]:

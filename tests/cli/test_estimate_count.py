@@ -121,11 +121,13 @@ def test_estimate_summary_is_short_and_its_figures_are_the_json(recipe, world):
     assert f"{est['kv_cache']['bytes_per_token']:,} B/token" in res.output
     rows = {(r["label"], r["activation_checkpointing"]): r for r in est["memory"]["engines"]}
     labels = {label for label, _ in rows}
+    predicted = {row["label"]: row for row in est["prediction"]["rows"]}
     seen = set()
     for line in lines:
         cells = line.split()
-        if cells and cells[0] in labels and len(cells) == 7:
+        if cells and cells[0] in labels and len(cells) in (9, 10):  # tokens/s with or without an SI prefix
             seen.add(cells[0])
+            assert cells[-1] == f"{100 * predicted[cells[0]]['mfu']:.0f}%"  # the predicted MFU beside the memory
             for ac, (value, unit, at) in zip(("none", "full"), (cells[1:4], cells[4:7])):
                 row = rows[(cells[0], ac)]
                 assert {"bwd": "backward", "step": "optimizer_step"}[at] == row["phase"]
@@ -243,6 +245,8 @@ def test_estimate_predicts_the_step_of_every_engine_beside_memory():
         assert row["step_s"] > 0 and 0 < row["mfu"] < 1
         assert row["tokens_per_s_per_gpu"] * 8 == pytest.approx(row["tokens_per_s"])
     text = CliRunner().invoke(main, ["estimate", "mla-1b", "--world-size", "8"]).output
+    assert "tok/s/GPU, MFU: predicted on H100 SXM" in text  # the summary's columns
+    text = CliRunner().invoke(main, ["estimate", "mla-1b", "--world-size", "8", "--detail"]).output
     assert "Predicted step on H100 SXM (world size 8)" in text and "tokens/s/GPU" in text
 
 
