@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
@@ -53,12 +54,28 @@ from scaletool.config import ModelConfig
 _PARTIAL = (Partial(),)
 
 
+class _ReplicateWithPartialGrad(torch.autograd.Function):
+    """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward hands back the gradient as this rank's
+    partial sum instead of all-reducing it to ``Replicate``. ``from_local`` takes ``grad_placements`` only
+    from torch 2.12 on; this one path runs the same on every torch from the floor (2.6) up."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if grad.placements != _PARTIAL:  # a replicated gradient: each rank's 1/N share of it
+            grad = grad.redistribute(placements=_PARTIAL)
+        return grad.to_local(), None
+
+
 def _local_in(x, mesh: DeviceMesh):
     """A plain tensor that holds the same value on every rank of the region, as a Replicate DTensor whose
     gradient stays a per-rank partial sum (reduced once, at the region's entry)."""
     if isinstance(x, DTensor):
         return x
-    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False, grad_placements=_PARTIAL)
+    return _ReplicateWithPartialGrad.apply(x, mesh)
 
 
 class ReplicateInRegion(ParallelStyle):

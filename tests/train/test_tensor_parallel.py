@@ -85,7 +85,9 @@ def test_tensor_parallel_runs_match_single_and_resume(layout, single):
     load_model_weights(root / "mla" / "checkpoints" / "step_2", sharded)
     load_model_weights(single["mla"]["out"] / "checkpoints" / "step_2", plain)
     for key, value in plain.state_dict().items():
-        torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
+        # atol: AdamW's first steps move an element whose gradient is near zero by up to lr, so summation-order
+        # noise in that gradient reaches ~1e-5 in the weight (one element in 12288 did); a wrong plan moves many by lr
+        torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=key)
 
 
 @pytest.mark.distributed
