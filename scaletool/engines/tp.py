@@ -57,7 +57,7 @@ _PARTIAL = (Partial(),)
 class _ReplicateWithPartialGrad(torch.autograd.Function):
     """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward hands back the gradient as this rank's
     partial sum instead of all-reducing it to ``Replicate``. ``from_local`` takes ``grad_placements`` only
-    from torch 2.12 on; this one path runs the same on every torch from the floor (2.6) up."""
+    from torch 2.12 on; this one path runs the same on every torch (the floor, 2.11, included)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
