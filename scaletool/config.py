@@ -408,6 +408,9 @@ class ParallelConfig(_Section):
     tensor_parallel: int = Field(1, gt=0, le=MAX_HEADS, description="fsdp: ranks that split every layer's heads and FFN "
                                  "width (Megatron-style, with sequence parallelism); FSDP2 shards over the "
                                  "world_size / tensor_parallel data-parallel ranks")
+    async_tp: bool = Field(False, description="tensor_parallel > 1 with train.compile on CUDA: inductor fuses each "
+                           "all-gather with the matmul it feeds and each matmul with its reduce-scatter, overlapping "
+                           "them chunk by chunk over symmetric memory")
 
     @field_validator("deepspeed")
     @classmethod

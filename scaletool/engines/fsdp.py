@@ -25,10 +25,11 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from scaletool.config import RecipeError
 from scaletool.engines.dist import device_mesh
 from scaletool.engines.expert_parallel import apply_expert_parallel
 from scaletool.engines.single import SingleEngine
-from scaletool.engines.tp import apply_tensor_parallel
+from scaletool.engines.tp import apply_tensor_parallel, enable_async_tp
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
@@ -42,6 +43,11 @@ class FSDPEngine(SingleEngine):
         self.mesh = device_mesh(self.env, tp)
         if tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], self.recipe.model)
+            if self.recipe.parallel.async_tp:
+                if self.env.device.type != "cuda":
+                    raise RecipeError([f"parallel.async_tp: needs CUDA devices (symmetric memory), "
+                                       f"not {self.env.device.type}"])
+                enable_async_tp(self.mesh["tp"])
             # DTensor warns that its random ops lack CPU support (its offset-based generator is for GPUs);
             # dropout on a rank's sequence shard then draws from the rank's own generator, which the
             # trainer seeds per rank and step: independent masks, all dropout needs

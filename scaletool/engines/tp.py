@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
@@ -53,12 +54,31 @@ from scaletool.config import ModelConfig
 _PARTIAL = (Partial(),)
 
 
+class _ReplicateWithPartialGrad(torch.autograd.Function):
+    """``DTensor.from_local(x, mesh, [Replicate()])`` whose backward hands back the gradient as this rank's
+    partial sum instead of all-reducing it to ``Replicate``. ``from_local`` takes ``grad_placements`` only
+    from torch 2.12 on; this one path runs the same on every torch (the floor, 2.11, included)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if grad.placements == _PARTIAL:  # what the region's ops hand back
+            return grad.to_local(), None
+        # a gradient whole on every rank (how torch.compile first traces this backward): each rank's 1/N share;
+        # redistributing to Partial directly is refused outside DTensor's internals
+        whole = grad.redistribute(placements=(Replicate(),)).to_local()
+        return whole / grad.device_mesh.size(), None
+
+
 def _local_in(x, mesh: DeviceMesh):
     """A plain tensor that holds the same value on every rank of the region, as a Replicate DTensor whose
     gradient stays a per-rank partial sum (reduced once, at the region's entry)."""
     if isinstance(x, DTensor):
         return x
-    return DTensor.from_local(x, mesh, (Replicate(),), run_check=False, grad_placements=_PARTIAL)
+    return _ReplicateWithPartialGrad.apply(x, mesh)
 
 
 class ReplicateInRegion(ParallelStyle):
@@ -174,3 +194,19 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig) 
         parallelize_module(block, mesh, styles)
         for name, value in plan.local.items():
             setattr(block.attn, name, value)
+
+
+def enable_async_tp(mesh: DeviceMesh) -> None:
+    """Async TP (torchtitan's ``enable_async_tensor_parallel``): inductor's micro-pipeline pass rewrites
+    each all-gather -> matmul and matmul -> reduce-scatter of the compiled blocks into fused ops that
+    move chunks through symmetric memory (CUDA P2P) while the matmul of the previous chunk runs. The
+    pass acts only on groups with symmetric memory enabled. NVLink multicast is not needed: it is used
+    only where the driver reports it, for small all-gather-matmuls (≤ 2048 rows); otherwise the P2P path."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    inductor_config._micro_pipeline_tp = True
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)  # later torch enables it on first use
+    if enable is not None:
+        enable(mesh.get_group().group_name)
+

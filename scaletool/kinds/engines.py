@@ -222,6 +222,9 @@ def tensor_parallel_problems(recipe: Any, seq_len: int) -> list[str]:
 def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     """The parallel layout's rules (tensor and expert parallelism), checked on every recipe."""
     p, m = recipe.parallel, recipe.model
+    if p.async_tp and (p.tensor_parallel == 1 or not recipe.train.compile):
+        return ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true (the fused "
+                "collective matmuls are an inductor pass over the compiled blocks)"]
     if p.tensor_parallel > 1:
         problems = tensor_parallel_problems(recipe, seq_len)
         if problems:

@@ -37,8 +37,12 @@ COMMON = ["train.steps=3", "train.measure_warmup_steps=1"]
 KINDS = {"mha": ["model.attention=mha"], "gqa": ["model.attention=gqa", "model.n_kv_heads=2"],
          "mqa": ["model.attention=mqa"], "mla": ["train.checkpoint_every=2"],
          "post": ["model.attention=mha", "model.norm_placement=post", "model.position_encoding=none"]}
+#: compiled jobs (per-block torch.compile after the split, aot_eager backend: dynamo and AOT autograd trace the
+#: DTensor blocks as on GPUs, without inductor's C++ build) -> the one-process run they must match
+COMPILED = {"mha-compiled": ("mha", ["model.attention=mha", "train.compile=true"]),
+            "mla-compiled": ("mla", ["train.compile=true"])}
 #: layout -> (ranks, tensor_parallel, the kinds it trains)
-LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post")), "fsdp2x2": (4, 2, ("mha", "gqa", "mla"))}
+LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post", *COMPILED)), "fsdp2x2": (4, 2, ("mha", "gqa", "mla"))}
 
 
 def summary(path: Path) -> dict:
@@ -60,10 +64,10 @@ def layout(request, tmp_path_factory):
     ranks, tp, kinds = LAYOUTS[name]
     root = tmp_path_factory.mktemp(name)
     parallel = ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}", f"train.micro_batch_size={8 * tp // ranks}"]
-    jobs = {kind: COMMON + KINDS[kind] + parallel for kind in kinds}
+    jobs = {kind: COMMON + (COMPILED[kind][1] if kind in COMPILED else KINDS[kind]) + parallel for kind in kinds}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), WORKER, TINY,
                         str(root), json.dumps(jobs), json.dumps(parallel)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "TP_WORKER_COMPILE_BACKEND": "aot_eager"})
     assert p.returncode == 0, p.stderr[-4000:]
     return name, ranks, root, kinds, parallel
 
@@ -72,7 +76,8 @@ def layout(request, tmp_path_factory):
 def test_tensor_parallel_runs_match_single_and_resume(layout, single):
     name, ranks, root, kinds, _ = layout
     for kind in kinds:
-        s, ref = summary(root / kind), single[kind]
+        s, ref = summary(root / kind), single[COMPILED[kind][0] if kind in COMPILED else kind]
+        assert s["recipe"]["train"]["compile"] == (kind in COMPILED)
         assert s["status"] == "completed" and s["environment"]["world_size"] == ranks, kind
         assert s["recipe"]["parallel"]["tensor_parallel"] == 2
         assert s["tokens_per_step"] == ref["tokens_per_step"], kind  # data-parallel ranks, not all ranks
@@ -87,7 +92,9 @@ def test_tensor_parallel_runs_match_single_and_resume(layout, single):
     load_model_weights(root / "mla" / "checkpoints" / "step_2", sharded)
     load_model_weights(single["mla"]["out"] / "checkpoints" / "step_2", plain)
     for key, value in plain.state_dict().items():
-        torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=1e-6, msg=key)
+        # atol: AdamW's first steps move an element whose gradient is near zero by up to lr, so summation-order
+        # noise in that gradient reaches ~1e-5 in the weight (one element in 12288 did); a wrong plan moves many by lr
+        torch.testing.assert_close(sharded.state_dict()[key], value, rtol=1e-4, atol=2e-5, msg=key)
 
 
 @pytest.mark.distributed
@@ -167,6 +174,10 @@ def recipe(tp: int, engine: str = "fsdp", **model) -> dict:
                         "splits the experts instead"]),
     (recipe(2, task="regression"), ["parallel.tensor_parallel: supported for task=lm"]),
     (recipe(0), ["parallel.tensor_parallel: Input should be greater than 0"]),
+    (recipe(2) | {"parallel": {"engine": "fsdp", "tensor_parallel": 2, "async_tp": True}},
+     ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true"]),
+    (recipe(1) | {"parallel": {"engine": "fsdp", "async_tp": True}, "train": {"compile": True}},
+     ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true"]),
     (recipe(2, position_encoding="learned"), ["model.position_encoding: learned is not split by tensor parallelism"]),
     (recipe(2, position_encoding="alibi"), ["model.position_encoding: alibi is not split by tensor parallelism"]),
 ])

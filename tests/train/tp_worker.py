@@ -7,15 +7,18 @@ last checkpoint, and every rank resumes the copy in ``OUT/<name>-resumed``. Last
 MEASURE overrides runs one optimizer step's forward and backward (one micro-batch) under
 :class:`~scaletool.measure.collectives.CollectiveLog`, and rank 0 writes what it issued, by mesh
 dimension and op, to ``OUT/collectives.json``. The test reads the summaries and that file.
+``TP_WORKER_COMPILE_BACKEND`` set: ``torch.compile`` (``train.compile``) uses that backend.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from scaletool import api
@@ -51,6 +54,8 @@ def measure(recipe: str, out: Path, sets: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("TP_WORKER_COMPILE_BACKEND"):  # train.compile through this backend
+        torch.compile = functools.partial(torch.compile, backend=os.environ["TP_WORKER_COMPILE_BACKEND"])
     dist.init_process_group("gloo")  # one group for every run (a run joins the group it finds and leaves it up)
     train(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]))
     measure(sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[4]))
