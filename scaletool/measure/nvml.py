@@ -72,7 +72,9 @@ class NvmlSampler:
     def _read_contention(self) -> tuple[float, int | None, bool | None, bool | None]:
         n = self._nvml
         procs = self._query("nvmlDeviceGetComputeRunningProcesses")
-        others = None if procs is None else sum(1 for p in procs if p.pid != os.getpid())
+        # in a container NVML reports host PIDs: where this process is not among them, it is one of them
+        others = None if procs is None else (sum(1 for p in procs if p.pid != os.getpid())
+                                             if any(p.pid == os.getpid() for p in procs) else max(0, len(procs) - 1))
         reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons")
         throttled = None if reasons is None else bool(reasons & _THROTTLE_MASK)
         if self._base_mhz is None:

@@ -28,7 +28,7 @@ from scaletool import analytic
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
 from scaletool.kinds.engines import engine_kind
-from scaletool.measure.contention import GPU_THROTTLED_MAX, RULE, summarize
+from scaletool.measure.contention import RULE, summarize
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.results.train import History, Segment, Timing, TrainResult, timing_of
@@ -213,10 +213,10 @@ def build_result(r: RunRecord) -> TrainResult:
     gpu = [x.get("nvml") or {} for x in r.reports]
     others = [g["contention/gpu_other_processes_max"] for g in gpu if g.get("contention/gpu_other_processes_max") is not None]
     throttled = [g["contention/gpu_throttled_share"] for g in gpu if g.get("contention/gpu_throttled_share") is not None]
-    if others or throttled:  # a card shared with another process, or slowed by power or heat, is contended too
+    if others or throttled:  # a card shared with another process is contended; throttling is only recorded
         contention["contention/gpu_other_processes_max"] = max(others, default=None)
         contention["contention/gpu_throttled_share"] = max(throttled, default=None)
-        if max(others, default=0) > 0 or max(throttled, default=0) > GPU_THROTTLED_MAX:
+        if max(others, default=0) > 0:
             contention["contention/contended"] = True
     metrics.update({k: float(v) if isinstance(v, bool) else v for k, v in contention.items()})
     return TrainResult(
