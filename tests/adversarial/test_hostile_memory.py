@@ -6,15 +6,15 @@ import pytest
 import torch
 from hostile import invoke
 
-from scaletool.measure import count
+from scaletool.measure import available, count
 
 
 @pytest.fixture
 def small_cpu(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 1048576 kB\nMemAvailable: 1024 kB\n")  # 1 MiB available
-    monkeypatch.setattr(count, "MEMINFO", str(meminfo))
-    monkeypatch.setattr(count, "CGROUP_DIR", str(tmp_path / "no-cgroup"))
+    monkeypatch.setattr(available, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(available, "CGROUP_DIR", str(tmp_path / "no-cgroup"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
