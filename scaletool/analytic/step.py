@@ -159,6 +159,21 @@ def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Cal
     return host
 
 
+def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp: bool, calib: Calibration) -> float:
+    """Host seconds per step to issue a tensor-parallel step: every op on a DTensor goes through its
+    dispatcher (placements, redistributes) on the CPU, about ten times a plain tensor's cost. The CPU
+    runs ahead of the GPU, so this bounds the step only when it exceeds the device's work (1B models at
+    8 sequences per rank: yes; Llama-3-8B layers at T=8192: no). Per block, by attention family (MLA's
+    latent path has more ops) and mode (per-block compile fuses the element-wise ones away)."""
+    if tp == 1:
+        return 0.0
+    ov = calib.overheads
+    mode = "compiled" if compiled else "eager"
+    key = f"tp_{mode}_block{'_mla' if local.attention == 'mla' else ''}_s"
+    per_block = ov.get(key, ov.get(f"tp_{mode}_block_s", 0.0))
+    return gas * per_block * local.n_layers
+
+
 def _flops(cfg: ModelConfig, T: int, tokens: int, global_tokens: int, frac: float) -> tuple[float, float]:
     """Model FLOPs (causal convention) and hardware FLOPs (computed, recomputation included) per step."""
     fl = flops_per_token(cfg, T, tokens=tokens)
@@ -198,11 +213,13 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
                      "attention_s": gas * c["attention"], "recompute_s": gas * c["recompute"]}
     memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}
     exposed = tp_exposed + dp_exposed
-    step = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
+    device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
+    dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib)
+    step = max(device, dispatch + host)
     terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
-             **totals, "host_overhead_s": host}
+             **totals, "host_overhead_s": host, "tp_dispatch_s": dispatch}
     bounds = {"compute": sum(compute_terms.values()), "memory bandwidth": sum(memory_terms.values()),
-              "exposed communication": exposed}
+              "exposed communication": exposed, "host dispatch (tensor parallelism)": dispatch}
     global_tokens = tokens * gas * dp
     model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, c["recompute_fraction"])
     peak = calib.peak_tflops * 1e12
@@ -216,6 +233,10 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
+    if dispatch:
+        assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
+                           f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "
+                           "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else ""))
     if N > G:
         assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
                            f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")

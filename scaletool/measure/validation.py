@@ -19,7 +19,8 @@ from scaletool.measure.hardware import load_profiles, profile_for
 from scaletool.resources import data_dir
 
 #: the committed GPU training results, relative to the repository root
-COMMITTED = ("recipes/benchmarks/results/*.json", "recipes/benchmarks/sweep-results/*.results.jsonl")
+COMMITTED = ("recipes/benchmarks/results/*.json", "recipes/benchmarks/results/*/*.json",
+             "recipes/benchmarks/sweep-results/*.results.jsonl")
 
 
 def committed_paths() -> list[Path]:
@@ -39,7 +40,8 @@ def _runs_in(path: Path) -> list[tuple[str, dict]]:
                 out.append((f"{path.name}: {rec.get('label', '?')}", res))
         return [(label, r) for label, r in out if _usable(r)]
     data = json.loads(text)
-    return [(path.name, data)] if isinstance(data, dict) and _usable(data) else []
+    label = path.name if path.parent.name == "results" else f"{path.parent.name}/{path.name}"
+    return [(label, data)] if isinstance(data, dict) and _usable(data) else []
 
 
 def _usable(r: dict) -> bool:
@@ -78,7 +80,8 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
             recipe = recipe_from_dict(r["recipe"], label)
             pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
             measured = measured_tokens_per_s_per_gpu(r)
-            rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "card": card,
+            rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "async_tp": recipe.parallel.async_tp,
+                         "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
                          "world_size": pred["world_size"], "compiled": pred["compiled"],
                          "attention": recipe.model.attention, "measured_tokens_per_s_per_gpu": measured,

@@ -10,9 +10,10 @@ from scaletool.measure.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.045, 0.33),  # every committed dense run, H100 and H200 (80 runs: 3.3%, 30.9%)
-    "H100": (0.035, 0.19),   # the card the model was fitted on (48 runs: 2.6%, 17.7%)
-    "compiled": (0.02, 0.04),  # compiled single and FSDP (13 runs)
+    "dense": (0.04, 0.27),  # every committed dense run, H100 and H200 (93 runs: 3.4%, 24.5%)
+    "H100": (0.035, 0.19),   # the card the model was fitted on (51 runs: 2.6%, 17.7%)
+    "compiled": (0.03, 0.08),  # compiled single, FSDP2 and TP (17 runs: 2.5%, 7.4%)
+    "TP": (0.05, 0.10),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (5 runs: 3.7%, 7.4%)
 }
 
 
@@ -39,8 +40,9 @@ def test_every_committed_gpu_run_is_predicted(runs):
 
 
 def test_error_distribution_within_the_stated_tolerance(runs):
-    dense = [r for r in runs if not r["moe"]]
+    dense = [r for r in runs if not r["moe"] and not r["async_tp"]]
     _check(dense, "dense")
+    _check([r for r in dense if "TP" in r["engine"]], "TP")
     _check([r for r in dense if "H100" in r["card"]], "H100")
     _check([r for r in dense if r["compiled"]], "compiled")
 
@@ -51,3 +53,11 @@ def test_the_known_failure_stays_visible(runs):
     this test says so and docs/prediction.md's failure list needs updating."""
     (moe,) = [r for r in runs if r["moe"]]
     assert moe["rel_error"] > 0.5
+
+
+def test_async_tensor_parallelism_is_not_modelled_and_says_so(runs):
+    """Async TP (fused all-gather-matmul and matmul-reduce-scatter) ran slower than plain compiled TP on
+    2 H200s; the model predicts it as plain TP, so it is over-predicted, and it is kept out of the
+    tolerances as MoE is."""
+    asyncs = [r for r in runs if r["async_tp"]]
+    assert len(asyncs) == 2 and all(r["rel_error"] > 0.1 for r in asyncs)
