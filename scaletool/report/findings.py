@@ -17,6 +17,7 @@ from scaletool.fmt import pct
 from scaletool.report.claims import claim_findings
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.dynamics import dynamics_findings
+from scaletool.report.prediction import prediction_findings
 from scaletool.report.tables import (
     count_table,
     decode_points,
@@ -308,7 +309,7 @@ def budget(rs: ResultsSet) -> list[str]:
 def all_findings(rs: ResultsSet) -> list[str]:
     out: list[str] = []
     for f in (kv_savings, rule_of_thumb, throughput_crossover, scaling, decode_speed, budget, worst_errors,
-              claim_findings, dynamics_findings):
+              prediction_findings, claim_findings, dynamics_findings):
         out += f(rs)
     bad = [r for r in rs.rows if r.status not in ("ok", "skipped")]
     n_diverged = sum(r.diverged for r in bad)

@@ -120,3 +120,36 @@ def prediction_plots(rs: ResultsSet) -> list[Plot]:
     caption = (f"{len(pts)} points; |error| median {statistics.median(errors):.0%}, worst {errors[-1]:.0%}. Log axes; "
                f"the band is ±{BAND:.0%} around predicted = measured. {BARS}")
     return [Plot("predicted_vs_measured", "Measured vs predicted tokens/s", caption, buf.getvalue(), "prediction")]
+
+
+def _why(r: Row, bound: str) -> str:
+    """What the step model is known to miss for this point (docs/prediction.md), or its bound."""
+    rec = r.recipe
+    if rec is not None and rec.model.ffn == "moe":
+        return "MoE routing and expert dispatch are not modelled"
+    if rec is not None and rec.parallel.async_tp:
+        return "async tensor parallelism is not modelled"
+    if any(run.contended for run in r.runs):
+        return "the run was contended"
+    if bound.startswith("host"):
+        return "host-bound: the dispatch cost is fitted on one machine's CPU"
+    return f"bound: {bound}"
+
+
+def prediction_findings(rs: ResultsSet) -> list[str]:
+    """The prediction's error over the GPU points, and each point beyond ±20% with what the model misses."""
+    pts = [(r, p) for r, p in points(rs) if not p[1].startswith(CPU_CALIBRATION)]
+    if not pts:
+        return []
+    errs = [(rel_error(rate, r.across(lambda t: t.rate).median), r, bound) for r, (rate, _, bound) in pts]
+    errs.sort(key=lambda e: -abs(e[0]))
+    worst = errs[0]
+    out = [f"Step-time model against {len(errs)} GPU point(s): |error| median "
+           f"{statistics.median(abs(e) for e, _, _ in errs):.1%}, worst {worst[0]:+.1%} ({worst[1].label}, "
+           f"{worst[1].world_size} GPU)."]
+    beyond = [e for e in errs if abs(e[0]) > BAND]
+    if beyond:
+        shown = "; ".join(f"{r.label} ({r.world_size} GPU) {e:+.0%}: {_why(r, b)}" for e, r, b in beyond[:4])
+        more = f"; and {len(beyond) - 4} more" if len(beyond) > 4 else ""
+        out.append(f"Predicted beyond ±{BAND:.0%} of measured: {shown}{more}.")
+    return out

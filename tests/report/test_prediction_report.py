@@ -68,3 +68,18 @@ def test_the_report_has_the_table_and_the_scatter_plot(results, tmp_path):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "3 points; \\|error\\| median" in md  # the CPU placeholder is not plotted (markdown escapes the bars)
     assert "not meaningful" in md_section(md, "Predicted vs measured throughput")
+
+
+def test_the_findings_state_the_error_and_name_what_the_model_misses(results):
+    """mla recorded: predicted 300k against ~256k measured (+17%, inside ±20%); mha recorded: 100k against
+    ~128k (-22%), beyond the band, named with its bound; so is the re-predicted synthetic point, far off;
+    the CPU placeholder is left out."""
+    from scaletool.report.findings import all_findings
+    from scaletool.report.prediction import prediction_findings
+
+    found = prediction_findings(data.load([results]))
+    assert found[0].startswith("Step-time model against 3 GPU point(s): |error| median ")
+    assert len(found) == 2 and found[1].startswith("Predicted beyond ±20% of measured: mla older (1 GPU) +")
+    assert "mha recorded (1 GPU) -22%: bound: compute" in found[1]
+    assert "mla recorded" not in found[1] and "cpu" not in found[1]
+    assert found[0] in all_findings(data.load([results]))
