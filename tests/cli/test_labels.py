@@ -2,6 +2,7 @@
 memory figure, a CPU rank is a process, and report.md reads as plain text."""
 from __future__ import annotations
 
+import pytest
 from click.testing import CliRunner
 from conftest import RECIPES
 
@@ -21,13 +22,17 @@ def test_count_puts_the_rule_of_thumb_on_a_line_naming_each_figure():
     assert "12·d²·L" not in header
 
 
-def test_estimate_states_the_recipe_memory_in_the_table_unit():
-    res = CliRunner().invoke(main, ["estimate", str(RECIPES / "deepseek-v3.yaml")])
+@pytest.mark.parametrize("view", [[], ["--detail"]])
+def test_estimate_states_the_recipe_memory_in_the_table_unit(view):
+    res = CliRunner().invoke(main, ["estimate", str(RECIPES / "deepseek-v3.yaml"), *view])
     assert res.exit_code == 0, res.output
-    assert "Training memory per GPU, TiB (world size 1)" in res.output
-    (line,) = [x for x in res.output.splitlines() if x.startswith("This recipe (")]
-    assert " TiB per GPU" in line and "GiB" not in line and "at the block" not in line
-    assert "(at block " in line
+    if view:
+        assert "Training memory per GPU, TiB (world size 1)" in res.output
+    lines = res.output.splitlines()
+    i = next(i for i, x in enumerate(lines) if x.startswith("This recipe ("))
+    text = " ".join(lines[i:i + 2])  # the summary puts the figure on the next line
+    assert " TiB per GPU" in text and "GiB" not in text and "at the block" not in text
+    assert "(at block " in text
 
 
 def test_the_cpu_train_line_says_per_process():
