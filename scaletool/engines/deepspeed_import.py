@@ -33,6 +33,6 @@ def quiet_deepspeed():
         finally:
             logger.removeFilter(notice)
         for h in logging.getLogger("DeepSpeed").handlers:
-            if isinstance(h, logging.StreamHandler) and not isinstance(h.stream, _Stderr):
+            if type(h) is logging.StreamHandler and not isinstance(h.stream, _Stderr):  # its own, not a test runner's
                 h.setStream(_Stderr())
         yield

@@ -90,6 +90,7 @@ def _refusal(path: Path, err: Exception) -> RecipeError:
         f"{found.group(1)[:200]}); loading it could run code. {_TRUST_HINT}")
 
 
+NOT_ARCHIVE = "not a torch.save archive (corrupt, cut short or another format)"
 _NOISE = ("Weights only load failed", "In PyTorch", "Re-running", "Please file", "Check the documentation",
           "WeightsUnpickler error:")
 
@@ -188,7 +189,7 @@ def dcp_problem(ckpt_dir: str | Path) -> str | None:
     try:
         md = read_dcp_metadata(d)
     except RecipeError as e:
-        return str(e).split(": ", 1)[1]
+        return ".metadata: " + str(e).removeprefix(f"{d / '.metadata'}: ")
     return dcp_data_problem(d, md)
 
 
@@ -254,7 +255,7 @@ def load_pt(path: str | Path, *, trust: bool = False, map_location="cpu", deepsp
     ``deepspeed`` also DeepSpeed's loss-scaler and ZeRO-stage classes. ``trust`` allows full pickle."""
     path = Path(path)
     if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive; random bytes are none
-        raise RecipeError(f"{path}: not a torch.save archive (corrupt, cut short or another format)")
+        raise RecipeError(f"{path}: {NOT_ARCHIVE}")
     try:
         if trust:
             return torch.load(path, map_location=map_location, weights_only=False)

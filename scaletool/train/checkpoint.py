@@ -33,6 +33,7 @@ from scaletool.engines import DistEnv
 from scaletool.engines.checkpoint_files import model_states_problem
 from scaletool.engines.serialization import (
     DEEPSPEED_GLOBALS,
+    NOT_ARCHIVE,
     UnsafeCheckpointError,
     dcp_load,
     dcp_problem,
@@ -42,7 +43,7 @@ from scaletool.engines.serialization import (
     shape_problem,
     unsafe_globals,
 )
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, shorten
 from scaletool.train.trainer_state import trainer_state_problem
 
 TRAINER_STATE = "trainer.json"
@@ -97,9 +98,9 @@ def _format_problem(d: Path) -> str | None:
         return dcp_problem(d)
     for f in sorted(d.glob("*.pt")):
         if not f.is_file():
-            return f"{f.name} is not a regular file"
+            return f"{f.name}: {'a directory where a file is expected' if f.is_dir() else 'not a regular file'}"
         if not zipfile.is_zipfile(f):  # torch.save's zip format ends with its directory: a cut file has none
-            return f"{f.name} is not a complete torch.save file (a half-written or corrupt file)"
+            return f"{f.name}: {NOT_ARCHIVE}"
         try:  # the pickle's names, then (DeepSpeed not imported yet: the engine picks its accelerator) plain data
             needed = unsafe_globals(f)
             unsafe = [n for n in needed if n not in DEEPSPEED_GLOBALS]
@@ -108,7 +109,7 @@ def _format_problem(d: Path) -> str | None:
                         f"{unsafe[0][:200]}); loading it could run code")
             obj = None if needed else load_pt(f, mmap=True)
         except RecipeError as e:
-            return f"{f.name}: {str(e).split(': ', 1)[-1]}"
+            return f"{f.name}: {str(e).removeprefix(f'{f}: ')}"
         if obj is None:
             continue
         problem = model_states_problem(obj) if f.name.endswith(_DS_STATES) else (
@@ -157,8 +158,8 @@ def newest_intact(out: Path) -> tuple[tuple[Path, dict] | None, list[str]]:
             problem = _format_problem(d)
         if problem is None:
             return (d, state), warnings
-        first_problem = first_problem or f"{d}: {problem}"
-        warnings.append(f"warning: skipping checkpoint {d}: {problem}")
+        first_problem = first_problem or f"{shorten(str(d))}: {problem}"
+        warnings.append(f"warning: skipping checkpoint {shorten(str(d))}: {problem}")
     if first_problem is not None:
         raise RecipeError(f"no intact checkpoint to resume from; the newest, {first_problem}")
     return None, warnings
@@ -213,26 +214,27 @@ def check_loadable(ckpt_dir: str | Path, *, trust_checkpoint: bool = False) -> N
     its marker's manifest and ``trainer.json`` when it has them, then the format's files (without
     reading the tensors). Cheap enough to run before a model is built."""
     d = Path(ckpt_dir)
+    where = shorten(str(d))  # a step number of 250 digits stays one readable line
     if not d.is_dir():
-        raise RecipeError(f"{d}: {'not a directory' if d.exists() else 'no such checkpoint directory'}")
+        raise RecipeError(f"{where}: {'not a directory' if d.exists() else 'no such checkpoint directory'}")
     if (d / MARKER).exists():  # one of ours: the files as they were written
         _, problem = verify(d)
         if problem is not None:
-            raise RecipeError(f"{d}: {problem}")
+            raise RecipeError(f"{where}: {problem}")
     if (d / ".metadata").exists():
         problem = dcp_problem(d)
         if problem is not None:
-            raise RecipeError(f"{d}: {problem}")
+            raise RecipeError(f"{where}: {problem}")
     elif (d / _DS_ZERO3_STATES).exists():
         if not trust_checkpoint:
             raise UnsafeCheckpointError(
-                f"{d}: a DeepSpeed ZeRO-3 checkpoint: its weights are partitioned, and DeepSpeed's zero_to_fp32, "
+                f"{where}: a DeepSpeed ZeRO-3 checkpoint: its weights are partitioned, and DeepSpeed's zero_to_fp32, "
                 "which gathers them, unpickles the files without restriction (loading could run code). Load it "
                 "only from a source you trust (trust_checkpoint).")
     elif (d / _DS_STATES).exists():
         load_model_states(d / _DS_STATES, trust=trust_checkpoint, mmap=True)
     else:
-        raise RecipeError(f"{d}: not a scaletool checkpoint (neither torch.distributed.checkpoint's .metadata "
+        raise RecipeError(f"{where}: not a scaletool checkpoint (neither torch.distributed.checkpoint's .metadata "
                           f"nor DeepSpeed's *{_DS_STATES})")
 
 
