@@ -295,6 +295,10 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     fit = None if budget is None else memory_fit(cfg, budget, s.contexts, s.extra_positions)
     largest = max(b * (n + s.extra_positions) for n, b in plan_points(cfg, s, fit))
     check_memory(cfg, largest * cache_bytes_per_token(cfg, mode.mla), dev)
+    if checkpoint is not None:  # a damaged or unsafe checkpoint is refused before the model is built
+        from scaletool.train.checkpoint import check_loadable
+
+        check_loadable(checkpoint, trust_checkpoint=trust_checkpoint)
     threads = None
     if dev.type == "cpu":
         from scaletool.threads import pin_threads

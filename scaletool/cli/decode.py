@@ -11,7 +11,7 @@ from rich.table import Table
 
 from scaletool.cli.feedback import feedback
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
-from scaletool.fmt import gib, pct, si
+from scaletool.fmt import gib, pct, si, stdout_to_stderr
 from scaletool.kinds.attention import MLA_MODES
 from scaletool.stats import MIN_SAMPLES
 
@@ -127,7 +127,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
         if device == "cpu" or not torch.cuda.is_available():
             raise click.BadParameter("'max' needs --memory-budget GiB on CPU (the default budget is the GPU's "
                                      "memory)", param_hint="--batch")
-    with feedback() as progress:
+    with feedback() as progress, stdout_to_stderr(as_json):  # libraries' prints (DeepSpeed's); stdout keeps the JSON
         res = api.decode(recipe, overrides=overrides, contexts=contexts, batch=batches, new_tokens=new_tokens,
                          device=device, dtype=dtype, mla_mode=mla_mode, mla_kernel=mla_kernel, cuda_graph=cuda_graph,
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,

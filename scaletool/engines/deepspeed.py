@@ -30,7 +30,7 @@ from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
-from scaletool.engines.serialization import load_pt, shape_problem
+from scaletool.engines.serialization import load_model_states, load_pt, shape_problem
 from scaletool.kinds.engines import deepspeed_problems, deepspeed_settings
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 from scaletool.yaml_input import flatten_dotted
@@ -102,7 +102,10 @@ class DeepSpeedEngine(Engine):
     def __init__(self, model: torch.nn.Module, recipe: Recipe, env: DistEnv):
         os.environ.setdefault("DS_ACCELERATOR", env.device.type)
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # DeepSpeed insists, even for one process
-        import deepspeed
+        from scaletool.engines.deepspeed_import import quiet_deepspeed
+
+        with quiet_deepspeed():
+            import deepspeed
 
         self.env = env
         t = recipe.train
@@ -152,14 +155,21 @@ class DeepSpeedEngine(Engine):
     def load(self, path: Path) -> None:
         states = sorted(path.glob("*mp_rank_00_model_states.pt"))
         if states:
-            saved = load_pt(states[0], deepspeed=True)
+            saved = load_model_states(states[0])
             groups = saved.get("param_shapes")  # ZeRO: one {name: shape} per parameter group
             found = ({k: tuple(v) for group in groups for k, v in group.items()} if groups else
                      {k: tuple(v.shape) for k, v in saved["module"].items()})
             mismatch = shape_problem(path, found, self._shapes())
             if mismatch:
                 raise RecipeError(mismatch)
-        loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+        try:
+            loaded, _ = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                    load_lr_scheduler_states=False)
+        except RecipeError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, EOFError) as e:
+            # files that verified (readable, plain data) but hold what DeepSpeed does not expect
+            raise RecipeError(f"{path}: DeepSpeed cannot load it ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:150]})") from None
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")

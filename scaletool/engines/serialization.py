@@ -24,6 +24,7 @@ import pathlib
 import pickle
 import re
 import warnings
+import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -33,9 +34,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 
+from scaletool.engines.checkpoint_files import dcp_data_problem, metadata_problem, model_states_problem
 from scaletool.errors import RecipeError
 
 _TRUST_HINT = "Load it only from a source you trust (trust_checkpoint)."
@@ -75,25 +78,54 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed") from None
 
 
-def _refusal(path: Path, err: Exception) -> UnsafeCheckpointError:
+def _refusal(path: Path, err: Exception) -> RecipeError:
+    """An unpickler's refusal as one line: a class beyond the allowed ones (unsafe), or bytes that are no
+    pickle at all (corrupt)."""
     text = str(err)
     found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"([\w.]+) is not allowed", text)
-    detail = f"it needs {found.group(1)}" if found else (text.strip().splitlines() or [type(err).__name__])[0]
+    if found is None:
+        return _corrupt(path, err)
     return UnsafeCheckpointError(
-        f"{path}: refused: the file holds Python objects beyond tensors and plain data ({detail[:200]}); "
-        f"loading it could run code. {_TRUST_HINT}")
+        f"{path}: refused: the file holds Python objects beyond tensors and plain data (it needs "
+        f"{found.group(1)[:200]}); loading it could run code. {_TRUST_HINT}")
+
+
+NOT_ARCHIVE = "not a torch.save archive (corrupt, cut short or another format)"
+_NOISE = ("Weights only load failed", "In PyTorch", "Re-running", "Please file", "Check the documentation",
+          "WeightsUnpickler error:")
+
+
+def _reason(err: BaseException) -> str:
+    """``Type: the first line that says what is wrong``, without torch's advice about weights_only."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.strip().startswith(_NOISE)]
+    return f"{type(err).__name__}: {lines[0][:120]}" if lines else type(err).__name__
+
+
+def _corrupt(path: Path, err: BaseException) -> RecipeError:
+    if isinstance(err, IsADirectoryError):
+        return RecipeError(f"{path}: a directory where a file is expected")
+    if isinstance(err, OSError):
+        return RecipeError(f"{path}: cannot read ({_reason(err)})")
+    return RecipeError(f"{path}: not a readable checkpoint file (corrupt, cut short or written by something else: "
+                       f"{_reason(err)})")
 
 
 def read_dcp_metadata(ckpt_dir: str | Path, trust: bool = False) -> dcp_metadata.Metadata:
     """The ``.metadata`` of a DCP checkpoint directory, unpickled with DCP's own classes only."""
     path = Path(ckpt_dir) / ".metadata"
-    data = path.read_bytes()
-    if trust:
-        return pickle.loads(data)
     try:
-        return _RestrictedUnpickler(io.BytesIO(data), _dcp_globals()).load()
+        data = path.read_bytes()
+        md = pickle.loads(data) if trust else _RestrictedUnpickler(io.BytesIO(data), _dcp_globals()).load()
     except pickle.UnpicklingError as e:
         raise _refusal(path, e) from None
+    except (Exception, RecursionError) as e:  # cut short or garbage: pickle raises many types
+        raise _corrupt(path, e) from None
+    problem = metadata_problem(md)
+    if problem is not None:
+        raise RecipeError(f"{path}: not the metadata torch.distributed.checkpoint writes: {problem}")
+    return md
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -118,6 +150,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             raise _refusal(Path(str(read_item.storage_index.fqn)), e) from None
+        except Exception as e:
+            raise _corrupt(Path(str(read_item.storage_index.fqn)), e) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -135,33 +169,28 @@ def single_process_intended():
 
 def dcp_load(state: dict, ckpt_dir: str | Path, *, no_dist: bool = False) -> None:
     """``torch.distributed.checkpoint.load`` into ``state`` with the restricted reader and planner."""
-    with single_process_intended():
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), planner=SafeLoadPlanner(),
-                 no_dist=no_dist)
+    try:
+        with single_process_intended():
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt_dir)), planner=SafeLoadPlanner(),
+                     no_dist=no_dist)
+    except CheckpointException as e:  # a BaseException: every rank's failure, with its traceback as text
+        err = next((exc for exc, _ in e.failures.values()), e)
+        if isinstance(err, RecipeError):
+            raise RecipeError(err.problems) from None
+        raise RecipeError(f"{ckpt_dir}: cannot be loaded ({_reason(err)})") from None
 
 
 def dcp_problem(ckpt_dir: str | Path) -> str | None:
     """Why a DCP checkpoint directory cannot be loaded (missing or unsafe metadata, a data file that is
     missing or shorter than the metadata says), or None."""
     d = Path(ckpt_dir)
-    if not (d / ".metadata").is_file():
+    if not (d / ".metadata").exists():
         return "no .metadata (an interrupted save)"
     try:
         md = read_dcp_metadata(d)
-    except UnsafeCheckpointError as e:
-        return str(e).split(": ", 1)[1]
-    except Exception as e:  # truncated or garbage: pickle raises many types
-        return f".metadata is unreadable ({type(e).__name__}: {str(e)[:120]})"
-    ends: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        f = d / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size < end:
-            return f"{name} is {f.stat().st_size} bytes, shorter than the {end} its metadata needs (a half-written file)"
-    return None
+    except RecipeError as e:
+        return ".metadata: " + str(e).removeprefix(f"{d / '.metadata'}: ")
+    return dcp_data_problem(d, md)
 
 
 def dcp_shapes(ckpt_dir: str | Path, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
@@ -188,24 +217,64 @@ def shape_problem(where: str | Path, found: Mapping[str, tuple[int, ...]], expec
     return f"{where}: {bad[0]}{more}: the checkpoint was written for another model configuration"
 
 
+# DeepSpeed's plain state classes found in its checkpoint files: loss scalers, the ZeRO stage, and where a
+# parameter's fragment lies in a flat partition (a dataclass of two numbers)
+DEEPSPEED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                     "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                     "deepspeed.runtime.zero.config.ZeroStageEnum",
+                     "deepspeed.utils.tensor_fragment.fragment_address")
+
+
 def _deepspeed_globals() -> list:
-    """DeepSpeed's plain state classes found in its optimizer-state files (loss scaler, ZeRO stage)."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
+    import importlib
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum]
+    from scaletool.engines.deepspeed_import import quiet_deepspeed
+
+    found = []
+    with quiet_deepspeed():
+        for full in DEEPSPEED_GLOBALS:
+            module, name = full.rsplit(".", 1)
+            obj = getattr(importlib.import_module(module), name, None)  # by module: a package attribute may shadow it
+            if obj is not None:
+                found.append(obj)
+    return found
 
 
-def load_pt(path: str | Path, *, trust: bool = False, map_location="cpu", deepspeed: bool = False):
+def unsafe_globals(path: str | Path, *, deepspeed: bool = False) -> list[str]:
+    """The classes and functions a ``torch.save`` file names beyond plain data (DeepSpeed's plain state
+    classes allowed with ``deepspeed``), read from its pickle without running it or importing them."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except (Exception, RecursionError) as e:
+        raise _corrupt(Path(path), e) from None
+    return [n for n in names if not (deepspeed and n in DEEPSPEED_GLOBALS)]
+
+
+def load_pt(path: str | Path, *, trust: bool = False, map_location="cpu", deepspeed: bool = False, mmap: bool = False):
     """``torch.load`` a ``.pt`` file as plain data (tensors, containers, numbers, strings); with
     ``deepspeed`` also DeepSpeed's loss-scaler and ZeRO-stage classes. ``trust`` allows full pickle."""
     path = Path(path)
-    if trust:
-        return torch.load(path, map_location=map_location, weights_only=False)
+    if path.is_file() and not zipfile.is_zipfile(path):  # torch.save writes a zip archive; random bytes are none
+        raise RecipeError(f"{path}: {NOT_ARCHIVE}")
     try:
+        if trust:
+            return torch.load(path, map_location=map_location, weights_only=False)
         if deepspeed:
             with torch.serialization.safe_globals(_deepspeed_globals()):
-                return torch.load(path, map_location=map_location, weights_only=True)
-        return torch.load(path, map_location=map_location, weights_only=True)
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise _refusal(path, e) from None
+    except (Exception, RecursionError) as e:  # not a zip, a cut archive, a directory, no permission
+        if isinstance(e, RecipeError):
+            raise
+        raise _corrupt(path, e) from None
+
+
+def load_model_states(path: str | Path, *, trust: bool = False, mmap: bool = False) -> dict:
+    """A DeepSpeed model-state file, checked to hold ``module`` as a mapping of names to tensors."""
+    obj = load_pt(path, trust=trust, deepspeed=True, mmap=mmap)
+    problem = model_states_problem(obj)
+    if problem is not None:
+        raise RecipeError(f"{path}: not the model states DeepSpeed writes: {problem}")
+    return obj

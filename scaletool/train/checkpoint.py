@@ -25,19 +25,26 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from scaletool.engines import DistEnv
+from scaletool.engines.checkpoint_files import model_states_problem
 from scaletool.engines.serialization import (
+    DEEPSPEED_GLOBALS,
+    NOT_ARCHIVE,
     UnsafeCheckpointError,
     dcp_load,
     dcp_problem,
     dcp_shapes,
+    load_model_states,
     load_pt,
     shape_problem,
+    unsafe_globals,
 )
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, shorten
+from scaletool.train.trainer_state import trainer_state_problem
 
 TRAINER_STATE = "trainer.json"
 MARKER = "COMPLETE"
@@ -46,6 +53,7 @@ _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 # DeepSpeed's model states: mp_rank_00_model_states.pt (ZeRO 0-2), zero_pp_rank_0_mp_rank_00_model_states.pt (ZeRO-3)
 _DS_STATES = "mp_rank_00_model_states.pt"
 _DS_ZERO3_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+_MAX_STEP = 2**63 - 1  # steps are int64 wherever torch or a logger meets them
 
 
 def checkpoint_dir(out: Path, step: int) -> Path:
@@ -67,39 +75,67 @@ def _manifest(d: Path) -> dict[str, int]:
     return {str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
-def _trainer_state(d: Path, step: int) -> tuple[dict | None, str | None]:
+def _trainer_state(d: Path, step: int | None) -> tuple[dict | None, str | None]:
     try:
         state = json.loads((d / TRAINER_STATE).read_text())
     except FileNotFoundError:
         return None, f"no {TRAINER_STATE}"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except IsADirectoryError:
+        return None, f"{TRAINER_STATE} is a directory, not a file"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         return None, f"{TRAINER_STATE} is unreadable ({type(e).__name__}: {str(e)[:100]})"
-    if not isinstance(state, dict) or state.get("step") != step or not isinstance(state.get("history"), dict):
-        return None, f"{TRAINER_STATE} does not describe step {step}"
+    problem = trainer_state_problem(state, step)
+    if problem is not None:
+        return None, f"{TRAINER_STATE} {problem}"
     return state, None
 
 
 def _format_problem(d: Path) -> str | None:
-    if (d / ".metadata").is_file() or not any(d.glob(f"*{_DS_STATES}")):
+    """Why the engine's files in ``d`` cannot be loaded: DCP's metadata and data files, or every DeepSpeed
+    ``.pt`` file readable as plain data (memory-mapped: the tensors are not read) and the model states
+    shaped as DeepSpeed writes them."""
+    if (d / ".metadata").exists() or not any(d.glob(f"*{_DS_STATES}")):
         return dcp_problem(d)
-    for f in d.glob("*.pt"):
+    for f in sorted(d.glob("*.pt")):
+        if not f.is_file():
+            return f"{f.name}: {'a directory where a file is expected' if f.is_dir() else 'not a regular file'}"
         if not zipfile.is_zipfile(f):  # torch.save's zip format ends with its directory: a cut file has none
-            return f"{f.name} is not a complete torch.save file (a half-written file)"
+            return f"{f.name}: {NOT_ARCHIVE}"
+        try:  # the pickle's names, then (DeepSpeed not imported yet: the engine picks its accelerator) plain data
+            needed = unsafe_globals(f)
+            unsafe = [n for n in needed if n not in DEEPSPEED_GLOBALS]
+            if unsafe:
+                return (f"{f.name}: refused: the file holds Python objects beyond tensors and plain data (it needs "
+                        f"{unsafe[0][:200]}); loading it could run code")
+            obj = None if needed else load_pt(f, mmap=True)
+        except RecipeError as e:
+            return f"{f.name}: {str(e).removeprefix(f'{f}: ')}"
+        if obj is None:
+            continue
+        problem = model_states_problem(obj) if f.name.endswith(_DS_STATES) else (
+            None if isinstance(obj, dict) else f"it holds {type(obj).__name__}, not DeepSpeed's state mapping")
+        if problem is not None:
+            return f"{f.name}: not the states DeepSpeed writes: {problem}"
     return None
 
 
 def verify(d: Path) -> tuple[dict | None, str | None]:
     """(trainer state, None) for an intact checkpoint directory, else (None, why it cannot be used)."""
     m = _STEP_DIR.fullmatch(d.name)
-    step = int(m.group(1)) if m else -1
+    step = int(m.group(1)) if m else None  # None: a directory renamed by hand (decode reads any)
+    if step is not None and step > _MAX_STEP:
+        return None, f"its step number is beyond {_MAX_STEP} (not a checkpoint scaletool wrote)"
     marker = d / MARKER
     if marker.is_file():
         try:
             listed = json.loads(marker.read_text())["files"]
             listed = {str(k): int(v) for k, v in listed.items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             return None, f"its {MARKER} marker is unreadable ({type(e).__name__})"
-        actual = _manifest(d)
+        try:
+            actual = _manifest(d)
+        except OSError as e:
+            return None, f"cannot list its files ({e.strerror or e})"
         for name, size in sorted(listed.items()):
             if name not in actual:
                 return None, f"{name} is missing"
@@ -122,8 +158,8 @@ def newest_intact(out: Path) -> tuple[tuple[Path, dict] | None, list[str]]:
             problem = _format_problem(d)
         if problem is None:
             return (d, state), warnings
-        first_problem = first_problem or f"{d}: {problem}"
-        warnings.append(f"warning: skipping checkpoint {d}: {problem}")
+        first_problem = first_problem or f"{shorten(str(d))}: {problem}"
+        warnings.append(f"warning: skipping checkpoint {shorten(str(d))}: {problem}")
     if first_problem is not None:
         raise RecipeError(f"no intact checkpoint to resume from; the newest, {first_problem}")
     return None, warnings
@@ -173,6 +209,35 @@ def _shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def check_loadable(ckpt_dir: str | Path, *, trust_checkpoint: bool = False) -> None:
+    """Refuse, with one line, a checkpoint directory whose weights :func:`load_model_weights` could not read:
+    its marker's manifest and ``trainer.json`` when it has them, then the format's files (without
+    reading the tensors). Cheap enough to run before a model is built."""
+    d = Path(ckpt_dir)
+    where = shorten(str(d))  # a step number of 250 digits stays one readable line
+    if not d.is_dir():
+        raise RecipeError(f"{where}: {'not a directory' if d.exists() else 'no such checkpoint directory'}")
+    if (d / MARKER).exists():  # one of ours: the files as they were written
+        _, problem = verify(d)
+        if problem is not None:
+            raise RecipeError(f"{where}: {problem}")
+    if (d / ".metadata").exists():
+        problem = dcp_problem(d)
+        if problem is not None:
+            raise RecipeError(f"{where}: {problem}")
+    elif (d / _DS_ZERO3_STATES).exists():
+        if not trust_checkpoint:
+            raise UnsafeCheckpointError(
+                f"{where}: a DeepSpeed ZeRO-3 checkpoint: its weights are partitioned, and DeepSpeed's zero_to_fp32, "
+                "which gathers them, unpickles the files without restriction (loading could run code). Load it "
+                "only from a source you trust (trust_checkpoint).")
+    elif (d / _DS_STATES).exists():
+        load_model_states(d / _DS_STATES, trust=trust_checkpoint, mmap=True)
+    else:
+        raise RecipeError(f"{where}: not a scaletool checkpoint (neither torch.distributed.checkpoint's .metadata "
+                          f"nor DeepSpeed's *{_DS_STATES})")
+
+
 def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoint: bool = False) -> nn.Module:
     """Load the weights saved in ``ckpt_dir`` (any engine's format) into the plain ``model``; return it.
 
@@ -181,19 +246,11 @@ def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoi
     computes with). Every file is read as plain data (no code runs); a file that needs more is
     refused. ZeRO-3 partitions the weights, and the only reader that gathers them (DeepSpeed's
     ``zero_to_fp32``) unpickles without restriction: it runs only with ``trust_checkpoint=True``.
-    A checkpoint whose tensor shapes differ from ``model``'s fails with one line naming the first.
+    A damaged checkpoint, or one whose tensor shapes differ from ``model``'s, fails with one line.
     """
     d = Path(ckpt_dir)
-    if not d.is_dir():
-        raise RecipeError(f"{d}: no such checkpoint directory")
-    if (d / MARKER).is_file():  # one of ours: the files as they were written
-        _, problem = verify(d)
-        if problem is not None:
-            raise RecipeError(f"{d}: {problem}")
-    if (d / ".metadata").is_file():
-        problem = dcp_problem(d)
-        if problem is not None:
-            raise RecipeError(f"{d}: {problem}")
+    check_loadable(d, trust_checkpoint=trust_checkpoint)
+    if (d / ".metadata").exists():
         mismatch = shape_problem(d, dcp_shapes(d), _shapes(model))
         if mismatch:
             raise RecipeError(mismatch)
@@ -201,19 +258,21 @@ def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoi
         dcp_load(state, d, no_dist=True)
         model.load_state_dict(state["model"])
         return model
-    if (d / _DS_ZERO3_STATES).is_file():
-        if not trust_checkpoint:
-            raise UnsafeCheckpointError(
-                f"{d}: a DeepSpeed ZeRO-3 checkpoint: its weights are partitioned, and DeepSpeed's zero_to_fp32, "
-                "which gathers them, unpickles the files without restriction (loading could run code). Load it "
-                "only from a source you trust (trust_checkpoint).")
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(d.parent), tag=d.name)
-    elif (d / _DS_STATES).is_file():
-        sd = load_pt(d / _DS_STATES, trust=trust_checkpoint, deepspeed=True)["module"]
+    if (d / _DS_ZERO3_STATES).exists():
+        from scaletool.engines.deepspeed_import import quiet_deepspeed
+
+        with quiet_deepspeed():
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        try:
+            with quiet_deepspeed():
+                sd = get_fp32_state_dict_from_zero_checkpoint(str(d.parent), tag=d.name)
+        except Exception as e:  # a trusted checkpoint that DeepSpeed's own reader cannot gather
+            raise RecipeError(f"{d}: DeepSpeed's zero_to_fp32 cannot read it ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0][:150]})") from None
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise RecipeError(f"{d}: DeepSpeed's zero_to_fp32 did not return a mapping of tensors")
     else:
-        raise RecipeError(f"{d}: not a scaletool checkpoint (neither torch.distributed.checkpoint's .metadata "
-                          f"nor DeepSpeed's *{_DS_STATES})")
+        sd = load_model_states(d / _DS_STATES, trust=trust_checkpoint, mmap=True)["module"]
     sd = {_canonical(k): v for k, v in sd.items()}
     mismatch = shape_problem(d, {k: tuple(v.shape) for k, v in sd.items()}, _shapes(model))
     if mismatch:

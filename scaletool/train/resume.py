@@ -14,6 +14,7 @@ its newest checkpoint, and the earlier segment's measurement is kept beside the 
 from __future__ import annotations
 
 import json
+import pickle
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -95,3 +96,20 @@ def plan_start(out: Path, steps: int, resume: Resume) -> Start:
         raise RecipeError(f"{out}: holds a finished {prev.steps_completed}-step run without a checkpoint to continue "
                           "from; train into another directory")
     return Start(warnings=warnings)
+
+
+def load_checkpoint(engine, path: Path) -> None:
+    """``engine.load(path)`` for a checkpoint that verified; what its files hold beyond what verification
+    reads (a tensor's bytes, the optimizer's layout) may still be wrong: one line naming the checkpoint."""
+    import torch
+
+    try:
+        engine.load(path)
+    except RecipeError:
+        raise
+    except (torch.OutOfMemoryError, torch.distributed.DistError):  # the machine or a peer, not the files
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, AssertionError, EOFError, RuntimeError,
+            pickle.UnpicklingError) as e:
+        said = (str(e).strip().splitlines() or [""])[0][:150]
+        raise RecipeError(f"{path}: cannot be loaded ({type(e).__name__}: {said})") from None

@@ -44,7 +44,7 @@ from scaletool.train.checkpoint import Checkpointer
 from scaletool.train.clock import Clock, synchronize
 from scaletool.train.data import make_source
 from scaletool.train.progress import StepProgress
-from scaletool.train.resume import Resume, Start, plan_start
+from scaletool.train.resume import Resume, Start, load_checkpoint, plan_start
 from scaletool.train.schedule import lr_at
 from scaletool.train.summary import RunRecord, build_result, device_uuid, gather_reports, headline, rank_report
 
@@ -170,7 +170,7 @@ class Trainer:
             if state.get("engine") != r.parallel.engine:
                 raise RecipeError(f"{self.start.checkpoint} was written by engine={state.get('engine')}, this run "
                                   f"uses parallel.engine={r.parallel.engine}")
-            self.engine.load(self.start.checkpoint)
+            load_checkpoint(self.engine, self.start.checkpoint)
             self.writer.log(f"resumed from {self.start.checkpoint} at step {self.start_step}")
         T = r.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * dp_size * T
