@@ -305,18 +305,23 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
 
         threads = pin_threads()
     if progress is not None:
-        from scaletool import analytic
-        from scaletool.decode.sizing import weight_bytes
-        from scaletool.fmt import gib
-
-        slow = dev.type == "cpu" and checkpoint is None and weight_bytes(cfg) > 2**29
-        progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
-                          f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
-                          + ("; drawing random weights on a CPU takes a while" if slow else ""))
+        _announce_build(progress, cfg, dev, checkpoint)
     model = _decode_model(r, dev, seed, checkpoint, trust_checkpoint)
     res = run_decode(cfg, model, s, budget_bytes=budget, progress=progress)
     return res.model_copy(update={"recipe": str(recipe) if isinstance(recipe, (str, Path)) else None,
                                   "checkpoint": None if checkpoint is None else str(checkpoint), "threads": threads})
+
+
+def _announce_build(progress, cfg, dev, checkpoint) -> None:
+    """Tell ``progress`` that the model is being built, and that random CPU weights take a while."""
+    from scaletool import analytic
+    from scaletool.decode.sizing import weight_bytes
+    from scaletool.fmt import gib
+
+    slow = dev.type == "cpu" and checkpoint is None and weight_bytes(cfg) > 2**29
+    progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
+                      f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
+                      + ("; drawing random weights on a CPU takes a while" if slow else ""))
 
 
 def _decode_device(device: str | None):
