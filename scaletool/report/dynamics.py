@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from scaletool.report.data import ResultsSet, Row, TrainView
+from scaletool.report.data import ResultsSet, Row
 from scaletool.report.plots import Curve, Plot, curve_plot
 from scaletool.report.tables import Column, Table, fmt
+from scaletool.results.train import TrainResult
 from scaletool.stats import Spread, compare, spread
 
 #: a loss spike: the rolling median rises more than this fraction above its lowest value so far
@@ -95,17 +96,18 @@ class Knobs:
 class Run:
     """One train run's curves and events, from its typed result."""
 
-    def __init__(self, view: TrainView):
+    def __init__(self, view: TrainResult):
         self.view = view
         h = view.history
         steps = list(zip(h.step, h.loss))  # a summary whose lists differ in length is read as far as both go
         self.steps = [s for s, _ in steps]
         self.loss = [x if x is not None and math.isfinite(x) else None for _, x in steps]
-        d = view.dynamics
-        self.entropy_threshold = d.entropy_threshold_nats if d else None
-        self.rank_threshold = d.rank_threshold if d else None
+        d = view.dynamics or {}
+        self.entropy_threshold = _finite(d.get("entropy_threshold_nats"))
+        self.rank_threshold = _finite(d.get("rank_threshold"))
         # measurements in step order; one without a numeric step cannot be placed
-        self.monitor = sorted((m for m in (d.history if d else []) if _finite(m.get("step")) is not None),
+        history = d.get("history") if isinstance(d.get("history"), list) else []
+        self.monitor = sorted((m for m in history if isinstance(m, dict) and _finite(m.get("step")) is not None),
                               key=lambda m: m["step"])
         self.monitored = bool(self.monitor)
 
