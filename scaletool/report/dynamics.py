@@ -1,29 +1,13 @@
 """The training-dynamics study: what the runs' losses and monitors show, and the claims about them.
 
-The section appears when a train run of the data carries the monitors' record (``profile.monitors``;
-:mod:`scaletool.profile.monitors`). It reads each run's per-step loss and the monitors' per-layer attention
-entropy and effective rank, and sets them against four knobs of the point: ``model.norm_placement``,
-``train.warmup_steps``, ``train.grad_clip`` and ``train.lr`` (``recipes/sweeps/training-dynamics.yaml``
-sweeps all four). Its definitions, used by the table, the plots and the findings alike:
-
-- *diverged*: the run stopped on a non-finite loss (train status ``diverged``), at the first step whose
-  loss is not finite.
-- *loss spike*: the loss, as a rolling median of :data:`SMOOTH` steps (one noisy batch is not a spike),
-  rises more than :data:`SPIKE` above the lowest value so far (the first loss, or the median since):
-  training went backwards.
-- *unstable*: diverged or spiked. A point is unstable when any of its runs is.
-- *final loss*: the last :data:`FINAL_STEPS` finite losses of each run that did not diverge (pooled over a
-  point's repeats: repeats with one seed repeat the same batches), as a :class:`~scaletool.stats.Spread`;
-  two points' final losses differ only by the noise rule (:func:`scaletool.stats.compare`), as throughput
-  does in the other findings.
-- *entropy collapse*, *rank collapse*: a monitored step where the lowest layer's mean attention entropy,
-  or effective rank over its maximum, falls below the run's own ``profile.monitors`` threshold (the ones
-  its warnings use), before the run diverged.
-
-The claims (``CLAIM_NORM``, ``CLAIM_REMEDY``, ``CLAIM_COLLAPSE``), each judged per group of points
-that differ only in what the claim is about, then as a whole: *supported* (every judged group supports
-it), *contradicted* (every one contradicts it), *mixed*, or *cannot tell* (no group could be judged:
-the points are missing, or nothing happened that the claim is about, e.g. no run diverged).
+The section appears when a train run carries the monitors' record (:mod:`scaletool.profile.monitors`).
+It sets each run's loss and per-layer attention entropy and effective rank against four knobs:
+``model.norm_placement``, ``train.warmup_steps``, ``train.grad_clip``, ``train.lr``. Definitions
+(table, plots and findings alike): *diverged* (a non-finite loss), *loss spike* (the rolling median
+of :data:`SMOOTH` steps rising :data:`SPIKE` above its low), *unstable* (either), *final loss* (the
+last :data:`FINAL_STEPS` finite losses, compared by the noise rule), *entropy/rank collapse* (below
+the run's own monitor threshold before any divergence). Each claim is judged per group of points that
+differ only in what it is about: supported, contradicted, mixed, or cannot tell.
 """
 from __future__ import annotations
 
