@@ -45,6 +45,11 @@ class Spread(BaseModel):
         """p90 / p10 - 1 (0 for a constant sample)."""
         return self.p90 / self.p10 - 1 if self.p10 > 0 else math.inf
 
+    @classmethod
+    def of_one(cls, x: float | None) -> Spread | None:
+        """A single figure as a spread of one sample (no p10-p90 to judge a difference by)."""
+        return None if x is None else cls(median=x, p10=x, p90=x, n=1)
+
     def scaled(self, factor: float) -> Spread:
         """The spread of ``factor · x`` (a negative factor swaps the percentiles)."""
         lo, hi = sorted((self.p10 * factor, self.p90 * factor))

@@ -8,29 +8,14 @@ from scaletool.analytic.timeline import EngineSettings, _group_sizes, _timeline
 def _torch_engine(cfg, shard, hooks, units, loss_temp, s: EngineSettings) -> dict:
     """single, DDP, FSDP2: fp32 parameters, gradients and AdamW m, v (16Ψ), FSDP2 sharding all of it.
 
-    - single: gradients are allocated as the backward produces them (``zero_grad(set_to_none=True)``
-      frees them after the step; AccumulateGrad steals the fresh gradient, no copy).
-    - DDP (``gradient_as_bucket_view=True``): the reducer's flat buckets are the gradients (4Ψ,
-      allocated at construction and kept: ``.grad`` are views into them); extra is one parameter's fresh
-      gradient at a time, copied into its bucket view and then freed
-      (torch/csrc/distributed/c10d/reducer.cpp, ``Reducer::mark_variable_ready_dense``), and, once per
-      run, a second set of buckets: the second step's forward rebuilds them in gradient-arrival order
-      (torch/nn/parallel/distributed.py ``_pre_forward`` → ``Reducer::rebuild_buckets`` →
-      ``initialize_buckets``), and the first set stayed allocated through that step's backward in the
-      GPU validation (recipes/benchmarks/memory_phases.md: +4Ψ in 7 of 8 two-GPU cells; what still
-      references them was not traced). The estimate counts them: it is the run's peak, not a later step's
-      (``train`` reports both: ``memory/peak_allocated_bytes`` over the measured steps after warm-up, where
-      4x H100 runs were 4Ψ under this estimate, and ``memory/run_peak_allocated_bytes`` over the whole run).
-    - FSDP2: sharded fp32 gradients appear as each block's reduce-scatter finishes. Buffers
-      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py ``foreach_all_gather``,
-      ``foreach_reduce``): the root (embedding, head, final norm; ``reshard_after_forward=False``)
-      stays unsharded through the backward, and its unsharded gradients wait for its reduce-scatter
-      at the end; at a block, its unsharded 16-bit parameters and the prefetched next block's (all
-      blocks not yet reached with ``reshard_after_forward=False``), its unsharded gradients and the
-      fp32 reduce-scatter input (reduce_dtype fp32). At N = 1 the all-gather is a copy, so the same.
-    - Step: fused AdamW (torch/optim/adam.py ``_fused_adam``) updates in place, no temporaries;
-      foreach AdamW (``_multi_tensor_adam``) allocates ``exp_avg_sq_sqrt``, one fp32 tensor per
-      parameter of the group it is stepping: 4 bytes × the larger AdamW group.
+    - single: gradients appear as the backward produces them and are freed after the step.
+    - DDP (``gradient_as_bucket_view``): the reducer's flat buckets are the gradients (4Ψ), plus one fresh
+      gradient at a time, and, once per run, the second set of buckets the second step rebuilds in
+      arrival order while the first is still held: the run's peak counts it.
+    - FSDP2: sharded fp32 gradients appear as each reduce-scatter finishes; the root stays unsharded
+      through the backward; at a block, its and the prefetched block's unsharded 16-bit parameters, its
+      unsharded gradients and the fp32 reduce-scatter input.
+    - Step: fused AdamW adds nothing; foreach AdamW one fp32 temporary per parameter of the larger group.
 
     ``shard``: the ranks the states are sharded over (1 unsharded); ``hooks``: the engine's
     (gradients, buffers) at each stop of the backward.
@@ -46,27 +31,15 @@ def _torch_engine(cfg, shard, hooks, units, loss_temp, s: EngineSettings) -> dic
 
 
 def _zero12(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
-    """DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, ``DeepSpeedZeroOptimizer``) as
-    scaletool configures it: 16-bit parameters (2Ψ, whole), fp32 master, m, v sharded (12Ψ/N),
-    contiguous_gradients and overlap_comm on.
+    """DeepSpeed ZeRO-1/2 as scaletool configures it: 16-bit parameters whole (2Ψ), fp32 master, m, v
+    sharded (12Ψ/N), contiguous_gradients and overlap_comm on.
 
-    - Backward: at the first gradient hook ``setup_buckets`` allocates the IPG buckets, 2 × reduce_bucket
-      16-bit elements with overlap_comm (one without), released in ``independent_gradient_partition_epilogue``;
-      gradients are copied into them as they come. At the first bucket flush (``reduce_ipg_grads``)
-      ``copy_grads_in_partition`` allocates ``grads_in_partition``, 16-bit, this rank's partition (Ψ/N):
-      for stage 2 and also for stage 1, whose hooks reduce during the backward once overlap_comm is on
-      (``process_gradients``); stage 1 without overlap_comm keeps every 16-bit gradient (2Ψ).
-    - Step (``step``): per parameter group, ``flatten(averaged_gradients)`` makes a flat 16-bit copy of the
-      group's partition and ``.to(fp32)`` the fp32 gradient the optimizer reads, while
-      ``grads_in_partition`` is still held by the groups' views: 2P + 4P on top of it for the larger group
-      (P its partition; an fp32 model skips the cast). The 16-bit all-gather of the updated partitions
-      writes into the flat parameter groups in place (runtime/utils.py ``all_gather_dp_groups``:
-      ``all_gather_into_tensor``, or narrow views per allgather_bucket_size), so it adds nothing.
-      DeepSpeed's own estimator counts this step copy since PR #5099
-      (``estimate_zero2_model_states_mem_needs``: 2Ψ + 18Ψ/N = 16-bit grads + fp32 grads + master + m, v).
-    - Stage 0 (not in the GPU validation): no sharding, no IPG buckets; 16-bit training runs DeepSpeed's
-      ``FP16_Optimizer`` (runtime/fp16/fused_optimizer.py ``step``), which casts every gradient to fp32 and
-      flattens the casts: 4P + 4P for the larger group.
+    Backward: the IPG buckets (2 × reduce_bucket 16-bit elements with overlap_comm) and, from the first
+    bucket flush, this rank's 16-bit gradient partition (Ψ/N; stage 1 without overlap_comm keeps 2Ψ).
+    Step: per group, a flat 16-bit copy of the partition and its fp32 cast (2P + 4P for the larger group;
+    an fp32 model skips the cast); the all-gather of updated partitions writes in place. Stage 0 runs
+    DeepSpeed's FP16_Optimizer, which casts and flattens every gradient (4P + 4P).
+    Source: deepspeed/runtime/zero/stage_1_and_2.py (``DeepSpeedZeroOptimizer``).
     """
     psi = param_counts(cfg)["total"]
     mixed = cfg.dtype != "fp32"

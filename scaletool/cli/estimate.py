@@ -45,9 +45,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
     Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the optimizer step
     separately, each as weights + grads + optimizer + activations + engine buffers +
-    temporaries; the larger phase is the peak (validated on H200s:
-    recipes/benchmarks/memory_phases.md). With --tensor-parallel (or
-    parallel.tensor_parallel): the collectives per step and GPU.
+    temporaries; the larger phase is the peak. With --tensor-parallel: collectives too.
 
     \b
     Examples:

@@ -45,10 +45,9 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
 
     \b
     The schedule is profile.wait, .warmup, .active, .repeat (steps); each profiled rank writes
-      <out>/profile/traces/rank<R>.<ts>.pt.trace.json.gz
-    which `tensorboard --logdir <out>` shows with the torch-tb-profiler plugin (pip install
-    'scaletool[profile]'; deprecated upstream), and which Perfetto (ui.perfetto.dev) and
-    chrome://tracing open as they are. profile.memory_snapshot adds a CUDA memory snapshot.
+    <out>/profile/traces/rank<R>.<ts>.pt.trace.json.gz, which Perfetto (ui.perfetto.dev),
+    chrome://tracing and tensorboard (pip install 'scaletool[profile]') open.
+    profile.memory_snapshot adds a CUDA memory snapshot.
 
     \b
     The breakdown (printed, and saved as <out>/profile/breakdown.json) gives the share of the

@@ -48,16 +48,14 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
     \b
     The sweep file names a base recipe, the dotted keys to vary (grid: a product; zip: varied
     together), the modes (estimate, count, train, decode, profile), per-mode arguments, a
-    per-run timeout, repeats of the timed modes, and optionally match_params to resize every
-    point to equal parameters. Points that do not validate (kv_lora_rank with mha) are recorded
-    as skipped with the reason. Runs end ok, oom, error or timeout; one failing never stops the
-    others. Each run gets its share of the CPU cores (all of them when runs go one at a time).
+    per-run timeout, repeats of the timed modes, and optionally match_params (equal parameters).
+    Points that do not validate are recorded as skipped with the reason. Runs end ok, oom,
+    error or timeout; one failing never stops the others. Each run gets its share of the CPUs.
 
     \b
     Results: DIR/results.jsonl (one line per finished run) and DIR/points/<point>/<mode>/.
-    Rerunning the same command skips what is recorded (resume after a crash, Ctrl-C or kill -9;
-    nothing a run started outlives the sweep); --retry-failed reruns the failures. One sweep
-    at a time per DIR. Then: scaletool report DIR.
+    Rerunning skips what is recorded (resume after a crash or kill -9); --retry-failed reruns
+    the failures. One sweep at a time per DIR. Then: scaletool report DIR.
 
     \b
     Examples:

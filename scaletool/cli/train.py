@@ -63,11 +63,9 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
       torchrun --nproc-per-node 8 -m scaletool train recipes/mha-1b.yaml --set parallel.engine=deepspeed \\
           --set parallel.zero_stage=3
 
-    Throughput and MFU come from the median step time; the first train.measure_warmup_steps steps
-    (and compilation), and further leading steps until the time settles, are not measured.
-    summary.json holds tokens_per_s (global), timing (median, p10, p90, n of the step time and
-    rate), mfu (causal) and mfu_full_attention (null without a known peak), peak_memory_bytes,
-    loss_first, loss_last and every other figure; --json prints it.
+    Throughput and MFU come from the median step time, warm-up steps excluded by rule.
+    summary.json holds tokens_per_s, timing (median, p10, p90, n), mfu, mfu_full_attention,
+    peak_memory_bytes, the losses and every other figure; --json prints it.
     """
     from scaletool.engines import launcher_env
     from scaletool.engines.dist import end_worker_process

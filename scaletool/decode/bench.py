@@ -1,25 +1,11 @@
 """Measure prefill and decoding: KV-cache bytes against the analytic model, speed, memory bandwidth.
 
-Per (context N, batch B) point:
-
-1. allocates caches for ``B × (N + warmup_steps + new_tokens)`` positions (every step, warm-up
-   included, runs at its own position, so any ``new_tokens >= 1`` fits) and reads their size
-   twice: from the cache tensors and from the CUDA allocator (``memory_allocated`` before and
-   after), next to the analytic ``kv_cache(cfg)`` bytes per token (DeepSeek-V2 Table 1) times the
-   positions;
-2. prefills one random prompt of N tokens ``1 + prefill_repeats`` times, each run timed; the first
-   is warm-up (kernel selection, lazy allocations, thread pools: the cold first point of a run), and
-   further leading runs are excluded while they are slower than the settled level
-   (``scaletool.stats.settled_start``). The prompt's cache rows are then copied to the rest of the
-   batch (identical prompts: the decode step reads exactly the bytes a full-batch prefill would
-   leave, without minutes of prefill compute at 32K × large batches);
-3. runs ``warmup_steps + new_tokens`` greedy decode steps of the whole batch, each step timed on its
-   own (``scaletool.measure.timing.StepTimer``: a CUDA event pair per step, one synchronisation at
-   the end; wall clock on CPU), and excludes the warm-up steps by the same rule. On CUDA the step is
-   replayed from a CUDA graph unless the caller turns that off (``scaletool.decode.steps``);
-4. derives, from the median step, decode tokens/s and the bandwidth of the bytes a step must read
-   (weights of every matmul, the LM head included, at the decode dtype, plus the cache up to the
-   current position, averaged over the measured steps) against the card's peak HBM bandwidth.
+Per (context N, batch B) point: allocate caches for every position the run uses and read their size
+from the tensors and the allocator, beside the analytic bytes; time ``1 + prefill_repeats`` prefills
+of one prompt (leading runs excluded by ``scaletool.stats.settled_start``) and copy its cache rows to
+the batch; time each decode step of the whole batch (CUDA events, or wall clock on CPU; a CUDA graph
+unless turned off), excluding warm-up by the same rule; derive tokens/s and the bandwidth of the
+bytes a step must read (weights and cache) from the median step.
 """
 from __future__ import annotations
 

@@ -1,25 +1,12 @@
 """Expert parallelism: each rank keeps E/W routed experts; tokens travel by all-to-all.
 
-``parallel.expert_parallel: true`` (engine fsdp). Every rank routes its own tokens and fills its
-[E, C, d] dispatch buffer as in one process (:meth:`scaletool.model.moe.MoE.dispatch`); the
-buffer's expert dimension is then split across ranks with ``all_to_all_single``, so rank r receives
-the slots of its experts [r·E/W, (r+1)·E/W) from every rank, runs them with one bmm per
-projection over the W·C slots, and a second all-to-all returns the outputs to the tokens' ranks
-(GShard §3.2, DeepSpeed-MoE). Both all-to-alls are autograd-aware functional collectives
-(``all_to_all_single_autograd``, which torch.compile also traces), so the backward reverses them.
-
-The expert weights become DTensors sharded on the expert dimension (``Shard(0)``) over the same
-1-D mesh as FSDP2, which leaves them alone (``ignored_params``): the optimizer, gradient clipping
-(the global norm reduces over the shards) and ``torch.distributed.checkpoint`` treat them like
-any other sharded parameter. Rank r's expert gradient sums the contributions of every rank's
-tokens, while data-parallel gradients average over ranks; a hook divides it by W so both are the
-gradient of the mean loss, and the run matches the one-process run with the same global batch.
-
-The all-to-all needs the same capacity C on every rank: equal micro-batch shapes, as the data
-loader gives; so expert parallelism takes ``moe_dispatch: capacity`` (the recipe check refuses the
-dropless dispatch, whose per-expert token counts differ from rank to rank and step to step).
-Model code keeps no distributed import: this module swaps the ``experts`` of every
-:class:`~scaletool.model.moe.MoE` layer.
+Every rank routes its own tokens into the [E, C, d] capacity buffer
+(:meth:`scaletool.model.moe.MoE.dispatch`); an autograd-aware ``all_to_all_single`` sends each expert's
+slots to its rank and a second one brings the outputs back (GShard §3.2). Expert weights are DTensors
+sharded on the expert dimension, left alone by FSDP2, so optimizer, clipping and checkpoints treat them
+like other sharded parameters; a hook divides their gradient by W so it is the mean loss's gradient.
+The all-to-all needs equal capacity on every rank, hence ``moe_dispatch: capacity`` only.
+Model code keeps no distributed import: this module swaps each MoE layer's ``experts``.
 """
 from __future__ import annotations
 

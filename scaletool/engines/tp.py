@@ -1,35 +1,13 @@
 """Tensor parallelism: each layer's heads and FFN width split over ``parallel.tensor_parallel`` ranks.
 
-Megatron-LM's scheme (Shoeybi et al. 2019, §3) built on DTensor (``torch.distributed.tensor.parallel``),
-applied to the built model from outside, as torchtitan's ``parallelize`` does; the model code stays
-single-device. Within a block, the projections that produce heads (and the FFN's up projections) are
-column-parallel, the ones that consume them row-parallel, so each rank computes its own heads and one
-reduction per sub-layer joins them.
-
-Sequence parallelism (Korthikanti et al. 2022, §4.2.2) on: between sub-layers the residual stream and
-the norms are sharded over positions (``Shard(1)``), so a sub-layer starts with an all-gather of its
-normed input and ends with a reduce-scatter instead of an all-reduce: the same bytes on the wire, and
-the norms' and residual's activations divided by the tensor-parallel size. The residual stream is a
-DTensor between blocks (global shapes: the model's ``h.shape[1]`` stays the sequence length).
-
-Inside a sub-layer everything is local: per-rank head counts (:class:`AttentionPlan` sets the module
-attributes that hold them) and plain tensors, so attention runs the same SDPA kernels as one GPU. The
-parts every head shares are replicated and computed whole on every rank: MQA's one K/V head, MLA's
-latent down-projection ``wkv_a`` with ``kv_norm`` (and ``wq_a``/``q_norm`` with a low-rank query).
-Their outputs feed this rank's heads only, so the gradient flowing back into them is a per-rank
-partial sum: :class:`ReplicateInRegion` and :class:`ColwiseInRegion` declare it so (DTensor
-``grad_placements=Partial``), and the sums meet once, in the reduce-scatter at the sub-layer's input
-(and, for the replicated weights, when FSDP2 turns their ``Partial`` gradients into ``Replicate``).
-
-Embedding and LM head are split over the vocabulary, as torchtitan does: the embedding row-wise (its
-output reduce-scattered onto the sequence shards), the head column-wise with loss parallelism: the
-cross-entropy runs on vocabulary-sharded logits (``loss_parallel``), so no rank holds the B·T·V logits
-and they are never gathered; the price is three all-reduces of B·T floats.
-
-The 2-D layout is torchtitan's: ranks ``[d·N, (d+1)·N)`` form tensor-parallel group ``d`` (neighbours,
-on one node's NVLink), FSDP2 shards over the ``world_size / N`` groups; a
-tensor-parallel group reads one data-parallel rank's batch (:func:`~scaletool.engines.dist.device_mesh`,
-:func:`~scaletool.engines.dist.data_parallel`).
+Megatron-LM's scheme on DTensor, applied to the built model from outside (as torchtitan's
+``parallelize``): head-producing projections column-parallel, head-consuming ones row-parallel, with
+sequence parallelism between sub-layers (all-gather in, reduce-scatter out). Inside a sub-layer
+everything is local, so attention runs the one-GPU SDPA kernels on per-rank heads (:class:`AttentionPlan`).
+Parts every head shares (MQA's K/V head, MLA's latent down-projections) are replicated; their per-rank
+partial gradients are declared ``Partial`` (:class:`ReplicateInRegion`, :class:`ColwiseInRegion`).
+Embedding and LM head split over the vocabulary, with loss parallelism (logits never gathered).
+TP groups are neighbouring ranks; FSDP2 shards over the groups (:func:`~scaletool.engines.dist.device_mesh`).
 """
 from __future__ import annotations
 

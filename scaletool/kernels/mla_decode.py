@@ -1,34 +1,15 @@
 """Attention of one new query per sequence over an MLA latent cache (the absorbed decode step).
 
-Each head h scores its absorbed query against the shared cache,
-``s[b,h,t] = (q_lat[b,h]·c_kv[b,t] + q_pe[b,h]·k_pe[b,t]) · scale`` for ``t < length[b]``, and
-returns the softmax-weighted sum of the latents ``Σ_t p[b,h,t] · c_kv[b,t]`` (W_UV is applied by
-the caller). ``lengths`` (a device tensor, or None for "every cached position") is what lets a
-CUDA graph run the step over a static ``max_len`` cache: the length lives on the device, so the
-captured launch stays the same while the sequence grows.
+Each head scores ``(q_lat·c_kv + q_pe·k_pe) · scale`` over ``t < length[b]`` and returns the
+softmax-weighted sum of the latents (W_UV is applied by the caller). ``lengths`` lives on the device,
+so a CUDA graph can replay the step over a static ``max_len`` cache while the sequence grows.
 
-Two implementations, selected by ``kernel``:
-
-- ``torch``: the reference, two batched matmuls (scores, then the weighted sum) with an fp32
-  softmax between them. Plain and exact, but it reads the whole cache twice per step.
-- ``triton``: a fused split-KV kernel (flash-decoding, as FlashMLA does for DeepSeek): each program
-  loads a tile of c_kv and k_pe once, scores all heads of one sequence against it (the heads share
-  the latent, so one tile serves 16 of them), keeps an online softmax and accumulates the weighted
-  latents; a second small kernel merges the splits by their log-sum-exp (one launch: the plain
-  torch merge, :func:`merge_splits`, kept as its reference, is eight launches, which cost ~30 µs a
-  layer, as much as the attention itself at 4K context and batch 1). The cache is read once per
-  step, which is what makes the step run near HBM bandwidth.
-
-``auto`` takes Triton on CUDA for 16-bit caches whose latent and RoPE widths are powers of two
-(``tl.arange`` and ``tl.dot`` need them, ≥ 16), else the reference. Triton is imported lazily and
-guarded: a CPU box without it uses the reference.
-
-Tile shapes, warps, pipeline depth and the split count are chosen per shape by
-:func:`choose_config` (see its docstring for the reasoning); there is no autotuner, because an
-autotuner keyed on the latent width alone (as this kernel once was) keeps whatever config won at the
-first shape it saw (a 4K-context warm-up) for every later one, and one keyed on the batch and
-length re-tunes at every new context, which a CUDA graph capture cannot do.
-``recipes/benchmarks/decode_bandwidth.py`` sweeps these choices on a card.
+``kernel``: ``torch`` is the reference (two batched matmuls, fp32 softmax); ``triton`` a fused split-KV
+kernel (flash-decoding) that reads the cache once per step, all heads of a sequence sharing each tile,
+with a one-launch merge of the splits (:func:`merge_splits` is its reference). ``auto`` takes Triton on
+CUDA for 16-bit caches with power-of-two widths, else the reference. Configurations come from
+:func:`choose_config` per shape, not an autotuner, which would keep its first shape's choice or
+re-tune at every context (impossible under graph capture).
 """
 from __future__ import annotations
 

@@ -1,25 +1,11 @@
 """Measured parameters and FLOPs, to set against the analytic model.
 
-Two independent FLOP counters:
-- ``torch.utils.flop_counter.FlopCounterMode`` counts matmuls and SDPA at dispatch, forward and
-  backward. Its own SDPA formulas need q and k/v with equal head counts, so GQA/MQA would fail
-  there; we register one formula for every SDPA variant that takes the head count from q and the
-  key/value head dims separately (MLA has d_qk != d_v). On ``meta`` SDPA runs its math
-  decomposition, so the counter sees plain bmm ops: the same numbers by another route.
-- fvcore traces the forward with the JIT and counts one multiply-add as one flop; it has no handler
-  for ``aten::scaled_dot_product_attention``, so we add one, and its norm handlers are switched off
-  (norms are element-wise here). Its totals are doubled here to FLOPs.
-
-Both count every T² score position (no causal discount): compare them with the analytic "full"
-convention; the output says how far the causal figure (the MFU convention) sits from them.
-Decoding (``task=lm``): FlopCounterMode counts one decode step at position seq_len - 1 in every
-decode mode of the attention kind (:func:`decode_flops`), against ``analytic.decode_flops_per_token``.
-
-On cpu or cuda a count allocates the fp32 model, its gradients and one forward and backward's
-activations; :func:`memory_check` estimates that (``scaletool.analytic.count_memory``) and refuses a
-count that would not fit, naming the figures, before anything is built.
-MoE models are compared with the FLOPs the capacity dispatch computes (every expert's full
-capacity buffer); the useful figure (top-k experts per token) is given beside it.
+Two independent counters: ``FlopCounterMode`` (matmuls and SDPA at dispatch, forward and backward; we
+register an SDPA formula that allows unequal head counts and d_qk != d_v) and fvcore (JIT-traced
+forward, with an added SDPA handler, norms off, multiply-adds doubled to FLOPs). Both count every T²
+score, so they compare with the analytic "full" convention. Decoding counts one step at position
+seq_len - 1 per decode mode (:func:`decode_flops`). MoE counts the capacity dispatch's computed FLOPs.
+On cpu or cuda, :func:`memory_check` refuses a count that would not fit before anything is built.
 """
 from __future__ import annotations
 

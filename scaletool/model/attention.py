@@ -1,27 +1,12 @@
-"""Attention: one module for MHA/GQA/MQA (parameterised by ``n_kv_heads``) and one for MLA, each
-registered under its kinds (:func:`attention_module`); the kinds' rules and closed forms are
-``scaletool.kinds.attention``.
+"""Attention: one module for MHA/GQA/MQA (by ``n_kv_heads``) and one for MLA, registered under their
+kinds (:func:`attention_module`); rules and closed forms live in ``scaletool.kinds.attention``.
 
-Training runs through ``F.scaled_dot_product_attention`` (no T×T scores materialised). Each module
-also has ``probs()``, a plain softmax(QKᵀ)·scale reference that returns the attention weights: the
-tests check SDPA against it and the training-dynamics monitors read entropies from it.
-
-Both take a :class:`~scaletool.model.positions.Positions`: RoPE tables at the query positions, the
-ALiBi bias over the keys (shared by every layer), the RoPE module for keys rotated where they sit.
-
-``decode(x, positions, cache, pos, mode)`` is the inference path: it appends the new tokens' keys
-(or MLA latents) to a preallocated cache (``scaletool.model.cache``: storage with
-``update(pos, ...)``) and attends over everything cached so far. ``mode`` (:class:`DecodeMode`) is
-the caller's choice of algorithm, as DeepSeek-V3 passes ``attn_impl``; the cache only stores, and
-one of the wrong kind for the mode is refused, never taken as a different choice. ``pos`` is a
-Python int (attend over the cached prefix: the reference path) or a 0-dim device tensor (one token
-per call, attention over the whole static cache with the positions past ``pos`` masked: shapes and
-launches no longer depend on the position, so a CUDA graph can replay the step). The training
-``forward`` does not touch any of it.
-
-Tensor parallelism is applied from outside (``scaletool.engines.tp``, one plan per attention kind):
-the modules take their head count from the projections' output widths (or the plan sets it), so a
-sharded module runs on its local heads unchanged.
+Training runs ``F.scaled_dot_product_attention``; ``probs()`` is a plain softmax reference that the
+tests and the training-dynamics monitors read. ``decode(x, positions, cache, pos, mode)`` appends to a
+preallocated cache (``scaletool.model.cache``) and attends over it; ``mode`` is the caller's algorithm
+choice (a cache of the wrong kind is refused); ``pos`` is an int (the cached prefix) or a 0-dim device
+tensor (static shapes, so a CUDA graph can replay the step). Tensor parallelism is applied from
+outside (``scaletool.engines.tp``): head counts follow the projections' widths.
 """
 from __future__ import annotations
 

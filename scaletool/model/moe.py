@@ -1,43 +1,15 @@
 """DeepSeek-style mixture-of-experts FFN: shared experts, routed experts, a top-k router.
 
-y = shared(x) + Σ_{j ≤ k} g_j · expert_{e_j}(x)   (DeepSeekMoE; DeepSeek-V2 §2.2, V3 §2.1.2)
+y = shared(x) + Σ_{j ≤ k} g_j · expert_{e_j}(x)   (DeepSeek-V2 §2.2, V3 §2.1.2)
 
-Routing (:meth:`MoE.route`): scores s = softmax(x·Wᵍ) (V2) or sigmoid(x·Wᵍ) (V3). V3 selects the
-top-k by s + b, where b is a per-expert bias *buffer* (no gradient) moved by the aux-loss-free
-rule, and weights the experts by s alone. Group-limited routing (``n_group``/``topk_group``)
-first keeps the best ``topk_group`` groups per token: a group scores its best expert under
-softmax (V2's group_limited_greedy) and the sum of its best two under sigmoid (V3's noaux_tc).
-The k weights are renormalised to 1 with ``norm_topk_prob`` and scaled by
-``routed_scaling_factor``.
-
-Dispatch (:meth:`MoE.dispatch`), chosen by ``moe_dispatch``:
-- ``dropless`` (DeepSeek-V3, MegaBlocks): the N·k (token, choice) assignments are sorted by expert
-  (a stable argsort, so each expert sees its tokens in order), the tokens gathered into one
-  (N·k, d) matrix of contiguous per-expert segments, and each SwiGLU projection is one grouped GEMM
-  over the segments (:func:`segment_matmul`): ``torch._grouped_mm`` on Hopper with bf16, a loop
-  over the segments elsewhere (CPU, fp32, older GPUs: the reference path, one host sync). No
-  capacity, no padding, nothing dropped: exactly k experts per token are computed. The
-  grouped path has static shapes (argsort, gathers, and per-expert counts by ``index_add_``, no
-  ``bincount``/``nonzero``/``.item()``), so it compiles without graph breaks.
-- ``capacity`` (GShard / Switch / DeepSpeed-MoE), static shapes: each expert takes at most
-  C = ceil(capacity_factor·N·k/E) assignments (capped at N), first choices before second choices; a
-  token's place in its expert comes from a cumulative sum over one-hot rows, the tokens are gathered
-  into an [E, C, d] buffer, three ``torch.bmm`` against the stacked expert weights run every expert
-  at once. Assignments past capacity are dropped (the token keeps its other experts and the
-  residual) and counted. Expert parallelism (:mod:`scaletool.engines.expert_parallel`) moves this
-  buffer.
-Both run the same code on meta, CPU and CUDA. :meth:`MoE.reference` is the plain per-expert loop with
-boolean masks (each token through its top-k experts, weighted); the tests check dropless against it
-always and capacity against it when nothing drops.
-
-Training signals, kept on the module after each forward (detached except the loss):
-- ``aux_loss``: the sequence-wise expert balance loss α·Σ_i f_i·P_i averaged over sequences, with
-  f_i = E/(k·T)·#{t: token t picks i} and P_i the mean normalised score (DeepSeek-V2 eq. 12-14 with
-  the released code's ``seq_aux``; V3 eq. 17-20 for sigmoid). Per sequence, so data-parallel
-  shards average to the same loss as one process. :meth:`Transformer.forward` adds the sum over
-  layers when targets are given.
-- ``tokens_per_expert`` (E,), ``dropped`` (scalar) and ``assignments`` (int): the load
-  statistics; :func:`expert_load_metrics` turns them into metrics at log time.
+Routing (:meth:`MoE.route`): softmax (V2) or sigmoid with an aux-loss-free bias (V3) scores, optional
+group-limited selection, weights renormalised and scaled. Dispatch (:meth:`MoE.dispatch`,
+``moe_dispatch``): ``dropless`` sorts assignments by expert and runs grouped GEMMs
+(:func:`segment_matmul`), nothing dropped; ``capacity`` fills an [E, C, d] buffer (static shapes,
+assignments past capacity dropped and counted), which expert parallelism moves.
+:meth:`MoE.reference` is the plain per-expert loop the tests check both against. After each forward
+the module keeps ``aux_loss`` (sequence-wise balance loss) and the load statistics
+(``tokens_per_expert``, ``dropped``, ``assignments``) for :func:`expert_load_metrics`.
 """
 from __future__ import annotations
 

@@ -1,32 +1,14 @@
 """Operator breakdown of a profiler trace: where a training step's time goes.
 
-Input: the Chrome-trace JSON (``*.pt.trace.json[.gz]``) that ``torch.profiler`` writes. Output: per
-profiled step, the time of each category, which together with ``idle`` add up to the step exactly.
+Reads the Chrome-trace JSON ``torch.profiler`` writes; per profiled step, the time of each category,
+which with ``idle`` adds up to the step. Our own parser, because Holistic Trace Analysis reads GPU
+streams only (CPU runs would get nothing) and has heavy dependencies.
 
-Why our own parser and not Holistic Trace Analysis: HTA's temporal, kernel and overlap breakdowns
-read GPU kernel streams only (events with ``stream != -1``), so CPU runs — the CI's and the
-quickstart's — get nothing; and it pulls jupyterlab, plotly and pandas in as hard requirements.
-The trace format is small and documented; reading it here serves CPU and GPU alike.
-
-How time is attributed
-----------------------
-The device that matters is the GPU when the trace has kernels (kernels, memcpy, memset are the
-work), else the CPU (``cpu_op`` events on every thread, plus gloo's collectives, which run on
-gloo's own threads). A step's window is its ``ProfilerStep#N`` on the CPU; on the GPU it runs
-from the end of the previous step's kernels to the end of this step's (kernels belong to the step
-whose CPU op launched them), so time the GPU waits for the host shows as idle.
-
-Each work event contributes its *self* time (its span minus its children's). It is classified by
-its own name and its callers' names (an ``aten::mul`` under ``aten::rms_norm`` is norm time) and
-by the module region it ran in: during profiling :func:`scaletool.profile.trace.annotate_modules`
-marks attention, FFN and norm modules with ``scaletool::<region>`` ranges; backward ops inherit
-the region and context of their forward op through the trace's ``fwdbwd`` flows (so the backward of
-an FFN matmul is an FFN matmul, and of the softmax in SDPA's math path, attention); GPU kernels inherit the
-category of the CPU op that launched them, and their own name decides where it is specific
-(``flash_fwd``, ``ncclDevKernel``, ``gemm``). Where several categories run at once (a collective
-on its own stream during a GEMM), compute wins and the communication counts as overlapped, so
-``communication`` is the *exposed* part; ``communication_overlap`` reports both.
-Everything inside ``scaletool::unmeasured`` (the training-dynamics monitors) is left out.
+The device is the GPU when the trace has kernels, else the CPU. Each work event contributes its self
+time, classified by its name, its callers' names and the ``scaletool::<region>`` module range it ran
+in (backward ops inherit their forward op's region through ``fwdbwd`` flows; kernels their launching
+op's). Where categories overlap, compute wins: ``communication`` is the exposed part. Everything
+inside ``scaletool::unmeasured`` (the monitors) is left out.
 """
 from __future__ import annotations
 

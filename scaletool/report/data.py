@@ -1,12 +1,9 @@
 """Results directories read back for the report, through typed models.
 
 A sweep record is validated as a :class:`Record`; its ``result`` is read as the typed result of its
-mode. A document that carries a ``kind`` goes through :func:`scaletool.results.load_result` first (the
-producer's model: validation, and migration of an older ``schema_version``); a document written
-before results had a kind (``tests/report/fixtures``, ``recipes/benchmarks/sweep-results``) goes
-through the view's :meth:`View.legacy`. Either way the report reads one small *view* per mode, the
-fields it shows, by attribute: the report depends on the result contract, not on how a producer
-nests its classes.
+mode (:mod:`scaletool.results`, one schema per result, migrations there), so the report shows what
+each run recorded. Where a figure was not recorded and the report computes it with this scaletool's
+closed forms, it adds a warning saying so (:meth:`Row.recomputed`).
 
 Records of one point and mode make one :class:`Row`. With a sweep's ``repeats: N`` the row holds the N
 runs, and a timed figure is the median across the repeats with p10/p90 over the repeats' medians
@@ -23,12 +20,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from scaletool import analytic
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
 from scaletool.kinds.engines import engine_kind
-from scaletool.results import load_result, registered
+from scaletool.results import Result, load_result
+from scaletool.results.count import CountResult
+from scaletool.results.decode import DecodeResult
+from scaletool.results.estimate import EstimateResult
 from scaletool.results.train import TrainResult
 from scaletool.stats import Spread, spread
 from scaletool.sweep.runner import SWEEP_META
@@ -40,278 +40,28 @@ BREAKDOWN_FILE = Path("profile") / "breakdown.json"
 
 def one(x: float | None) -> Spread | None:
     """A single figure as a spread of one sample (no p10-p90 to judge a difference by)."""
-    return None if x is None else Spread(median=x, p10=x, p90=x, n=1)
+    return Spread.of_one(x)
 
 
-class View(BaseModel):
-    """The part of a result the report reads. Other keys stay in results.jsonl, untouched."""
+#: the typed result each sweep mode records (scaletool.results)
+MODES: dict[str, type[Result]] = {"estimate": EstimateResult, "count": CountResult, "train": TrainResult,
+                                  "decode": DecodeResult}
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), frozen=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """A producer may write null for a section it did not fill (no environment on a run that
-        failed early, no metrics): that reads as the view's default, not as an error."""
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
-                or cls.model_fields[k].default is None}
-
-    @classmethod
-    def legacy(cls, doc: Any) -> Any:
-        """A document written before results had a ``kind``, in this view's shape (default: as is)."""
-        return doc
-
-
-# --- estimate and count -----------------------------------------------------------------------
-
-
-class Params(View):
-    total: int | None = None
-    non_embedding: int | None = None
-    measured: int | None = None  # count: the built model's parameters
-    analytic: int | None = None  # count: the exact closed form
-    active: int | None = None
-    rule_of_thumb_12d2L: int | None = None
-    rule_of_thumb_rel_error: float | None = None
-
-    @property
-    def exact(self) -> int | None:
-        """The closed-form total: ``total`` (estimate, and count since schema 2), else count's old ``analytic``."""
-        return self.total if self.total is not None else self.analytic
-
-
-class KVCache(View):
-    bytes_per_token: int | None = None
-    mha_equivalent_bytes_per_token: int | None = None
-    compression_ratio: float | None = None  # against the MHA with the same heads and head dims
-
-
-class FlopsPerToken(View):
-    train: float | None = None
-    train_causal: float | None = None
-    train_causal_computed: float | None = None  # MoE: every capacity slot, not only the top-k
-    dense_6N: float | None = None
-
-
-class EstimateFlops(View):
-    per_token: FlopsPerToken = FlopsPerToken()
-
-
-class MemoryTotal(View):
-    total_bytes: int | None = None
-
-
-class EstimateMemory(View):
-    recipe: MemoryTotal = MemoryTotal()
-
-
-class EstimateView(View):
-    params: Params = Params()
-    kv_cache: KVCache = KVCache()
-    flops: EstimateFlops = EstimateFlops()
-    memory: EstimateMemory = EstimateMemory()
-
-
-class AnalyticFlops(View):
-    train_full: float | None = None
-    forward_full: float | None = None
-    train_6N: float | None = None
-
-
-class CountedFlops(View):
-    forward: float | None = None
-    train: float | None = None
-
-
-class CountFlops(View):
-    analytic: AnalyticFlops = AnalyticFlops()
-    flop_counter: CountedFlops = CountedFlops()
-    fvcore: CountedFlops = CountedFlops()
-
-
-class CountView(View):
-    params: Params = Params()
-    flops: CountFlops = CountFlops()
-
-
-# --- train --------------------------------------------------------------------------------------
-
-
-class Timing(View):
-    step_s: Spread | None = None
-    tokens_per_s: Spread | None = None
-    warmup_steps_excluded: int | None = None
-    rule: str | None = None
-
-
-class Environment(View):
-    world_size: int | None = None
-    device_type: str | None = None
-
-
-class Hardware(View):
-    profile: str | None = None
-
-
-class TrainHistory(View):
-    """Per-step records (``history``): losses are null where they were not finite."""
-
-    step: list[int] = []
-    loss: list[float | None] = []
-    grad_norm: list[float | None] = []  # null where clipping was off (the engine did not compute it)
-    lr: list[float | None] = []
-
-
-class DynamicsSection(View):
-    """What the training-dynamics monitors recorded (``dynamics``; :mod:`scaletool.profile.monitors`)."""
-
-    every: int | None = None
-    entropy_threshold_nats: float | None = None
-    rank_threshold: float | None = None
-    # {"step": s, "dynamics/<metric>/layer_NN": value, ...}; read leniently (a value that is no number is missing)
-    history: list[dict[str, Any]] = []
-
-
-class TrainView(View):
-    status: str | None = None
-    message: str | None = None
-    tokens_per_s: float | None = None
-    tokens_per_step: int | None = None
-    mfu: float | None = None  # causal attention FLOPs (Megatron's convention, ours)
-    mfu_full_attention: float | None = None  # every T² score counted (torchtitan's)
-    peak_memory_bytes: int | None = None
-    loss_first: float | None = None
-    loss_last: float | None = None
-    measured_steps: int | None = None
-    threads: int | None = None  # CPU intra-op threads; None on GPU
-    timing: Timing = Timing()
-    metrics: dict[str, Any] = {}
-    environment: Environment = Environment()
-    hardware: Hardware = Hardware()
-    flops_per_token: FlopsPerToken = FlopsPerToken()
-    history: TrainHistory = TrainHistory()
-    dynamics: DynamicsSection | None = None
-    prediction: dict[str, Any] | None = None  # the step-time model's prediction the run recorded
-    contention: dict[str, Any] | None = None  # {contended, contended_steps, sampled_steps, rule}
-
-    @property
-    def contended(self) -> bool | None:
-        """Whether the run's measured steps were contended (None: not recorded, as before it was)."""
-        if self.contention and self.contention.get("contended") is not None:
-            return bool(self.contention["contended"])
-        v = self.metrics.get("contention/contended")
-        return None if v is None else bool(v)
-
-    @classmethod
-    def legacy(cls, doc: Any) -> Any:
-        """Schema-1 summaries (no ``kind``) go through the train result's own migration
-        (:meth:`scaletool.results.train.TrainResult.migrate`): timing rebuilt from the per-step history by
-        the warm-up rule new runs use, tokens/s and MFU from the median step."""
-        return TrainResult.migrate(doc) if isinstance(doc, dict) else doc
-
-    @property
-    def rate(self) -> Spread | None:
-        """Training tokens/s with its spread over the measured steps (n = 1 where none was kept)."""
-        if self.timing.tokens_per_s is not None:
-            return self.timing.tokens_per_s
-        if self.timing.step_s is not None and self.tokens_per_step:
-            return self.timing.step_s.inverse(self.tokens_per_step)
-        return one(self.tokens_per_s)
-
-    @property
-    def steps_measured(self) -> int | None:
-        """The steps behind the timing (after the warm-up rule), else what the summary says it measured."""
-        return self.timing.step_s.n if self.timing.step_s is not None else self.measured_steps
-
-    @property
-    def on_cpu(self) -> bool:
-        if self.environment.device_type:
-            return self.environment.device_type == "cpu"
-        return self.threads is not None or (self.hardware.profile or "").lower() == "cpu"
-
-    def metric(self, name: str) -> float | None:
-        """A scalar of the namespaced ``metrics`` (``moe/imbalance_ratio_max``), if it is a number."""
-        v = self.metrics.get(name)
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-# --- decode -------------------------------------------------------------------------------------
-
-
-class DecodePoint(View):
-    attention: str | None = None
-    batch: int | None = None
-    context: int | None = None
-    max_len: int | None = None
-    kv_cache_bytes_measured: int | None = None
-    kv_cache_bytes_analytic: int | None = None
-    decode_tokens_per_s: float | None = None
-    prefill_tokens_per_s: float | None = None
-    decode_step_s: Spread | None = None  # one step decodes one token of every sequence in the batch
-    prefill_s: Spread | None = None  # one prompt of `context` tokens (the batch's other rows are copies)
-    contention: dict[str, Any] | None = None  # the timed steps' contention (scaletool.measure.contention)
-
-    @property
-    def contended(self) -> bool | None:
-        return None if not self.contention or self.contention.get("contended") is None else bool(self.contention["contended"])
-
-    @property
-    def decode_rate(self) -> Spread | None:
-        if self.decode_step_s is not None and self.batch:
-            return self.decode_step_s.inverse(self.batch)
-        return one(self.decode_tokens_per_s)
-
-    @property
-    def prefill_rate(self) -> Spread | None:
-        if self.prefill_s is not None and self.context:
-            return self.prefill_s.inverse(self.context)
-        return one(self.prefill_tokens_per_s)
-
-
-class Device(View):
-    type: str | None = None
-
-
-class DecodeView(View):
-    points: list[DecodePoint] = []
-    device: Device = Device()
-
-    @property
-    def contended(self) -> bool | None:
-        flags = [p.contended for p in self.points if p.contended is not None]
-        return any(flags) if flags else None
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _device_by_name(cls, v: Any) -> Any:
-        return {"type": v} if isinstance(v, str) else v
-
-    @classmethod
-    def legacy(cls, doc: Any) -> Any:
-        """The first decode results were the bare list of points."""
-        return {"points": doc} if isinstance(doc, list) else doc
-
-
-VIEWS: dict[str, type[View]] = {"estimate": EstimateView, "count": CountView, "train": TrainView, "decode": DecodeView}
-
-
-def read_result(mode: str, doc: Any, source: str) -> View:
-    """The typed view of one record's result (raises RecipeError or pydantic's ValidationError)."""
-    cls = VIEWS[mode]
-    if isinstance(doc, dict) and "kind" in doc:
-        # A kind this scaletool has no model for (a newer writer's) is still read by the contract.
-        if doc["kind"] in registered():
-            doc = load_result(doc, source).model_dump(mode="json")
-        return cls.model_validate(doc)
-    return cls.model_validate(cls.legacy(doc))
+def read_result(mode: str, doc: Any, source: str) -> Result:
+    """The typed result of one record (raises RecipeError): its ``kind``'s model, an older schema
+    migrated; a document without a ``kind`` is read as version 1 of the mode's result."""
+    return load_result(doc, source, kind=MODES[mode].model_fields["kind"].default)
 
 
 # --- records and rows ---------------------------------------------------------------------------
 
 
-class MatchParams(View):
+class _Read(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), frozen=True)
+
+
+class MatchParams(_Read):
     key: str
     base_value: float
     value: float
@@ -321,7 +71,7 @@ class MatchParams(View):
     params: str = "total"
 
 
-class Record(View):
+class Record(_Read):
     """One line of results.jsonl: a finished (point, mode[, repeat]) of a sweep."""
 
     key: str
@@ -351,7 +101,9 @@ class Row:
     recipe: Recipe | None
     run_dir: Path | None
     # one typed result per ok repeat, in repeat order; a failed row: the partial result its run wrote, if any
-    runs: list[View] = field(default_factory=list)
+    runs: list[Result] = field(default_factory=list)
+    sink: dict[str, list[str]] = field(default_factory=dict)  # the results set's `recomputed`
+    estimate: Row | None = None  # the estimate of the same point, if one was recorded
 
     @property
     def mode(self) -> str:
@@ -393,8 +145,20 @@ class Row:
 
     @cached_property
     def kv(self) -> dict:
-        """The analytic KV cache of the point's model (bytes/token, the same-head-dims ratio)."""
+        """The point's KV cache (bytes/token, the same-head-dims ratio) as its estimate recorded it, else
+        computed by this scaletool's closed form (and said so)."""
+        est = self if self.mode == "estimate" and self.runs else self.estimate
+        if est is not None:
+            return est.result.kv_cache.model_dump()
+        self.recomputed("KV cache figures (no estimate of the point recorded)")
         return analytic.kv_cache(self.recipe.model)
+
+    def recomputed(self, what: str) -> None:
+        """Note that ``what`` of this point was computed by this scaletool's closed forms, not read from
+        a result: the report lists it under "Computed, not recorded"."""
+        points = self.sink.setdefault(what, [])
+        if (name := f"{self.source}: {self.label}") not in points:
+            points.append(name)
 
     @property
     def compression_ratio(self) -> float:
@@ -433,7 +197,7 @@ class Row:
     @property
     def world_size(self) -> int | None:
         """Ranks a train run really had (its summary), else None."""
-        return self.result.environment.world_size if self.mode == "train" and self.runs else None
+        return self.result.world_size if self.mode == "train" and self.runs else None
 
     @property
     def repeats(self) -> int:
@@ -465,6 +229,11 @@ class ResultsSet:
     rows: list[Row] = field(default_factory=list)
     sources: list[dict] = field(default_factory=list)  # {label, path, name, description, base_recipe}
     warnings: list[str] = field(default_factory=list)
+    #: figures the report computed by this scaletool's closed forms where no result recorded them: {what: points}
+    recomputed: dict[str, list[str]] = field(default_factory=dict)
+
+    def recomputed_lines(self) -> list[str]:
+        return [f"{what}, by this scaletool's closed forms: {', '.join(points)}" for what, points in self.recomputed.items()]
 
     def ok(self, mode: str) -> list[Row]:
         return [r for r in self.rows if r.mode == mode and r.ok]
@@ -528,6 +297,9 @@ def load(dirs: list[Path]) -> ResultsSet:
                 out.warnings.append(f"{d / RESULTS_FILE}: record {str(where)[:80]!r} is not a sweep record, "
                                     f"left out: {_first_error(e)}")
         out.rows += _rows(d, label, records, out.warnings)
+    estimates = {(r.source, r.record.sweep, r.label): r for r in out.rows if r.mode == "estimate" and r.ok}
+    for r in out.rows:
+        r.sink, r.estimate = out.recomputed, estimates.get((r.source, r.record.sweep, r.label))
     return out
 
 
@@ -548,8 +320,8 @@ def _rows(d: Path, source: str, records: list[Record], warnings: list[str]) -> l
         if newest.recipe is not None and recipe is None:
             continue
         ok = [by_repeat[k] for k in sorted(by_repeat) if by_repeat[k].status == "ok"]
-        runs = [v for v in (_view(d, r, warnings) for r in ok) if v is not None] if newest.mode in VIEWS else []
-        if ok and (runs or newest.mode not in VIEWS):
+        runs = [v for v in (_view(d, r, warnings) for r in ok) if v is not None] if newest.mode in MODES else []
+        if ok and (runs or newest.mode not in MODES):
             rows.append(Row(source, ok[-1], recipe, _run_dir(d, ok[0]), runs))
         # A failed run keeps the result it wrote (a diverged train's history and monitors): its row carries it.
         rows += [Row(source, r, recipe, _run_dir(d, r), _failed_runs(d, r, warnings))
@@ -570,7 +342,7 @@ def _recipe(d: Path, rec: Record, warnings: list[str]) -> Recipe | None:
         return None
 
 
-def _view(d: Path, rec: Record, warnings: list[str]) -> View | None:
+def _view(d: Path, rec: Record, warnings: list[str]) -> Result | None:
     where = f"{d}: {rec.label} ({rec.mode}" + (f", repeat {rec.repeat}" if rec.repeats > 1 else "") + ")"
     try:
         return read_result(rec.mode, rec.result, where)
@@ -581,9 +353,9 @@ def _view(d: Path, rec: Record, warnings: list[str]) -> View | None:
     return None
 
 
-def _failed_runs(d: Path, rec: Record, warnings: list[str]) -> list[View]:
+def _failed_runs(d: Path, rec: Record, warnings: list[str]) -> list[Result]:
     """The partial result a failed run wrote, as its row's one run (none when it wrote none)."""
-    if rec.result is None or rec.mode not in VIEWS:
+    if rec.result is None or rec.mode not in MODES:
         return []
     view = _view(d, rec, warnings)
     return [view] if view is not None else []

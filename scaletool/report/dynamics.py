@@ -1,29 +1,13 @@
 """The training-dynamics study: what the runs' losses and monitors show, and the claims about them.
 
-The section appears when a train run of the data carries the monitors' record (``profile.monitors``;
-:mod:`scaletool.profile.monitors`). It reads each run's per-step loss and the monitors' per-layer attention
-entropy and effective rank, and sets them against four knobs of the point: ``model.norm_placement``,
-``train.warmup_steps``, ``train.grad_clip`` and ``train.lr`` (``recipes/sweeps/training-dynamics.yaml``
-sweeps all four). Its definitions, used by the table, the plots and the findings alike:
-
-- *diverged*: the run stopped on a non-finite loss (train status ``diverged``), at the first step whose
-  loss is not finite.
-- *loss spike*: the loss, as a rolling median of :data:`SMOOTH` steps (one noisy batch is not a spike),
-  rises more than :data:`SPIKE` above the lowest value so far (the first loss, or the median since):
-  training went backwards.
-- *unstable*: diverged or spiked. A point is unstable when any of its runs is.
-- *final loss*: the last :data:`FINAL_STEPS` finite losses of each run that did not diverge (pooled over a
-  point's repeats: repeats with one seed repeat the same batches), as a :class:`~scaletool.stats.Spread`;
-  two points' final losses differ only by the noise rule (:func:`scaletool.stats.compare`), as throughput
-  does in the other findings.
-- *entropy collapse*, *rank collapse*: a monitored step where the lowest layer's mean attention entropy,
-  or effective rank over its maximum, falls below the run's own ``profile.monitors`` threshold (the ones
-  its warnings use), before the run diverged.
-
-The claims (``CLAIM_NORM``, ``CLAIM_REMEDY``, ``CLAIM_COLLAPSE``), each judged per group of points
-that differ only in what the claim is about, then as a whole: *supported* (every judged group supports
-it), *contradicted* (every one contradicts it), *mixed*, or *cannot tell* (no group could be judged:
-the points are missing, or nothing happened that the claim is about, e.g. no run diverged).
+The section appears when a train run carries the monitors' record (:mod:`scaletool.profile.monitors`).
+It sets each run's loss and per-layer attention entropy and effective rank against four knobs:
+``model.norm_placement``, ``train.warmup_steps``, ``train.grad_clip``, ``train.lr``. Definitions
+(table, plots and findings alike): *diverged* (a non-finite loss), *loss spike* (the rolling median
+of :data:`SMOOTH` steps rising :data:`SPIKE` above its low), *unstable* (either), *final loss* (the
+last :data:`FINAL_STEPS` finite losses, compared by the noise rule), *entropy/rank collapse* (below
+the run's own monitor threshold before any divergence). Each claim is judged per group of points that
+differ only in what it is about: supported, contradicted, mixed, or cannot tell.
 """
 from __future__ import annotations
 
@@ -35,9 +19,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from scaletool.report.data import ResultsSet, Row, TrainView
+from scaletool.report.data import ResultsSet, Row
 from scaletool.report.plots import Curve, Plot, curve_plot
 from scaletool.report.tables import Column, Table, fmt
+from scaletool.results.train import TrainResult
 from scaletool.stats import Spread, compare, spread
 
 #: a loss spike: the rolling median rises more than this fraction above its lowest value so far
@@ -95,17 +80,18 @@ class Knobs:
 class Run:
     """One train run's curves and events, from its typed result."""
 
-    def __init__(self, view: TrainView):
+    def __init__(self, view: TrainResult):
         self.view = view
         h = view.history
         steps = list(zip(h.step, h.loss))  # a summary whose lists differ in length is read as far as both go
         self.steps = [s for s, _ in steps]
         self.loss = [x if x is not None and math.isfinite(x) else None for _, x in steps]
-        d = view.dynamics
-        self.entropy_threshold = d.entropy_threshold_nats if d else None
-        self.rank_threshold = d.rank_threshold if d else None
+        d = view.dynamics or {}
+        self.entropy_threshold = _finite(d.get("entropy_threshold_nats"))
+        self.rank_threshold = _finite(d.get("rank_threshold"))
         # measurements in step order; one without a numeric step cannot be placed
-        self.monitor = sorted((m for m in (d.history if d else []) if _finite(m.get("step")) is not None),
+        history = d.get("history") if isinstance(d.get("history"), list) else []
+        self.monitor = sorted((m for m in history if isinstance(m, dict) and _finite(m.get("step")) is not None),
                               key=lambda m: m["step"])
         self.monitored = bool(self.monitor)
 

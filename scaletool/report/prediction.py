@@ -29,13 +29,13 @@ def _repredict(r: Row, cache: dict) -> tuple[float, str, str] | None:
     from scaletool.measure.prediction import calibration_for_device
 
     res = r.result
-    name = res.hardware.profile
-    if res.environment.device_type != "cuda" or not name or r.recipe is None:
+    name = res.hardware_profile
+    if res.device_type != "cuda" or not name or r.recipe is None:
         return None
     try:
         if name not in cache:
             cache[name] = calibration_for_device("cuda", profile_named(name))
-        pred = predict_step(r.recipe, cache[name], world_size=res.environment.world_size or 1)
+        pred = predict_step(r.recipe, cache[name], world_size=res.world_size or 1)
     except (RecipeError, ValueError, KeyError, ZeroDivisionError):
         return None
     return pred["tokens_per_s"], f"{cache[name].name} (re-predicted)", pred["bound"]

@@ -38,9 +38,10 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
     tabs = all_tables(rs)
     plots = all_plots(rs) + dynamics.dynamics_plots(rs) + prediction.prediction_plots(rs)
     findings = all_findings(rs)
+    recomputed = rs.recomputed_lines()  # after everything that may compute has run
     plot_dir = out / "plots"
     context = {"sources": _sources(rs), "tables": tabs, "plots": plots, "findings": findings,
-               "warnings": rs.warnings, "version": __version__,
+               "warnings": rs.warnings, "recomputed": recomputed, "version": __version__,
                "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     try:  # each file whole or not at all: a full disk leaves the previous report's files as they were
         refuse_link(plot_dir)
@@ -56,7 +57,8 @@ def build_report(dirs: list[Path], out: Path) -> ReportResult:
         raise RecipeError(f"{shorten(str(out))}: cannot write the report: {e.strerror or e}") from None
     return ReportResult(report_md=str(out / "report.md"), report_html=str(out / "report.html"),
                         results_csv=str(out / "results.csv"), plots=[str(plot_dir / f"{p.key}.png") for p in plots],
-                        tables=[t.key for t in tabs], csv_rows=n_csv, findings=findings, warnings=rs.warnings)
+                        tables=[t.key for t in tabs], csv_rows=n_csv, findings=findings, warnings=rs.warnings,
+                        recomputed=recomputed)
 
 
 def _sources(rs: ResultsSet) -> list[dict]:
@@ -110,6 +112,8 @@ def render_markdown(ctx: dict) -> str:
         for p in plots:
             lines += [f"### {md_escape(p.title)}", "", f"![{md_escape(p.title)}](plots/{p.key}.png)", ""]
             lines += [md_escape(p.caption), ""] if p.caption else []
+    if ctx.get("recomputed"):
+        lines += ["", "## Computed, not recorded", ""] + [f"- {md_escape(w)}" for w in ctx["recomputed"]]
     if ctx["warnings"]:
         lines += ["", "## Warnings", ""] + [f"- {md_escape(w)}" for w in ctx["warnings"]]
     return "\n".join(lines).rstrip() + "\n"

@@ -15,7 +15,7 @@ from typing import Any
 
 from scaletool.fmt import write_atomic
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.tables import decode_points, train_analytic_memory
+from scaletool.report.tables import decode_points, flops, train_analytic_memory
 from scaletool.stats import Spread
 
 IDENTITY = ["source", "point", "mode", "status", "reason", "repeat", "runs", "attention", "n_kv_heads", "kv_lora_rank",
@@ -51,15 +51,16 @@ def _estimate(r: Row) -> dict[str, Any]:
     p, f = e.params, e.flops.per_token
     return {"params/total": p.total, "params/non_embedding": p.non_embedding,
             "params/rule_of_thumb_12d2L": p.rule_of_thumb_12d2L, "params/rule_of_thumb_rel_error": p.rule_of_thumb_rel_error,
-            "kv_cache/bytes_per_token": e.kv_cache.bytes_per_token, "flops/train_per_token": f.train,
-            "flops/dense_6N_per_token": f.dense_6N, "memory/analytic_total_bytes": e.memory.recipe.total_bytes}
+            "kv_cache/bytes_per_token": e.kv_cache.bytes_per_token, "flops/train_per_token": flops(f.get("train")),
+            "flops/dense_6N_per_token": flops(f.get("dense_6N")), "memory/analytic_total_bytes": e.memory.recipe.total_bytes}
 
 
 def _count(r: Row) -> dict[str, Any]:
     p, f = r.result.params, r.result.flops
-    return {"params/measured": p.measured, "params/exact": p.exact, "flops/flop_counter_train": f.flop_counter.train,
-            "flops/analytic_train_full": f.analytic.train_full, "flops/train_6N": f.analytic.train_6N,
-            "flops/fvcore_forward": f.fvcore.forward, "flops/analytic_forward_full": f.analytic.forward_full}
+    return {"params/measured": p.measured, "params/exact": p.total, "flops/flop_counter_train": f.flop_counter.train,
+            "flops/analytic_train_full": f.analytic.get("train_full"), "flops/train_6N": f.analytic.get("train_6N"),
+            "flops/fvcore_forward": f.fvcore.forward if f.fvcore else None,
+            "flops/analytic_forward_full": f.analytic.get("forward_full")}
 
 
 def _train(r: Row) -> dict[str, Any]:
@@ -68,7 +69,7 @@ def _train(r: Row) -> dict[str, Any]:
             "flops/mfu_causal": r.median(lambda t: t.mfu), "flops/mfu_full_attention": r.median(lambda t: t.mfu_full_attention),
             "memory/peak_allocated_bytes": s.peak_memory_bytes, "memory/analytic_bytes": train_analytic_memory(r),
             "loss/first": s.loss_first, "loss/last": s.loss_last, "steps/measured": s.steps_measured,
-            "steps/warmup_excluded": s.timing.warmup_steps_excluded, "threads": s.threads}
+            "steps/warmup_excluded": s.warmup_steps_excluded, "threads": s.threads}
 
 
 def csv_rows(rs: ResultsSet) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from typing import Any
 from scaletool import analytic
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind
-from scaletool.report.data import DecodePoint, ResultsSet, Row
+from scaletool.report.data import ResultsSet, Row
+from scaletool.results.decode import DecodePoint
 from scaletool.stats import Spread, rel_error
 
 #: columns that name the point's model; one is left out when every row's sweep values set it (the
@@ -117,8 +118,9 @@ def estimate_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         e = r.result
         p, f = e.params, e.flops.per_token
+        train, dense = flops(f.get("train")), flops(f.get("dense_6N"))
         return [[p.total, p.non_embedding, p.rule_of_thumb_12d2L, p.rule_of_thumb_rel_error, e.kv_cache.bytes_per_token,
-                 e.kv_cache.compression_ratio, rs.kv_vs_mha_point(r), f.train, f.dense_6N, rel_error(f.dense_6N, f.train),
+                 e.kv_cache.compression_ratio, rs.kv_vs_mha_point(r), train, dense, rel_error(dense, train),
                  e.memory.recipe.total_bytes]]
     cols = [Column("exact", "int", "parameters"), Column("non-embedding", "int", "parameters"),
             Column("12·d²·L", "int", "parameters"), Column("12·d²·L vs non-emb.", "pct", "parameters"),
@@ -138,10 +140,10 @@ KV_NOTE = ("KV cache vs same-dims MHA: the cache of an MHA with this point's hea
 def count_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         p, f = r.result.params, r.result.flops
-        a, fc, fv = f.analytic, f.flop_counter, f.fvcore
-        return [[p.measured, p.exact, rel_error(p.measured, p.exact), p.rule_of_thumb_rel_error, fc.train,
-                 a.train_full, rel_error(fc.train, a.train_full), a.train_6N, rel_error(a.train_6N, fc.train),
-                 fv.forward, a.forward_full, rel_error(fv.forward, a.forward_full)]]
+        a, fc, fv = f.analytic, f.flop_counter, f.fvcore.forward if f.fvcore else None
+        return [[p.measured, p.total, rel_error(p.measured, p.total), p.rule_of_thumb_rel_error, fc.train,
+                 a.get("train_full"), rel_error(fc.train, a.get("train_full")), a.get("train_6N"),
+                 rel_error(a.get("train_6N"), fc.train), fv, a.get("forward_full"), rel_error(fv, a.get("forward_full"))]]
     g1, g2, g3 = "parameters", "FLOPs fwd+bwd", "FLOPs fwd"
     cols = [Column("measured", "int", g1), Column("exact", "int", g1), Column("measured vs exact", "pct", g1),
             Column("12·d²·L vs non-emb.", "pct", g1), Column("FlopCounterMode", "flops", g2),
@@ -153,11 +155,31 @@ def count_table(rs: ResultsSet) -> Table | None:
                   "uses the full convention. 6·N·T leaves attention out.")
 
 
+def flops(x: object) -> float | None:
+    """A recorded FLOP figure as a float (FLOPs are floats however a writer spelled them)."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _moe_figures(r: Row, t: Row | None) -> tuple[dict, dict]:
+    """(parameters, FLOPs/token) of a MoE point as recorded (its estimate; the train run's FLOPs/token), else
+    computed by this scaletool's closed forms (and said so)."""
+    est = r if r.mode == "estimate" else r.estimate
+    p = est.result.params.model_dump() if est is not None else None
+    f = est.result.flops.per_token if est is not None else None
+    if t is not None and t.result.flops_per_token and "train_causal_computed" in t.result.flops_per_token:
+        f = t.result.flops_per_token
+    if p is None or f is None or "train_causal_computed" not in f:
+        r.recomputed("MoE parameters and FLOPs/token (no estimate of the point recorded)")
+        p, f = analytic.param_counts(r.recipe.model), analytic.flops_per_token(r.recipe.model, r.recipe.seq_len)
+    return p, f
+
+
 def train_analytic_memory(r: Row) -> int | None:
-    """The analytic peak the train run compared itself with, else the recipe's own estimate."""
+    """The analytic peak the train run compared itself with, else the recipe's, computed (and said so)."""
     m = r.result.metric("memory/analytic_bytes")
     if m is not None:
         return int(m)
+    r.recomputed("analytic memory of train runs (the run recorded none)")
     return analytic.recipe_memory(r.recipe, r.world_size or r.recipe.parallel.world_size)["total_bytes"]
 
 
@@ -171,7 +193,7 @@ def train_table(rs: ResultsSet) -> Table | None:
         peak, est = s.peak_memory_bytes, train_analytic_memory(r)
         return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
                  r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
-                 s.loss_first, s.loss_last, s.steps_measured, s.timing.warmup_steps_excluded, r.contended_runs()[0]]]
+                 s.loss_first, s.loss_last, s.steps_measured, s.warmup_steps_excluded, r.contended_runs()[0]]]
     cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
             *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
             Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
@@ -246,9 +268,8 @@ def moe_table(rs: ResultsSet) -> Table | None:
             rows.append(r)
 
     def cells(r: Row):
-        m, p = r.recipe.model, analytic.param_counts(r.recipe.model)
-        f = analytic.flops_per_token(m, r.recipe.seq_len)
-        t = trained.get((r.source, r.record.point_id))
+        m, t = r.recipe.model, trained.get((r.source, r.record.point_id))
+        p, f = _moe_figures(r, t)
         mfu = t.median(lambda s: s.mfu) if t else None
         computed = mfu * f["train_causal_computed"] / f["train_causal"] if mfu is not None else None
         return [[m.n_routed_experts, m.num_experts_per_tok, p["total"], p["active"], p["active"] / p["total"],

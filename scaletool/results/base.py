@@ -2,8 +2,9 @@
 
 A result model subclasses :class:`Result`, sets ``kind`` (a ``Literal``) and ``SCHEMA_VERSION``, and is
 registered with :func:`register`. :func:`load_result` picks the model by ``kind``; a document written
-with an older schema version goes through the model's ``migrate`` (a classmethod taking and returning
-the raw dict) first, and a newer one is refused with one line naming both versions.
+with an older schema version goes through the model's ``migrate`` (a classmethod taking the raw
+document, returning a dict) first, and a newer one is refused with one line naming both versions.
+A document written before results had a ``kind`` is schema version 1 of the kind its reader names.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class Result(BaseModel):
     schema_version: int = 1
 
     @classmethod
-    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def migrate(cls, data: Any) -> Any:
         """Bring a document of an older ``schema_version`` up to :attr:`SCHEMA_VERSION` (default: as is)."""
         return data
 
@@ -60,9 +61,22 @@ def registered() -> dict[str, type[Result]]:
     return dict(_KINDS)
 
 
-def load_result(data: Any, source: str = "result") -> Result:
-    """Validate a parsed JSON document as the result its ``kind`` names, migrating older versions."""
+def load_result(data: Any, source: str = "result", kind: str | None = None) -> Result:
+    """Validate a parsed JSON document as the result its ``kind`` names, migrating older versions.
+
+    ``kind``: what the caller expects; a document without a ``kind`` of its own is then read as
+    version 1 of it (through its model's ``migrate``), and one of another kind is refused."""
     kinds = registered()
+    if kind is not None:
+        if kind not in kinds:
+            raise ResultLoadError(f"{source}: unknown result kind {kind!r}")
+        if not isinstance(data, dict) or "kind" not in data:
+            data = kinds[kind].migrate(data)
+            if not isinstance(data, dict):
+                raise ResultLoadError(f"{source}: a result is a JSON object, got {type(data).__name__}")
+            data = {**data, "kind": kind, "schema_version": kinds[kind].SCHEMA_VERSION}
+        elif data["kind"] != kind:
+            raise ResultLoadError(f"{source}: a {str(data['kind'])[:40]} result where a {kind} result belongs")
     if not isinstance(data, dict):
         raise ResultLoadError(f"{source}: a result is a JSON object, got {type(data).__name__}")
     kind = data.get("kind")

@@ -101,8 +101,10 @@ class CountResult(Result):
     modules: ModuleNode | None = None  # count --by module only
 
     @classmethod
-    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def migrate(cls, data: Any) -> Any:
         """Version 1 called the exact count ``params.analytic``."""
+        if not isinstance(data, dict):
+            return data
         params = dict(data.get("params") or {})
         if "total" not in params and "analytic" in params:
             params["total"] = params.pop("analytic")

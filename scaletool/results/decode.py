@@ -56,6 +56,25 @@ class DecodePoint(_Part):
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def contended(self) -> bool | None:
+        """Whether the timed steps were contended (None: not recorded)."""
+        c = self.contention
+        return None if not c or c.get("contended") is None else bool(c["contended"])
+
+    @property
+    def decode_rate(self) -> Spread | None:
+        """Decode tokens/s with the per-step spread, else the recorded rate as one sample."""
+        if self.decode_step_s is not None and self.batch:
+            return self.decode_step_s.inverse(self.batch)
+        return Spread.of_one(self.decode_tokens_per_s)
+
+    @property
+    def prefill_rate(self) -> Spread | None:
+        if self.prefill_s is not None and self.context:
+            return self.prefill_s.inverse(self.context)
+        return Spread.of_one(self.prefill_tokens_per_s)
+
 
 class DecodeDevice(_Part):
     type: str
@@ -116,15 +135,29 @@ class DecodeResult(Result):
     threads: int | None = None  # CPU intra-op threads (None on GPU)
     notes: list[str] = []
 
+    @property
+    def contended(self) -> bool | None:
+        flags = [p.contended for p in self.points if p.contended is not None]
+        return any(flags) if flags else None
+
     @classmethod
-    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Version 1: no ``kind``; the timing a sentence; whole-loop times per point, no per-step
-        samples, so the spreads stay null and the rates are kept as they were measured."""
+    def migrate(cls, data: Any) -> Any:
+        """Version 1: no ``kind`` (the first ones the bare list of points, the device a name); the timing
+        a sentence; whole-loop times per point, no per-step samples, so the spreads stay null and the
+        rates are kept as they were measured."""
+        if isinstance(data, list):
+            data = {"points": data}
+        if not isinstance(data, dict):
+            return data
         data = {**data, "kind": "decode"}
+        device = data.get("device")
+        if device is None or isinstance(device, str):
+            data["device"] = {"type": device or "unknown", "name": device or "unknown"}
         timing = data.get("timing")
         if not isinstance(timing, dict):
             data["timing"] = {"clock": str(timing or "unknown"),
                               "rule": "schema 1: one time around the whole loop, no per-step samples"}
-        data["points"] = [{k: v for k, v in p.items() if k not in ("prefill_seconds", "decode_seconds")}
-                          for p in data.get("points") or [] if isinstance(p, dict)]
+        if isinstance(data.get("points"), list):
+            data["points"] = [{k: v for k, v in p.items() if k not in ("prefill_seconds", "decode_seconds")}
+                              if isinstance(p, dict) else p for p in data["points"]]
         return data

@@ -138,6 +138,6 @@ class EstimateResult(Result):
     prediction: Part | None = None
 
     @classmethod
-    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def migrate(cls, data: Any) -> Any:
         """Version 1 had the same keys, minus the phase fields of memory rows (they load as null)."""
         return data

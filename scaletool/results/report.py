@@ -20,3 +20,4 @@ class ReportResult(Result):
     csv_rows: int
     findings: list[str]
     warnings: list[str]
+    recomputed: list[str] = []  # figures computed by the closed forms where no result recorded them

@@ -128,12 +128,67 @@ class TrainResult(Result):
     dynamics: dict[str, Any] | None = None
     moe: dict[str, Any] | None = None
 
+    @property
+    def rate(self) -> Spread | None:
+        """Training tokens/s with its spread over the measured steps (one sample where none was kept)."""
+        if self.timing is not None and self.timing.tokens_per_s is not None:
+            return self.timing.tokens_per_s
+        if self.timing is not None and self.timing.step_s is not None and self.tokens_per_step:
+            return self.timing.step_s.inverse(self.tokens_per_step)
+        return Spread.of_one(self.tokens_per_s)
+
+    @property
+    def steps_measured(self) -> int | None:
+        """The steps behind the timing (after the warm-up rule), else the steps the run says it measured."""
+        return self.timing.step_s.n if self.timing is not None and self.timing.step_s is not None else self.measured_steps
+
+    @property
+    def warmup_steps_excluded(self) -> int | None:
+        return self.timing.warmup_steps_excluded if self.timing is not None else None
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks the run had (``environment.world_size``), None where not recorded."""
+        v = (self.environment or {}).get("world_size")
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    @property
+    def device_type(self) -> str | None:
+        v = (self.environment or {}).get("device_type")
+        return v if isinstance(v, str) else None
+
+    @property
+    def hardware_profile(self) -> str | None:
+        v = (self.hardware or {}).get("profile")
+        return v if isinstance(v, str) else None
+
+    @property
+    def on_cpu(self) -> bool:
+        if self.device_type:
+            return self.device_type == "cpu"
+        return self.threads is not None or (self.hardware_profile or "").lower() == "cpu"
+
+    @property
+    def contended(self) -> bool | None:
+        """Whether the measured steps were contended (None: not recorded)."""
+        if self.contention and self.contention.get("contended") is not None:
+            return bool(self.contention["contended"])
+        v = self.metrics.get("contention/contended")
+        return None if v is None else bool(v)
+
+    def metric(self, name: str) -> float | None:
+        """A scalar of the namespaced ``metrics`` (``moe/imbalance_ratio_max``), if it is a number."""
+        v = self.metrics.get(name)
+        return float(v) if _number(v) else None
+
     @classmethod
-    def migrate(cls, data: dict[str, Any]) -> dict[str, Any]:
+    def migrate(cls, data: Any) -> Any:
         """Schema 1 -> 2. Where the per-step history was kept, ``timing`` is derived from it by today's
         warm-up rule and the headline figures follow today's convention: ``tokens_per_s`` from the median
         step, MFU scaled with it (it is proportional to tokens/s); the recorded mean-based figure is kept
         as ``metrics["throughput/tokens_per_s_window"]``, which is what it measured."""
+        if not isinstance(data, dict):
+            return data
         data = dict(data)
         metrics = dict(data["metrics"]) if isinstance(data.get("metrics"), dict) else {}
         data.setdefault("mfu_full_attention", metrics.get("flops/mfu_full_attention"))

@@ -3,20 +3,16 @@
 A sweep file is YAML::
 
     recipe: ../mha-1b.yaml            # base recipe, relative to this file
-    name: mla-compression             # default: the file's stem; names the default results dir
-    label: H100 bf16                  # how reports name this results dir (default: the dir name)
+    name: mla-compression             # default: the file's stem
+    label: H100 bf16                  # how reports name this results dir
     set: {train.steps: 12}            # overrides applied to every point
-    grid:                             # cartesian product over dotted recipe keys
-      model.intermediate_size: [2048, 4096]
-    zip:                              # varied together: equal-length lists ...
-      model.attention: [mha, mla]
-      model.kv_lora_rank: [0, 256]
-    # ... or a list of point dicts: [{model.attention: mha}, {model.attention: gqa, model.n_kv_heads: 4}]
+    grid: {model.intermediate_size: [2048, 4096]}        # cartesian product
+    zip: {model.attention: [mha, mla], model.kv_lora_rank: [0, 256]}  # or a list of point dicts
     modes: [estimate, count, train, decode]   # and profile
     args: {decode: [--contexts, "512,1024"]}   # extra CLI arguments per mode
-    timeout_s: 900                    # per run, > 0 seconds; or {train: 1800, count: 300}
-    repeats: 3                        # timed modes (train, decode, profile) run 3 times, as 3 processes
-    nproc_per_node: 1                 # > 1: train and profile points are launched distributed
+    timeout_s: 900                    # per run; or {train: 1800, count: 300}
+    repeats: 3                        # timed modes run 3 times, as 3 processes
+    nproc_per_node: 1                 # > 1: train and profile points run distributed
     match_params: {key: model.intermediate_size, target: ../mla-1b.yaml, multiple_of: 64}
 
 Every problem becomes one line of a :class:`~scaletool.config.RecipeError` (the CLI exits with 2).

@@ -2,25 +2,12 @@
 
 ``python -m scaletool.sweep.supervise --watch FD [--grace S] [--cpus LIST] -- COMMAND...``
 
-Why a separate process: a point may start processes that leave its process group and session
-(torchrun starts each rank with ``start_new_session``), so killing the point's group misses them, and
-``PR_SET_PDEATHSIG`` only covers a direct child. When the sweep itself is killed with SIGKILL no
-handler of its own runs at all. The supervisor closes all three gaps without privileges or cgroups:
-
-- it is a *child subreaper* (``PR_SET_CHILD_SUBREAPER``): a descendant whose parent dies is re-parented
-  to it, never to init, so every process the point started stays in its tree and is found by walking
-  parent links in ``/proc``;
-- it holds the read end of a pipe whose only write end the sweep holds. When the sweep ends by any
-  means (exit, Ctrl-C, SIGTERM, SIGKILL, a crash) the kernel closes that end, the supervisor reads EOF
-  and kills its whole tree with SIGKILL;
-- SIGTERM (the sweep's timeout) stops the point gracefully: SIGTERM to its process group (a launcher
-  stops its workers), then after ``--grace`` seconds SIGKILL to every descendant;
-- when the point's command exits, any descendant still running (a rank a launcher left behind) is
-  killed, and the supervisor exits with the command's status, re-raising a fatal signal so the sweep
-  sees ``-SIGNUM`` like a direct child's.
-
-The command's direct child also gets ``PR_SET_PDEATHSIG`` (SIGKILL), for a supervisor killed outright.
-Only the standard library is imported here: a supervisor starts in tens of milliseconds.
+A point may start processes outside its process group (torchrun's ranks), and a SIGKILLed sweep runs
+no handler. The supervisor is a child subreaper (orphaned descendants stay in its tree); it holds the
+read end of a pipe only the sweep writes, so the sweep's end (by any means) reads as EOF and kills the
+tree; SIGTERM stops the point gracefully, then SIGKILL after ``--grace``; when the command exits,
+left-over descendants are killed and its status (or fatal signal) is passed on. The direct child also
+gets ``PR_SET_PDEATHSIG``. Standard library only, so it starts fast.
 """
 from __future__ import annotations
 

@@ -1,24 +1,13 @@
 """Training data: every sample is a pure function of (seed, step, global sample index).
 
-Sample ``g`` of a step's global batch belongs to rank ``r`` when ``g // micro_batch_size`` equals
-``micro * world_size + r``; each rank builds (or reads from its memmap) only its own samples. So the
-same seed and global batch give the same data on 1 or N ranks, and a resumed run continues exactly
-where the uninterrupted one would be, with no data-loader state to checkpoint.
+Each rank builds (or reads from its memmap) only its own samples of the global batch, so the same seed
+and batch give the same data on 1 or N ranks and a resumed run continues exactly, with no loader state.
 
-Sources (``data.source``):
-
-- ``synthetic`` (lm): random tokens with a learnable bigram structure: even positions draw from the
-  lower half of the vocabulary, each odd position is a fixed (seeded) map of the token before it into
-  the upper half. The loss falls from ln(V) towards ln(V/2)/2, so "loss decreases" is testable;
-  for throughput the content does not matter.
-- ``text`` (lm): a UTF-8 text file, or a directory of ``*.txt`` files, through :class:`ByteTokenizer`
-  (one token per byte, 256 + specials, no download); windows of seq_len + 1 at seeded offsets.
-- ``tokens`` (lm): a pre-tokenised flat binary file of uint16 or uint32 ids, memory-mapped.
-- ``synthetic`` (regression): ``num_samples`` series of shape (seq_len, n_features) ~ N(0, 1) with
-  targets (horizon,) = tanh(x_last · W) + small noise, W seeded: a signal the model can learn.
-- ``csv`` (regression): rows are time steps, columns the n_features features (an optional header
-  row is skipped); features are z-scored per column, the targets are the next ``horizon`` values of
-  the first column (the price).
+Sources (``data.source``): ``synthetic`` (lm: random tokens with a learnable bigram structure, so the
+loss falls from ln(V) towards ln(V/2)/2), ``text`` (UTF-8 files through :class:`ByteTokenizer`),
+``tokens`` (pre-tokenised uint16/uint32, memory-mapped), ``synthetic`` (regression: N(0, 1) series
+with a learnable tanh target) and ``csv`` (regression: z-scored columns, the first one's next
+``horizon`` values as targets).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def claim(rs: data.ResultsSet, start: str) -> str:
 
 def test_a_spike_is_the_smoothed_loss_rising_past_its_low_and_one_noisy_batch_is_not():
     def run(loss):
-        return Run(data.TrainView.model_validate(result(loss, monitored=False)))
+        return Run(data.read_result("train", result(loss, monitored=False), "run"))
     assert run(losses(2.5)).spike_at is None and run(losses(2.5)).spike_rise is None
     spiked = run(losses(2.5, spike=20))
     assert spiked.spike_at == 21  # the 3-step median is past the low from the spike's second step
@@ -50,15 +50,15 @@ def test_a_spike_is_the_smoothed_loss_rising_past_its_low_and_one_noisy_batch_is
 
 
 def test_collapse_counts_only_monitored_steps_before_the_divergence():
-    r = Run(data.TrainView.model_validate(result(losses(2.5, diverge=14), collapse=8)))
+    r = Run(data.read_result("train", result(losses(2.5, diverge=14), collapse=8), "run"))
     assert r.monitor_steps == [3, 7, 11] and r.diverged_at == 14
     assert r.collapse_at(ENTROPY) == 11 and r.collapse_at(RANK) == 11
     assert r.lowest(ENTROPY) == [2.9, 2.9, 0.2]
-    late = Run(data.TrainView.model_validate(result(losses(2.5, diverge=14), collapse=12)))
+    late = Run(data.read_result("train", result(losses(2.5, diverge=14), collapse=12), "run"))
     assert late.collapse_at(ENTROPY) is None  # measured at step 15 or later: after the divergence
     hostile = result(losses(2.5))
     hostile["dynamics"]["history"] += [{"step": "soon", ENTROPY + "00": 0.0}, {"step": 41, ENTROPY + "00": "low"}]
-    h = Run(data.TrainView.model_validate(hostile))
+    h = Run(data.read_result("train", hostile, "run"))
     # a record without a numeric step cannot be placed; a value that is no number is not measured
     assert h.monitor_steps[-2:] == [39, 41] and len(h.monitor_steps) == 11
     assert h.lowest(ENTROPY)[-2:] == [pytest.approx(2.9), None] and h.collapse_at(ENTROPY) is None

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import report_synth as synth
-from pydantic import ValidationError
 from report_md import md_row, md_section
 
 from scaletool import api
 from scaletool.report import data, findings, tables
 from scaletool.report.plots import line_plot
 from scaletool.report.render import all_tables
+from scaletool.results import ResultLoadError
+from scaletool.results.decode import DecodeResult
+from scaletool.results.train import TrainResult
 from scaletool.stats import compare, settled_start, spread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,12 +240,32 @@ def test_one_outlier_turns_the_axis_logarithmic_and_the_caption_says_so():
     assert line_plot("k", "t", "x", "y", [("a", 1, 1.0), ("b", 1, 2.0)]) is None  # one x value: no plot
 
 
-def test_null_sections_read_as_unset():
-    """A producer may write null for what it did not fill; the view reads its default, not an error."""
-    t = data.read_result("train", {"kind": "some-future-kind", "environment": None, "metrics": None, "timing": None,
-                                   "tokens_per_s": 500.0}, "x")
-    assert t.environment.world_size is None and t.metrics == {} and t.rate == data.one(500.0)
-    d = data.read_result("decode", {"kind": "some-future-kind", "device": "cuda", "points": None}, "x")
-    assert d.device.type == "cuda" and d.points == []
-    with pytest.raises(ValidationError, match="points"):
-        data.read_result("decode", {"points": "many"}, "x")
+def test_results_read_through_the_results_models_legacy_ones_migrated():
+    """The report reads each result as its scaletool.results model: a document from before results had a
+    kind is migrated there (a bare list of decode points, the device a name), and a document of another
+    kind than the record's mode is refused."""
+    t = data.read_result("train", {"status": "completed", "environment": None, "tokens_per_s": 500.0,
+                                   "history": {"step": [0], "loss": [1.0]}}, "x")
+    assert isinstance(t, TrainResult) and t.world_size is None and t.metrics == {} and t.rate == data.one(500.0)
+    d = data.read_result("decode", [{"attention": "mla", "batch": 2, "context": 8, "decode_tokens_per_s": 9.0}], "x")
+    assert isinstance(d, DecodeResult) and d.device.type == "unknown" and d.points[0].decode_rate == data.one(9.0)
+    assert data.read_result("decode", {"device": "cuda", "points": []}, "x").device.type == "cuda"
+    with pytest.raises(ResultLoadError, match="a some-future-kind result where a train result belongs"):
+        data.read_result("train", {"kind": "some-future-kind", "tokens_per_s": 500.0}, "x")
+    with pytest.raises(ResultLoadError, match="points"):
+        data.read_result("decode", {"points": "many", "device": "cpu"}, "x")
+
+
+def test_figures_the_report_computes_are_listed_and_recorded_ones_are_not(tmp_path):
+    """Train points without an estimate: their KV figures come from the closed form, and the report says so;
+    the fixture whose points have estimates reads every KV figure from them and lists nothing."""
+    res = api.report([_train_pair(tmp_path / "s", 0.0125)], tmp_path / "out")
+    assert any(line.startswith("KV cache figures (no estimate of the point recorded)") and "attention=mla" in line
+               for line in res.recomputed), res.recomputed
+    md = Path(res.report_md).read_text()
+    assert "## Computed, not recorded" in md and "## Computed, not recorded" not in Path(res.report_html).read_text()
+    assert "Computed, not recorded</h2>" in Path(res.report_html).read_text()
+    rs = data.load([Path(__file__).resolve().parent / "fixtures" / "tiny"])
+    est = {r.label: r for r in rs.ok("estimate")}
+    trained = [r for r in rs.ok("train") if r.label in est]
+    assert trained and all(r.kv == est[r.label].result.kv_cache.model_dump() for r in trained) and not rs.recomputed
