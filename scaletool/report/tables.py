@@ -61,6 +61,13 @@ class Table:
         return out
 
 
+def _contended_cell(r) -> int | None:
+    """Contended runs of the point, or None (shown '-') where no run recorded contention (older runs)."""
+    if all(getattr(run, "contended", None) is None for run in r.runs):
+        return None
+    return r.contended_runs()[0]
+
+
 def fmt(v: Any, kind: str) -> str:
     if v is None:
         return "-"
@@ -193,7 +200,7 @@ def train_table(rs: ResultsSet) -> Table | None:
         peak, est = s.peak_memory_bytes, train_analytic_memory(r)
         return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
                  r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
-                 s.loss_first, s.loss_last, s.steps_measured, s.warmup_steps_excluded, r.contended_runs()[0]]]
+                 s.loss_first, s.loss_last, s.steps_measured, s.warmup_steps_excluded, _contended_cell(r)]]
     cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
             *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
             Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
