@@ -112,13 +112,13 @@ def main(ctx: click.Context, result_file: Path | None) -> None:
     """What does Multi-head Latent Attention buy over MHA/GQA/MQA, and at what cost?
 
     \b
-    Analytic estimates and measurements, side by side:
-      scaletool estimate llama3-8b                  closed forms: params, FLOPs, KV cache, memory
-      scaletool count recipes/mla-1b.yaml           measured params and FLOPs against them
-      scaletool train tiny                          train and measure throughput, MFU, memory
-      scaletool decode mla-1b                       KV cache and decoding speed
-      scaletool sweep mla-compression               ablation grids; then `scaletool report`
-      scaletool quickstart                          the CPU demo: sweep + report in minutes
+    Examples (analytic estimates and measurements, side by side):
+      scaletool estimate llama3-8b     closed forms: params, FLOPs, KV, memory
+      scaletool count mla-1b           measured params and FLOPs against them
+      scaletool train tiny             train; throughput, MFU, memory
+      scaletool decode mla-1b          KV cache and decoding speed
+      scaletool sweep mla-compression  ablation grids; then `scaletool report`
+      scaletool quickstart             the CPU demo: sweep + report in minutes
 
     A recipe is a YAML file, or the name of a shipped one (llama3-8b, mla-1b, tiny, ...; the
     error for an unknown name lists them). `--set key=value` overrides any dotted key. See

@@ -36,24 +36,30 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
              tensor_parallel: int | None, hardware: str, detail: bool, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
+    By default a summary of about 20 lines: parameters, FLOPs per token, KV
+    bytes per token and the peak memory per GPU of every engine.
+
     \b
-    By default a summary of about 20 lines: parameters, FLOPs per token, KV bytes
-    per token and the peak memory per GPU of every engine. --detail adds the ledger:
-    Parameters: exact count by component, and the rule of thumb 12·d²·L with its error.
-    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
-    MoE: N counts the active parameters (top-k routed experts); total vs active is shown.
+    --detail adds the ledger:
+    Parameters: exact count by component; the rule of thumb 12·d²·L and
+      its error.
+    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention)
+      and full.
+    MoE: N counts the active parameters (top-k routed experts); total vs
+      active is shown.
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
-    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the optimizer step
-    separately, each as weights + grads + optimizer + activations + engine buffers +
-    temporaries; the larger phase is the peak (validated on H200s:
-    recipes/benchmarks/memory_phases.md). With --tensor-parallel (or
-    parallel.tensor_parallel): the collectives per step and GPU.
+    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the
+      optimizer step separately, each as weights + grads + optimizer +
+      activations + engine buffers + temporaries; the larger phase is the
+      peak (validated on H200s: recipes/benchmarks/memory_phases.md).
+      With --tensor-parallel (or parallel.tensor_parallel): the collectives
+      per step and GPU.
 
     \b
     Examples:
       scaletool estimate mla-1b
       scaletool estimate mla-1b --detail
-      scaletool estimate recipes/mha-1b.yaml --world-size 8 --set train.micro_batch_size=1
+      scaletool estimate mha-1b --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
     """
     if tensor_parallel is not None:

@@ -23,7 +23,6 @@ def schema(kind: str | None, as_json: bool):
     """Print the JSON Schema of COMMAND's result (what its --json prints and --result-file writes);
     without COMMAND, list the result kinds and their schema versions.
 
-    \b
     Every result carries `kind` and `schema_version`; results written by an older scaletool are
     migrated when loaded, a newer one is refused with a line saying so.
 
