@@ -1,5 +1,7 @@
-"""Every command's --help and `scaletool hardware` read at 80 columns: no line longer, words whole."""
+"""Every command's --help, `scaletool hardware` and `scaletool schema` read at 80 columns: no line longer, words whole."""
 from __future__ import annotations
+
+import json
 
 import click
 from click.testing import CliRunner
@@ -42,3 +44,24 @@ def test_hardware_at_80_columns_wraps_at_word_boundaries():
     text = " ".join(ln.strip() for ln in lines[i + 3:i + 5])
     assert "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM" in text
     assert any(ln.startswith("A100 (cuda): bf16 312") for ln in lines)
+
+
+def test_schema_lists_whole_plain_sentences_one_description_per_kind():
+    runner = CliRunner(env={"COLUMNS": "80"})
+    rows = json.loads(runner.invoke(main, ["schema", "--json"]).output)["kinds"]
+    desc = {r["kind"]: r["description"] for r in rows}
+    assert all(d.endswith((".", ")")) for d in desc.values()), desc  # whole sentences, not cut
+    assert not any(m in d for d in desc.values() for m in ("``", ":class:", ":func:", "`")), desc
+    sweep = [desc[k] for k in ("sweep", "sweep_plan", "sweep_record", "sweep_submission")]
+    assert len(set(sweep)) == 4, sweep
+    assert "DecodePoint per (context, batch)" in desc["decode"]
+    assert "params.total is the exact count" in desc["count"]
+    res = runner.invoke(main, ["schema"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(map(len, lines)) <= 80
+    # wrapped at word boundaries: the text comes back whole when the continuation lines are joined
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("count v"))
+    block = [lines[i], *[ln for ln in lines[i + 1:i + 8] if ln.startswith("      ")]]
+    assert " ".join(ln.split("  ", 1)[1].strip() if j == 0 else ln.strip() for j, ln in enumerate(block)) \
+        .startswith(desc["count"][:150])
