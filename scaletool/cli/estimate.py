@@ -51,7 +51,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
     Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the
       optimizer step separately, each as weights + grads + optimizer +
       activations + engine buffers + temporaries; the larger phase is the
-      peak (validated on H200s: recipes/benchmarks/memory_phases.md).
+      peak (validated on H200s: `scaletool docs findings`).
       With --tensor-parallel (or parallel.tensor_parallel): the collectives
       per step and GPU.
 
