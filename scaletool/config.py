@@ -609,11 +609,18 @@ def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
                 extra: dict | None = None) -> Recipe:
-    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
+    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`; or a Hugging
+    Face config.json or the folder holding one, see :func:`scaletool.hf.imported_recipe`), apply
     ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    raw = read_yaml(find_recipe(path, RECIPE), SECTIONS)
+    from scaletool import hf  # a Hugging Face config.json (or its model folder) is imported on the fly
+
+    config_json = hf.hf_config_path(path)
+    raw = hf.imported_recipe(config_json) if config_json else read_yaml(find_recipe(path, RECIPE), SECTIONS)
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
-    return recipe_from_dict(raw, shorten(path))
+    recipe = recipe_from_dict(raw, shorten(path))
+    if config_json:
+        hf.announce_import(config_json, recipe)
+    return recipe
 
 
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:

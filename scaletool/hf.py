@@ -364,3 +364,52 @@ def recipe_from_hf(path: str | Path, drop: tuple[str, ...] = ()) -> tuple[dict, 
     recipe = recipe_from_dict({"model": model}, shown)  # validate now: a bad config fails here, not later
     out = {"model": {k: v for k, v in recipe.model.model_dump().items() if k in model}}
     return out, dropped
+
+
+#: the training sequence length of a config.json used as a recipe (``estimate config.json``), unless
+#: given: its max_position_embeddings (131,072 for Llama-3.1) is the longest context, not a training shape
+IMPORT_SEQ_LEN = 4096
+_announced: set[tuple[str, int]] = set()
+
+
+def hf_config_path(arg: str | Path) -> Path | None:
+    """The config.json ``arg`` names where a recipe is expected: a ``.json`` file, or a directory holding a
+    ``config.json`` (a downloaded model's folder); None for anything else (a recipe, a shipped name)."""
+    p = Path(arg)
+    try:
+        if p.is_dir():
+            return p / "config.json" if (p / "config.json").is_file() else None
+        return p if p.suffix == ".json" and p.exists() else None
+    except OSError:  # a name too long for the filesystem: find_recipe says so
+        return None
+
+
+def imported_recipe(path: Path) -> dict:
+    """A config.json as recipe input (``recipe from-hf``'s conversion, nothing dropped), its training
+    sequence length :data:`IMPORT_SEQ_LEN` or the model's maximum where that is shorter."""
+    try:
+        raw, _ = recipe_from_hf(path)
+    except RecipeError as e:  # --drop belongs to `recipe from-hf`: say how to get there
+        how = f"`scaletool recipe from-hf {shorten(path)} --drop FEATURE -o recipe.yaml` imports it anyway"
+        raise RecipeError([*e.problems[:-1], f"{e.problems[-1]}; {how}"] if "--drop" in e.problems[-1]
+                          else e.problems) from None
+    raw["train"] = {"seq_len": min(IMPORT_SEQ_LEN, raw["model"].get("max_seq_len", IMPORT_SEQ_LEN))}
+    return raw
+
+
+def announce_import(path: Path, recipe) -> None:
+    """Say on stderr, once per file and sequence length in a process, that ``path`` was imported, with its notes and the
+    sequence length chosen when it is shorter than the model's maximum."""
+    import sys
+
+    key = (str(path), recipe.seq_len)
+    if key in _announced:
+        return
+    _announced.add(key)
+    lines = [f"note: {shorten(path)}: a Hugging Face config, imported as `scaletool recipe from-hf` does"]
+    lines += [f"note: {n}" for n in recipe.model.notes or ()]
+    m = recipe.model
+    if recipe.seq_len < m.max_seq_len:
+        lines.append(f"note: sequence length {recipe.seq_len:,} (the model takes up to {m.max_seq_len:,}); "
+                     "estimate --seq-len N, or --set train.seq_len=N, sets it")
+    print("\n".join(lines), file=sys.stderr)

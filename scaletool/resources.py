@@ -1,7 +1,8 @@
-"""Files that ship inside the package: model recipes, sweep files and accelerator profiles.
+"""Files that ship inside the package: model recipes, sweep files, accelerator profiles and the documentation.
 
-The repository's top-level ``recipes/`` and ``profiles/`` are the source. The package sees them through
-two symbolic links, ``scaletool/recipes -> ../recipes`` and ``scaletool/profiles -> ../profiles``: a
+The repository's top-level ``recipes/``, ``profiles/`` and ``docs/`` are the source. The package sees them through
+symbolic links, ``scaletool/recipes -> ../recipes``, ``scaletool/profiles -> ../profiles`` and
+``scaletool/docs -> ../docs`` (its ``*.md`` pages, what ``scaletool docs`` prints): a
 checkout on ``sys.path``, an editable install and a wheel (whose build copies the linked files in, see
 ``package-data`` in pyproject.toml; ``recipes/benchmarks`` stays out) all read them at the same place
 with :mod:`importlib.resources`. (A ``package-dir`` mapping of ``scaletool.recipes`` to ``recipes`` was
@@ -27,7 +28,7 @@ _SWEEP_KEY = re.compile(r"^recipe\s*:", re.M)
 
 
 def data_dir(name: str) -> Path:
-    """The shipped folder ``name`` (``recipes`` or ``profiles``) as a directory on disk."""
+    """The shipped folder ``name`` (``recipes``, ``profiles`` or ``docs``) as a directory on disk."""
     root = importlib.resources.files("scaletool") / name
     if not isinstance(root, Path) or not root.is_dir():
         # a zipped install (zipimport): scaletool writes run directories beside its inputs, so it needs files
@@ -82,6 +83,23 @@ def find_recipe(arg: str | Path, kind: str = RECIPE) -> Path:
     close = difflib.get_close_matches(name, [*mine, *theirs], n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise RecipeError(f"{shorten(arg)}: no such file, nor a shipped {kind}; {hint}shipped {kind}s: {', '.join(mine)}")
+
+
+def doc_pages() -> dict[str, Path]:
+    """The shipped documentation pages (``docs/*.md``) by topic (the file's stem), sorted by topic."""
+    return {p.stem: p for p in sorted(data_dir("docs").glob("*.md"))}
+
+
+def doc_page(topic: str) -> Path:
+    """The page of ``topic`` (``plan``, ``plan.md`` or ``docs/plan.md``); an unknown one is one line naming the
+    closest topic and all of them."""
+    pages = doc_pages()
+    name = Path(topic).stem if Path(topic).parts[:-1] in ((), ("docs",)) else topic
+    if name in pages:
+        return pages[name]
+    close = difflib.get_close_matches(name, list(pages), n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise RecipeError(f"{shorten(topic)}: no such documentation page; {hint}topics: {', '.join(pages)}")
 
 
 def read_bounded(path: str | Path, limit: int, what: str) -> bytes:

@@ -198,7 +198,7 @@ def default_calibration(hardware_profile) -> Calibration:
         name=f"{hardware_profile.name} (datasheet default)",
         source=(f"datasheet default: {peak:g} TFLOP/s bf16, {bw / 1e9:g} GB/s HBM, NVLink 4 at 450 GB/s x {r['bus']} "
                 "(ratios measured on an H100 SXM; error measured on the 48 committed dense H100 runs: median 1.9%, "
-                "worst 17.7% |error| in tokens/s per GPU, docs/prediction.md)"),
+                "worst 17.7% |error| in tokens/s per GPU; `scaletool docs prediction`)"),
         gemm_tflops={"max_tflops": peak * r["gemm_max"], "half_dim": base.gemm_tflops["half_dim"]},
         attention_tflops={"default": peak * r["attention"]},
         hbm_gb_s=bw / 1e9 * r["hbm"],

@@ -4,7 +4,7 @@
 module for its one-line summary, which is why command modules import torch (and anything heavy) inside
 the functions that run, never at module level (tests/cli/test_cli_contract.py holds this).
 
-Errors have one format, the README's: a domain error (:class:`~scaletool.errors.RecipeError`) is one
+Errors have one format (docs/cli.md): a domain error (:class:`~scaletool.errors.RecipeError`) is one
 ``error: ...`` line per problem; click's own usage errors (an unknown option, a bad choice, a missing
 argument) are one ``error: ...`` line ending in a ``try '... --help'`` hint; both exit with status 2 and
 print no traceback. Both are caught once, here, in :class:`ScaletoolGroup`.
@@ -26,7 +26,7 @@ from scaletool.errors import RecipeError
 # Command name -> the module scaletool.cli.<name>, which defines the command as the attribute <name>.
 # In this order in --help: the estimate-measure-report workflow first, then the tools around it.
 COMMANDS = ("estimate", "plan", "count", "train", "decode", "profile", "sweep", "report", "calibrate", "quickstart",
-            "recipe", "launch", "hardware", "schema")
+            "recipe", "launch", "hardware", "schema", "docs")
 
 
 class ErrorLines(click.ClickException):
@@ -112,17 +112,18 @@ def main(ctx: click.Context, result_file: Path | None) -> None:
     """What does Multi-head Latent Attention buy over MHA/GQA/MQA, and at what cost?
 
     \b
-    Analytic estimates and measurements, side by side:
-      scaletool estimate llama3-8b                  closed forms: params, FLOPs, KV cache, memory
-      scaletool count recipes/mla-1b.yaml           measured params and FLOPs against them
-      scaletool train tiny                          train and measure throughput, MFU, memory
-      scaletool decode mla-1b                       KV cache and decoding speed
-      scaletool sweep mla-compression               ablation grids; then `scaletool report`
-      scaletool quickstart                          the CPU demo: sweep + report in minutes
+    Examples (analytic estimates and measurements, side by side):
+      scaletool estimate llama3-8b     closed forms: params, FLOPs, KV, memory
+      scaletool count mla-1b           measured params and FLOPs against them
+      scaletool train tiny             train; throughput, MFU, memory
+      scaletool decode mla-1b          KV cache and decoding speed
+      scaletool sweep mla-compression  ablation grids; then `scaletool report`
+      scaletool quickstart             the CPU demo: sweep + report in minutes
 
     A recipe is a YAML file, or the name of a shipped one (llama3-8b, mla-1b, tiny, ...; the
-    error for an unknown name lists them). `--set key=value` overrides any dotted key. See
-    README.md for the recipe reference; `scaletool hardware` lists the accelerator peaks.
+    error for an unknown name lists them). `--set key=value` overrides any dotted key.
+    `scaletool docs recipes` is the recipe reference, `scaletool docs` lists every page;
+    `scaletool hardware` lists the accelerator peaks.
     """
     if result_file is not None:
         if not result_file.parent.is_dir():

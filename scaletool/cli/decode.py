@@ -104,7 +104,6 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
            seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
 
-    \b
     For each context length N and batch B: the KV-cache bytes allocated (cache tensors and CUDA
     allocator) next to the analytic bytes per token of `scaletool estimate`; prefill tokens/s and
     decode tokens/s with their spread (median of per-step times, p10-p90, warm-up excluded by
@@ -114,10 +113,11 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
 
     \b
     Examples:
-      scaletool decode recipes/tiny.yaml --context 32,64 --new-tokens 8 --device cpu
-      scaletool decode recipes/mla-1b.yaml --batch 1,max --context 4k,32k --dtype bf16 --json
-      scaletool decode recipes/mla-1b.yaml --mla-mode naive --batch 4 --no-cuda-graph
-      scaletool decode recipes/mla-1b.yaml --set model.mla_rope=per_head --context 4k   # re-expands every step
+      scaletool decode tiny --context 32,64 --new-tokens 8 --device cpu
+      scaletool decode mla-1b --batch 1,max --context 4k,32k --dtype bf16 --json
+      scaletool decode mla-1b --mla-mode naive --batch 4 --no-cuda-graph
+      # per-head RoPE: the cache is re-expanded every step
+      scaletool decode mla-1b --set model.mla_rope=per_head --context 4k
     """
     from scaletool import api
 

@@ -24,7 +24,12 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 @set_option
 @click.option("--tokens", type=click.IntRange(min=1), help="Training tokens for the total-FLOPs line "
               "(default: steps × global batch × seq_len of the recipe).")
-@click.option("--world-size", type=click.IntRange(min=1), help="Ranks for the memory table (default parallel.world_size).")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per sequence (train.seq_len; default the "
+              "recipe's, 4096 for a config.json).")
+@click.option("--micro-batch", type=click.IntRange(min=1), help="Sequences per GPU and micro-step "
+              "(train.micro_batch_size).")
+@click.option("--world-size", "--gpus", "world_size", type=click.IntRange(min=1),
+              help="GPUs (ranks) for the memory table (default parallel.world_size).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), help="Ranks per tensor-parallel group: the recipe under "
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
 @click.option("--hardware", default="H100 SXM", show_default=True, help="Card for the predicted step time per "
@@ -32,30 +37,48 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 @click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
               "tables, memory per engine and phase by component, tensor parallelism's collectives.")
 @json_option
-def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_size: int | None,
-             tensor_parallel: int | None, hardware: str, detail: bool, as_json: bool):
+def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_len: int | None,
+             micro_batch: int | None, world_size: int | None, tensor_parallel: int | None, hardware: str,
+             detail: bool, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
+    RECIPE may also be a Hugging Face config.json, or the model folder that
+    holds one: it is imported as `scaletool recipe from-hf` does (its notes
+    on stderr), at sequence length 4096 unless --seq-len says otherwise. At
+    one GPU, a model that does not fit the --hardware card is told how many
+    GPUs each engine needs.
+
+    By default a summary of about 20 lines: parameters, FLOPs per token, KV
+    bytes per token and the peak memory per GPU of every engine.
+
     \b
-    By default a summary of about 20 lines: parameters, FLOPs per token, KV bytes
-    per token and the peak memory per GPU of every engine. --detail adds the ledger:
-    Parameters: exact count by component, and the rule of thumb 12·d²·L with its error.
-    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention) and full.
-    MoE: N counts the active parameters (top-k routed experts); total vs active is shown.
+    --detail adds the ledger:
+    Parameters: exact count by component; the rule of thumb 12·d²·L and
+      its error.
+    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention)
+      and full.
+    MoE: N counts the active parameters (top-k routed experts); total vs
+      active is shown.
     KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
-    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the optimizer step
-    separately, each as weights + grads + optimizer + activations + engine buffers +
-    temporaries; the larger phase is the peak. With --tensor-parallel: collectives too.
+    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the
+      optimizer step separately, each as weights + grads + optimizer +
+      activations + engine buffers + temporaries; the larger phase is the
+      peak (validated on H200s: `scaletool docs findings`).
+      With --tensor-parallel (or parallel.tensor_parallel): the collectives
+      per step and GPU.
 
     \b
     Examples:
       scaletool estimate mla-1b
       scaletool estimate mla-1b --detail
-      scaletool estimate recipes/mha-1b.yaml --world-size 8 --set train.micro_batch_size=1
+      scaletool estimate Llama-3.1-8B/config.json --seq-len 8192 --gpus 8
+      scaletool estimate mha-1b --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
     """
     if tensor_parallel is not None:
         overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
+    shape = {"train.seq_len": seq_len, "train.micro_batch_size": micro_batch}
+    overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware)
     deliver(est, as_json)
@@ -66,7 +89,40 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, world_
         if r.parallel.tensor_parallel > 1:
             print_tensor_parallel(est, console())
         print_prediction(r, est, console())
+    if not as_json:
+        print_gpus_needed(r, est, hardware, console())
     return est
+
+
+def gpus_needed_lines(r, est, hardware: str) -> list[str]:
+    """At world size 1, when the recipe's step does not fit one ``hardware`` card: the fewest GPUs each
+    engine needs, without and with full checkpointing; [] otherwise."""
+    from scaletool.analytic.gpus_needed import MAX_GPUS, gpus_needed
+    from scaletool.analytic.step import fits
+    from scaletool.measure.hardware import profile_named
+
+    prof = profile_named(hardware)
+    if est.memory.world_size != 1 or not prof.memory_bytes or fits(est.memory.recipe.total_bytes, prof.memory_bytes)[0]:
+        return []
+    lines = [f"Does not fit one {prof.name} ({prof.memory_bytes / 2**30:.0f} GiB, allocator reserve kept)."]
+    rows = gpus_needed(r, prof.memory_bytes)
+    for ac, title in (("none", "no checkpointing"), ("full", "full checkpointing")):
+        some = [x for x in rows if x["activation_checkpointing"] == ac]
+        by_count: dict[int, list[str]] = {}
+        for x in some:
+            if x["gpus"]:
+                by_count.setdefault(x["gpus"], []).append(x["label"])
+        parts = [f"needs at least {n:,} GPUs under {' / '.join(labels)}" for n, labels in sorted(by_count.items())]
+        never = [x["label"] for x in some if not x["gpus"]]
+        if never:
+            parts.append(f"does not fit {' / '.join(never)} on up to {MAX_GPUS:,} GPUs")
+        lines.append(f"{title.capitalize()}: " + "; ".join(parts) + ".")
+    return lines
+
+
+def print_gpus_needed(r, est, hardware: str, console: Console) -> None:
+    for line in gpus_needed_lines(r, est, hardware):
+        console.print(line, highlight=False)
 
 
 def print_prediction(r, est, console: Console) -> None:

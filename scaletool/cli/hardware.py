@@ -33,27 +33,63 @@ def _machine_line(res) -> str:
     return f"this machine: {where} -> profile {prof.name} ({prof.source}): {peaks}"
 
 
-def _print(res) -> None:
+#: The console width from which the profiles are one table; narrower, each is a few wrapped lines.
+WIDE = 120
+
+
+def _names(p) -> str:
+    return ", ".join(p.match) + (f" (not {', '.join(p.exclude)})" if p.exclude else "")
+
+
+def _table(profiles):
     from rich.markup import escape
     from rich.table import Table
 
-    from scaletool.measure.hardware import PROFILES_ENV
-
-    con = console()
     t = Table()
     for col, kw in (("profile", {}), ("device", {}), ("matches GPU names with", {"overflow": "fold"}),
                     ("bf16", {"justify": "right"}), ("fp16", {"justify": "right"}), ("fp32", {"justify": "right"}),
                     ("HBM TB/s", {"justify": "right"}), ("source", {"overflow": "fold"})):
         t.add_column(col, **kw)
-    for p in res.profiles:
-        names = ", ".join(p.match) + (f" (not {', '.join(p.exclude)})" if p.exclude else "")
+    for p in profiles:
         bw = f"{p.peak_bandwidth_bytes_per_s / 1e12:.2f}" if p.peak_bandwidth_bytes_per_s else "-"
-        t.add_row(escape(p.name), p.device, escape(names or "any CPU"),
+        t.add_row(escape(p.name), p.device, escape(_names(p) or "any CPU"),
                   *(f"{p.peak_tflops[d]:g}" if d in p.peak_tflops else "-" for d in ("bf16", "fp16", "fp32")),
                   bw, escape(p.source + (f" (replaces {p.replaces})" if p.replaces else ""))
                   + (f"\n[dim]{escape(p.reference)}[/]" if p.reference else ""))
+    return t
+
+
+def _compact(p, width: int) -> str:
+    """One profile as a head line and ``key: value`` lines, wrapped at word boundaries to ``width``."""
+    import textwrap
+
+    peaks = ", ".join(f"{d} {p.peak_tflops[d]:g}" for d in ("bf16", "fp16", "fp32") if d in p.peak_tflops)
+    head = f"{p.name} ({p.device}): " + (f"{peaks} TFLOP/s" if peaks else "no peak")
+    if p.peak_bandwidth_bytes_per_s:
+        head += f"; HBM {p.peak_bandwidth_bytes_per_s / 1e12:.2f} TB/s"
+    fields = [("matches", _names(p) or "any CPU"),
+              ("source", p.source + (f" (replaces {p.replaces})" if p.replaces else "")),
+              ("reference", p.reference)]
+    lines = textwrap.wrap(head, width, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
+    for key, value in fields:
+        if value:
+            lines += textwrap.wrap(f"{key}: {value}", width, initial_indent="  ", subsequent_indent="    ",
+                                   break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def _print(res) -> None:
+    from rich.markup import escape
+
+    from scaletool.measure.hardware import PROFILES_ENV
+
+    con = console()
     con.print("Accelerator profiles, in matching order (dense peak TFLOP/s; user profiles first):", highlight=False)
-    con.print(t)
+    if con.width >= WIDE:
+        con.print(_table(res.profiles))
+    else:  # a narrow terminal: a table of eight columns would fold words mid-way
+        for p in res.profiles:
+            con.print(escape(_compact(p, con.width)), highlight=False)
     con.print(escape(_machine_line(res)), highlight=False)
     env = os.environ.get(PROFILES_ENV)
     con.print("\nTo add a profile, or replace a shipped one (same name), write a YAML file like the one below "
@@ -73,7 +109,6 @@ def hardware(device_name: str | None, as_json: bool):
     """List the accelerator profiles (dense bf16/fp16/fp32 peaks, memory bandwidth, source), say which
     one this machine matches, and how to add one.
 
-    \b
     MFU divides achieved FLOP/s by the matched profile's dense peak; decode divides its bytes per
     step by the peak bandwidth. Profiles ship with scaletool (profiles/*.yaml); yours go in
     $SCALETOOL_PROFILES or ~/.config/scaletool/profiles and extend or replace them.

@@ -208,7 +208,6 @@ class LaunchGroup(click.Group):
 def launch() -> None:
     """Launch `scaletool train RECIPE` on one node or many, and survive worker failures.
 
-    \b
     Every node runs `python -m scaletool train RECIPE --out DIR --auto-resume` in each rank: after
     a failure (a killed worker, a lost node) a restarted group continues from the newest checkpoint
     in DIR. A rank that fails prints one line naming it and the cause (out of memory, missing GPU,
@@ -217,7 +216,8 @@ def launch() -> None:
     \b
     Examples:
       scaletool launch torchrun tiny --nproc-per-node 2 --set parallel.engine=ddp
-      scaletool launch slurm mla-1b --nnodes 4 --nproc-per-node 8 --partition gpu --dry-run
+      scaletool launch slurm mla-1b --nnodes 4 --nproc-per-node 8 \\
+          --partition gpu --dry-run
     """
 
 
@@ -235,7 +235,6 @@ def torchrun(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_
              max_restarts: int):
     """Run torchrun on this node (c10d rendezvous, elastic restarts); start it on every node.
 
-    \b
     This process becomes the node's torchrun agent. One node: --standalone. Several: the same
     --rdzv-endpoint, --out and --rdzv-id on every node; --max-restarts K restarts the whole worker
     group up to K times, and training resumes from the newest checkpoint.
@@ -278,7 +277,6 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
               rdzv_timeout_s: int, max_restarts: int):
     """Run the DeepSpeed launcher over a hostfile (it reaches the hosts over pdsh/ssh).
 
-    \b
     Without --node-rank it starts every host's ranks itself; with --node-rank R it runs this node's
     ranks only (start it on every node). It has no rendezvous of its own: the ranks wait up to
     --rdzv-timeout for each other at the endpoint, then fail with one line. It does not restart
@@ -286,9 +284,11 @@ def deepspeed(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc
 
     \b
     Examples:
-      scaletool launch deepspeed tiny --nproc-per-node 2 --set parallel.engine=deepspeed
+      scaletool launch deepspeed tiny --nproc-per-node 2 \\
+          --set parallel.engine=deepspeed
       scaletool launch deepspeed mla-1b --nnodes 2 --nproc-per-node 8 \\
-          --hostfile launch/hostfile.example --rdzv-endpoint node001:29500 --out /shared/runs/mla \\
+          --hostfile launch/hostfile.example --rdzv-endpoint node001:29500 \\
+          --out /shared/runs/mla \\
           --set parallel.engine=deepspeed --set parallel.zero_stage=3
     """
     spec = prepare(recipe, overrides, "deepspeed", nnodes=nnodes, nproc_per_node=nproc_per_node, out=out,
@@ -356,16 +356,16 @@ def slurm(recipe: str, overrides: tuple[str, ...], nnodes: int | None, nproc_per
           workdir: str | None, script: str | None, template: str | None, submit: bool):
     """Write an sbatch script that runs torchrun on every node through srun (and submit it).
 
-    \b
     The script is rendered from scaletool/launch/slurm.sbatch.j2 (or --template): one torchrun per
     node, meeting at the allocation's first node, rendezvous id $SLURM_JOB_ID, and
     `srun --kill-on-bad-exit=1` so a failed node never leaves the others waiting.
 
     \b
     Examples:
-      scaletool launch slurm mla-1b --nnodes 4 --nproc-per-node 8 --partition gpu \\
-          --time 04:00:00 --max-restarts 2 --dry-run
-      scaletool launch slurm mla-1b --nnodes 2 --nproc-per-node 8 --out /shared/runs/mla --submit
+      scaletool launch slurm mla-1b --nnodes 4 --nproc-per-node 8 \\
+          --partition gpu --time 04:00:00 --max-restarts 2 --dry-run
+      scaletool launch slurm mla-1b --nnodes 2 --nproc-per-node 8 \\
+          --out /shared/runs/mla --submit
     """
     from scaletool.launch.slurm import SlurmOptions, render_sbatch
     from scaletool.launch.slurm import submit as sbatch_submit

@@ -43,13 +43,11 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
             monitors: bool | None, as_json: bool):
     """Train RECIPE with torch.profiler on, then break each step's time down by operator.
 
-    \b
     The schedule is profile.wait, .warmup, .active, .repeat (steps); each profiled rank writes
     <out>/profile/traces/rank<R>.<ts>.pt.trace.json.gz, which Perfetto (ui.perfetto.dev),
     chrome://tracing and tensorboard (pip install 'scaletool[profile]') open.
     profile.memory_snapshot adds a CUDA memory snapshot.
 
-    \b
     The breakdown (printed, and saved as <out>/profile/breakdown.json) gives the share of the
     step spent in attention (SDPA kernels/ops), FFN matmuls, other matmuls, norms, the optimizer,
     exposed communication (NCCL/gloo collectives) and idle, which add up to the step time; the
@@ -58,8 +56,9 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
     \b
     Examples:
       scaletool profile recipes/tiny.yaml
-      scaletool profile recipes/tiny.yaml --nproc-per-node 2 --set parallel.engine=fsdp --ranks 0,1
-      scaletool profile recipes/mla-1b.yaml --set profile.wait=5 --set train.steps=10 --json
+      scaletool profile tiny --nproc-per-node 2 --set parallel.engine=fsdp \\
+          --ranks 0,1
+      scaletool profile mla-1b --set profile.wait=5 --set train.steps=10 --json
     """
     import sys
 

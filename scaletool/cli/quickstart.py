@@ -22,7 +22,6 @@ UNTIMED_PARALLEL = 4
 def quickstart(out: Path, sweep_file: str) -> None:
     """Sweep MLA against MHA on a tiny decoder on the CPU, then write the report.
 
-    \b
     Runs the shipped sweep `quickstart` (recipes/quickstart.yaml): compression ratios (kv_lora_rank)
     and FFN widths, each point in estimate and count (several at once: nothing is timed) and then in
     train three times (one run at a time, on all the cores, 20+ measured steps each; all first runs,

@@ -50,7 +50,8 @@ def check(recipe: str, overrides: tuple[str, ...]) -> RecipeResult:
     \b
     Examples:
       scaletool recipe check recipes/mla-1b.yaml
-      scaletool recipe check recipes/mla-1b.yaml --set model.attention=mha   # MLA keys become inactive
+      # MLA keys become inactive
+      scaletool recipe check mla-1b --set model.attention=mha
     """
     r = load_recipe(recipe, overrides)
     problems = r.engine_problems()
@@ -74,7 +75,8 @@ def show(recipe: str, overrides: tuple[str, ...], as_json: bool) -> RecipeResult
 
     \b
     Examples:
-      scaletool recipe show recipes/tiny.yaml --set model.attention=gqa --set model.n_kv_heads=2
+      scaletool recipe show tiny --set model.attention=gqa \\
+          --set model.n_kv_heads=2
       scaletool recipe show recipes/deepseek-v3.yaml --json
     """
     r = load_recipe(recipe, overrides)
@@ -129,7 +131,8 @@ def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> dict
     \b
     Examples:
       scaletool recipe from-hf Llama-3.1-8B/config.json -o llama3.1-8b.yaml
-      scaletool recipe from-hf DeepSeek-V3/config.json --drop quantization -o v3.yaml
+      scaletool recipe from-hf DeepSeek-V3/config.json --drop quantization \\
+          -o v3.yaml
     """
     from scaletool.hf import recipe_from_hf
 

@@ -16,7 +16,6 @@ from scaletool.cli.options import deliver, json_option
 def report(results_dirs: tuple[Path, ...], out: Path | None, as_json: bool):
     """Write report.md, a self-contained report.html and results.csv from RESULTS_DIR(s).
 
-    \b
     Tables per mode put measured next to analytic with the relative error: parameters against
     the exact count and 12·d²·L; FLOPs from FlopCounterMode and fvcore against the closed form
     and 6·N·T; KV-cache bytes and compression (against the same-head-dims MHA and against the

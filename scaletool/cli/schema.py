@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import difflib
+import re
 import sys
+import textwrap
 
 import click
 
@@ -12,8 +14,28 @@ from scaletool.errors import RecipeError
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"  # what pydantic v2 generates
 
 
-def _first_line(doc: str | None) -> str:
-    return next((ln.strip() for ln in (doc or "").splitlines() if ln.strip()), "")
+# Sphinx roles (:class:`~a.B`, :func:`text <target>`) and literals (``x``) as the plain words they show
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]*?)\s*(?:<[^`>]*>)?`")
+_LITERAL = re.compile(r"``(.+?)``")
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` with Sphinx markup reduced to the text it shows, on one line."""
+    text = _LITERAL.sub(r"\1", _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if "." in m.group(1)
+                                          and " " not in m.group(1) else m.group(1), doc))
+    return " ".join(text.split())
+
+
+def _first_paragraph(doc: str | None) -> str:
+    return plain_text(textwrap.dedent((doc or "").strip()).split("\n\n")[0])
+
+
+def describe(cls, kinds: dict) -> str:
+    """What a result kind is, in whole sentences: the module's docstring where the module holds this kind
+    alone, the class's own where it holds several (the sweep's plan, record, submission and summary)."""
+    module_doc, class_doc = _first_paragraph(sys.modules[cls.__module__].__doc__), _first_paragraph(cls.__doc__)
+    shared = sum(c.__module__ == cls.__module__ for c in kinds.values()) > 1
+    return (class_doc or module_doc) if shared else (module_doc or class_doc)
 
 
 @click.command()
@@ -23,7 +45,6 @@ def schema(kind: str | None, as_json: bool):
     """Print the JSON Schema of COMMAND's result (what its --json prints and --result-file writes);
     without COMMAND, list the result kinds and their schema versions.
 
-    \b
     Every result carries `kind` and `schema_version`; results written by an older scaletool are
     migrated when loaded, a newer one is refused with a line saying so.
 
@@ -37,13 +58,17 @@ def schema(kind: str | None, as_json: bool):
     kinds = registered()
     if kind is None:
         rows = [{"kind": k, "schema_version": cls.SCHEMA_VERSION, "model": f"{cls.__module__}.{cls.__name__}",
-                 "description": _first_line(sys.modules[cls.__module__].__doc__)} for k, cls in sorted(kinds.items())]
+                 "description": describe(cls, kinds)} for k, cls in sorted(kinds.items())]
         if as_json:
             emit_json({"kinds": rows})
         else:
             con = console()
+            pad = max(len(r["kind"]) for r in rows) + 6
             for r in rows:
-                con.print(f"{r['kind']:<12} v{r['schema_version']}  {r['description']}", highlight=False, markup=False)
+                head = f"{r['kind']} v{r['schema_version']}".ljust(pad)
+                con.print(textwrap.fill(r["description"], max(con.width, pad + 30), initial_indent=head,
+                                        subsequent_indent=" " * pad, break_long_words=False, break_on_hyphens=False),
+                          highlight=False, markup=False)
             con.print("`scaletool schema KIND` prints one as JSON Schema.", highlight=False, markup=False)
         return rows
     if kind not in kinds:

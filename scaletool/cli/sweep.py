@@ -45,14 +45,12 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
           cpus_per_task: int | None, only_task: int | None, plan_digest: str | None, as_json: bool):
     """Run SWEEP_FILE: every point of its grid in each of its modes, each in its own process.
 
-    \b
     The sweep file names a base recipe, the dotted keys to vary (grid: a product; zip: varied
     together), the modes (estimate, count, train, decode, profile), per-mode arguments, a
     per-run timeout, repeats of the timed modes, and optionally match_params (equal parameters).
     Points that do not validate are recorded as skipped with the reason. Runs end ok, oom,
     error or timeout; one failing never stops the others. Each run gets its share of the CPUs.
 
-    \b
     Results: DIR/results.jsonl (one line per finished run) and DIR/points/<point>/<mode>/.
     Rerunning skips what is recorded (resume after a crash or kill -9); --retry-failed reruns
     the failures. One sweep at a time per DIR. Then: scaletool report DIR.
@@ -60,8 +58,9 @@ def sweep(sweep_file: str, results_dir: Path | None, overrides: tuple[str, ...],
     \b
     Examples:
       scaletool sweep recipes/sweeps/mla-compression.yaml --dry-run
-      scaletool sweep recipes/sweeps/mla-compression.yaml --parallel 4      # 4 GPUs, 4 points at once
-      scaletool sweep recipes/sweeps/ffn-width.yaml --submit slurm --partition gpu --dry-run
+      # 4 GPUs, 4 points at once
+      scaletool sweep recipes/sweeps/mla-compression.yaml --parallel 4
+      scaletool sweep ffn-width --submit slurm --partition gpu --dry-run
     """
     from scaletool import api
     from scaletool.errors import RecipeError

@@ -51,17 +51,18 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
 
     \b
     Engines (parallel.engine): single, ddp, fsdp (FSDP2), deepspeed (ZeRO 0-3).
-    Runs as one process, as one rank of torchrun or the DeepSpeed launcher (env://),
-    or starts N local ranks itself with --nproc-per-node N (gloo on CPU, nccl on CUDA).
+    Runs as one process, as one rank of torchrun or the DeepSpeed launcher
+    (env://), or starts N local ranks itself with --nproc-per-node N (gloo
+    on CPU, nccl on CUDA).
 
     \b
     Examples:
       scaletool train recipes/tiny.yaml
-      scaletool train recipes/tiny.yaml --nproc-per-node 2 --set parallel.engine=fsdp
+      scaletool train tiny --nproc-per-node 2 --set parallel.engine=fsdp
       scaletool train recipes/mla-1b.yaml --set train.log_every=10 --json
       scaletool train recipes/tiny.yaml --out runs/a --resume --set train.steps=20
-      torchrun --nproc-per-node 8 -m scaletool train recipes/mha-1b.yaml --set parallel.engine=deepspeed \\
-          --set parallel.zero_stage=3
+      torchrun --nproc-per-node 8 -m scaletool train mha-1b \\
+          --set parallel.engine=deepspeed --set parallel.zero_stage=3
 
     Throughput and MFU come from the median step time, warm-up steps excluded by rule.
     summary.json holds tokens_per_s, timing (median, p10, p90, n), mfu, mfu_full_attention,

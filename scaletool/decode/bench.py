@@ -72,7 +72,7 @@ def peak_bandwidth(device: torch.device) -> tuple[float | None, str]:
 
 def attention_kernel(cfg: ModelConfig, mode: DecodeMode, device: torch.device, dtype: torch.dtype,
                      cuda_graph: bool) -> str:
-    """Which kernel a decode step's attention runs, in words (see README, scaletool decode)."""
+    """Which kernel a decode step's attention runs, in words (docs/decode.md)."""
     path = attention_kind(cfg).decode_path(cfg, mode.mla)
     if path != "absorbed":
         where = "the whole static cache, positions past the current one masked" if cuda_graph else "the cached K/V"

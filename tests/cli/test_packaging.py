@@ -1,5 +1,6 @@
 """scaletool installed as a user installs it: a wheel (non-editable) and an editable install, each run from
-another directory, find the shipped recipes, sweeps and hardware profiles; shipped names work everywhere.
+another directory, find the shipped recipes, sweeps, hardware profiles and documentation pages; shipped names
+work everywhere.
 
 Both installs reuse this environment's packages (torch and the rest): the wheel goes to a ``pip install
 --target`` folder put first on PYTHONPATH; the editable install goes into a venv that sees this
@@ -80,6 +81,8 @@ def test_wheel_ships_recipes_sweeps_and_profiles_and_runs_from_anywhere(source_c
                for p in ROOT.glob(pat)}
     assert shipped == in_repo  # every recipe, sweep and profile; nothing of recipes/benchmarks
     assert not (target / "scaletool" / "recipes").is_symlink()  # real files in the wheel
+    docs = {p.name for p in (target / "scaletool" / "docs").iterdir()}
+    assert docs == {p.name for p in ROOT.glob("docs/*.md")} and "plan.md" in docs  # the pages, not docs/benchmarks
 
     env = _clean_env(PYTHONPATH=str(target))
     probe = json.loads(_run([sys.executable, "-c", PROBE], elsewhere, env).stdout)
@@ -99,6 +102,9 @@ def test_wheel_ships_recipes_sweeps_and_profiles_and_runs_from_anywhere(source_c
     doc = json.loads(hw.stdout)
     assert {p["name"] for p in doc["profiles"]} >= {"H100 SXM", "H100 PCIe", "H200", "A100", "CPU"}
     assert all(p["source"].startswith("shipped:") for p in doc["profiles"])
+    page = _run([script, "docs", "plan"], elsewhere, env)
+    assert page.returncode == 0, page.stderr
+    assert page.stdout == (ROOT / "docs" / "plan.md").read_text(encoding="utf-8")
     sweep = _run([script, "sweep", "mla-compression", "--dry-run", "--json", "--out", str(tmp_path / "sw")],
                  elsewhere, env)
     assert sweep.returncode == 0, sweep.stderr
