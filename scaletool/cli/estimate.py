@@ -42,30 +42,13 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
              detail: bool, as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
-    RECIPE may also be a Hugging Face config.json, or the model folder that
-    holds one: it is imported as `scaletool recipe from-hf` does (its notes
-    on stderr), at sequence length 4096 unless --seq-len says otherwise. At
-    one GPU, a model that does not fit the --hardware card is told how many
-    GPUs each engine needs.
-
-    By default a summary of about 20 lines: parameters, FLOPs per token, KV
-    bytes per token and the peak memory per GPU of every engine.
-
-    \b
-    --detail adds the ledger:
-    Parameters: exact count by component; the rule of thumb 12·d²·L and
-      its error.
-    FLOPs/token: 6·N (matmul params) + attention, causal (MFU convention)
-      and full.
-    MoE: N counts the active parameters (top-k routed experts); total vs
-      active is shown.
-    KV cache: bytes per token at the recipe dtype; MLA latent vs naive vs MHA.
-    Memory/GPU: for single, DDP, FSDP and ZeRO-1/2/3, the backward and the
-      optimizer step separately, each as weights + grads + optimizer +
-      activations + engine buffers + temporaries; the larger phase is the
-      peak (validated on H200s: `scaletool docs findings`).
-      With --tensor-parallel (or parallel.tensor_parallel): the collectives
-      per step and GPU.
+    RECIPE may also be a Hugging Face config.json (or its model folder),
+    imported as `scaletool recipe from-hf` does, at 4096 tokens unless
+    --seq-len says otherwise. By default a summary: parameters, FLOPs per
+    token, KV bytes per token, peak memory and predicted tokens/s per GPU of
+    every engine; at one GPU, how many GPUs each engine needs if the model
+    does not fit. --detail adds the ledger by component and phase
+    (`scaletool docs findings` for its validation).
 
     \b
     Examples:

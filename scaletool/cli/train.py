@@ -64,9 +64,8 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
       torchrun --nproc-per-node 8 -m scaletool train mha-1b \\
           --set parallel.engine=deepspeed --set parallel.zero_stage=3
 
-    Throughput and MFU come from the median step time, warm-up steps excluded by rule.
-    summary.json holds tokens_per_s, timing (median, p10, p90, n), mfu, mfu_full_attention,
-    peak_memory_bytes, the losses and every other figure; --json prints it.
+    Throughput and MFU: the median step, warm-up excluded by rule; summary.json
+    holds every figure (timing with p10/p90 and n); --json prints it.
     """
     from scaletool.engines import launcher_env
     from scaletool.engines.dist import end_worker_process

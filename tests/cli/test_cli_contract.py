@@ -136,7 +136,7 @@ def _invoke(*argv: str):
     (["estimate"], "error: missing argument 'RECIPE'; try 'scaletool estimate --help'"),
     (["estimat", "tiny"], "error: no such command 'estimat'; did you mean 'estimate'?; try 'scaletool --help'"),
     (["frobnicate"], "error: no such command 'frobnicate'; commands: estimate, plan, count, "),
-    (["estimate", "tiny", "--world-size", "two"], "error: invalid value for '--world-size': 'two' is not a valid "
+    (["estimate", "tiny", "--world-size", "two"], "error: invalid value for '--world-size' / '--gpus': 'two' is not a valid "
                                                   "integer range; try 'scaletool estimate --help'"),
     (["launch", "torchrun", "tiny", "--nnodes", "0"], "error: invalid value for '--nnodes': 0 is not in the range "
                                                       "x>=1; try 'scaletool launch torchrun --help'"),
