@@ -262,7 +262,9 @@ class ResultsSet:
     def kv_vs_mha_point(self, r: Row) -> float | None:
         """The MHA point's KV bytes per token over ``r``'s: MLA's compression against what was swept."""
         ref = self.mha_point(r)
-        return ref.kv["bytes_per_token"] / r.kv["bytes_per_token"] if ref is not None else None
+        if ref is None or not r.kv.get("bytes_per_token") or ref.kv.get("bytes_per_token") is None:
+            return None  # no MHA point, or a record with no bytes per token to divide by
+        return ref.kv["bytes_per_token"] / r.kv["bytes_per_token"]
 
 
 def _kv_shape(r: Row) -> tuple:

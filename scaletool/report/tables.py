@@ -278,8 +278,9 @@ def moe_table(rs: ResultsSet) -> Table | None:
         m, t = r.recipe.model, trained.get((r.source, r.record.point_id))
         p, f = _moe_figures(r, t)
         mfu = t.median(lambda s: s.mfu) if t else None
-        computed = mfu * f["train_causal_computed"] / f["train_causal"] if mfu is not None else None
-        return [[m.n_routed_experts, m.num_experts_per_tok, p["total"], p["active"], p["active"] / p["total"],
+        computed = mfu * f["train_causal_computed"] / f["train_causal"] if mfu is not None and f["train_causal"] else None
+        return [[m.n_routed_experts, m.num_experts_per_tok, p["total"], p["active"],
+                 p["active"] / p["total"] if p["total"] else None,
                  f["train_causal"], f["train_causal_computed"], *spread_cells(t.across(lambda s: s.rate) if t else None),
                  mfu, computed, t.median(lambda s: s.metric("moe/imbalance_ratio_max")) if t else None,
                  t.median(lambda s: s.metric("moe/dropped_fraction")) if t else None]]
