@@ -9,12 +9,8 @@ that replicates the model states (DDP) either fits at 2 GPUs or never does.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, training_memory
+from scaletool.analytic.memory import table_layouts, training_memory
 from scaletool.analytic.step import fits
-from scaletool.analytic.timeline import MemoryInputs
-from scaletool.kinds.engines import engine_kind
 
 #: the largest world size searched; an engine that needs more is reported as not fitting
 MAX_GPUS = 2**16
@@ -24,22 +20,15 @@ def gpus_needed(recipe, card_bytes: float, max_gpus: int = MAX_GPUS) -> list[dic
     """Per distributed engine of the table and checkpointing (``none``, ``full``): ``{"label",
     "activation_checkpointing", "gpus"}``, ``gpus`` the smallest world size that fits, or None past
     ``max_gpus``."""
-    t = recipe.train
-    base = engine_settings(recipe)
     out = []
-    for ac in ("none", "full"):
-        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
-        for label, engine, stage in TABLE_ENGINES:
-            kind = engine_kind(engine)
-            if not kind.distributed:
-                continue
-            settings = replace(base, zero_stage=stage or base.zero_stage,
-                               expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
+    for label, engine, kind, ac, inp, settings in table_layouts(recipe):
+        if not kind.distributed:
+            continue
 
-            def ok(n: int, engine=engine, settings=settings, inp=inp) -> bool:
-                return fits(training_memory(recipe.model, engine, n, inp, settings)["total_bytes"], card_bytes)[0]
+        def ok(n: int, engine=engine, settings=settings, inp=inp) -> bool:
+            return fits(training_memory(recipe.model, engine, n, inp, settings)["total_bytes"], card_bytes)[0]
 
-            out.append({"label": label, "activation_checkpointing": ac, "gpus": _smallest(ok, max_gpus)})
+        out.append({"label": label, "activation_checkpointing": ac, "gpus": _smallest(ok, max_gpus)})
     return out
 
 

@@ -97,23 +97,30 @@ def engine_settings(recipe: Recipe) -> EngineSettings:
 TABLE_ENGINES = [(label, e.name, stage) for e in ENGINES.values() for label, stage in e.table_rows()]
 
 
-def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
-    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
-    recipe's engine settings (single only at world size 1)."""
-    N = world_size or recipe.parallel.world_size
+def table_layouts(recipe: Recipe):
+    """The memory table's layouts under the recipe's engine settings: ``(label, engine, kind,
+    activation_checkpointing, inputs, settings)`` for every engine row, without and with full checkpointing."""
     t = recipe.train
     base = engine_settings(recipe)
-    rows = []
     for ac in ("none", "full"):
         inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
         for label, engine, stage in TABLE_ENGINES:
             kind = engine_kind(engine)
-            if not kind.distributed and N > 1:
-                continue
             settings = replace(base, zero_stage=stage or base.zero_stage,
                                expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
-            row = training_memory(recipe.model, engine, N if kind.distributed else 1, inp, settings)
-            rows.append({**row, "activation_checkpointing": ac, "label": label})
+            yield label, engine, kind, ac, inp, settings
+
+
+def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
+    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
+    recipe's engine settings (single only at world size 1)."""
+    N = world_size or recipe.parallel.world_size
+    rows = []
+    for label, engine, kind, ac, inp, settings in table_layouts(recipe):
+        if not kind.distributed and N > 1:
+            continue
+        row = training_memory(recipe.model, engine, N if kind.distributed else 1, inp, settings)
+        rows.append({**row, "activation_checkpointing": ac, "label": label})
     return rows
 
 

@@ -62,24 +62,25 @@ def run_delay_ns(task_dir: str = "/proc/self/task") -> int | None:
     return total if seen else None
 
 
-def psi_some_total_us(text: str | None = None) -> int | None:
-    """Microseconds in which some task waited for a CPU (``/proc/pressure/cpu``), None where absent."""
+def _psi_some(text: str | None) -> dict[str, str]:
+    """The ``some`` line of ``/proc/pressure/cpu`` as its key=value fields ({} where absent)."""
     text = _read("/proc/pressure/cpu") if text is None else text
     for line in (text or "").splitlines():
         if line.startswith("some "):
-            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-            return int(fields["total"]) if "total" in fields else None
-    return None
+            return dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+    return {}
+
+
+def psi_some_total_us(text: str | None = None) -> int | None:
+    """Microseconds in which some task waited for a CPU (``/proc/pressure/cpu``), None where absent."""
+    fields = _psi_some(text)
+    return int(fields["total"]) if "total" in fields else None
 
 
 def psi_some_avg10(text: str | None = None) -> float | None:
     """The kernel's 10-second average of the share of time some task waited for a CPU, in percent."""
-    text = _read("/proc/pressure/cpu") if text is None else text
-    for line in (text or "").splitlines():
-        if line.startswith("some "):
-            fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
-            return float(fields["avg10"]) if "avg10" in fields else None
-    return None
+    fields = _psi_some(text)
+    return float(fields["avg10"]) if "avg10" in fields else None
 
 
 def cpu_jiffies(text: str | None = None) -> tuple[int, int] | None:
