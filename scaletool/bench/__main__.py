@@ -16,6 +16,7 @@ examples:
   python -m scaletool.bench decode --out runs/bench/decode-h100
   python -m scaletool.bench regenerate-reports
   python -m scaletool.bench regenerate-reports --only quickstart-cpu
+  python -m scaletool.bench tp-2gpu --deadline 540   # resumable
 
 A study is recipes/benchmarks/studies/STUDY.yaml (or a path to such a
 file). Its commands run one after the other, each in its own process;
@@ -28,6 +29,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; try 'python -m scaletool.bench --help'\n")
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (value > 0 and value < 1e7):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m scaletool.bench", description="Run a study of the benchmark suite.",
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", help="comma-separated command names or patterns (fnmatch) to run")
     p.add_argument("--list", action="store_true", help="list the studies, or the commands of STUDY")
     p.add_argument("--dry-run", action="store_true", help="print what would run and what is done; run nothing")
+    p.add_argument("--deadline", type=_seconds, metavar="SECONDS",
+                   help="start no command after SECONDS and stop one still running then; rerun to resume")
     return p
 
 
@@ -85,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             if present < study.gpus:
                 raise StudyError([f"study {study.name} needs {study.gpus} GPU(s), but this machine shows {present}"])
         out.mkdir(parents=True, exist_ok=True)
-        return run_study(study, out, only, log=lambda line: print(line, file=sys.stderr, flush=True))
+        return run_study(study, out, only, log=lambda line: print(line, file=sys.stderr, flush=True),
+                         deadline_s=args.deadline)
     except StudyError as e:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)

@@ -109,9 +109,14 @@ def _run_quiet(argv: list[str]) -> str | None:
     return " ".join(lines) or None
 
 
-def run_study(study: Study, out: Path, only: list[str] | None = None, log=print) -> int:
-    """Run the study's missing commands in order; 0 when every command has its result, else 1."""
+def run_study(study: Study, out: Path, only: list[str] | None = None, log=print, deadline_s: float | None = None) -> int:
+    """Run the study's missing commands in order; 0 when every command has its result, else 1.
+
+    ``deadline_s``: no command starts after that many seconds, and one still running then is stopped
+    (recorded as ``deadline``); what did not run stays to do, so rerunning into ``out`` resumes.
+    """
     planned = plan(study, out, only)
+    t_start = time.monotonic()
     out = out.resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env_record = None
@@ -121,17 +126,25 @@ def run_study(study: Study, out: Path, only: list[str] | None = None, log=print)
         if p.done:
             log(f"{tag}: skipped, its result exists ({p.command.result})")
             continue
+        left = None if deadline_s is None else deadline_s - (time.monotonic() - t_start)
+        if left is not None and left <= 0:
+            log(f"{tag}: not started, the deadline ({deadline_s:g} s) has passed; rerun to resume")
+            failed += 1
+            continue
         if env_record is None:
             env_record = environment()
-        record = _run_one(study, p, out, env_record)
+        record = _run_one(study, p, out, env_record, left)
         log(f"{tag}: {record['status']} after {record['wall_s']:.1f} s"
             + (f" (exit status {record['returncode']}; see logs/{p.command.name}.stderr)" if record["status"] != "ok" else ""))
         failed += record["status"] != "ok"
     return 1 if failed else 0
 
 
-def _run_one(study: Study, p: Planned, out: Path, env_record: dict) -> dict:
+def _run_one(study: Study, p: Planned, out: Path, env_record: dict, left_s: float | None = None) -> dict:
     c = p.command
+    timeout, status_on_timeout = c.timeout_s, "timeout"
+    if left_s is not None and (timeout is None or left_s < timeout):
+        timeout, status_on_timeout = left_s, "deadline"
     for src, dst in c.inputs:
         target = out / dst
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -147,12 +160,12 @@ def _run_one(study: Study, p: Planned, out: Path, env_record: dict) -> dict:
         proc = subprocess.Popen(p.argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
                                 cwd=out if c.cwd == "out" else ROOT, start_new_session=True)
         try:
-            rc = proc.wait(timeout=c.timeout_s)
+            rc = proc.wait(timeout=timeout)
             status = "ok" if rc == 0 else "failed"
             _reap_group(proc)  # what the command left running in its group ends with it
         except subprocess.TimeoutExpired:
             _kill_group(proc)
-            rc, status = proc.returncode, "timeout"
+            rc, status = proc.returncode, status_on_timeout
         except BaseException:  # Ctrl-C or SIGTERM to the runner: nothing it started outlives it
             _kill_group(proc)
             raise

@@ -145,6 +145,26 @@ def test_a_command_past_its_timeout_is_stopped(tmp_path):
     assert rec["status"] == "timeout" and rec["wall_s"] < 100 and not (out / "never.txt").exists()
 
 
+def test_the_deadline_stops_the_running_command_and_starts_no_other_and_a_rerun_resumes(tmp_path):
+    p = _write(tmp_path, "commands:\n  - name: sleeps\n    argv: [python, -c, 'import time; time.sleep(120)']\n"
+               "    stdout: never.txt\n  - name: after\n    argv: [python, -c, 'print(1)']\n    stdout: after.txt\n")
+    out, lines = tmp_path / "out", []
+    study = load_study(str(p))
+    assert run_study(study, out, log=lines.append, deadline_s=1) == 1
+    rec = json.loads((out / RUNS_FILE).read_text())
+    assert rec["status"] == "deadline" and not (out / "never.txt").exists() and not (out / "after.txt").exists()
+    assert any("after: not started, the deadline" in line for line in lines)
+    assert [s.done for s in plan(study, out)] == [False, False]
+    assert run_study(study, out, only=["after"], log=lines.append) == 0 and (out / "after.txt").read_text() == "1\n"
+
+
+def test_a_deadline_that_is_not_a_positive_number_is_one_error_line(tmp_path):
+    for bad in ("soon", "-5", "0", "nan"):
+        r = bench("cpu", "--deadline", bad, "--out", str(tmp_path / "o"))
+        assert r.returncode == 2 and r.stderr.count("error:") == 1, (bad, r.stderr)
+        assert not (tmp_path / "o").exists()
+
+
 def _body(report: Path) -> list[str]:
     """A report.md without its header (when and from which directory it was generated)."""
     return [line for line in report.read_text().splitlines() if not line.startswith(("Generated ", "- **"))]
