@@ -1,8 +1,9 @@
 """DeepSpeed: ``deepspeed.initialize`` with ZeRO stage 0-3, configured from the recipe.
 
 The DeepSpeed config is built from the recipe (micro-batch, accumulation, clipping, precision,
-ZeRO stage, offload) on top of defaults of our own; ``parallel.deepspeed`` is then merged in
-unchanged. A passthrough key that contradicts a recipe field is reported, one line per key,
+ZeRO stage, offload) on top of defaults of our own (ZeRO-3's sized by the model's blocks:
+:mod:`scaletool.analytic.zero3`); ``parallel.deepspeed`` is then merged in unchanged, and the result
+is recorded in the run's result (``environment.deepspeed_config``). A passthrough key that contradicts a recipe field is reported, one line per key,
 instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
 engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
 :mod:`scaletool.kinds.engines` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
+from scaletool.analytic.zero3 import zero3_defaults
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
@@ -64,6 +66,11 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
         if key not in derived or derived[key][0] == value:
             _set(config, key, value)
     return config, deepspeed_problems(recipe, world_size)
+
+
+def config_record(recipe: Recipe, world_size: int) -> dict:
+    """What a training result records of the engine: the DeepSpeed config it was given."""
+    return {"deepspeed_config": deepspeed_config(recipe, world_size)[0]}
 
 
 def build_notes(recipe: Recipe, device_type: str) -> list[str]:
