@@ -60,6 +60,8 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
     ``train_batch_size``, which needs the world size)."""
     derived = deepspeed_settings(recipe, world_size)
     config = copy.deepcopy(DEFAULTS)
+    if recipe.parallel.zero_stage == 3:  # sized by the model's blocks (scaletool.analytic.zero3)
+        config["zero_optimization"].update(zero3_defaults(recipe.model))
     for key, (value, _) in derived.items():
         _set(config, key, value)
     for key, value in flatten_dotted(recipe.parallel.deepspeed).items():
