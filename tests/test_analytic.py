@@ -363,7 +363,8 @@ def test_estimate_matches_the_gpu_validation():
                          f"train.micro_batch_size={c['micro_batch_size']}",
                          f"train.activation_checkpointing={c['activation_checkpointing']}"],
                         # measured under DeepSpeed's fixed ZeRO-3 defaults, before scaletool sized them by the block
-                        extra={"parallel.deepspeed": {"zero_optimization": DEEPSPEED_DEFAULTS}} if c["label"] == "zero3" else None)
+                        extra={"parallel.deepspeed": {"zero_optimization": DEEPSPEED_DEFAULTS}}
+                        if c["label"] == "zero3" else None)
         est = analytic.recipe_memory(r, c["world_size"])["total_bytes"]
         measured = max(p["peak_bytes"] for p in rec["per_rank"])
         err = (est - measured) / measured

@@ -162,7 +162,8 @@ def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Cal
     elif engine == "fsdp":
         host += gas * ov.get("fsdp_per_block_s", 0.0) * (local.n_layers + 1)
     elif engine == "deepspeed":
-        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * ov.get("zero3_per_module_s", 0.0) * _n_modules(local, leaf_blocks)
+        per_module = ov.get("zero3_per_module_s", 0.0)
+        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * per_module * _n_modules(local, leaf_blocks)
     return host
 
 

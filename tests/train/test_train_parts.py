@@ -83,7 +83,8 @@ def test_zero3_defaults_are_sized_by_the_block_and_the_passthrough_wins():
 
 def test_zero_knobs_are_checked_one_line_each():
     r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.deepspeed={zero_optimization: "
-                           "{stage3_prefetch_bucket_size: 5e7, overlap_comm: 1, reduce_bucket_size: 0, leaf_module: {classes: X}}}"])
+                           "{stage3_prefetch_bucket_size: 5e7, overlap_comm: 1, reduce_bucket_size: 0, "
+                           "leaf_module: {classes: X}}}"])
     problems = r.engine_problems(2)
     assert "parallel.deepspeed.zero_optimization.reduce_bucket_size: a whole number of elements >= 1, got 0" in problems
     assert any("stage3_prefetch_bucket_size: a whole number" in p and "write 50000000" in p for p in problems)
