@@ -9,6 +9,7 @@ import yaml
 from conftest import RECIPES, ROOT
 
 from scaletool import analytic
+from scaletool.analytic.zero3 import DEEPSPEED_DEFAULTS, block_params
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.kinds.attention import attention_kind
 from scaletool.model import build_model
@@ -244,7 +245,10 @@ def test_model_states_as_each_engine_stores_them():
     assert states("deepspeed", 0) == pytest.approx(16 * psi, rel=1e-6)
     assert states("deepspeed", 1, overlap_comm=False) == pytest.approx(4 * psi + 12 * psi / 8, rel=1e-6)
     assert states("deepspeed", 1) == states("deepspeed", 2) == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
-    assert states("deepspeed", 3) == pytest.approx(16 * psi / 8, rel=1e-6)
+    # ZeRO-3: the norm weights (at most stage3_param_persistence_threshold elements) stay whole on every rank
+    norms = analytic.param_counts(cfg)["norms"]
+    assert states("deepspeed", 3) == 16 * psi / 8 + 2 * norms * 7 / 8
+    assert states("deepspeed", 3, persistence_threshold=0) == pytest.approx(16 * psi / 8, rel=1e-6)
     assert states("fsdp") == pytest.approx(16 * psi / 8, rel=1e-6)
     assert states("ddp") == states("single", N=1) == 16 * psi
 
@@ -305,11 +309,18 @@ def test_engine_buffers_follow_their_sources():
     assert mem(cfg, "deepspeed", 2, zero_stage=2, reduce_bucket=1e3, overlap_comm=False)["phases"]["backward"]["buffers"] == 2000
     # ZeRO-3: the bucket stays for good; one rank gathers nothing, two gather what is kept for reuse
     one = mem(cfg, "deepspeed", 1, zero_stage=3, reduce_bucket=1e3)
-    two = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3)
+    two = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, prefetch_bucket=0)
     assert one["phases"]["backward"]["buffers"] == one["phases"]["optimizer_step"]["buffers"] == 2000
     assert two["phases"]["backward"]["buffers"] > 2000
-    none_kept = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0)
+    none_kept = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0, prefetch_bucket=0)
     assert none_kept["phases"]["backward"]["buffers"] < two["phases"]["backward"]["buffers"]
+    # the prefetch gathers the next stops' parameters up to prefetch_bucket elements: more than one stop
+    blocks = [u.gathered for u in analytic._units(cfg, analytic.MemoryInputs(2, 64), autocast=False,
+                                                 expert_parallel=False)[0][1:-1]]
+    one_block = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0, prefetch_bucket=blocks[0])
+    two_blocks = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0,
+                     prefetch_bucket=2 * blocks[0])
+    assert two_blocks["phases"]["backward"]["buffers"] - one_block["phases"]["backward"]["buffers"] == 2 * blocks[0]
 
 
 def test_recipe_settings_reach_the_estimate():
@@ -321,12 +332,19 @@ def test_recipe_settings_reach_the_estimate():
     s = analytic.engine_settings(tuned)
     assert (s.reduce_bucket, s.max_reuse_distance, s.zero_stage) == (5e6, 0, 3)
     assert analytic.recipe_memory(tuned, 2)["phases"]["optimizer_step"]["buffers"] == 2 * 5_000_000
-    assert default["phases"]["optimizer_step"]["buffers"] == 2 * analytic.ZERO_REDUCE_BUCKET
+    # ZeRO-3's own defaults are sized by the block: a reduce bucket and a prefetch of two blocks
+    block = block_params(recipe_from_dict(base).model)
+    assert default["phases"]["optimizer_step"]["buffers"] == 2 * 2 * block
+    assert analytic.engine_settings(recipe_from_dict(base)).prefetch_bucket == 2 * block
+    # ZeRO-1/2 keep scaletool's 5e8-element bucket, also in the table rows of a ZeRO-3 recipe
+    assert analytic.engine_settings(recipe_from_dict(base), 2).reduce_bucket == analytic.ZERO_REDUCE_BUCKET
+    rows = {r["label"]: r for r in analytic.memory_table(recipe_from_dict(base), 2) if r["activation_checkpointing"] == "none"}
+    assert rows["zero3"]["phases"]["optimizer_step"]["buffers"] == 2 * 2 * block
     foreach = recipe_from_dict({**base, "parallel": {"engine": "fsdp"}, "train": {"fused_optimizer": False}})
     assert not analytic.engine_settings(foreach).fused_optimizer
     bad = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
         "reduce_bucket_size": "auto"}}}})
-    assert analytic.engine_settings(bad).reduce_bucket == analytic.ZERO_REDUCE_BUCKET
+    assert analytic.engine_settings(bad).reduce_bucket == 2 * block
 
 
 def test_estimate_matches_the_gpu_validation():
@@ -343,7 +361,10 @@ def test_estimate_matches_the_gpu_validation():
         r = load_recipe(ROOT / "recipes" / f"{c['recipe']}.yaml",
                         [f"parallel.engine={engine}", f"parallel.zero_stage={c['label'][-1] if engine == 'deepspeed' else 1}",
                          f"train.micro_batch_size={c['micro_batch_size']}",
-                         f"train.activation_checkpointing={c['activation_checkpointing']}"])
+                         f"train.activation_checkpointing={c['activation_checkpointing']}"],
+                        # measured under DeepSpeed's fixed ZeRO-3 defaults, before scaletool sized them by the block
+                        extra={"parallel.deepspeed": {"zero_optimization": DEEPSPEED_DEFAULTS}}
+                        if c["label"] == "zero3" else None)
         est = analytic.recipe_memory(r, c["world_size"])["total_bytes"]
         measured = max(p["peak_bytes"] for p in rec["per_rank"])
         err = (est - measured) / measured

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import EngineSettings, _group_sizes, _timeline
+from scaletool.analytic.zero3 import persistent_params
 
 
 def _torch_engine(cfg, shard, hooks, units, loss_temp, s: EngineSettings) -> dict:
@@ -80,8 +81,10 @@ def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
       partition_parameters.py ``all_gather_coalesced`` hands out the partition itself). A parameter used again
       within ``max_reuse_distance`` gathered elements is not released: those used last in the forward,
       needed first in the backward, stay gathered from forward to backward (the stops whose earlier stops
-      sum to under max_reuse_distance/2); each stop's own parameters and the prefetched next stop's (up to
-      prefetch_bucket elements) are gathered while it runs. A bucket flush (``__reduce_and_partition_ipg_grads``
+      sum to under max_reuse_distance/2); each stop's own parameters and the prefetched next stops' (up to
+      prefetch_bucket elements, scaletool's default two blocks: :mod:`scaletool.analytic.zero3`) are
+      gathered while it runs. Parameters of at most ``stage3_param_persistence_threshold`` elements (norm
+      weights, biases) stay whole on every rank, counted with the weights. A bucket flush (``__reduce_and_partition_ipg_grads``
       → ``reduce_scatter_coalesced``) concatenates the bucket's gradients into one 16-bit buffer (torch.cat).
     - Step: ``_partition_all_parameters`` releases what is gathered; per sub-group
       (``_prepare_fp32_grad_for_sub_group``) ``flatten(...).to(fp32)`` makes a 16-bit flat copy and the fp32
@@ -90,7 +93,8 @@ def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
     psi = param_counts(cfg)["total"]
     mixed = cfg.dtype != "fp32"
     g16 = cfg.dtype_bytes if mixed else 4
-    states = {"weights": g16 * psi / N, "optimizer": (12 if mixed else 8) * psi / N}
+    persistent = persistent_params(cfg, s.persistence_threshold) if N > 1 else 0
+    states = {"weights": g16 * (psi - persistent) / N + g16 * persistent, "optimizer": (12 if mixed else 8) * psi / N}
     grad_bytes = g16 * psi / N
     bucket = s.reduce_bucket * g16
     kept, before = [], 0
@@ -106,7 +110,7 @@ def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
         if i < 0:
             return sum(u.gathered for u, k in zip(units, kept) if k)
         pending = sum(u.gathered for u, k in zip(units[i + 1:], kept[i + 1:]) if k)
-        ahead = units[i + 1].gathered if i < last and not kept[i + 1] else 0
+        ahead = sum(u.gathered for u, k in zip(units[i + 1:], kept[i + 1:]) if not k)
         return pending + units[i].gathered + min(ahead, s.prefetch_bucket)
 
     flushes, fill = {}, 0  # stop -> elements flushed there (the bucket's content)

@@ -17,6 +17,7 @@ from scaletool.analytic.timeline import (
     _timeline,
     _units,
 )
+from scaletool.analytic.zero3 import PERSISTENCE_FLOOR, zero3_defaults, zero_options
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.kinds.engines import ENGINES, engine_kind, engines_with
@@ -70,26 +71,31 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     }
 
 
-def engine_settings(recipe: Recipe) -> EngineSettings:
-    """The :class:`EngineSettings` a recipe selects: parallel.* and the DeepSpeed passthrough's numbers
-    (unknown or malformed passthrough values fall back to the defaults DeepSpeed itself would use)."""
+def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSettings:
+    """The :class:`EngineSettings` a recipe selects at ``zero_stage`` (default its own): parallel.* and the
+    ZeRO options DeepSpeed receives (:func:`scaletool.analytic.zero3.zero_options`: scaletool's ZeRO-3
+    defaults under the passthrough; unknown or malformed values fall back to the defaults)."""
     t, p = recipe.train, recipe.parallel
-    zero = p.deepspeed.get("zero_optimization") or {}
+    stage = p.zero_stage if zero_stage is None else zero_stage
+    zero = zero_options(recipe, stage)
+    ours = zero3_defaults(recipe.model) if stage == 3 else {}
 
     def number(key: str, default: float) -> float:
+        default = ours.get(key, default)
         try:
             return float(zero.get(key, default))
         except (TypeError, ValueError):
             return default
 
     return EngineSettings(
-        zero_stage=p.zero_stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
+        zero_stage=stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
         # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
         fused_optimizer=t.fused_optimizer is not False,
         reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
         overlap_comm=bool(zero.get("overlap_comm", True)),
         max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),
         prefetch_bucket=number("stage3_prefetch_bucket_size", ZERO3_PREFETCH_BUCKET),
+        persistence_threshold=number("stage3_param_persistence_threshold", PERSISTENCE_FLOOR),
         sub_group_size=number("sub_group_size", ZERO3_SUB_GROUP_SIZE))
 
 
@@ -101,11 +107,11 @@ def table_layouts(recipe: Recipe):
     """The memory table's layouts under the recipe's engine settings: ``(label, engine, kind,
     activation_checkpointing, inputs, settings)`` for every engine row, without and with full checkpointing."""
     t = recipe.train
-    base = engine_settings(recipe)
     for ac in ("none", "full"):
         inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
         for label, engine, stage in TABLE_ENGINES:
             kind = engine_kind(engine)
+            base = engine_settings(recipe, stage or None)  # each ZeRO stage with its own defaults
             settings = replace(base, zero_stage=stage or base.zero_stage,
                                expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
             yield label, engine, kind, ac, inp, settings

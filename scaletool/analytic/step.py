@@ -19,6 +19,7 @@ from scaletool.analytic.comm import communication, tensor_parallel_config
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
 from scaletool.analytic.params import attention_params, param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
+from scaletool.analytic.zero3 import leaf_blocks as zero3_leaf_blocks
 from scaletool.config import ModelConfig, Recipe
 
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p, m, v) + clipping (norm, scale)
@@ -54,8 +55,12 @@ def gemm_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int,
     return out
 
 
-def _n_modules(cfg: ModelConfig) -> int:
-    """Modules with parameters (what ZeRO-3 hooks): per block its projections and norms."""
+def _n_modules(cfg: ModelConfig, leaf_blocks: bool = False) -> int:
+    """Modules whose parameters ZeRO-3 fetches through hooks: per block its projections and norms, or the
+    block itself where it is a leaf module (scaletool's default, :mod:`scaletool.analytic.zero3`); plus
+    the embedding, final norm and head."""
+    if leaf_blocks:
+        return cfg.n_layers + 3
     attn = sum(1 for k, v in attention_params(cfg).items() if v and not k.endswith("bias"))
     ffn = (3 if cfg.ffn in ("swiglu", "moe") else 2) if not cfg.n_moe_layers else 4
     return cfg.n_layers * (attn + ffn + 2) + 3
@@ -146,8 +151,10 @@ def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
     return totals, tp_exposed, dp_exposed, notes
 
 
-def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Calibration) -> float:
-    """Host seconds per step that no device work hides: Python, hooks, launches."""
+def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Calibration,
+          leaf_blocks: bool = False) -> float:
+    """Host seconds per step that no device work hides: Python, hooks, launches (ZeRO-3: per hooked
+    module, ``leaf_blocks`` one per block)."""
     ov = calib.overheads
     host = ov.get("step_s", 0.0) + gas * ov.get("micro_batch_s", 0.0)
     if engine == "ddp":
@@ -155,7 +162,8 @@ def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Cal
     elif engine == "fsdp":
         host += gas * ov.get("fsdp_per_block_s", 0.0) * (local.n_layers + 1)
     elif engine == "deepspeed":
-        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * ov.get("zero3_per_module_s", 0.0) * _n_modules(local)
+        per_module = ov.get("zero3_per_module_s", 0.0)
+        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * per_module * _n_modules(local, leaf_blocks)
     return host
 
 
@@ -208,7 +216,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     optimizer = OPTIMIZER_BYTES_PER_PARAM * (psi / dp if sharded_states else psi) / hbm
     accumulate = ACCUMULATE_BYTES_PER_PARAM * (psi / dp if sharded_grads else psi) * (gas - 1) / hbm
     totals, tp_exposed, dp_exposed, notes = _communication(recipe, N, tp, G, c, gas, calib)
-    host = _host(engine, p.zero_stage, local, gas, calib)
+    host = _host(engine, p.zero_stage, local, gas, calib, leaf_blocks=engine == "deepspeed" and zero3_leaf_blocks(recipe))
     compute_terms = {"gemm_forward_s": gas * c["gemm_forward"], "gemm_backward_s": gas * c["gemm_backward"],
                      "attention_s": gas * c["attention"], "recompute_s": gas * c["recompute"]}
     memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}

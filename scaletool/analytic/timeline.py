@@ -67,6 +67,7 @@ class EngineSettings:
     overlap_comm: bool = True  # DeepSpeed ZeRO-1/2: two IPG buckets instead of one
     max_reuse_distance: float = ZERO3_MAX_REUSE_DISTANCE
     prefetch_bucket: float = ZERO3_PREFETCH_BUCKET
+    persistence_threshold: float = 100_000  # ZeRO-3: parameters this small stay whole on every rank
     sub_group_size: float = ZERO3_SUB_GROUP_SIZE
 
 

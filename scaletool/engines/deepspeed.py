@@ -1,9 +1,10 @@
 """DeepSpeed: ``deepspeed.initialize`` with ZeRO stage 0-3, configured from the recipe.
 
 The DeepSpeed config is built from the recipe (micro-batch, accumulation, clipping, precision,
-ZeRO stage, offload) on top of defaults of our own; ``parallel.deepspeed`` is then merged in
-unchanged. A passthrough key that contradicts a recipe field is reported, one line per key,
-instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
+ZeRO stage, offload) on top of defaults of our own (ZeRO-3's sized by the model's blocks:
+:mod:`scaletool.analytic.zero3`); ``parallel.deepspeed`` is then merged in unchanged, and the result
+is recorded in the run's result (``environment.deepspeed_config``). A passthrough key that contradicts
+a recipe field is reported, one line per key, instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
 engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
 :mod:`scaletool.kinds.engines` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
 runs them; only ``train_batch_size`` waits for the world size.
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from scaletool.analytic import ZERO_REDUCE_BUCKET
+from scaletool.analytic.zero3 import zero3_defaults
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing
 from scaletool.engines.base import Engine
@@ -58,12 +60,19 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> tuple[dict, list[str]]:
     ``train_batch_size``, which needs the world size)."""
     derived = deepspeed_settings(recipe, world_size)
     config = copy.deepcopy(DEFAULTS)
+    if recipe.parallel.zero_stage == 3:  # sized by the model's blocks (scaletool.analytic.zero3)
+        config["zero_optimization"].update(zero3_defaults(recipe.model))
     for key, (value, _) in derived.items():
         _set(config, key, value)
     for key, value in flatten_dotted(recipe.parallel.deepspeed).items():
         if key not in derived or derived[key][0] == value:
             _set(config, key, value)
     return config, deepspeed_problems(recipe, world_size)
+
+
+def config_record(recipe: Recipe, world_size: int) -> dict:
+    """What a training result records of the engine: the DeepSpeed config it was given."""
+    return {"deepspeed_config": deepspeed_config(recipe, world_size)[0]}
 
 
 def build_notes(recipe: Recipe, device_type: str) -> list[str]:

@@ -43,7 +43,8 @@ class EngineKind:
     the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``). ``zero_stages``:
     the ZeRO stages it takes (``parallel.zero_stage``), ``table_stages`` those the engine table shows.
     ``memory``/``communication``/``engine``: the closed forms and the torch class, as references.
-    ``package``: the library whose version a training result records. ``rules``: the engine's own
+    ``package``: the library whose version a training result records, ``config_record`` what it records of
+    the library's configuration. ``rules``: the engine's own
     recipe rules, ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet).
     """
 
@@ -59,6 +60,9 @@ class EngineKind:
     table_stages: tuple[int, ...] = ()
     package: str | None = None
     startup_notes: str | None = None
+    #: ``"module:function"``, ``function(recipe, world_size)`` -> what a training result records of the
+    #: engine's own configuration (merged into its ``environment``)
+    config_record: str | None = None
     rules: Callable[[Any, int | None], list[str]] | None = None
 
     def label(self, zero_stage: int | None = None) -> str:
@@ -124,6 +128,43 @@ def deepspeed_settings(recipe: Any, world_size: int | None = None) -> dict[str, 
     return derived
 
 
+#: zero_optimization keys that are element counts (DeepSpeed reads them as integers): key -> least value
+ZERO_COUNTS = {"reduce_bucket_size": 1, "allgather_bucket_size": 0, "stage3_prefetch_bucket_size": 0,
+               "stage3_param_persistence_threshold": 0, "stage3_model_persistence_threshold": 0,
+               "stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_module_granularity_threshold": 0,
+               "sub_group_size": 0, "zero_hpz_partition_size": 1}
+#: zero_optimization keys that are switches
+ZERO_FLAGS = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "stage3_use_all_reduce_for_fetch_params",
+              "zero_quantized_weights", "zero_quantized_gradients")
+_LEAF_KEYS = ("classes", "names", "name_suffixes")
+
+
+def zero_option_problems(zero: Any, stage: int) -> list[str]:
+    """One line per malformed ``parallel.deepspeed.zero_optimization`` knob scaletool documents (counts,
+    switches, ``leaf_module``), and per ZeRO-3 knob set at another stage (DeepSpeed ignores it silently)."""
+    where = "parallel.deepspeed.zero_optimization"
+    if not isinstance(zero, dict):
+        return [f"{where}: a mapping of DeepSpeed's ZeRO keys, got {echo(zero)}"]
+    problems = []
+    for key, least in ZERO_COUNTS.items():
+        v = zero.get(key)
+        if key not in zero or (type(v) is int or (type(v) is float and v.is_integer())) and v >= least:
+            continue
+        hint = " (YAML reads 5e7 as text: write 50000000 or 5.0e+7)" if isinstance(v, str) else ""
+        problems.append(f"{where}.{key}: a whole number of elements >= {least}, got {echo(v)}{hint}")
+    problems += [f"{where}.{key}: expected true or false, got {echo(zero[key])}"
+                 for key in ZERO_FLAGS if key in zero and not isinstance(zero[key], bool)]
+    leaf = zero.get("leaf_module", {})
+    if not isinstance(leaf, dict) or set(leaf) - set(_LEAF_KEYS) or not all(
+            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in leaf.values()):
+        problems.append(f"{where}.leaf_module: a mapping of {', '.join(_LEAF_KEYS)} to lists of names "
+                        f"(e.g. {{classes: [scaletool.model.transformer.Block]}}), got {echo(leaf)}")
+    if stage != 3:
+        problems += [f"{where}.{key}: only ZeRO-3 reads it, but parallel.zero_stage={stage}"
+                     for key in zero if key.startswith("stage3_") or key == "leaf_module"]
+    return problems
+
+
 def deepspeed_problems(recipe: Any, world_size: int | None = None) -> list[str]:
     """One line per ``parallel.deepspeed`` passthrough key that contradicts the recipe, and per offload
     setting ZeRO cannot do; without a world size, all but the train_batch_size conflict."""
@@ -141,6 +182,8 @@ def deepspeed_problems(recipe: Any, world_size: int | None = None) -> list[str]:
         passthrough.pop("optimizer")
         problems.append("parallel.deepspeed.optimizer: the optimizer is the AdamW of train.*; remove it "
                         "(set parallel.offload_optimizer for DeepSpeed's CPU Adam)")
+    if "zero_optimization" in passthrough:
+        problems += zero_option_problems(passthrough["zero_optimization"], p.zero_stage)
     derived = deepspeed_settings(recipe, world_size)
     for key, value in flatten_dotted(passthrough).items():
         if key in derived and derived[key][0] != value:
@@ -166,7 +209,8 @@ ENGINES: dict[str, EngineKind] = {
                    "scaletool.engines.deepspeed:DeepSpeedEngine",
                    keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
                    zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3), package="deepspeed",
-                   startup_notes="scaletool.engines.deepspeed:build_notes", rules=deepspeed_problems),
+                   startup_notes="scaletool.engines.deepspeed:build_notes",
+                   config_record="scaletool.engines.deepspeed:config_record", rules=deepspeed_problems),
     )
 }
 ENGINE_NAMES = tuple(ENGINES)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from scaletool import analytic
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import engine_kind, resolve
 from scaletool.measure.contention import RULE, summarize
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
@@ -236,7 +236,7 @@ def build_result(r: RunRecord) -> TrainResult:
         hardware={"profile": r.peak.profile, "peak_tflops": r.peak.tflops, "source": r.peak.source,
                   "warning": r.peak.warning, "dtype": r.recipe.model.dtype},
         memory=memory, prediction=prediction, nvml={"per_rank": [dict(x["nvml"], rank=x["rank"]) for x in r.reports]},
-        environment=environment(r.env, r.reports, r.recipe.parallel.engine), elastic=elastic(r.reports),
+        environment=environment(r.env, r.reports, r.recipe.parallel.engine, r.recipe), elastic=elastic(r.reports),
         recipe=r.recipe.to_dict(),
         contention={"contended": bool(contention.get("contention/contended")),
                     "contended_steps": contention.get("contention/contended_steps"),
@@ -267,7 +267,7 @@ def elastic(reports: list[dict]) -> dict | None:
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
 
 
-def environment(env: DistEnv, reports: list[dict], engine: str) -> dict:
+def environment(env: DistEnv, reports: list[dict], engine: str, recipe: Recipe | None = None) -> dict:
     cuda = env.device.type == "cuda"
     out = {
         "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -280,6 +280,9 @@ def environment(env: DistEnv, reports: list[dict], engine: str) -> dict:
     package = engine_kind(engine).package  # the engine's own library, when it has one
     if package:
         out[package] = importlib.import_module(package).__version__
+    record = engine_kind(engine).config_record  # the engine library's configuration (DeepSpeed's config)
+    if record and recipe is not None:
+        out.update(resolve(record)(recipe, env.world_size))
     return out
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletool.analytic.zero3 import block_params
 from scaletool.config import load_recipe
 from scaletool.engines.serialization import UnsafeCheckpointError
 from scaletool.model import build_model
@@ -91,6 +92,17 @@ def test_two_rank_run_learns_and_matches_single(runs, name):
 def test_two_ranks_on_two_cores_take_one_thread_each(runs):
     s = runs["ddp"]
     assert s["threads"] == 1 and s["environment"]["threads_per_rank"] == [1, 1]
+
+
+def test_zero3_runs_with_block_sized_defaults_and_records_its_config(runs):
+    """The zero3 job above (losses equal to single's) ran with each block a leaf module and the
+    block-sized buckets; the result records the config DeepSpeed was given."""
+    z = runs["zero3"]["environment"]["deepspeed_config"]["zero_optimization"]
+    block = block_params(load_recipe(TINY).model)
+    assert z["stage"] == 3 and z["leaf_module"] == {"classes": ["scaletool.model.transformer.Block"]}
+    assert z["stage3_prefetch_bucket_size"] == z["reduce_bucket_size"] == 2 * block
+    assert "leaf_module" not in runs["zero2"]["environment"]["deepspeed_config"]["zero_optimization"]
+    assert "deepspeed_config" not in runs["fsdp"]["environment"]
 
 
 @pytest.mark.parametrize("name", RESUMED)

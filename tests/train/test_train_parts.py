@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scaletool.analytic.zero3 import block_params
 from scaletool.config import load_recipe
 from scaletool.engines.deepspeed import deepspeed_config
 from scaletool.measure.hardware import peak_for
@@ -61,6 +62,39 @@ def test_deepspeed_config_from_recipe_with_passthrough_merged():
     z = cfg["zero_optimization"]
     assert z["stage"] == 3 and z["reduce_bucket_size"] == 1000 and z["overlap_comm"] is True
     assert z["offload_param"] == {"device": "none"} and cfg["bf16"] == {"enabled": True}
+
+
+def test_zero3_defaults_are_sized_by_the_block_and_the_passthrough_wins():
+    r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=3"])
+    block = block_params(r.model)
+    z = deepspeed_config(r, 2)[0]["zero_optimization"]
+    assert z["stage3_prefetch_bucket_size"] == z["reduce_bucket_size"] == 2 * block
+    assert z["leaf_module"] == {"classes": ["scaletool.model.transformer.Block"]}
+    assert z["stage3_param_persistence_threshold"] == 100_000
+    old = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=3",
+                             "parallel.deepspeed={zero_optimization: {leaf_module: {classes: []}, reduce_bucket_size: 7}}"])
+    z = deepspeed_config(old, 2)[0]["zero_optimization"]
+    assert z["leaf_module"] == {"classes": []} and z["reduce_bucket_size"] == 7
+    assert z["stage3_prefetch_bucket_size"] == 2 * block
+    # ZeRO-2 keeps the fixed bucket and gets no ZeRO-3 keys
+    z2 = deepspeed_config(load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=2"]), 2)[0]["zero_optimization"]
+    assert z2["reduce_bucket_size"] == 500_000_000 and not any(k.startswith("stage3_") or k == "leaf_module" for k in z2)
+
+
+def test_zero_knobs_are_checked_one_line_each():
+    r = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=2", "parallel.deepspeed={zero_optimization: "
+                           "{stage3_prefetch_bucket_size: 5e7, overlap_comm: 1, reduce_bucket_size: 0, "
+                           "leaf_module: {classes: X}}}"])
+    problems = r.engine_problems(2)
+    assert "parallel.deepspeed.zero_optimization.reduce_bucket_size: a whole number of elements >= 1, got 0" in problems
+    assert any("stage3_prefetch_bucket_size: a whole number" in p and "write 50000000" in p for p in problems)
+    assert any("overlap_comm: expected true or false, got 1" in p for p in problems)
+    assert any(p.startswith("parallel.deepspeed.zero_optimization.leaf_module: a mapping") for p in problems)
+    assert any("stage3_prefetch_bucket_size: only ZeRO-3 reads it, but parallel.zero_stage=2" in p for p in problems)
+    assert len(problems) == 6
+    good = load_recipe(TINY, ["parallel.engine=deepspeed", "parallel.zero_stage=3", "parallel.deepspeed={zero_optimization: "
+                              "{stage3_prefetch_bucket_size: 5.0e+7, overlap_comm: false, leaf_module: {classes: []}}}"])
+    assert good.engine_problems(2) == []
 
 
 def test_deepspeed_conflicts_are_one_line_each():
