@@ -138,6 +138,13 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Shared experts + routed experts behind a top-k router (DeepSeekMoE)."""
 
+    #: the dropless path's expert GEMM (None: :meth:`GroupedExperts.impl_for` picks) and its
+    #: permutation: ``gather`` (index_select both ways, gate/up fused) or ``indexed`` (advanced
+    #: indexing, scatter-add backward, three GEMMs: the earlier path, kept to compare against).
+    #: Class defaults, so a benchmark can switch every layer; an instance may override them.
+    expert_impl: str | None = None
+    permute: str = "gather"
+
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
@@ -153,11 +160,6 @@ class MoE(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
         self.assignments = 0
-        #: the dropless path's expert GEMM (None: :meth:`GroupedExperts.impl_for` picks) and its
-        #: permutation: ``gather`` (index_select both ways, gate/up fused) or ``indexed`` (advanced
-        #: indexing, scatter-add backward, three GEMMs: the earlier path, kept to compare against)
-        self.expert_impl: str | None = None
-        self.permute = "gather"
 
     # -- routing ---------------------------------------------------------------------------------
 
