@@ -4,8 +4,9 @@ y = shared(x) + Σ_{j ≤ k} g_j · expert_{e_j}(x)   (DeepSeek-V2 §2.2, V3 §2
 
 Routing (:meth:`MoE.route`): softmax (V2) or sigmoid with an aux-loss-free bias (V3) scores, optional
 group-limited selection, weights renormalised and scaled. Dispatch (:meth:`MoE.dispatch`,
-``moe_dispatch``): ``dropless`` sorts assignments by expert and runs grouped GEMMs
-(:func:`segment_matmul`), nothing dropped; ``capacity`` fills an [E, C, d] buffer (static shapes,
+``moe_dispatch``): ``dropless`` sorts assignments by expert (:func:`sort_by_expert`, moved by a gather
+both ways) and runs gate/up as one grouped GEMM, the down projection as another (:func:`segment_matmul`):
+nothing dropped, no host sync; ``capacity`` fills an [E, C, d] buffer (static shapes,
 assignments past capacity dropped and counted), which expert parallelism moves.
 :meth:`MoE.reference` is the plain per-expert loop the tests check both against. After each forward
 the module keeps ``aux_loss`` (sequence-wise balance loss) and the load statistics
@@ -27,7 +28,7 @@ def swiglu_experts(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: to
     Weights are cast to the activations' dtype: under FSDP2's mixed precision (no autocast) the
     activations are 16-bit while expert-parallel weights, which FSDP leaves alone, stay fp32.
     """
-    gate, up = torch.bmm(buf, torch.cat([w1, w3], -1).to(buf.dtype)).chunk(2, -1)  # one bmm for both: (E, C, i) each
+    gate, up = torch.bmm(buf, torch.cat([w1.to(buf.dtype), w3.to(buf.dtype)], -1)).chunk(2, -1)  # one bmm: (E, C, i) each
     return torch.bmm(F.silu(gate) * up, w2.to(buf.dtype))  # (E, C, d)
 
 
@@ -112,11 +113,12 @@ class GroupedExperts(nn.Module):
         """Tokens x (M, d) sorted by expert, ``counts`` (E,) rows per expert -> (M, d).
 
         ``impl`` None picks ``grouped_mm`` where :func:`grouped_mm_supported`, else ``loop``.
-        ``fuse_gate_up``: w1 and w3 as one (E, d, 2i) grouped GEMM (under compile the concatenation
-        fuses with the cast to the activations' dtype, see :func:`swiglu_experts`), else two."""
+        ``fuse_gate_up``: w1 and w3 as one (E, d, 2i) grouped GEMM, else two; the weights are cast to
+        the activations' dtype (see :func:`swiglu_experts`), under compile in one kernel with the concat."""
         impl = impl or self.impl_for(x)
         if fuse_gate_up:
-            gate, up = segment_matmul(x, torch.cat([self.w1, self.w3], -1).to(x.dtype), counts, impl).chunk(2, -1)
+            w13 = torch.cat([self.w1.to(x.dtype), self.w3.to(x.dtype)], -1)  # (E, d, 2i)
+            gate, up = segment_matmul(x, w13, counts, impl).chunk(2, -1)
         else:
             gate, up = (segment_matmul(x, w.to(x.dtype), counts, impl) for w in (self.w1, self.w3))
         return segment_matmul(F.silu(gate) * up, self.w2.to(x.dtype), counts, impl)  # (M, d)
