@@ -4,8 +4,9 @@ y = shared(x) + Σ_{j ≤ k} g_j · expert_{e_j}(x)   (DeepSeek-V2 §2.2, V3 §2
 
 Routing (:meth:`MoE.route`): softmax (V2) or sigmoid with an aux-loss-free bias (V3) scores, optional
 group-limited selection, weights renormalised and scaled. Dispatch (:meth:`MoE.dispatch`,
-``moe_dispatch``): ``dropless`` sorts assignments by expert and runs grouped GEMMs
-(:func:`segment_matmul`), nothing dropped; ``capacity`` fills an [E, C, d] buffer (static shapes,
+``moe_dispatch``): ``dropless`` sorts assignments by expert (:func:`sort_by_expert`, moved by a gather
+both ways) and runs gate/up as one grouped GEMM, the down projection as another (:func:`segment_matmul`):
+nothing dropped, no host sync; ``capacity`` fills an [E, C, d] buffer (static shapes,
 assignments past capacity dropped and counted), which expert parallelism moves.
 :meth:`MoE.reference` is the plain per-expert loop the tests check both against. After each forward
 the module keeps ``aux_loss`` (sequence-wise balance loss) and the load statistics
@@ -27,9 +28,8 @@ def swiglu_experts(buf: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: to
     Weights are cast to the activations' dtype: under FSDP2's mixed precision (no autocast) the
     activations are 16-bit while expert-parallel weights, which FSDP leaves alone, stay fp32.
     """
-    w1, w2, w3 = (w.to(buf.dtype) for w in (w1, w2, w3))
-    h = F.silu(torch.bmm(buf, w1)) * torch.bmm(buf, w3)  # (E, C, i)
-    return torch.bmm(h, w2)  # (E, C, d)
+    gate, up = torch.bmm(buf, torch.cat([w1.to(buf.dtype), w3.to(buf.dtype)], -1)).chunk(2, -1)  # one bmm: (E, C, i) each
+    return torch.bmm(F.silu(gate) * up, w2.to(buf.dtype))  # (E, C, d)
 
 
 @torch.compiler.assume_constant_result
@@ -44,6 +44,35 @@ def grouped_mm_supported(x: torch.Tensor, width: int) -> bool:
     need 16-byte aligned rows)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and x.shape[-1] % 8 == 0 and width % 8 == 0 and _sm90_or_newer(x.device.index or 0))
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[index]`` whose backward is a gather too: ``inverse`` lists, for each of x's rows repeated
+    ``k`` times, the output row that took it (``index`` is a permutation of ``arange(len(x)·k) // k``).
+    Autograd's own backward of ``x[index]`` is a scatter-add (sort or atomics); this one is one
+    ``index_select`` and a sum over the k copies: deterministic, no atomics, fusable under compile."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.rows = k, x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)
+        return (g.view(ctx.rows, ctx.k, -1).sum(1) if ctx.k > 1 else g), None, None, None
+
+
+def sort_by_expert(idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Choices idx (N, k) -> ``order`` (N·k,): assignments grouped by expert (token order within one),
+    its inverse permutation, and the rows per expert (E,). Device-side only: no host sync."""
+    expert = idx.reshape(-1)  # assignment a = token a // k, choice a % k
+    order = expert.argsort(stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(n_experts, dtype=torch.long, device=idx.device).index_add_(0, expert, torch.ones_like(expert))
+    return order, inverse, counts
 
 
 def segment_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
@@ -79,15 +108,20 @@ class GroupedExperts(nn.Module):
     def forward(self, buf: torch.Tensor) -> torch.Tensor:  # buf (E, C, d)
         return swiglu_experts(buf, self.w1, self.w2, self.w3)
 
-    def sorted_forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    def sorted_forward(self, x: torch.Tensor, counts: torch.Tensor, impl: str | None = None,
+                       fuse_gate_up: bool = True) -> torch.Tensor:
         """Tokens x (M, d) sorted by expert, ``counts`` (E,) rows per expert -> (M, d).
 
         ``impl`` None picks ``grouped_mm`` where :func:`grouped_mm_supported`, else ``loop``.
-        Weights are cast to the activations' dtype (see :func:`swiglu_experts`)."""
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        ``fuse_gate_up``: w1 and w3 as one (E, d, 2i) grouped GEMM, else two; the weights are cast to
+        the activations' dtype (see :func:`swiglu_experts`), under compile in one kernel with the concat."""
         impl = impl or self.impl_for(x)
-        h = F.silu(segment_matmul(x, w1, counts, impl)) * segment_matmul(x, w3, counts, impl)  # (M, i)
-        return segment_matmul(h, w2, counts, impl)  # (M, d)
+        if fuse_gate_up:
+            w13 = torch.cat([self.w1.to(x.dtype), self.w3.to(x.dtype)], -1)  # (E, d, 2i)
+            gate, up = segment_matmul(x, w13, counts, impl).chunk(2, -1)
+        else:
+            gate, up = (segment_matmul(x, w.to(x.dtype), counts, impl) for w in (self.w1, self.w3))
+        return segment_matmul(F.silu(gate) * up, self.w2.to(x.dtype), counts, impl)  # (M, d)
 
     def impl_for(self, x: torch.Tensor) -> str:
         """The segment-matmul implementation :meth:`sorted_forward` uses for activations like ``x``."""
@@ -105,6 +139,13 @@ class GroupedExperts(nn.Module):
 
 class MoE(nn.Module):
     """Shared experts + routed experts behind a top-k router (DeepSeekMoE)."""
+
+    #: the dropless path's expert GEMM (None: :meth:`GroupedExperts.impl_for` picks) and its
+    #: permutation: ``gather`` (index_select both ways, gate/up fused) or ``indexed`` (advanced
+    #: indexing, scatter-add backward, three GEMMs: the earlier path, kept to compare against).
+    #: Class defaults, so a benchmark can switch every layer; an instance may override them.
+    expert_impl: str | None = None
+    permute: str = "gather"
 
     def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
@@ -175,13 +216,16 @@ class MoE(nn.Module):
                           impl: str | None = None) -> torch.Tensor:
         """Tokens sorted by expert, one grouped GEMM per projection, nothing dropped (module docstring)."""
         N, d = flat.shape
-        E, k = self.n_experts, self.top_k
-        expert = idx.reshape(-1)  # (N·k,): assignment a = token a // k, choice a % k
-        order = expert.argsort(stable=True)  # assignments grouped by expert, token order within an expert
-        counts = torch.zeros(E, dtype=torch.long, device=flat.device).index_add_(0, expert, torch.ones_like(expert))
-        y = self.experts.sorted_forward(flat[order // k], counts, impl)  # (N·k, d), sorted by expert
-        out = torch.empty_like(y)
-        out[order] = y  # back to assignment order (a permutation: no two writes collide)
+        k = self.top_k
+        impl = impl or self.expert_impl
+        order, inverse, counts = sort_by_expert(idx, self.n_experts)
+        if self.permute == "indexed":
+            y = self.experts.sorted_forward(flat[order // k], counts, impl, fuse_gate_up=False)  # (N·k, d)
+            out = torch.empty_like(y)
+            out[order] = y  # back to assignment order (a permutation: no two writes collide)
+        else:
+            y = self.experts.sorted_forward(_GatherRows.apply(flat, order // k, inverse, k), counts, impl)
+            out = _GatherRows.apply(y, inverse, order, 1)  # (N·k, d) in assignment order
         routed = (out.view(N, k, d) * weights.unsqueeze(-1).to(out.dtype)).sum(1)  # (N, d)
         self.tokens_per_expert = counts.detach()
         self.dropped = torch.zeros((), dtype=torch.long, device=flat.device)
@@ -235,7 +279,7 @@ class MoE(nn.Module):
         if self.cfg.moe_dispatch == "capacity":
             return "bmm"
         w = self.experts.w1
-        return self.experts.impl_for(torch.empty(0, w.shape[1], device=w.device, dtype=dtype))
+        return self.expert_impl or self.experts.impl_for(torch.empty(0, w.shape[1], device=w.device, dtype=dtype))
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor, speed: float) -> None:

@@ -7,7 +7,8 @@
   activation-checkpointing recomputation rewrites with the same values). The summary gets the last
   figures in ``metrics`` and the tokens per expert of every MoE layer under ``moe``.
 - The summary's ``moe`` also names the dispatch (``dropless`` | ``capacity``) and what ran the
-  experts' GEMMs (``expert_gemm``: ``grouped_mm``, ``loop`` or ``bmm``).
+  experts' GEMMs (``expert_gemm``: ``grouped_mm``, ``loop`` or ``bmm``) and, dropless, the permutation
+  (``permute``: ``gather`` or ``indexed``, see :class:`scaletool.model.moe.MoE`).
 - The aux-loss-free bias update of DeepSeek-V3 (``model.bias_update_speed`` > 0) after every
   optimizer step, from the same all-reduced load, so every rank moves its biases identically.
 """
@@ -66,6 +67,7 @@ class MoECallback(Callback):
     def on_train_end(self, result: TrainResult) -> None:
         result.metrics.update({k: v for k, v in self.last.items() if k.count("/") == 1})
         result.moe = {"dispatch": self.dispatch, "expert_gemm": self.layers[0].expert_gemm(self.dtype),
+                      "permute": self.layers[0].permute if self.dispatch == "dropless" else None,
                       "tokens_per_expert_last_step": self.tokens_per_expert,
                       "experts_per_rank": self.experts_per_rank,
                       "bias_update_speed": self.speed, "metrics_last_step": self.last}
