@@ -9,18 +9,14 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   caches are static (every shape fixed at ``max_len``), attention masks the positions past the
   current one (the Triton latent kernel reads a device-side length and skips them), and the step
   ends by writing the next token and advancing the position in place. On CUDA that step is
-  captured once in a CUDA graph and every ``step()`` is one ``replay()``: a 16-layer step is
-  hundreds of kernel launches, and at batch 1 mla-1b's eager step took 11-14 ms against 1.9-2.4 ms
-  replayed on an H100 and an H200 (recipes/benchmarks/decode.md). We capture
-  with ``torch.cuda.CUDAGraph`` directly rather than ``torch.compile(mode="reduce-overhead")``:
-  the same launch savings without a compile, and the eager kernels stay the ones measured.
-- ``compile=True``: the same static step through ``torch.compile`` (inductor, static shapes, one
-  compile per point) and then captured in the same ``torch.cuda.CUDAGraph``, as gpt-fast does, so
-  norms, RoPE and the small projections fuse into fewer kernels. We capture the compiled step
-  ourselves instead of ``mode="reduce-overhead"``: its CUDA-graph trees skip a graph whose
-  non-static inputs are mutated (the token and position here), and one capture method for both
-  paths keeps eager-graph and compiled-graph timings comparable. The fused MLA kernel enters the
-  compiled graph as the custom operator ``scaletool::mla_decode`` (``scaletool.kernels.mla_decode``).
+  captured once in a CUDA graph and every ``step()`` is one ``replay()`` (hundreds of launches per
+  step; recipes/benchmarks/decode.md has the measured gap). We capture with ``torch.cuda.CUDAGraph``
+  directly: the eager kernels stay the ones measured.
+- ``compile=True``: the static step through ``torch.compile`` (inductor, static shapes, one compile
+  per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
+  its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
+  capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
+  as the custom operator ``scaletool::mla_decode``.
 """
 from __future__ import annotations
 

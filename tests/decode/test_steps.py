@@ -101,3 +101,18 @@ def test_compiled_step_records_its_compile_and_has_no_graph_break():
                     compile=True, backend="aot_eager")
     assert st.compiled and st.graph_breaks == 0 and st.compile_s > 0
     assert int(st.pos) == 2  # the compile's own step is undone: the next step runs at the same position
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("label", ["mha", "mla"])
+def test_compiled_graph_replay_agrees_with_eager_decoding(label):
+    """The compiled step captured in the CUDA graph, the MLA kernel inside it as the custom operator."""
+    cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
+                                           "model.qk_rope_head_dim": 16} if label == "mla" else {})
+    model = model.to("cuda", torch.bfloat16)
+    mode = DecodeMode(mla, "auto")
+    eager, _ = _run(EagerSteps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16)
+    graph, _ = _run(make_steps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
+                    compile=True)
+    assert torch.equal(graph[:, :4], eager[:, :4])
+    assert (graph == eager).float().mean() > 0.9
