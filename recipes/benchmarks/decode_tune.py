@@ -68,9 +68,9 @@ def fit_batch(S: int, budget_bytes: int, cap_bytes: int) -> int:
 
 
 def split_candidates(B: int, S: int, sms: int, heuristic: int) -> list[int]:
-    """Split counts worth timing: at least 64 positions a split, at most 8 programs per SM, and the
-    heuristic's own count."""
-    keep = {n for n in SPLITS if S // n >= 64 and B * n <= 8 * sms}
+    """Split counts worth timing: at least 64 positions a split, at most 16 programs per SM (2 splits
+    always: halving each program's share evens the last wave of a large batch), and the heuristic's."""
+    keep = {n for n in SPLITS if S // n >= 64 and (B * n <= 16 * sms or n <= 2)}
     return sorted(keep | {1, heuristic})
 
 
