@@ -226,6 +226,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
     floors = measure_floors(device, cfg.dtype)
+    _free(device)  # the copy's buffers
     fit = None if budget_bytes is None else memory_fit(cfg, budget_bytes, s.contexts, s.extra_positions)
     label = cache_label(cfg, s.mode.mla)
     plan = plan_points(cfg, s, fit)

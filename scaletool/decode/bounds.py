@@ -111,7 +111,7 @@ def kernels_per_step(steps) -> int | None:
             run()
             torch.cuda.synchronize(token.device)
         n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except RuntimeError:  # no CUPTI in this build or container
+    except Exception:  # noqa: BLE001 - no CUPTI in this build or container: the launch floor stays unknown
         n = None
     finally:
         if isinstance(pos, torch.Tensor):  # the static stepper: its storage is what a CUDA graph reads
