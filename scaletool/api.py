@@ -241,18 +241,20 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
-           prefill_repeats: int = 3, progress=None):
+           prefill_repeats: int = 3, compile: bool = False, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
     the analytic fit) or a sequence of them (``[1, "max"]``). ``device``: 'cuda' or 'cpu' (default:
     cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.kinds.attention.MLA_MODES``;
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
-    CUDA graph (default: on for CUDA). ``memory_budget_gib``: for 'max' and the fit table (default: the
-    GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train`` checkpoint directory (default:
-    random weights from ``seed``). ``progress(done, total, description, detail=None)`` hears of building the
-    model (``total`` None) and of each point, and of the parts of a point (fractional ``done``). A run
-    whose weights and largest cache exceed the memory available is refused before anything is allocated.
+    CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
+    one compile per point), captured in the CUDA graph when that is on. ``memory_budget_gib``: for 'max'
+    and the fit table (default: the GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train``
+    checkpoint directory (default: random weights from ``seed``). ``progress(done, total, description,
+    detail=None)`` hears of building the model (``total`` None) and of each point, and of the parts of a
+    point (fractional ``done``). A run whose weights and largest cache exceed the memory available is
+    refused before anything is allocated.
     """
     import torch
 
@@ -281,6 +283,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     contexts = tuple(_positive("context", n) for n in (contexts or (cfg.max_seq_len,)))
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
+                       compile=bool(compile),
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),
                        prefill_repeats=_positive("prefill_repeats", prefill_repeats), seed=seed)

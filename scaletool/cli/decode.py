@@ -83,6 +83,10 @@ class _Contexts(click.ParamType):
 @click.option("--cuda-graph/--no-cuda-graph", default=None,
               help="Replay each decode step from a CUDA graph (default: on with CUDA). --no-cuda-graph runs the "
                    "eager reference path.")
+@click.option("--compile", "compile_step", is_flag=True,
+              help="Run each decode step through torch.compile (static shapes, one compile per point), then "
+                   "capture the compiled step in the CUDA graph: fewer, fused kernels per step. The compile "
+                   "time is reported, not timed.")
 @click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
@@ -100,15 +104,16 @@ class _Contexts(click.ParamType):
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
-           cuda_graph: bool | None, memory_budget: float | None, checkpoint: str | None, trust_checkpoint: bool,
-           seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
+           cuda_graph: bool | None, compile_step: bool, memory_budget: float | None, checkpoint: str | None,
+           trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
 
     For each context length N and batch B: the KV-cache bytes allocated (cache tensors and CUDA
     allocator) next to the analytic bytes per token of `scaletool estimate`; prefill tokens/s and
     decode tokens/s with their spread (median of per-step times, p10-p90, warm-up excluded by
     rule); the bandwidth a decode step achieves (weights + cache read per step over the median
-    step) against the card's peak HBM bandwidth; and the largest batch per context that fits
+    step) against the card's peak HBM bandwidth and a copy measured in the run, with the step's
+    bound (memory, compute or kernel launches); and the largest batch per context that fits
     --memory-budget, per attention type (analytic).
 
     \b
@@ -116,6 +121,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
       scaletool decode tiny --context 32,64 --new-tokens 8 --device cpu
       scaletool decode mla-1b --batch 1,max --context 4k,32k --dtype bf16 --json
       scaletool decode mla-1b --mla-mode naive --batch 4 --no-cuda-graph
+      scaletool decode mla-1b --batch 1 --context 4k --compile
       # per-head RoPE: the cache is re-expanded every step
       scaletool decode mla-1b --set model.mla_rope=per_head --context 4k
     """
@@ -132,7 +138,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          device=device, dtype=dtype, mla_mode=mla_mode, mla_kernel=mla_kernel, cuda_graph=cuda_graph,
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
-                         prefill_repeats=prefill_repeats, progress=progress)
+                         prefill_repeats=prefill_repeats, compile=compile_step, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())
@@ -151,6 +157,13 @@ def _spread_pct(s) -> str:
     return "-" if s is None or s.n < MIN_SAMPLES else f"±{100 * s.rel_halfwidth:.0f}%"
 
 
+def _bound(p) -> str:
+    """The bound and how far above its floor the step ran ('launch ×1.3'); '-' when no floor is known."""
+    if p.decode_bound is None:
+        return "-"
+    return f"{p.decode_bound} ×{p.decode_step_over_floor:.3g}"
+
+
 def print_decode(res, con: Console) -> None:
     """The human tables: speed per point, the cache against the analytic bytes, the largest batches."""
     dev, kv = res.device, res.kv_cache
@@ -161,7 +174,7 @@ def print_decode(res, con: Console) -> None:
     peak = dev.peak_bandwidth_bytes_per_s is not None
     t = _table("Decode (median; ± is half the p10-p90 range)",
                ["ctx", "batch", "prefill\ntok/s", "±", "decode\ntok/s", "±", "ms/step", "read/s"]
-               + (["of peak"] if peak else []))
+               + (["of peak"] if peak else []) + ["of copy", "bound"])
     for p in res.points:
         if not p.ok:
             t.add_row(f"{p.context:,}", str(p.batch), f"[red]{p.error}")
@@ -169,7 +182,9 @@ def print_decode(res, con: Console) -> None:
         t.add_row(f"{p.context:,}", f"{p.batch:,}", si(p.prefill_tokens_per_s), _spread_pct(p.prefill_s),
                   si(p.decode_tokens_per_s), _spread_pct(p.decode_step_s), f"{p.decode_ms_per_token:.3g}",
                   si(p.decode_bandwidth_bytes_per_s, "B"),
-                  *([f"{100 * p.decode_bandwidth_fraction_of_peak:.0f}%"] if peak else []))
+                  *([f"{100 * p.decode_bandwidth_fraction_of_peak:.0f}%"] if peak else []),
+                  "-" if p.decode_hbm_fraction_of_copy is None else f"{100 * p.decode_hbm_fraction_of_copy:.0f}%",
+                  _bound(p))
     con.print(t)
     alloc = any(p.kv_cache_bytes_allocator is not None for p in ok)
     t = _table("KV cache (prompt + warm-up + new tokens)",
@@ -185,6 +200,15 @@ def print_decode(res, con: Console) -> None:
     if graphs:  # none when no point ran (no batch fit the budget)
         con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"
                                         if graphs == {False} else "CUDA graph at some points, eager at others"))
+    compiled = [p for p in ok if p.compiled]
+    if compiled:
+        breaks = sum(p.compile_graph_breaks or 0 for p in compiled)
+        con.print(f"• compiled with torch.compile: {max(p.compile_s for p in compiled):.0f} s at most per point, "
+                  f"{breaks} graph break{'s' if breaks != 1 else ''}")
+    if dev.copy_bandwidth_bytes_per_s:
+        kern = "" if dev.graph_kernel_s is None else f"; a kernel in a replayed graph {1e6 * dev.graph_kernel_s:.1f} µs"
+        con.print(f"• bound: the largest of the floors (bytes at the copy's {si(dev.copy_bandwidth_bytes_per_s, 'B')}/s"
+                  f", FLOPs at the datasheet peak, kernels per step){kern}; ×: the step over that floor")
     con.print(f"• timing: {res.timing.clock}; warm-up excluded: {res.timing.rule}")
     if res.threads is not None:
         con.print(f"• CPU threads: {res.threads}")

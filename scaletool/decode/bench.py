@@ -4,8 +4,9 @@ Per (context N, batch B) point: allocate caches for every position the run uses 
 from the tensors and the allocator, beside the analytic bytes; time ``1 + prefill_repeats`` prefills
 of one prompt (leading runs excluded by ``scaletool.stats.settled_start``) and copy its cache rows to
 the batch; time each decode step of the whole batch (CUDA events, or wall clock on CPU; a CUDA graph
-unless turned off), excluding warm-up by the same rule; derive tokens/s and the bandwidth of the
-bytes a step must read (weights and cache) from the median step.
+unless turned off; ``torch.compile`` of the step with ``compile``), excluding warm-up by the same rule;
+derive tokens/s and the bandwidth of the bytes a step must read (weights and cache) from the median
+step, and the step's bound against the floors of ``scaletool.decode.bounds``.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from scaletool.analytic import kv_cache
+from scaletool.analytic.flops import decode_flops_per_token
 from scaletool.config import ModelConfig
+from scaletool.decode.bounds import Floors, kernels_per_step, measure_floors, point_bound
 from scaletool.decode.generate import prefill, require_lm
 from scaletool.decode.sizing import (
     cache_bytes_per_token,
@@ -49,6 +52,7 @@ class DecodeSettings:
     new_tokens: int
     mode: DecodeMode = DecodeMode()
     cuda_graph: bool = False
+    compile: bool = False  # torch.compile the static step (then captured in the CUDA graph with cuda_graph)
     prefill_chunk: int = 4096
     warmup_steps: int = 3
     prefill_repeats: int = 3
@@ -107,12 +111,19 @@ def _timed(device: torch.device, runs: int, fn, samples: list | None = None, aft
     return out
 
 
+def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.device, dtype: torch.dtype) -> dict:
+    """What ran a point's steps: the attention kernel, the CUDA graph, the compile and its graph breaks."""
+    return {"attention_kernel": attention_kernel(cfg, mode, device, dtype, steps.cuda_graph),
+            "cuda_graph": steps.cuda_graph, "compiled": steps.compiled, "compile_s": steps.compile_s,
+            "compile_graph_breaks": steps.graph_breaks}
+
+
 #: the share of a point's progress each part takes (allocation, prefill runs, decode steps)
 POINT_SHARES = (0.05, 0.45, 0.5)
 
 
 def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, context: int,
-                  peak_bytes_per_s: float | None, tick=None) -> DecodePoint:
+                  peak_bytes_per_s: float | None, tick=None, floors: Floors | None = None) -> DecodePoint:
     """One context length at one batch size (see the module docstring for the procedure). ``tick(fraction,
     what)`` hears of its parts: the allocation, each prefill run and, on a CPU, each decode step (on CUDA
     the steps are not interrupted: the host must keep ahead of the card)."""
@@ -152,7 +163,10 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
 
     replicate_first_row(caches, context, batch)
     first = out["logits"].argmax(-1).expand(batch).contiguous()  # (B,)
-    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph)
+    if s.compile:
+        tick(a + p, "compiling the decode step (torch.compile)")
+    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile)
+    kernels = kernels_per_step(steps) if floors is not None else None
     probe = []
     n_steps = s.warmup_steps + s.new_tokens
     tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
@@ -168,9 +182,10 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     mean_positions = context + sum(i + 1 for i in measured_steps) / len(measured_steps)
     bytes_per_step = weight_bytes_per_step(cfg) + batch * per_token * mean_positions
     bw = bytes_per_step / step_s.median
+    flops = batch * decode_flops_per_token(cfg, round(mean_positions), s.mode.mla, batch)["total"]
+    point.update(point_bound(floors, step_s.median, bytes_per_step, flops, kernels) if floors is not None else {})
+    point.update(_stepper_fields(steps, cfg, s.mode, device, dtype))
     point.update({
-        "attention_kernel": attention_kernel(cfg, s.mode, device, dtype, steps.cuda_graph),
-        "cuda_graph": steps.cuda_graph,
         "decode_step_s": step_s,
         "warmup_steps_excluded": start,
         "decode_tokens_per_s": batch / step_s.median,
@@ -210,6 +225,8 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
+    floors = measure_floors(device, cfg.dtype)
+    _free(device)  # the copy's buffers
     fit = None if budget_bytes is None else memory_fit(cfg, budget_bytes, s.contexts, s.extra_positions)
     label = cache_label(cfg, s.mode.mla)
     plan = plan_points(cfg, s, fit)
@@ -224,7 +241,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
         try:
             tick = None if progress is None else (
                 lambda fraction, what, i=i, desc=desc: progress(i + fraction, len(plan), desc, detail=what))
-            points.append(measure_point(model, cfg, s, batch, n, peak, tick))
+            points.append(measure_point(model, cfg, s, batch, n, peak, tick, floors))
         except torch.cuda.OutOfMemoryError:
             points.append(DecodePoint(attention=label, batch=batch, context=n, error="out of memory"))
         _free(device)
@@ -235,12 +252,13 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     return DecodeResult(
         attention=label, mla_mode=s.mode.mla,
         device={"type": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "peak_bandwidth_bytes_per_s": peak, "peak_bandwidth_source": peak_source},
+                "peak_bandwidth_bytes_per_s": peak, "peak_bandwidth_source": peak_source, **floors.as_dict()},
         dtype=cfg.dtype,
         settings={"new_tokens": s.new_tokens, "prefill_chunk": s.prefill_chunk, "warmup_steps": s.warmup_steps,
                   "prefill_repeats": s.prefill_repeats, "seed": s.seed, "kernel": s.mode.kernel,
-                  "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph},
+                  "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph,
+                  "compile": s.compile},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
         timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps), "contention": CONTENTION_RULE},
-        cuda_graph=any(p.cuda_graph for p in points))
+        cuda_graph=any(p.cuda_graph for p in points), compiled=any(p.compiled for p in points))

@@ -9,13 +9,18 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   caches are static (every shape fixed at ``max_len``), attention masks the positions past the
   current one (the Triton latent kernel reads a device-side length and skips them), and the step
   ends by writing the next token and advancing the position in place. On CUDA that step is
-  captured once in a CUDA graph and every ``step()`` is one ``replay()``: a 16-layer step is
-  hundreds of kernel launches, and at batch 1 mla-1b's eager step took 11-14 ms against 1.9-2.4 ms
-  replayed on an H100 and an H200 (recipes/benchmarks/decode.md). We capture
-  with ``torch.cuda.CUDAGraph`` directly rather than ``torch.compile(mode="reduce-overhead")``:
-  the same launch savings without a compile, and the eager kernels stay the ones measured.
+  captured once in a CUDA graph and every ``step()`` is one ``replay()`` (hundreds of launches per
+  step; recipes/benchmarks/decode.md has the measured gap). We capture with ``torch.cuda.CUDAGraph``
+  directly: the eager kernels stay the ones measured.
+- ``compile=True``: the static step through ``torch.compile`` (inductor, static shapes, one compile
+  per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
+  its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
+  capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
+  as the custom operator ``scaletool::mla_decode``.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
@@ -27,7 +32,7 @@ from scaletool.model.transformer import Transformer
 class EagerSteps:
     """Greedy steps with an int position over the cache prefix (the reference path)."""
 
-    cuda_graph = False
+    cuda_graph, compiled, compile_s, graph_breaks = False, False, None, None
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -48,13 +53,38 @@ class GraphSteps:
     """
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-                 *, capture: bool):
+                 *, capture: bool, compile: bool = False, backend: str = "inductor"):
         self.model, self.caches, self.mode = model, caches, mode
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.compiled = compile
+        self.compile_s: float | None = None  # seconds of the first compiled call (tracing and code generation)
+        self.graph_breaks: int | None = None
+        self._run = self._static_step
+        if compile:
+            self._compile(backend)
         if capture:
             self._capture()
+
+    def _compile(self, backend: str) -> None:
+        """Compile the static step and run it once (restoring token, position and the cache row it wrote)."""
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()  # a fresh compile per point: shapes differ, and the recompile limit stays far
+        counters.clear()
+        self._run = torch.compile(self._static_step, backend=backend, dynamic=False)
+        token, pos = self.token.clone(), self.pos.clone()
+        if token.is_cuda:
+            torch.cuda.synchronize(token.device)
+        t0 = time.perf_counter()
+        self._run()
+        if token.is_cuda:
+            torch.cuda.synchronize(token.device)
+        self.compile_s = time.perf_counter() - t0
+        self.graph_breaks = int(sum(counters["graph_break"].values()))
+        self.token.copy_(token)  # the step's cache write lands at pos, which the next step overwrites
+        self.pos.copy_(pos)
 
     @property
     def cuda_graph(self) -> bool:
@@ -73,25 +103,26 @@ class GraphSteps:
         side.wait_stream(torch.cuda.current_stream(self.token.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._static_step()
+                self._run()
         torch.cuda.current_stream(self.token.device).wait_stream(side)
         self.token.copy_(token)
         self.pos.copy_(pos)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self._static_step()
+            self._run()
         self.graph = graph
 
     def step(self) -> None:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._static_step()
+            self._run()
 
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-               cuda_graph: bool) -> EagerSteps | GraphSteps:
-    """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, else the reference."""
-    if cuda_graph:
-        return GraphSteps(model, caches, mode, token, pos, capture=True)
+               cuda_graph: bool, compile: bool = False, backend: str = "inductor") -> EagerSteps | GraphSteps:
+    """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
+    ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
+    if cuda_graph or compile:
+        return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend)
     return EagerSteps(model, caches, mode, token, pos)

@@ -9,7 +9,12 @@ kernel (flash-decoding) that reads the cache once per step, all heads of a seque
 with a one-launch merge of the splits (:func:`merge_splits` is its reference). ``auto`` takes Triton on
 CUDA for 16-bit caches with power-of-two widths, else the reference. Configurations come from
 :func:`choose_config` per shape, not an autotuner, which would keep its first shape's choice or
-re-tune at every context (impossible under graph capture).
+re-tune at every context (impossible under graph capture): the committed table of tuned
+configurations (:mod:`.mla_tuning`) where it has this card and shape, else a heuristic.
+
+The kernel is also the custom operator ``torch.ops.scaletool.mla_decode`` (with a fake
+implementation for shapes), which :func:`latent_attention` calls while ``torch.compile`` traces, so
+a compiled decode step keeps the kernel inside one graph instead of breaking around it.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from scaletool.kernels import mla_tuning
 
 try:
     import triton
@@ -75,7 +82,27 @@ def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor
     unsupported = kernel == "auto" and triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1])
     if kernel == "torch" or unsupported:
         return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+    if torch.compiler.is_compiling():  # an opaque operator to the tracer: no graph break around the kernel
+        return torch.ops.scaletool.mla_decode(q_lat, q_pe, c_kv, k_pe, scale, lengths)
     return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+
+
+def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, scale: float,
+                   lengths: torch.Tensor | None) -> torch.Tensor:
+    if triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1]) is None:
+        return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+    return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)  # CPUs: the same contract
+
+
+# The schema is spelled out: annotations are strings under ``from __future__ import annotations``.
+mla_decode_op = torch.library.custom_op(
+    "scaletool::mla_decode", _mla_decode_op, mutates_args=(),
+    schema="(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, float scale, Tensor? lengths) -> Tensor")
+
+
+@mla_decode_op.register_fake
+def _(q_lat, q_pe, c_kv, k_pe, scale, lengths):
+    return q_lat.new_empty(q_lat.shape)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -96,6 +123,8 @@ class KernelConfig:
     and an (H, C) fp32 partial written and merged: 32 KB at H = 16, C = 512, against 73 KB of cache
     in a 64-position split, so short splits pay only where the batch is too small to fill the card
     and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
+    ``direct``: where a call ends up with one split, the kernel writes the output itself in the
+    cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
     """
 
     block_s: int = 64
@@ -105,6 +134,7 @@ class KernelConfig:
     min_split: int = 64
     max_splits: int = 128
     n_splits: int | None = None
+    direct: bool = False
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
         """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs."""
@@ -115,11 +145,22 @@ class KernelConfig:
         return _cdiv(S, split_len), split_len
 
 
-def choose_config(B: int, H: int, S: int, device: torch.device) -> KernelConfig:
-    """The launch shape for a (B, H, S) call on ``device``: one fixed shape (4 warps, 64-position tiles,
-    2 stages) whose split count follows (B, S) through :meth:`KernelConfig.splits`. H100 and H200 have
-    the same SM count and shared memory, so one choice serves both; no autotuner, whose first-shape
-    pick was the slow case (the measured rates are in the decode benchmark documents)."""
+def choose_config(B: int, H: int, S: int, device: torch.device, C: int = 512, R: int = 64,
+                  dtype: torch.dtype = torch.bfloat16) -> KernelConfig:
+    """The launch shape for a (B, H, S) call on ``device``: the tuned table's entry for this card and
+    shape (:func:`.mla_tuning.lookup`, nearest context then batch) when it has one, else one fixed
+    shape (4 warps, 64-position tiles, 2 stages) whose split count follows (B, S) through
+    :meth:`KernelConfig.splits`; no autotuner, whose first-shape pick was the slow case."""
+    return _choose_config(B, H, S, torch.device(device), C, R, dtype)
+
+
+@functools.cache
+def _choose_config(B: int, H: int, S: int, device: torch.device, C: int, R: int, dtype: torch.dtype) -> KernelConfig:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tuned = mla_tuning.lookup(name, H, C, R, str(dtype).removeprefix("torch."), B, S)
+        if tuned is not None:
+            return KernelConfig(**tuned)
     return KernelConfig()
 
 
@@ -141,9 +182,11 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     B, H, C = q_lat.shape
     S, R = c_kv.shape[1], k_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
-    cfg = config or choose_config(B, H, S, c_kv.device)
+    cfg = config or choose_config(B, H, S, c_kv.device, C, R, c_kv.dtype)
     n_splits, split_len = cfg.splits(B, H, S, _sm_count(c_kv.device))
-    o_part = torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
+    direct = cfg.direct and n_splits == 1
+    out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype)
+    o_part = out[:, None] if direct else torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
     if lengths is None:
         len_ptr, len_stride = lse_part, 0  # unused: HAS_LENGTHS is off
@@ -157,7 +200,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return merge_splits_triton(o_part, lse_part, q_lat.dtype)
+    return out if direct else merge_splits_triton(o_part, lse_part, q_lat.dtype)
 
 
 def merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -224,7 +267,8 @@ if triton is not None:
             m_i = m_new
         filled = l_i > 0
         out_ptr = o_part + b * s_ob + sp * s_os + offs_h[:, None] * s_oh + offs_c[None, :]
-        tl.store(out_ptr, acc / tl.where(filled, l_i, 1.0)[:, None], mask=h_ok[:, None])
+        o = acc / tl.where(filled, l_i, 1.0)[:, None]  # the output itself (dtype) with one split and `direct`
+        tl.store(out_ptr, o.to(o_part.dtype.element_ty), mask=h_ok[:, None])
         lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
 

@@ -32,6 +32,9 @@ class DecodePoint(_Part):
     rope_extended_to: int | None = None
     attention_kernel: str | None = None
     cuda_graph: bool | None = None
+    compiled: bool | None = None  # the step ran through torch.compile
+    compile_s: float | None = None  # seconds of the first compiled call (trace + code generation)
+    compile_graph_breaks: int | None = None
     kv_cache_bytes_per_token_analytic: int | None = None
     kv_cache_bytes_analytic: int | None = None
     kv_cache_bytes_measured: int | None = None
@@ -48,6 +51,16 @@ class DecodePoint(_Part):
     decode_bytes_per_step: int | None = None
     decode_bandwidth_bytes_per_s: float | None = None
     decode_bandwidth_fraction_of_peak: float | None = None
+    # the step against its floors (scaletool.decode.bounds): bytes at the measured copy bandwidth, FLOPs at
+    # the datasheet peak, kernels × a replayed graph's per-kernel time; the bound is the largest floor
+    decode_hbm_fraction_of_copy: float | None = None
+    decode_floor_memory_s: float | None = None
+    decode_floor_compute_s: float | None = None
+    decode_floor_launch_s: float | None = None
+    decode_kernels_per_step: int | None = None
+    decode_flops_per_step: float | None = None
+    decode_bound: str | None = None  # memory | compute | launch
+    decode_step_over_floor: float | None = None  # median step / the bound's floor
     memory_peak_allocated_bytes: int | None = None
     # the timed steps' contention: {contended, contended_steps, sampled_steps, contention/... medians}
     contention: dict | None = None
@@ -81,6 +94,10 @@ class DecodeDevice(_Part):
     name: str
     peak_bandwidth_bytes_per_s: float | None = None
     peak_bandwidth_source: str = ""
+    copy_bandwidth_bytes_per_s: float | None = None  # measured in the run (scaletool.decode.bounds)
+    graph_kernel_s: float | None = None
+    peak_flops: float | None = None
+    peak_flops_source: str | None = None
 
 
 class DecodeTiming(_Part):
@@ -132,6 +149,7 @@ class DecodeResult(Result):
     recipe: str | None = None
     checkpoint: str | None = None
     cuda_graph: bool = False  # decode steps replayed from a CUDA graph
+    compiled: bool = False  # decode steps through torch.compile
     threads: int | None = None  # CPU intra-op threads (None on GPU)
     notes: list[str] = []
 

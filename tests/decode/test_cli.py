@@ -216,3 +216,19 @@ def test_progress_hears_of_every_part_of_a_point_with_the_time_left(capsys):
                  "decode step 3/3"):
         assert f"[2/2] decode mla: batch 2 × context 8: {part}" in err, part
     assert "s elapsed, about " in err and " s left)" in err
+
+
+def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
+    res = _decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--compile", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["settings"]["compile"] is True and out["compiled"] is True
+    (p,) = out["points"]
+    assert p["compiled"] is True and p["compile_graph_breaks"] == 0 and p["compile_s"] > 0
+    assert out["device"]["copy_bandwidth_bytes_per_s"] > 0
+    # on a CPU only the memory floor is known: the bound is memory, its fraction the bytes over the median step
+    assert p["decode_bound"] == "memory" and p["decode_floor_launch_s"] is None
+    assert p["decode_hbm_fraction_of_copy"] == pytest.approx(
+        p["decode_bytes_per_step"] / p["decode_step_s"]["median"] / out["device"]["copy_bandwidth_bytes_per_s"])
+    plain = json.loads(_decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--json").stdout)
+    assert plain["settings"]["compile"] is False and plain["points"][0]["compiled"] is False

@@ -6,6 +6,8 @@ The CUDA test captures the graph for real and compares it with eager decoding.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from tiny_variants import VARIANTS, tiny_model
@@ -75,5 +77,42 @@ def test_cuda_graph_replay_agrees_with_eager_decoding(label, kernel):
     graph, _ = _run(make_steps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True)
     # bf16 logits of a random model have near-ties; greedy tokens may part after one, so compare the
     # first steps exactly and the rest by agreement rate
+    assert torch.equal(graph[:, :4], eager[:, :4])
+    assert (graph == eager).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("label", ["mha", "mla"])
+def test_compiled_static_step_reproduces_the_eager_reference(label):
+    """torch.compile of the static step (the CPU inductor where a C compiler is present) gives the eager
+    reference's tokens; MLA's compiled step calls the latent kernel as the custom operator (kernel
+    'triton', which on a CPU runs the operator's reference body) and the trace has no graph break."""
+    cfg, model, mla = tiny_model(label)
+    backend = "inductor" if shutil.which("cc") or shutil.which("gcc") else "aot_eager"
+    eager, _ = _run(EagerSteps, model, cfg, DecodeMode(mla, "torch"), 2, 7, 6)
+    compiled, _ = _run(make_steps, model, cfg, DecodeMode(mla, "triton" if mla else "auto"), 2, 7, 6,
+                       cuda_graph=False, compile=True, backend=backend)
+    assert torch.equal(compiled, eager)
+
+
+def test_compiled_step_records_its_compile_and_has_no_graph_break():
+    cfg, model, mla = tiny_model("mla")
+    caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
+    st = make_steps(model, caches, DecodeMode(mla, "triton"), torch.zeros(1, dtype=torch.long), 2, False,
+                    compile=True, backend="aot_eager")
+    assert st.compiled and st.graph_breaks == 0 and st.compile_s > 0
+    assert int(st.pos) == 2  # the compile's own step is undone: the next step runs at the same position
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("label", ["mha", "mla"])
+def test_compiled_graph_replay_agrees_with_eager_decoding(label):
+    """The compiled step captured in the CUDA graph, the MLA kernel inside it as the custom operator."""
+    cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
+                                           "model.qk_rope_head_dim": 16} if label == "mla" else {})
+    model = model.to("cuda", torch.bfloat16)
+    mode = DecodeMode(mla, "auto")
+    eager, _ = _run(EagerSteps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16)
+    graph, _ = _run(make_steps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
+                    compile=True)
     assert torch.equal(graph[:, :4], eager[:, :4])
     assert (graph == eager).float().mean() > 0.9

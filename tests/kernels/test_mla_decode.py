@@ -102,3 +102,26 @@ def test_fused_merge_equals_the_torch_merge(B, splits, C):
     lse[:, splits // 2 + 1:] = float("-inf")  # trailing splits past the sequence's length
     out = kernels.merge_splits_triton(o_part, lse, torch.bfloat16)
     torch.testing.assert_close(out.float(), kernels.merge_splits(o_part, lse), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,S", [(1, 100), (300, 1024)])
+def test_direct_single_split_store_matches_the_reference(B, S):
+    q_lat, q_pe, c_kv, k_pe = _inputs(B, 16, 512, 64, S, torch.bfloat16, device="cuda")
+    cfg = kernels.KernelConfig(n_splits=1, direct=True)
+    lengths = torch.full((B,), S - 3, device="cuda")
+    got = kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg)
+    want = kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.07, lengths)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_kernel_is_a_custom_operator_with_a_fake_implementation():
+    """opcheck runs the registered operator (on a CPU: its reference body) through schema, fake-tensor
+    and autograd-registration checks; a compiled call keeps it in one graph."""
+    q_lat, q_pe, c_kv, k_pe = _inputs(2, 4, 32, 16, 9, torch.float32)
+    for lengths in (torch.tensor(5), None):
+        torch.library.opcheck(torch.ops.scaletool.mla_decode, (q_lat, q_pe, c_kv, k_pe, 0.3, lengths))
+    f = torch.compile(lambda *a: torch.ops.scaletool.mla_decode(*a), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q_lat, q_pe, c_kv, k_pe, 0.3, torch.tensor(5)),
+                               kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.3, torch.tensor(5)))

@@ -1,0 +1,79 @@
+"""The committed table of tuned launch configurations of the fused MLA decode kernel.
+
+``mla_decode_tuned.json`` beside this file (written by ``recipes/benchmarks/decode_tune.py
+--write-table``) holds, per card name and attention shape (heads, kv_lora_rank, rope width, dtype),
+the fastest configuration measured at each (context, batch) point of the sweep. :func:`lookup`
+answers a call with the entry of the nearest context, then the nearest batch, both on a log2 scale;
+no table, another card or another shape answers None and the kernel keeps its heuristic. Pure
+Python (no torch): the table is data.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+TABLE = Path(__file__).with_name("mla_decode_tuned.json")
+CONFIG_KEYS = ("block_s", "num_warps", "num_stages", "programs_per_sm", "min_split", "max_splits", "n_splits",
+               "direct")
+TABLE_VERSION = 1
+
+
+@functools.cache
+def load(path: str = str(TABLE)) -> tuple[dict, ...]:
+    """The table's shape groups (one per card and shape); empty when the file is absent or unreadable."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return ()
+    if not isinstance(data, dict) or data.get("version") != TABLE_VERSION or not isinstance(data.get("tables"), list):
+        return ()
+    return tuple(t for t in data["tables"] if isinstance(t, dict) and isinstance(t.get("entries"), list))
+
+
+def _nearest(values, want: int):
+    return min(values, key=lambda v: (abs(math.log2(v) - math.log2(max(want, 1))), v))
+
+
+def lookup(card: str, heads: int, kv_lora_rank: int, rope: int, dtype: str, batch: int, context: int,
+           path: str = str(TABLE)) -> dict | None:
+    """The tuned configuration (keyword arguments of ``KernelConfig``) for this call, or None."""
+    for t in load(path):
+        if (t.get("card"), t.get("heads"), t.get("kv_lora_rank"), t.get("rope"), t.get("dtype")) != \
+                (card, heads, kv_lora_rank, rope, dtype):
+            continue
+        entries = [e for e in t["entries"] if isinstance(e.get("context"), int) and isinstance(e.get("batch"), int)
+                   and e["context"] > 0 and e["batch"] > 0 and isinstance(e.get("config"), dict)]
+        if not entries:
+            return None
+        ctx = _nearest({e["context"] for e in entries}, context)
+        row = [e for e in entries if e["context"] == ctx]
+        b = _nearest({e["batch"] for e in row}, batch)
+        cfg = next(e["config"] for e in row if e["batch"] == b)
+        return {k: v for k, v in cfg.items() if k in CONFIG_KEYS}
+    return None
+
+
+def table_from_sweep(sweep: dict) -> dict:
+    """The table (``TABLE``'s format) from a ``decode_tune.py`` result: each point's best configuration."""
+    c = sweep["card"]
+    shape = sweep["shape"]
+    entries = [{"context": p["context"], "batch": p["batch"], "config": p["best"]["config"],
+                "hbm_fraction_of_copy": p["best"].get("hbm_fraction_of_copy"),
+                "median_s": p["best"]["time_s"]["median"]}
+               for p in sweep["points"] if p.get("best")]
+    return {"version": TABLE_VERSION,
+            "source": f"recipes/benchmarks/decode_tune.py --write-table, from a sweep of {sweep.get('date', '?')}",
+            "tables": [{"card": c["name"], "heads": shape["heads"], "kv_lora_rank": shape["kv_lora_rank"],
+                        "rope": shape["rope"], "dtype": shape["dtype"], "versions": c.get("versions", {}),
+                        "entries": sorted(entries, key=lambda e: (e["context"], e["batch"]))}]}
+
+
+def merge_tables(old: dict | None, new: dict) -> dict:
+    """``new``'s shape groups replace those of ``old`` with the same card and shape; the others stay."""
+    key = lambda t: tuple(t.get(k) for k in ("card", "heads", "kv_lora_rank", "rope", "dtype"))  # noqa: E731
+    fresh = {key(t) for t in new["tables"]}
+    kept = [t for t in (old or {}).get("tables", []) if isinstance(t, dict) and key(t) not in fresh] \
+        if (old or {}).get("version") == TABLE_VERSION else []
+    return {**new, "tables": kept + new["tables"]}
