@@ -13,6 +13,7 @@ from pathlib import Path
 
 from scaletool.analytic.calibration import Calibration, calibration_for, load_calibration
 from scaletool.analytic.step import predict_step
+from scaletool.analytic.zero3 import DEEPSPEED_DEFAULTS
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError
 from scaletool.measure.hardware import load_profiles, profile_for
@@ -77,7 +78,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
             if cal is None:
                 skipped.append(f"{label}: no calibration for {card!r}")
                 continue
-            recipe = recipe_from_dict(r["recipe"], label)
+            recipe = recipe_from_dict(_as_ran(r), label)
             pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
             measured = measured_tokens_per_s_per_gpu(r)
             rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "async_tp": recipe.parallel.async_tp,
@@ -89,6 +90,22 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
                          "predicted_step_s": pred["step_s"]})
     return {"runs": rows, "skipped": skipped, "summary": summarize(rows)}
+
+
+def _as_ran(r: dict) -> dict:
+    """The recorded recipe with the ZeRO settings the run had: a ZeRO run recorded before scaletool
+    derived them from the model (no ``environment.deepspeed_config``) ran with DeepSpeed's defaults,
+    under whatever the recipe's passthrough set."""
+    recipe = r["recipe"]
+    par = recipe.get("parallel") or {}
+    if par.get("engine") != "deepspeed" or "deepspeed_config" in r["environment"]:
+        return recipe
+    ds = dict(par.get("deepspeed") or {})
+    ds["zero_optimization"] = {**DEEPSPEED_DEFAULTS, **(ds.get("zero_optimization") or {})}
+    if par.get("zero_stage") != 3:
+        ds["zero_optimization"] = {k: v for k, v in ds["zero_optimization"].items()
+                                   if not k.startswith("stage3_") and k != "leaf_module"}
+    return {**recipe, "parallel": {**par, "deepspeed": ds}}
 
 
 def measured_tokens_per_s_per_gpu(r: dict) -> float:
