@@ -64,9 +64,9 @@ def includes(text: str) -> list[tuple[str, bool]]:
 
 def include_walk(files, sources: list[str], dirs: list[str]) -> tuple[set[str], set[str]]:
     """Files reached from sources by #include, transitively, resolving each name as the compiler would
-    (a quoted name in the including file's own dir first, then dirs in order). Paths are relative keys
-    of files (a mapping path -> bytes, read only for the files reached). Returns (reached, names found in none of dirs: system and CUDA toolkit headers, generated
-    config)."""
+    (a quoted name in the including file's own dir first, then dirs in order). files maps a relative path
+    to its bytes (read only for the files reached). Returns (reached, names found in none of dirs: system,
+    CUDA toolkit and tvm-ffi headers, generated config)."""
     reached, missing, todo = set(), set(), [s for s in sources if s in files]
     while todo:
         path = todo.pop()
