@@ -134,7 +134,7 @@ def mla_keep(zin: zipfile.ZipFile) -> tuple[callable, set[str], set[str]]:
     files = LazyMembers(zin, DATA)
     absent = [s for s in MLA_SOURCES if s not in files]
     if absent:
-        raise SystemExit(f"error: this flashinfer wheel lacks the MLA JIT sources {absent}")
+        raise ValueError(f"this wheel lacks the MLA JIT sources {', '.join(absent)} (under {DATA})")
     reached, missing = include_walk(files, MLA_SOURCES, INCLUDE_DIRS)
 
     def keep(name: str) -> bool:
@@ -171,14 +171,18 @@ def main(argv=None) -> int:
     if a.wheel is not None and not zipfile.is_zipfile(a.wheel):
         print(f"error: {a.wheel} is not a wheel (zip) file", file=sys.stderr)
         return 2
-    a.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = a.wheel
         if src is None:
             pip("download", "--no-deps", f"flashinfer-python=={a.version}", "-d", tmp)
             src = next(Path(tmp).glob("flashinfer_python-*.whl"))
-        with zipfile.ZipFile(src) as zin:
-            keep, reached, missing = mla_keep(zin)
+        try:
+            with zipfile.ZipFile(src) as zin:
+                keep, reached, missing = mla_keep(zin)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        a.out.mkdir(parents=True, exist_ok=True)
         dst = a.out / src.name
         kept, dropped = write_wheel(src, dst, keep)
         log(f"{src.name}: {src.stat().st_size / 2**20:.1f} MiB -> {dst.stat().st_size / 2**20:.1f} MiB "
