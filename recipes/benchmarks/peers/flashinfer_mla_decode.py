@@ -25,7 +25,7 @@ All three MLA results are compared with the fp32 torch reference (max absolute a
 of the attention output per head, on the first sequences); times are ``triton.testing.do_bench``
 samples over CUDA-graph replays where the call can be captured (else eager, and the row says so;
 median, p10, p90); GB/s count the cache bytes each must read. Writes JSON with card,
-date, versions and command; prints a table.
+date, versions and command after every point; prints a table.
 """
 from __future__ import annotations
 
@@ -151,16 +151,21 @@ def main() -> None:
     c["versions"]["flashinfer"] = getattr(flashinfer, "__version__", None)
     w_uk, w_uv = up_projections()
     rows = []
-    for S, B in itertools.product(map(int, a.contexts.split(",")), map(int, a.batches.split(","))):
+    points = list(itertools.product(map(int, a.contexts.split(",")), map(int, a.batches.split(","))))
+
+    def save(done: int) -> None:  # after every point, so a run cut short keeps what it measured
+        doc = {"card": c, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+               "flashinfer": FLASHINFER or "installed", "flashinfer_first_call_s": FIRST_CALL_S,
+               "flashinfer_workspace_base": os.environ["FLASHINFER_WORKSPACE_BASE"], "page_size": a.page_size,
+               "points_done": done, "points": len(points), "rows": rows, "wall_s": time.time() - t0}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+    for i, (S, B) in enumerate(points):
         log(f"[{time.time() - t0:5.0f}s] context {S} batch {B}")
         rows += mla_rows(S, B, a.page_size, w_uk, w_uv, c, backends)
         rows += [r for r in mha_rows(S, B, c) if r["kernel"] == "mha-sdpa"]
         torch.cuda.empty_cache()
-    doc = {"card": c, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-           "flashinfer": FLASHINFER or "installed", "flashinfer_first_call_s": FIRST_CALL_S,
-           "flashinfer_workspace_base": os.environ["FLASHINFER_WORKSPACE_BASE"], "page_size": a.page_size,
-           "rows": rows, "wall_s": time.time() - t0}
-    Path(a.out).write_text(json.dumps(doc, indent=1))
+        save(i + 1)
     peak = c["peak_bandwidth_bytes_per_s"] or float("nan")
     print(f"{c['name']} (datasheet {peak / 1e12:.2f} TB/s); TB/s of the cache bytes each kernel must read")
     for r in rows:
