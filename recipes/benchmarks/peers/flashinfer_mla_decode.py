@@ -1,8 +1,13 @@
 """MLA decode beside FlashInfer: the same latent cache, the same card, three kernels.
 
-Usage (GPU machine, repo root; about a minute on one H100):
-    pip install flashinfer-python flashinfer-cubin   # optional: without it the FlashInfer rows say why
+Usage (GPU machine, repo root; a few minutes on one H100, most of it FlashInfer's first-use JIT build):
+    pip install --no-deps .whl-fi/*.whl     # built by peers/flashinfer_trim.py; see peers/README.md
     python recipes/benchmarks/peers/flashinfer_mla_decode.py [--out FILE.json] [--page-size 1|64]
+        [--backends fa3,fa2] [--contexts 4096,32768] [--batches 1,8,32,128]
+
+Without flashinfer the FlashInfer rows say why. Its JIT cache goes under $FLASHINFER_WORKSPACE_BASE
+(set here to a temporary directory when unset); the JSON records flashinfer's version and, per
+backend, the seconds of its first plan and call (the nvcc build of the MLA module when not cached).
 
 For mla-1b's attention (16 heads, kv_lora_rank 512, qk_rope_head_dim 64, bf16), contexts 4K and 32K,
 batches 1-128, one latent cache laid out as scaletool's ``LatentCache`` holds it (c_kv (B, S, 512)
@@ -20,7 +25,7 @@ All three MLA results are compared with the fp32 torch reference (max absolute a
 of the attention output per head, on the first sequences); times are ``triton.testing.do_bench``
 samples over CUDA-graph replays where the call can be captured (else eager, and the row says so;
 median, p10, p90); GB/s count the cache bytes each must read. Writes JSON with card,
-date, versions and command; prints a table.
+date, versions and command after every point; prints a table.
 """
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ import argparse
 import datetime
 import itertools
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +48,10 @@ from scaletool.kernels import mla_decode as K  # noqa: E402
 
 NOPE = V = 128  # mla-1b's qk_nope_head_dim and v_head_dim: the up-projection for the naive check
 CHECK = 2  # sequences compared against the fp32 reference (the reference materialises fp32 copies)
+
+# flashinfer's JIT writes generated sources and built modules under $FLASHINFER_WORKSPACE_BASE/.cache
+os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(tempfile.gettempdir(), "flashinfer-ws"))
+FIRST_CALL_S: dict[str, float] = {}  # backend -> seconds of its first plan + call (the JIT build, if any)
 
 try:
     import flashinfer
@@ -77,7 +88,7 @@ def errors(got: torch.Tensor, want: torch.Tensor) -> dict:
     return {"max_abs_error": d.max().item(), "rel_error": (d.norm() / want.norm()).item()}
 
 
-def mla_rows(S: int, B: int, page: int, w_uk, w_uv, c: dict) -> list[dict]:
+def mla_rows(S: int, B: int, page: int, w_uk, w_uv, c: dict, backends=("fa3", "fa2")) -> list[dict]:
     _, qp, ckv, kpe = latent_inputs(B, S)
     # the absorbed query from a per-head q_nope, so the naive path below computes the very same scores
     q_nope = torch.randn(B, H, NOPE, generator=torch.Generator(device=DEV).manual_seed(3), device=DEV,
@@ -92,16 +103,23 @@ def mla_rows(S: int, B: int, page: int, w_uk, w_uv, c: dict) -> list[dict]:
     t, how = timed(ours)
     rows.append(row("scaletool-triton", S, B, nbytes, t, c, timing=how,
                     **errors(torch.einsum("bhc,hvc->bhv", ours()[:CHECK].float(), w_uv.float()), ref)))
-    for backend in ("fa3", "fa2"):
+    for backend in backends:
         name = f"flashinfer-{backend}-page{page}"
         if FLASHINFER:
             rows.append(row(name, S, B, nbytes, None, c, error=FLASHINFER))
             continue
         try:
+            t0 = time.time()
             fi = flashinfer_run(q, qp, ckv, kpe, page, backend)
-            err = errors(torch.einsum("bhc,hvc->bhv", fi()[:CHECK].float(), w_uv.float()), ref)
+            out = fi()
+            torch.cuda.synchronize()
+            first = {}
+            if backend not in FIRST_CALL_S:  # the first plan + call builds (or loads) the JIT module
+                FIRST_CALL_S[backend] = first["first_call_s"] = time.time() - t0
+                log(f"flashinfer {backend}: first plan + call {FIRST_CALL_S[backend]:.1f}s")
+            err = errors(torch.einsum("bhc,hvc->bhv", out[:CHECK].float(), w_uv.float()), ref)
             t, how = timed(fi)
-            rows.append(row(name, S, B, nbytes, t, c, timing=how, **err))
+            rows.append(row(name, S, B, nbytes, t, c, timing=how, **err, **first))
         except Exception as e:  # a backend this card or build lacks: recorded, not fatal
             rows.append(row(name, S, B, nbytes, None, c, error=f"{type(e).__name__}: {e}"[:300]))
     # the same attention, naive: per-head keys [c_kv·W_UKᵀ, k_pe] (192) and values c_kv·W_UVᵀ (128), via SDPA
@@ -121,7 +139,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1, choices=(1, 64))
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--backends", default="fa3,fa2", help="FlashInfer backends (each JIT-builds once)")
     a = ap.parse_args()
+    backends = tuple(b for b in a.backends.split(",") if b)
+    if not set(backends) <= {"fa2", "fa3"}:
+        ap.error(f"--backends: fa2 and/or fa3, not {a.backends!r}")
     if FLASHINFER:
         log(f"note: {FLASHINFER}")
     t0 = time.time()
@@ -129,14 +151,21 @@ def main() -> None:
     c["versions"]["flashinfer"] = getattr(flashinfer, "__version__", None)
     w_uk, w_uv = up_projections()
     rows = []
-    for S, B in itertools.product(map(int, a.contexts.split(",")), map(int, a.batches.split(","))):
+    points = list(itertools.product(map(int, a.contexts.split(",")), map(int, a.batches.split(","))))
+
+    def save(done: int) -> None:  # after every point, so a run cut short keeps what it measured
+        doc = {"card": c, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+               "flashinfer": FLASHINFER or "installed", "flashinfer_first_call_s": FIRST_CALL_S,
+               "flashinfer_workspace_base": os.environ["FLASHINFER_WORKSPACE_BASE"], "page_size": a.page_size,
+               "points_done": done, "points": len(points), "rows": rows, "wall_s": time.time() - t0}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+
+    for i, (S, B) in enumerate(points):
         log(f"[{time.time() - t0:5.0f}s] context {S} batch {B}")
-        rows += mla_rows(S, B, a.page_size, w_uk, w_uv, c)
+        rows += mla_rows(S, B, a.page_size, w_uk, w_uv, c, backends)
         rows += [r for r in mha_rows(S, B, c) if r["kernel"] == "mha-sdpa"]
         torch.cuda.empty_cache()
-    doc = {"card": c, "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
-           "flashinfer": FLASHINFER or "installed", "page_size": a.page_size, "rows": rows, "wall_s": time.time() - t0}
-    Path(a.out).write_text(json.dumps(doc, indent=1))
+        save(i + 1)
     peak = c["peak_bandwidth_bytes_per_s"] or float("nan")
     print(f"{c['name']} (datasheet {peak / 1e12:.2f} TB/s); TB/s of the cache bytes each kernel must read")
     for r in rows:
