@@ -45,10 +45,12 @@ def torchao_problem() -> str | None:
 
 
 def runtime_problems(recipe: Recipe, device: torch.device | None = None) -> list[str]:
-    """What this machine lacks for the recipe's ``train.float8``: one line each (empty if off)."""
+    """What this machine lacks for the recipe's ``train.float8`` (empty if off): the hardware first, and
+    torchao only where the hardware could use it, so a refusal is one line."""
     if recipe.train.float8 == "none":
         return []
-    return [p for p in (hardware_problem(device), torchao_problem()) if p]
+    problem = hardware_problem(device) or torchao_problem()
+    return [problem] if problem else []
 
 
 def check_runtime(recipe: Recipe, device: torch.device | None = None) -> None:
