@@ -241,3 +241,9 @@ def print_memory(r, est, console: Console) -> None:
                   f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] per GPU, "
                   f"set by the "
                   f"{rec.phase.replace('_', ' ')}{where}.")
+    if rec.float8:
+        f8, (name, size) = rec.float8, unit
+        console.print(f"float8 {tr.float8}: {f8['fp8_params']:,} linear parameters in FP8; FP8 casts "
+                      f"+{f8['fp8_cast_temporaries_bytes'] / size:.2f} {name} (temps), autocast weight copies "
+                      f"-{f8['autocast_weight_copies_saved_bytes'] / size:.2f} {name} (activ), FP8 all-gather "
+                      f"-{f8['fp8_all_gather_saved_bytes'] / size:.2f} {name} (buffers); the engine table is bf16.")
