@@ -11,6 +11,7 @@ import torch
 from conftest import run_cli
 
 from scaletool import api
+from scaletool.analytic import recipe_memory
 from scaletool.config import load_recipe
 from scaletool.engines import float8
 from scaletool.errors import RecipeError
@@ -75,6 +76,9 @@ def test_the_swap_takes_the_block_linears_with_dims_divisible_by_16():
     assert len(report["swapped"]) == 12 and "layers.0.ffn.w2" in report["swapped"]
     assert all(isinstance(mods[f], Float8Linear) for f in report["swapped"])
     assert not any(isinstance(mods[f], Float8Linear) for f in report["kept"])
+    # the analytic estimate's FP8 parameters are the swapped modules' weights
+    fp8 = recipe_memory(r, 1)["float8"]["fp8_params"]
+    assert fp8 == sum(mods[f].weight.numel() for f in report["swapped"])
 
 
 @pytest.mark.slow
