@@ -388,7 +388,8 @@ class Trainer:
             tokens_per_step=self.tokens_per_step, measure=self.measure, window_s=self.clock.window_s,
             checkpoint_s=self.checkpoint_s, unmeasured_s=self.clock.excluded_s,
             reports=gather_reports(report, self.env, collective), peak=self.peak, flops=self.flops,
-            threads=self.threads, contention=getattr(self, "contention_samples", {}))
+            threads=self.threads, contention=getattr(self, "contention_samples", {}),
+            peak_fp8_tflops=getattr(self, "peak_fp8", None))
         result = build_result(record)
         if collective:
             for cb in self.callbacks:

@@ -15,7 +15,9 @@ from scaletool.analytic import recipe_memory
 from scaletool.config import load_recipe
 from scaletool.engines import float8
 from scaletool.errors import RecipeError
+from scaletool.measure.hardware import Peak
 from scaletool.model import build_model
+from scaletool.train import trainer
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 BF16 = ["model.dtype=bf16"]
@@ -85,6 +87,9 @@ def test_the_swap_takes_the_block_linears_with_dims_divisible_by_16():
 def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
     pytest.importorskip("torchao.float8")
     monkeypatch.setattr(float8, "hardware_problem", lambda device=None: None)  # the CPU runs _scaled_mm
+    # a card's peaks for this CPU, so that both MFUs are computed: bf16 1 TFLOP/s, FP8 2 TFLOP/s
+    peaks = {"bf16": 1.0, "fp8": 2.0}
+    monkeypatch.setattr(trainer, "peak_for", lambda kind, name, dtype, override=None: Peak(peaks[dtype], "x", "test"))
     common = [*BF16, "train.steps=12", "train.measure_warmup_steps=1", "data.source=text",
               f"data.path={Path(TINY).parents[1] / 'README.md'}", "model.vocab_size=272"]
     runs = {mode: api.train(TINY, overrides=[*common, f"train.float8={mode}"], out=tmp_path / mode, quiet=True)
@@ -98,3 +103,6 @@ def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
         log = (tmp_path / mode / "train.log").read_text()
         assert f"float8 {mode}: 12 linear layers in FP8, 3 kept in bf16" in log
         assert "without train.compile" in log
+        m = runs[mode].metrics
+        assert m["flops/mfu_fp8_peak"] == pytest.approx(m["flops/mfu"] / 2) and m["flops/mfu"] > 0
+    assert "flops/mfu_fp8_peak" not in runs["none"].metrics and runs["none"].metrics["flops/mfu"] > 0
