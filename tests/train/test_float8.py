@@ -3,6 +3,8 @@ line, exit 2, nothing written), which linear layers the swap takes, and a real F
 (torch._scaled_mm has CPU kernels) next to bf16 from the same seed and data."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from scaletool.measure.hardware import Peak
 from scaletool.model import build_model
 from scaletool.train import trainer
 
-TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "recipes" / "tiny.yaml")
 BF16 = ["model.dtype=bf16"]
 
 
@@ -106,3 +109,19 @@ def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
         m = runs[mode].metrics
         assert m["flops/mfu_fp8_peak"] == pytest.approx(m["flops/mfu"] / 2) and m["flops/mfu"] > 0
     assert "flops/mfu_fp8_peak" not in runs["none"].metrics and runs["none"].metrics["flops/mfu"] > 0
+    # the float8-1gpu study's table reads these results as its loss runs
+    study = tmp_path / "study"
+    study.mkdir()
+    for mode, res in runs.items():
+        (study / f"loss-{mode}.json").write_text(res.model_dump_json())
+    r = subprocess.run([sys.executable, str(ROOT / "recipes" / "benchmarks" / "float8_table.py"), str(study)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((study / "float8.json").read_text())
+    rows = {row["float8"]: row for row in doc["rows"]}
+    assert set(rows) == {"none", "tensorwise", "rowwise"} and rows["none"]["speedup/over_bf16"] is None
+    assert rows["tensorwise"]["speedup/over_bf16"] > 0 and rows["tensorwise"]["throughput/n_steps"] >= 5
+    assert rows["tensorwise"]["flops/mfu_fp8_peak"] == pytest.approx(runs["tensorwise"].metrics["flops/mfu_fp8_peak"])
+    curves = json.loads((study / "float8-loss.json").read_text())
+    assert curves["tensorwise"]["loss"] == runs["tensorwise"].history.loss and (study / "float8-loss.png").stat().st_size
+    assert "| loss | tensorwise |" in r.stdout and doc["environment"]["card"] == "cpu"
