@@ -57,6 +57,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate Llama-3.1-8B/config.json --seq-len 8192 --gpus 8
       scaletool estimate mha-1b --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
+      scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
     """
     if tensor_parallel is not None:
         overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
