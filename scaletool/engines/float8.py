@@ -85,7 +85,9 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     convert_to_float8_training(model, config=config, module_filter_fn=keep_or_swap)
     if recipe_name == "rowwise" and recipe.train.compile:
         # inductor keeps the bf16 -> fp32 -> fp8 rounding of the eager casts (torchtitan sets this too)
-        torch._inductor.config.emulate_precision_casts = True
+        import torch._inductor.config as inductor_config
+
+        inductor_config.emulate_precision_casts = True
     return report
 
 

@@ -4,6 +4,7 @@ line, exit 2, nothing written), which linear layers the swap takes, and a real F
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,20 @@ def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
     curves = json.loads((study / "float8-loss.json").read_text())
     assert curves["tensorwise"]["loss"] == runs["tensorwise"].history.loss and (study / "float8-loss.png").stat().st_size
     assert "| loss | tensorwise |" in r.stdout and doc["environment"]["card"] == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_on_two_ranks_gathers_fp8_under_tensorwise_and_learns_like_bf16(tmp_path):
+    pytest.importorskip("torchao.float8")
+    worker = str(Path(__file__).with_name("float8_worker.py"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", worker, TINY,
+                        str(tmp_path)], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    gathers = json.loads((tmp_path / "gathers.json").read_text())
+    assert gathers["none"] == {} and len(gathers["tensorwise"]) == len(gathers["rowwise"]) == 12
+    assert all(gathers["tensorwise"].values()) and not any(gathers["rowwise"].values())
+    loss = {m: json.loads((tmp_path / m / "summary.json").read_text())["history"]["loss"] for m in gathers}
+    for mode in ("tensorwise", "rowwise"):
+        assert max(abs(a - b) for a, b in zip(loss[mode], loss["none"])) < 0.05, (mode, loss)
