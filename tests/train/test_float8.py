@@ -133,11 +133,13 @@ def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
 def test_fsdp2_on_two_ranks_gathers_fp8_under_tensorwise_and_learns_like_bf16(tmp_path):
     pytest.importorskip("torchao.float8")
     worker = str(Path(__file__).with_name("float8_worker.py"))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", worker, TINY,
-                        str(tmp_path)], capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    gathers = json.loads((tmp_path / "gathers.json").read_text())
+    gathers = {}
+    for mode in ("none", "tensorwise", "rowwise"):  # one job each: every process trains once
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            worker, TINY, str(tmp_path), mode], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        gathers[mode] = json.loads((tmp_path / f"{mode}.gathers.json").read_text())
     assert gathers["none"] == {} and len(gathers["tensorwise"]) == len(gathers["rowwise"]) == 12
     assert all(gathers["tensorwise"].values()) and not any(gathers["rowwise"].values())
     loss = {m: json.loads((tmp_path / m / "summary.json").read_text())["history"]["loss"] for m in gathers}
