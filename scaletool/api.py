@@ -419,10 +419,12 @@ def _train_here(r, recipe, overrides, out, resume, peak_tflops, measure, nproc_p
                 wandb, join_timeout_s, le):
     """api.train once the run directory is this process's: local ranks, or this process's own rank."""
     from scaletool.engines import check_recipe
+    from scaletool.engines.float8 import check_runtime
     from scaletool.measure.count import train_memory_check
 
     if not le["launched"]:  # before any rank builds a model: a run that cannot fit is one line, not an OOM kill
         train_memory_check(r, nproc_per_node or 1)
+    check_runtime(r)  # train.float8 on a device without FP8, or without torchao: before anything is written
     if nproc_per_node is not None and not le["launched"]:
         if nproc_per_node > 1 or engine_kind(r.parallel.engine).distributed:
             if callbacks:

@@ -44,6 +44,7 @@ from scaletool.errors import RecipeError, echo, shorten
 from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
 from scaletool.kinds.engines import ENGINE_NAMES, engine_problems, layout_problems
+from scaletool.kinds.float8 import float8_problems
 from scaletool.resources import RECIPE, find_recipe
 from scaletool.yaml_input import check_tree, parse_override, read_yaml, set_dotted
 from scaletool.yaml_input import key_text as _key_text
@@ -383,6 +384,10 @@ class TrainConfig(_Section):
         "block on sharded engines (communication hooks stay between compiled regions)")
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="auto: cuDNN first when q/k and v head dims differ (MLA), else flash")
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="FP8 GEMMs for the blocks' linear layers (torchao's float8 training; engines single, "
+        "ddp, fsdp; model.dtype=bf16; CUDA capability >= 8.9): tensorwise (one scale per tensor; FSDP2 all-gathers "
+        "fp8 weights) or rowwise (a scale per row, closer to bf16); wants train.compile for its speed")
     seed: int = 1234
     measure_warmup_steps: int = Field(2, ge=0, description="steps excluded from throughput and MFU")
     log_every: int = Field(1, gt=0)
@@ -496,6 +501,7 @@ class Recipe(_Section):
         if pr.ranks != "all" and (not pr.ranks or min(pr.ranks) < 0):
             problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {echo(pr.ranks)}")
         problems += layout_problems(self, self.seq_len)
+        problems += float8_problems(self)
         if problems:
             raise RecipeError(problems)
         return self

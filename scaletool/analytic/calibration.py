@@ -25,6 +25,9 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 #: 3,350 GB/s HBM, NVLink 4 at 450 GB/s a direction); :func:`default_calibration` applies them to a
 #: profile that has no calibration of its own.
 DATASHEET_RATIOS = {"gemm_max": 0.83, "attention": 0.30, "hbm": 0.895, "bus": 0.75}
+#: dense FP8 over dense bf16 tensor-core peak (H100 SXM 1979 / 989 TFLOP/s): the FP8 GEMM rate where no
+#: calibration measured one
+FP8_OVER_BF16 = 2.0
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,22 @@ class Calibration:
     memory_gib: float | None = None  # what the card reports as total memory
     hardware: str = ""  # the hardware profile's name
     measured: dict = field(default_factory=dict)  # the raw figures (median, p10, p90, n) behind the rates
+    #: FP8 GEMMs (train.float8), {"max_tflops", "half_dim"} as gemm_tflops; None: not calibrated, the bf16
+    #: curve times FP8_OVER_BF16 (the datasheets' dense FP8 peak is twice the bf16 one)
+    gemm_fp8_tflops: dict | None = None
 
     def gemm_rate(self, m: float, n: float, k: float) -> float:
         """FLOP/s of an (m×k)·(k×n) bf16 GEMM."""
         s = max(1.0, min(m, n, k))
         g = self.gemm_tflops
+        return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
+
+    def gemm_rate_fp8(self, m: float, n: float, k: float) -> float:
+        """FLOP/s of the same GEMM in FP8 (torch._scaled_mm): calibrated, else twice the bf16 rate."""
+        g = self.gemm_fp8_tflops
+        if not g:
+            return FP8_OVER_BF16 * self.gemm_rate(m, n, k)
+        s = max(1.0, min(m, n, k))
         return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
 
     def attention_rate(self, qk_dim: int, v_dim: int) -> float:
@@ -105,6 +119,13 @@ def calibration_from_dict(raw: dict, source: str) -> Calibration:
     else:
         _positive(f"{source}: gemm_tflops.max_tflops", g.get("max_tflops"), problems)
         _positive(f"{source}: gemm_tflops.half_dim", g.get("half_dim"), problems)
+    g8 = raw.get("gemm_fp8_tflops")
+    if g8 is not None:
+        if not isinstance(g8, dict):
+            problems.append(f"{source}: gemm_fp8_tflops: a mapping with max_tflops and half_dim")
+        else:
+            _positive(f"{source}: gemm_fp8_tflops.max_tflops", g8.get("max_tflops"), problems)
+            _positive(f"{source}: gemm_fp8_tflops.half_dim", g8.get("half_dim"), problems)
     if not isinstance(raw["attention_tflops"], dict) or not raw["attention_tflops"]:
         problems.append(f"{source}: attention_tflops: a mapping of 'qk/v' head dims (or 'default') to TFLOP/s")
     else:

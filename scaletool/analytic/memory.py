@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scaletool.analytic.comm import tensor_parallel_config
+from scaletool.analytic.float8 import float8_memory
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import (
     COMPONENTS,
@@ -142,7 +143,8 @@ def compiled_memory(recipe: Recipe) -> bool:
 def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) -> dict:
     """Memory estimate for the engine and settings the recipe itself selects; ``compiled`` counts the
     activations a torch.compile'd model saves (:func:`_activation_bytes_per_token_per_layer`) instead of
-    eager autograd's (the default, what ``estimate`` reports)."""
+    eager autograd's (the default, what ``estimate`` reports). ``train.float8`` adds its components
+    (:func:`scaletool.analytic.float8.float8_memory`)."""
     tp = recipe.parallel.tensor_parallel
     if tp > 1:
         if world_size % tp:
@@ -151,7 +153,8 @@ def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) ->
         return tensor_parallel_memory(recipe, world_size, tp)
     t = recipe.train
     inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every, compiled)
-    return training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
+    row = training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
+    return float8_memory(recipe, row)  # train.float8's components (unchanged without it)
 
 
 def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:

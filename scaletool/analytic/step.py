@@ -11,11 +11,14 @@ exposure model per engine, and the host overheads. Torch-free, IO-free (the cali
 from __future__ import annotations
 
 from scaletool.analytic.calibration import (  # noqa: F401  (the interface lives here too)
+    FP8_OVER_BF16,
     Calibration,
     default_calibration,
     load_calibration,
 )
 from scaletool.analytic.comm import communication, tensor_parallel_config
+from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
+from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
 from scaletool.analytic.params import attention_params, param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
@@ -98,13 +101,18 @@ def _exposure(engine: str, zero_stage: int, rows: list[dict], times: list[float]
 
 
 def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: int, ac: str, every: int,
-             compiled: bool, calib: Calibration) -> dict:
-    """Seconds of one micro-batch on one rank: GEMMs, attention, element-wise traffic, recomputation."""
+             compiled: bool, calib: Calibration, float8: str = "none") -> dict:
+    """Seconds of one micro-batch on one rank: GEMMs (train.float8: the swapped ones at the FP8 rate, plus
+    their casts' traffic), attention, element-wise traffic, recomputation."""
     L = local.n_layers
     shapes = gemm_shapes(local, tokens)
     heads = ("lm_head", "head")
-    fwd_blocks = sum(2 * m * n * k * c / calib.gemm_rate(m, n, k) for name, m, n, k, c in shapes if name not in heads)
-    fwd_head = sum(2 * m * n * k * c / calib.gemm_rate(m, n, k) for name, m, n, k, c in shapes if name in heads)
+
+    def rate(name, m, n, k):
+        return calib.gemm_rate_fp8(m, n, k) if float8 != "none" and fp8_gemm(name, n, k) else calib.gemm_rate(m, n, k)
+
+    fwd_blocks = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name not in heads)
+    fwd_head = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name in heads)
     att_flops = attention_flops_per_token(local, T, causal=cfg.task == "lm") * tokens
     att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim)
     frac = 1.0 if ac == "full" else ((L // every) / L if ac == "selective" else 0.0)
@@ -116,6 +124,8 @@ def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: 
     V = local.vocab_size if cfg.task == "lm" else 0
     weights = sum(n * k * c for _, m, n, k, c in shapes)  # this rank's matmul weights (every routed expert)
     casts = 0.0 if engine == "deepspeed" else CAST_BYTES_PER_PARAM * weights
+    if float8 != "none":
+        casts += fp8_cast_bytes(shapes, rowwise=float8 == "rowwise")
     elementwise = (factor * tokens * (L * act + 4 * V) + casts) / hbm
     fwd_share = 1 / 3  # the forward's share of element-wise work, recomputed with the forward
     recompute = frac * (fwd_blocks + att_flops / att_rate + fwd_share * factor * tokens * L * act / hbm)
@@ -208,7 +218,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     B, T, gas, ac = t.micro_batch_size, recipe.seq_len, t.grad_accum_steps, t.activation_checkpointing
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
-    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib)
+    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib, t.float8)
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]
     sharded_states = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 1)
@@ -241,6 +251,16 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
+    if t.float8 != "none":
+        n8 = len(swapped_shapes(gemm_shapes(local, tokens)))
+        fp8 = calib.gemm_fp8_tflops
+        assumptions.append(
+            f"float8 {t.float8}: {n8} GEMM shapes of the blocks at the FP8 rate ("
+            + (f"calibrated, {fp8['max_tflops']:.0f} TFLOP/s x s/(s+{fp8['half_dim']:.0f})" if fp8 else
+               f"not calibrated: {FP8_OVER_BF16:g} x the bf16 curve, the datasheet FP8/bf16 ratio")
+            + f"), their FP8 casts' traffic ({CAST_BYTES_PER_ELEMENT} B per operand element) at HBM bandwidth; "
+            "heads and router in bf16" + ("; FSDP2's FP8 all-gather (half the gathered bytes) not modelled in the "
+                                          "collectives" if engine == "fsdp" and t.float8 == "tensorwise" else ""))
     if dispatch:
         assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
                            f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "

@@ -57,6 +57,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate Llama-3.1-8B/config.json --seq-len 8192 --gpus 8
       scaletool estimate mha-1b --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
+      scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
     """
     if tensor_parallel is not None:
         overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
@@ -241,3 +242,9 @@ def print_memory(r, est, console: Console) -> None:
                   f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] per GPU, "
                   f"set by the "
                   f"{rec.phase.replace('_', ' ')}{where}.")
+    if rec.float8:
+        f8, (name, size) = rec.float8, unit
+        console.print(f"float8 {tr.float8}: {f8['fp8_params']:,} linear parameters in FP8; FP8 casts "
+                      f"+{f8['fp8_cast_temporaries_bytes'] / size:.2f} {name} (temps), autocast weight copies "
+                      f"-{f8['autocast_weight_copies_saved_bytes'] / size:.2f} {name} (activ), FP8 all-gather "
+                      f"-{f8['fp8_all_gather_saved_bytes'] / size:.2f} {name} (buffers); the engine table is bf16.")

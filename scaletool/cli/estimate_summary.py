@@ -128,6 +128,13 @@ def print_summary(r, est, con: Console) -> None:
               f"{f', tensor-parallel {tp}' if tp > 1 else ''}, checkpointing {tr.activation_checkpointing}):\n"
               f"  [bold]{size(rec.total_bytes)}[/] per GPU, peak in the {(rec.phase or 'backward').replace('_', ' ')}"
               f"{where}.")
+    if rec.float8:
+        f8 = rec.float8
+        con.print(f"float8 {tr.float8}: {f8['fp8_params'] / 1e6:,.0f} M linear parameters in FP8 (in the table: the "
+                  "tok/s of single, ddp, fsdp;\n  its memory columns are bf16's);"
+                  f" FP8 casts +{size(f8['fp8_cast_temporaries_bytes'])}, autocast weight copies "
+                  f"-{size(f8['autocast_weight_copies_saved_bytes'])}, FP8 all-gather "
+                  f"-{size(f8['fp8_all_gather_saved_bytes'])}.")
     if tp > 1 and data.get("communication"):
         c = data["communication"]
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "

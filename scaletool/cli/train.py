@@ -53,7 +53,7 @@ def train(recipe: str, overrides: tuple[str, ...], out: Path | None, as_json: bo
     Engines (parallel.engine): single, ddp, fsdp (FSDP2), deepspeed (ZeRO 0-3).
     Runs as one process, as one rank of torchrun or the DeepSpeed launcher
     (env://), or starts N local ranks itself with --nproc-per-node N (gloo
-    on CPU, nccl on CUDA).
+    on CPU, nccl on CUDA). FP8 GEMMs: --set train.float8=tensorwise|rowwise.
 
     \b
     Examples:

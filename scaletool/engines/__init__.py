@@ -13,7 +13,8 @@ trainer (:mod:`scaletool.train.trainer`) sees only this interface.
 
 Modules: :mod:`.dist` (rank layout and process group), :mod:`.apply` (activation checkpointing,
 compile), :mod:`.optim` (AdamW), :mod:`.base` (the interface, the factory, launch-time checks),
-:mod:`.serialization` (checkpoint reads that run no code from the file, shape checks).
+:mod:`.serialization` (checkpoint reads that run no code from the file, shape checks), :mod:`.float8`
+(``train.float8``: torchao's Float8Linear swap).
 
 Model code stays single-device; what makes it distributed, checkpointed or compiled is applied
 here, to the built model, as torchtitan's ``parallelize`` does.

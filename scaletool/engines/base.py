@@ -60,7 +60,9 @@ def startup_notes(recipe: Recipe, env: DistEnv) -> list[str]:
 
 def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     """Build the recipe's model on this rank's device (same seed on every rank) and wrap it."""
+    from scaletool.engines.float8 import check_runtime
     from scaletool.model import build_model
+    check_runtime(recipe, env.device)  # no FP8 on this device, or no torchao: one line each, before building
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
     cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from scaletool.config import Recipe, RecipeError
+from scaletool.engines import float8
 from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
@@ -38,6 +39,8 @@ class SingleEngine(Engine):
         t = recipe.train
         self.grad_clip = t.grad_clip
         self.shard_tensors(model)
+        #: train.float8: the linear layers swapped to torchao's Float8Linear and those kept in bf16
+        self.float8 = float8.convert(model, recipe) if t.float8 != "none" else None
         apply_activation_checkpointing(model, t)
         if t.compile:
             scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
@@ -100,6 +103,8 @@ class SingleEngine(Engine):
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.float8 is not None:
+            float8.after_optimizer_step(self.model, self.recipe)
         self.optimizer.zero_grad(set_to_none=True)
         return total / n, norm
 

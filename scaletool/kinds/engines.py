@@ -43,6 +43,7 @@ class EngineKind:
     the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``). ``zero_stages``:
     the ZeRO stages it takes (``parallel.zero_stage``), ``table_stages`` those the engine table shows.
     ``memory``/``communication``/``engine``: the closed forms and the torch class, as references.
+    ``float8``: composes with ``train.float8`` (torchao's Float8Linear under this engine's wrapping).
     ``package``: the library whose version a training result records, ``config_record`` what it records of
     the library's configuration. ``rules``: the engine's own
     recipe rules, ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet).
@@ -58,6 +59,7 @@ class EngineKind:
     layouts: tuple[str, ...] = ()
     zero_stages: tuple[int, ...] = ()
     table_stages: tuple[int, ...] = ()
+    float8: bool = False
     package: str | None = None
     startup_notes: str | None = None
     #: ``"module:function"``, ``function(recipe, world_size)`` -> what a training result records of the
@@ -199,12 +201,12 @@ _COMM = "scaletool.analytic.comm"
 ENGINES: dict[str, EngineKind] = {
     k.name: k for k in (
         EngineKind("single", f"{_MEMORY}:single_memory", f"{_COMM}:no_communication",
-                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True),
+                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True, float8=True),
         EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
-                   "scaletool.engines.ddp:DDPEngine", autocast=True),
+                   "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
         EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
                    "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload",),
-                   layouts=("tensor_parallel", "expert_parallel")),
+                   layouts=("tensor_parallel", "expert_parallel"), float8=True),
         EngineKind("deepspeed", f"{_MEMORY}:zero_memory", f"{_COMM}:zero_communication",
                    "scaletool.engines.deepspeed:DeepSpeedEngine",
                    keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),

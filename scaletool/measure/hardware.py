@@ -44,7 +44,7 @@ class ProfileFile(BaseModel):
     device: Literal["cuda", "cpu"]
     match: list[str] = []
     exclude: list[str] = []
-    peak_tflops: dict[Literal["bf16", "fp16", "fp32"], Positive] = {}
+    peak_tflops: dict[Literal["bf16", "fp16", "fp32", "fp8"], Positive] = {}  # fp8: dense FP8 tensor cores
     peak_bandwidth_gb_s: Positive | None = None
     memory_gib: Positive | None = None
     reference: str = ""

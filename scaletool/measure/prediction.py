@@ -56,6 +56,7 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
     recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
     from scaletool.analytic.memory import TABLE_ENGINES
+    from scaletool.kinds.engines import engine_kind
     from scaletool.measure.hardware import profile_named
 
     prof = profile_named(hardware)
@@ -68,7 +69,9 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
     rows = []
     for label, engine, stage in layouts:
         par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
-        pred = predict(recipe.model_copy(update={"parallel": par}), calib, world_size)
+        # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
+        t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
+        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size)
         rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
                                                               "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,

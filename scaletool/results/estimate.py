@@ -111,6 +111,8 @@ class MemoryRow(Part):
     backward_peak_at: str | None = None
     label: str | None = None  # memory.engines rows: single, ddp, fsdp, zero1..3
     activation_checkpointing: str | None = None
+    #: train.float8's components (scaletool.analytic.float8): FP8 linear parameters, bytes added and saved
+    float8: dict[str, int] | None = None
 
 
 class Memory(Part):

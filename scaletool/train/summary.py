@@ -97,6 +97,7 @@ class RunRecord:
     flops: dict
     threads: int | None
     contention: dict[int, dict] = field(default_factory=dict)  # step -> the probe's sample (this rank's)
+    peak_fp8_tflops: float | None = None  # train.float8: the card's dense FP8 peak (a second MFU beside bf16's)
 
 
 def _segment(r: RunRecord, seg: dict, current: bool) -> Segment:
@@ -187,6 +188,9 @@ def build_result(r: RunRecord) -> TrainResult:
     seg = segments[chosen]
     timing = seg.timing
     flops = _flops_metrics(seg.tokens_per_s, seg.world_size or r.env.world_size, r.flops, r.peak)
+    if r.peak_fp8_tflops and flops["flops/achieved_tflops_per_gpu"]:
+        # the same model FLOPs over the FP8 peak: what FP8 tensor cores could reach (flops/mfu stays bf16's)
+        flops["flops/mfu_fp8_peak"] = flops["flops/achieved_tflops_per_gpu"] / r.peak_fp8_tflops
     mem_metrics, memory = _memory(r)
     pred_metrics, prediction = _prediction(r, seg.tokens_per_s)
     hist = History(**r.history)

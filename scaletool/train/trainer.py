@@ -33,6 +33,7 @@ from scaletool import analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
 from scaletool.errors import cannot_write, describe
+from scaletool.kinds.float8 import float8_warnings
 from scaletool.measure.contention import Probe, is_contended
 from scaletool.measure.hardware import peak_for
 from scaletool.measure.metrics import MetricsWriter, WandbOptions
@@ -179,6 +180,9 @@ class Trainer:
         self.peak = peak_for(env.device.type, self.device_name, r.model.dtype, peak_tflops)
         if self.peak.warning:
             self.writer.log(f"warning: {self.peak.warning}", style="yellow")
+        # train.float8: MFU against the FP8 peak too (the bf16 one stays the headline, comparable across runs)
+        self.peak_fp8 = peak_for(env.device.type, self.device_name, "fp8").tflops if t.float8 != "none" else None
+        self._float8_notes()
         on = cuda and self.measure
         self.sampler = NvmlSampler(env.device.index if on else None, device_uuid(env.device) if on else None)
         if cuda and not self.measure:
@@ -329,6 +333,9 @@ class Trainer:
         if dt and self.peak.tflops:
             per_gpu = self.tokens_per_step / dt / self.env.world_size
             out["flops/mfu"] = per_gpu * self.flops["train"] / 1e12 / self.peak.tflops
+        if dt and self.peak_fp8:
+            per_gpu = self.tokens_per_step / dt / self.env.world_size
+            out["flops/mfu_fp8_peak"] = per_gpu * self.flops["train"] / 1e12 / self.peak_fp8
         if not last:
             return out
         dev = self.env.device
@@ -341,6 +348,20 @@ class Trainer:
 
             out["memory/max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         return out
+
+    def _float8_notes(self) -> None:
+        """train.float8: the compile warning and which linear layers run in FP8."""
+        swap = getattr(self.engine, "float8", None)
+        if swap is None:
+            return
+        for line in float8_warnings(self.recipe):
+            self.writer.log(f"warning: {line}", style="yellow")
+        kept = ", ".join(swap["kept"][:6]) + (", ..." if len(swap["kept"]) > 6 else "")
+        self.writer.log(f"float8 {self.t.float8}: {len(swap['swapped'])} linear layers in FP8, "
+                        f"{len(swap['kept'])} kept in bf16{f' ({kept})' if kept else ''}")
+        if not swap["swapped"]:
+            self.writer.log("warning: train.float8: no linear layer has both dimensions divisible by 16; "
+                            "every GEMM stays bf16", style="yellow")
 
     def _at_boundary(self, done: int) -> bool:
         saves = self.t.checkpoint_every and done % self.t.checkpoint_every == 0
@@ -367,7 +388,8 @@ class Trainer:
             tokens_per_step=self.tokens_per_step, measure=self.measure, window_s=self.clock.window_s,
             checkpoint_s=self.checkpoint_s, unmeasured_s=self.clock.excluded_s,
             reports=gather_reports(report, self.env, collective), peak=self.peak, flops=self.flops,
-            threads=self.threads, contention=getattr(self, "contention_samples", {}))
+            threads=self.threads, contention=getattr(self, "contention_samples", {}),
+            peak_fp8_tflops=getattr(self, "peak_fp8", None))
         result = build_result(record)
         if collective:
             for cb in self.callbacks:

@@ -27,7 +27,7 @@ def test_json_lists_profiles_and_this_machine(user_dir):
     doc = json.loads(res.output)
     assert doc["kind"] == "hardware"
     h100 = next(p for p in doc["profiles"] if p["name"] == "H100 SXM")
-    assert h100["peak_tflops"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}
+    assert h100["peak_tflops"] == {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0, "fp8": 1979.0}
     assert h100["peak_bandwidth_bytes_per_s"] == 3.35e12 and "datasheet" in h100["reference"]
     m = doc["this_machine"]
     if torch.cuda.is_available():
