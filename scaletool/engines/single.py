@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from scaletool.config import Recipe, RecipeError
-from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
+from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks, compile_kwargs
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
@@ -42,9 +42,9 @@ class SingleEngine(Engine):
         if t.compile:
             scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
             if scope == "model":
-                model.compile()  # in place: parameter names unchanged
+                model.compile(**compile_kwargs(t))  # in place: parameter names unchanged
             else:
-                compile_blocks(model)
+                compile_blocks(model, t)
         self.model = self.wrap(model)
         self.optimizer = make_adamw(self.model, t, env.device)
         dtype = recipe.model.dtype
