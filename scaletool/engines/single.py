@@ -45,6 +45,7 @@ class SingleEngine(Engine):
                 model.compile(**compile_kwargs(t))  # in place: parameter names unchanged
             else:
                 compile_blocks(model, t)
+        self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.model = self.wrap(model)
         self.optimizer = make_adamw(self.model, t, env.device)
         dtype = recipe.model.dtype
@@ -75,6 +76,8 @@ class SingleEngine(Engine):
         n = len(batches)
         total = None
         for i, (inputs, targets) in enumerate(batches):
+            if self.cudagraphs:  # a new iteration: CUDA graph trees may reuse the last one's output memory
+                torch.compiler.cudagraph_mark_step_begin()
             with self.grad_sync(i == n - 1):
                 with self.autocast():
                     loss = self.model(inputs, targets)

@@ -54,7 +54,8 @@ def test_the_modes_validate_and_default_changes_no_result_key():
 ])
 def test_the_mode_reaches_torch_compile_and_the_result(tmp_path, monkeypatch, scope, mode, expected):
     """A real one-process CPU run; torch.compile is replaced by a recorder that returns the module as it is
-    (the mode is torch's to honour: this checks that scaletool hands it over, per block or for the model)."""
+    (the mode is torch's to honour: this checks that scaletool hands it over, per block or for the model, and
+    that under reduce-overhead each step marks its start for CUDA graph trees)."""
     calls = []
 
     def record(target=None, **kwargs):
@@ -63,10 +64,13 @@ def test_the_mode_reaches_torch_compile_and_the_result(tmp_path, monkeypatch, sc
 
     monkeypatch.setattr(torch, "compile", record)
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: calls.append((type(self).__name__, kw)))
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     r = invoke(tmp_path, "train.compile=true", f"train.compile_scope={scope}", f"train.compile_mode={mode}")
     assert r.exit_code == 0, r.stderr
     n_layers = load_recipe(TINY, []).model.n_layers
     assert len(calls) == (n_layers if scope == "block" else 1)
     assert all(kw == expected for _, kw in calls)
+    assert len(marks) == (2 if mode == "reduce-overhead" else 0)  # each step tells CUDA graph trees it began
     result = json.loads(r.stdout)
     assert result["status"] == "completed" and result["recipe"]["train"]["compile_mode"] == mode
