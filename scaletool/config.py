@@ -382,6 +382,9 @@ class TrainConfig(_Section):
     compile_scope: Literal["auto", "model", "block"] = Field(
         "auto", description="torch.compile the whole model or each block; auto: model on engine=single, "
         "block on sharded engines (communication hooks stay between compiled regions)")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode, with train.compile: reduce-overhead wraps each compiled "
+        "region in CUDA graphs (no per-kernel launch cost); max-autotune-no-cudagraphs autotunes matmuls")
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
         "auto", description="auto: cuDNN first when q/k and v head dims differ (MLA), else flash")
     float8: Literal["none", "tensorwise", "rowwise"] = Field(
@@ -494,6 +497,9 @@ class Recipe(_Section):
             problems.append(f"model.vocab_size: {m.vocab_size} is too small for synthetic tokens (need >= 4)")
         if self.seq_len > m.max_seq_len:
             problems.append(f"train.seq_len: {self.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if self.train.compile_mode != "default" and not self.train.compile:
+            problems.append(f"train.compile_mode: {self.train.compile_mode} is torch.compile's mode and needs "
+                            "train.compile=true")
         pr = self.profile
         if pr.enabled and pr.wait + pr.warmup + pr.active > self.train.steps:
             problems.append(f"profile: the schedule needs wait + warmup + active = {pr.wait + pr.warmup + pr.active} "

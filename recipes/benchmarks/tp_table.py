@@ -1,10 +1,11 @@
 """Tensor parallelism against FSDP2 alone: the analytic table before the runs, the measured table after.
 
     python recipes/benchmarks/tp_table.py analytic mha-1b mla-1b   # peak memory and bytes on the wire per GPU
-    python recipes/benchmarks/tp_table.py table OUT                 # OUT holds the tp study's results
+    python recipes/benchmarks/tp_table.py table OUT                 # OUT: a tp, tp-2gpu or tp-4gpu study's output
 
 Layouts: fsdp-x2 (2 GPUs), tp2, fsdp-x4, tp4, 2x2 (FSDP2 x TP=2). Regimes: rank8, 8 sequences per
-data-parallel rank; global8, the same global batch of 8 sequences for every layout.
+data-parallel rank (the default where a name has none); global8, the same global batch of 8 sequences for
+every layout. Modes (read from each result's recipe): eager, compiled, compiled with train.compile_mode.
 """
 from __future__ import annotations
 
@@ -40,30 +41,103 @@ def _load(p: Path):
         return None
 
 
+_STEM = re.compile(r"^(?P<recipe>.+?)-(?:(?P<regime>rank8|global8)-)?(?P<layout>fsdp-x\d+|tp\d+|\d+x\d+)(?:-|$)")
+
+
+def _mode(d: dict) -> str:
+    """eager, compiled or compiled with its mode, async TP and activation checkpointing where set."""
+    t, p = d["recipe"]["train"], d["recipe"]["parallel"]
+    m = "eager" if not t["compile"] else "compiled" + ("" if t.get("compile_mode", "default") == "default"
+                                                       else f" {t['compile_mode']}")
+    return m + (" async" if p.get("async_tp") else "") + \
+        (f" ac={t['activation_checkpointing']}" if t["activation_checkpointing"] != "none" else "")
+
+
+def _per_gpu(d: dict) -> tuple[float, float, float, int]:
+    t, w = d["timing"]["tokens_per_s"], d["environment"]["world_size"]
+    return t["median"] / w, t["p10"] / w, t["p90"] / w, t["n"]
+
+
+def _failures(out: Path) -> list[str]:
+    """The study's commands whose last record is not ok, each with the first error line of its log."""
+    runs = out / "runs.jsonl"
+    last = {}
+    for line in (runs.read_text().splitlines() if runs.exists() else []):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        last[r.get("command")] = r
+    rows = []
+    for name, r in last.items():
+        if r.get("status") == "ok":
+            continue
+        log = out / "logs" / f"{name}.stderr"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        why = next((x for x in lines if x.startswith("error: ") and not x.startswith("error: rank")),
+                   next((x for x in reversed(lines) if "Error" in x), ""))
+        rows.append(f"{name:34} {r.get('status')}: {why[:110]}")
+    return rows
+
+
+def _results(out: Path, pattern: str) -> list[Path]:
+    """The study's result files under OUT, not the runs' own directories (runs/, logs/)."""
+    return sorted(p for p in out.rglob(pattern) if p.relative_to(out).parts[0] not in ("runs", "logs"))
+
+
 def table(out: Path) -> None:
+    """Every training result under OUT (the tp, tp-2gpu and tp-4gpu studies' layouts): tokens/s per GPU
+    (median [p10-p90] n), the ratio to the best FSDP2 run of the same recipe, GPUs and compile (eager or
+    compiled), peak memory against the estimate; then best TP against best FSDP2, the profiles, failures."""
     runs = {}
-    for p in sorted(out.glob("*-rank8-*.json")) + sorted(out.glob("*-global8-*.json")):
-        recipe, regime = re.match(r"(.+)-(rank8|global8)-", p.stem).groups()
-        runs[p.stem] = (recipe, regime, _load(p))
-    ok = {k: v for k, v in runs.items() if v[2] and v[2].get("status") == "completed"}
-    per_gpu = {k: d["metrics"]["throughput/tokens_per_s_per_gpu"] for k, (_, _, d) in ok.items()}
-    base = {(r, g, d["environment"]["world_size"]): per_gpu[k] for k, (r, g, d) in ok.items()
-            if d["recipe"]["parallel"]["tensor_parallel"] == 1}
-    print(f"{'run':34} {'GPUs':>4} {'TP':>3} {'mb':>3} {'tok/s/GPU':>10} {'vs fsdp':>8} "
-          f"{'peak GiB':>9} {'est GiB':>8} {'rel':>7}")
-    for k, (recipe, regime, d) in runs.items():
+    for p in _results(out, "*.json"):
+        d = _load(p)
+        if not isinstance(d, dict) or d.get("kind") != "train" or p.stem.startswith("profile-"):
+            continue
+        m = _STEM.match(p.stem)
+        recipe = "win" if p.stem.startswith("win") else (m["recipe"] if m else p.stem)
+        runs[p.stem] = (recipe, (m and m["regime"]) or "rank8", d)
+    ok = {k: v for k, v in runs.items() if v[2].get("status") == "completed"}
+    env = next(iter(ok.values()), (None, None, {}))[2].get("environment", {})
+    print(f"card {(env.get('gpu_names') or ['cpu'])[0]}, torch {env.get('torch')}, CUDA {env.get('cuda')}")
+
+    def group(k):  # FSDP2's runs this one is compared with
+        recipe, regime, d = runs[k]
+        return recipe, regime, d["environment"]["world_size"], d["recipe"]["train"]["compile"]
+    best_fsdp = {}
+    for k, (_, _, d) in ok.items():
+        if d["recipe"]["parallel"]["tensor_parallel"] == 1:
+            g = group(k)
+            if g not in best_fsdp or _per_gpu(d)[0] > _per_gpu(ok[best_fsdp[g]][2])[0]:
+                best_fsdp[g] = k
+    print(f"{'run':34} {'GPUs':>4} {'TP':>3} {'mb':>3} {'mode':30} {'tok/s/GPU median [p10-p90] n':>32} "
+          f"{'vs fsdp':>8} {'peak GiB':>9} {'est GiB':>8} {'rel':>7}")
+    for k, (_, _, d) in runs.items():
         if k not in ok:
-            print(f"{k:34} failed or missing")
+            print(f"{k:34} {d.get('status')}: {str(d.get('message', ''))[:100]}")
             continue
         m, world = d["metrics"], d["environment"]["world_size"]
-        ref = base.get((recipe, regime, world))
-        rel = m["memory/analytic_rel_error"]
-        print(f"{k:34} {world:>4} {d['recipe']['parallel']['tensor_parallel']:>3} {d['recipe']['train']['micro_batch_size']:>3} "
-              f"{per_gpu[k]:>10.0f} {(per_gpu[k] / ref if ref else float('nan')):>8.2f} "
-              f"{(d['peak_memory_bytes'] or 0) / 2**30:>9.2f} {m['memory/analytic_bytes'] / 2**30:>8.2f} "
-              f"{(rel if rel is not None else float('nan')):>+7.1%}")
+        med, p10, p90, n = _per_gpu(d)
+        ref = best_fsdp.get(group(k))
+        ratio = f"{med / _per_gpu(ok[ref][2])[0]:.2f}" if ref else "-"
+        rel, peak = m.get("memory/analytic_rel_error"), d.get("peak_memory_bytes")
+        print(f"{k:34} {world:>4} {d['recipe']['parallel']['tensor_parallel']:>3} "
+              f"{d['recipe']['train']['micro_batch_size']:>3} {_mode(d):30} "
+              f"{f'{med:,.0f} [{p10:,.0f}-{p90:,.0f}] {n}':>32} {ratio:>8} "
+              f"{(f'{peak / 2**30:.2f}' if peak else '-'):>9} {m['memory/analytic_bytes'] / 2**30:>8.2f} "
+              f"{(f'{rel:+.1%}' if rel is not None else '-'):>7}")
+    print("\nbest TP against best FSDP2, per GPU (same recipe, batch regime and GPU count; any mode)")
+    keys = sorted({(r, g, d["environment"]["world_size"]) for r, g, d in ok.values()})
+    for recipe, regime, world in keys:
+        same = {k: _per_gpu(d)[0] for k, (r, g, d) in ok.items()
+                if (r, g, d["environment"]["world_size"]) == (recipe, regime, world)}
+        tp = {k: v for k, v in same.items() if ok[k][2]["recipe"]["parallel"]["tensor_parallel"] > 1}
+        fs = {k: v for k, v in same.items() if k not in tp}
+        if tp and fs:
+            bt, bf = max(tp, key=tp.get), max(fs, key=fs.get)
+            print(f"{recipe} {regime} {world} GPUs: {bt} {tp[bt]:,.0f} / {bf} {fs[bf]:,.0f} = {tp[bt] / fs[bf]:.2f}")
     print("\nprofiler, rank 0 (share of the step; exposed = not overlapped by compute)")
-    for p in sorted(out.glob("profile-*.json")):
+    for p in _results(out, "profile-*.json"):
         d = _load(p)
         if not d or not d.get("step_time_s"):
             print(f"{p.stem}: no breakdown")
@@ -72,6 +146,10 @@ def table(out: Path) -> None:
         print(f"{p.stem:26} step {1e3 * step:7.1f} ms  communication {1e3 * co['communication_s']:6.1f} ms "
               f"({co['communication_s'] / step:.1%}), exposed {co['exposed_s'] / step:.1%}, "
               f"overlap ratio {co['overlap_ratio']}")
+    failures = _failures(out)
+    if failures:
+        print("\nfailed or stopped (the first error line of logs/NAME.stderr)")
+        print("\n".join(failures))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,15 @@ def apply_activation_checkpointing(model: nn.Module, t: TrainConfig) -> None:
             model.layers[i] = checkpoint_wrapper(block)
 
 
-def compile_blocks(model: nn.Module) -> None:
+def compile_kwargs(t: TrainConfig) -> dict:
+    """``torch.compile``'s keyword arguments for ``train.compile_mode`` (none for the default mode)."""
+    return {} if t.compile_mode == "default" else {"mode": t.compile_mode}
+
+
+def compile_blocks(model: nn.Module, t: TrainConfig | None = None) -> None:
     """``torch.compile`` each block (torchtitan's choice for sharded engines: the FSDP/DDP hooks stay
-    between compiled regions, so communication still overlaps the backward of earlier blocks)."""
+    between compiled regions, so communication still overlaps the backward of earlier blocks), in
+    ``train.compile_mode``: reduce-overhead puts each compiled block in CUDA graphs."""
+    kwargs = compile_kwargs(t) if t is not None else {}
     for i, block in enumerate(model.layers):
-        model.layers[i] = torch.compile(block)
+        model.layers[i] = torch.compile(block, **kwargs)

@@ -28,7 +28,7 @@ import torch
 from scaletool.analytic import ZERO_REDUCE_BUCKET
 from scaletool.analytic.zero3 import zero3_defaults
 from scaletool.config import Recipe, RecipeError
-from scaletool.engines.apply import apply_activation_checkpointing
+from scaletool.engines.apply import apply_activation_checkpointing, compile_kwargs
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
@@ -130,7 +130,7 @@ class DeepSpeedEngine(Engine):
             kw = {"optimizer": make_adamw(model, t, env.device)}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, config=config, **kw)
         if t.compile:
-            self.engine.compile()
+            self.engine.compile(compile_kwargs=compile_kwargs(t))
         self.model = self.engine
         self.dtype = DTYPES[recipe.model.dtype]
         # DeepSpeed reads every checkpoint file through its checkpoint engine's load(path, map_location)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import float8
-from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks
+from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks, compile_kwargs
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
@@ -45,9 +45,10 @@ class SingleEngine(Engine):
         if t.compile:
             scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
             if scope == "model":
-                model.compile()  # in place: parameter names unchanged
+                model.compile(**compile_kwargs(t))  # in place: parameter names unchanged
             else:
-                compile_blocks(model)
+                compile_blocks(model, t)
+        self.cudagraphs = t.compile and t.compile_mode == "reduce-overhead"
         self.model = self.wrap(model)
         self.optimizer = make_adamw(self.model, t, env.device)
         dtype = recipe.model.dtype
@@ -78,6 +79,8 @@ class SingleEngine(Engine):
         n = len(batches)
         total = None
         for i, (inputs, targets) in enumerate(batches):
+            if self.cudagraphs:  # a new iteration: CUDA graph trees may reuse the last one's output memory
+                torch.compiler.cudagraph_mark_step_begin()
             with self.grad_sync(i == n - 1):
                 with self.autocast():
                     loss = self.model(inputs, targets)

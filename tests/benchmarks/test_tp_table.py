@@ -1,0 +1,46 @@
+"""recipes/benchmarks/tp_table.py reads the tensor-parallel studies' outputs: the committed 2-GPU results give
+their ratios again, and a failed command of a study shows with its first error line."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from conftest import ROOT
+
+RESULTS = ROOT / "recipes" / "benchmarks" / "results" / "tp-2gpu-h200"
+
+
+def table(out) -> str:
+    p = subprocess.run([sys.executable, str(ROOT / "recipes" / "benchmarks" / "tp_table.py"), "table", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_the_committed_results_give_their_ratios_and_modes(tmp_path):
+    out = tmp_path / "study"
+    (out / "tp2").mkdir(parents=True)
+    for p in RESULTS.glob("m*.json"):
+        shutil.copy(p, out / "tp2" / p.name)
+    (out / "runs" / "x").mkdir(parents=True)  # a run's own summary is no result of the study
+    shutil.copy(RESULTS / "mha-tp2-eager.json", out / "runs" / "x" / "mha-tp2-eager.json")
+    text = table(out)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("mha-", "mla-"))}
+    assert len(rows) == 10
+    assert "compiled async" in rows["mha-tp2-compiled-async"] and " eager " in rows["mla-tp2-eager"]
+    assert rows["mha-tp2-compiled"].split()[-4] == "0.68" and rows["mla-tp2-eager"].split()[-4] == "0.29"
+    assert "mha rank8 2 GPUs: mha-tp2-compiled 57,322 / mha-fsdp-x2-compiled 83,954 = 0.68" in text
+    assert "mla rank8 2 GPUs: mla-tp2-compiled 45,933 / mla-fsdp-x2-compiled 82,304 = 0.56" in text
+
+
+def test_a_failed_command_shows_its_first_error_line(tmp_path):
+    (tmp_path / "logs").mkdir()
+    records = [{"command": "mha-1b-tp2-compiled-ro", "status": "failed"}, {"command": "table", "status": "ok"}]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "logs" / "mha-1b-tp2-compiled-ro.stderr").write_text(
+        "step 1\nerror: rank 1 exited with status 1\nerror: CUDA graphs: a collective cannot be captured\n")
+    text = table(tmp_path)
+    assert "mha-1b-tp2-compiled-ro             failed: error: CUDA graphs: a collective cannot be captured" in text
+    assert "table " not in text.split("failed or stopped")[1]
