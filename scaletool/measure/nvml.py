@@ -73,8 +73,7 @@ class NvmlSampler:
         n = self._nvml
         procs = self._query("nvmlDeviceGetComputeRunningProcesses")
         # in a container NVML reports host PIDs: where this process is not among them, it is one of them
-        others = None if procs is None else (sum(1 for p in procs if p.pid != os.getpid())
-                                             if any(p.pid == os.getpid() for p in procs) else max(0, len(procs) - 1))
+        others = None if procs is None else foreign_processes([p.pid for p in procs])
         reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons")
         throttled = None if reasons is None else bool(reasons & _THROTTLE_MASK)
         if self._base_mhz is None:
@@ -116,6 +115,27 @@ class NvmlSampler:
             out[f"{key}_max"] = max(vals)
         out.update(contention_summary([c for c in self.contention if since is None or c[0] >= since]))
         return out
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def foreign_processes(pids: list[int], me: int | None = None) -> int:
+    """How many of the processes NVML lists on our GPU belong to someone else: not this process and
+    not a sibling rank of the same job (a process with our parent, the launcher that started every
+    local rank; NCCL's peer-to-peer transport opens each peer rank's context on our GPU). A PID this
+    namespace cannot see counts as foreign; NVML listing PIDs of another namespace only (ours absent)
+    counts all but one as foreign."""
+    me = os.getpid() if me is None else me
+    if me not in pids:
+        return max(0, len(pids) - 1)
+    parent = _parent(me)
+    return sum(1 for pid in pids if pid != me and (parent is None or parent <= 1 or _parent(pid) != parent))
 
 
 def contention_summary(rows: list[tuple]) -> dict:

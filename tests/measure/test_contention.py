@@ -82,3 +82,33 @@ def test_gpu_contention_figures_from_nvml_samples():
     assert got == {"contention/gpu_other_processes_max": 2, "contention/gpu_throttled_share": pytest.approx(1 / 3),
                    "contention/gpu_clock_below_base_share": pytest.approx(1 / 3)}
     assert set(contention_summary([]).values()) == {None}
+
+
+def test_sibling_ranks_of_one_launcher_are_not_other_processes_but_a_stranger_is(tmp_path):
+    import subprocess
+    import sys
+
+    from scaletool.measure.nvml import foreign_processes
+    code = ("import subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) for _ in range(2)]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    kids: list[int] = []
+    try:
+        kids = [int(x) for x in launcher.stdout.readline().split()]
+        a, b = kids
+        assert foreign_processes([a, b], me=a) == 0  # the job's own ranks
+        assert foreign_processes([a, b, stranger.pid], me=a) == 1
+        assert foreign_processes([b, stranger.pid], me=a) == 1  # we are not listed: all but one
+        assert foreign_processes([a, 999_999_999], me=a) == 1  # a PID this namespace cannot see
+    finally:
+        import os
+        import signal
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+        stranger.kill()
+        launcher.kill()
+        launcher.wait()
+        stranger.wait()
