@@ -10,10 +10,12 @@ from scaletool.measure.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.27),  # every committed dense run, H100 and H200 (93 runs: 3.4%, 24.5%)
+    "dense": (0.04, 0.39),  # every committed dense run, H100 and H200 (100 runs: 3.8%, 37.7%)
+    "dense but ZeRO-3": (0.035, 0.26),  # the same without ZeRO-3 (83 runs: 3.4%, 24.5%)
+    "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
     "H100": (0.035, 0.19),   # the card the model was fitted on (51 runs: 2.6%, 17.7%)
-    "compiled": (0.03, 0.08),  # compiled single, FSDP2 and TP (17 runs: 2.5%, 7.4%)
-    "TP": (0.05, 0.10),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (5 runs: 3.7%, 7.4%)
+    "compiled": (0.03, 0.12),  # compiled single, FSDP2 and TP (21 runs: 2.9%, 11.4%)
+    "TP": (0.05, 0.12),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (7 runs: 4.0%, 11.4%)
 }
 
 
@@ -42,6 +44,8 @@ def test_every_committed_gpu_run_is_predicted(runs):
 def test_error_distribution_within_the_stated_tolerance(runs):
     dense = [r for r in runs if not r["moe"] and not r["async_tp"]]
     _check(dense, "dense")
+    _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
+    _check([r for r in dense if "ZeRO-3" in r["engine"]], "ZeRO-3")
     _check([r for r in dense if "TP" in r["engine"]], "TP")
     _check([r for r in dense if "H100" in r["card"]], "H100")
     _check([r for r in dense if r["compiled"]], "compiled")
