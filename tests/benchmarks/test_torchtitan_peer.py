@@ -174,3 +174,11 @@ def test_torch_compat_shims_refuse_without_the_flag_and_raise_on_unsupported_use
     assert calls == [(("mod", 1), {})]  # the keyword older torch lacks is not passed on
     with pytest.raises(RuntimeError, match="separate_full_blocks=False"):
         flex_attention.create_block_mask("mod", separate_full_blocks=False)
+
+
+@pytest.mark.skipif(has_torchtitan(), reason="torchtitan is installed here")
+def test_without_torchtitan_the_torchtitan_side_is_one_error_line(capsys):
+    assert peer.main([str(RECIPES / "mha-1b.yaml"), "--tp", "2", "--dry-run"]) == 2
+    err = capsys.readouterr()
+    assert err.err.startswith("error: torchtitan 0.3.0 is not importable") and len(err.err.splitlines()) == 1
+    assert err.out == ""

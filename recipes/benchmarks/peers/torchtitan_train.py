@@ -521,6 +521,11 @@ def plan(args) -> tuple[Recipe, dict]:
     if args.only == "scaletool" and not args.dry_run:  # torchtitan neither runs nor needs importing
         return recipe, doc
     doc["compat"] = ensure_torch_api(args.torch_compat)
+    try:
+        import torchtitan.models  # noqa: F401
+    except ImportError as e:
+        raise RecipeError(f"torchtitan {TORCHTITAN_VERSION} is not importable ({e}); install its wheels: "
+                          "recipes/benchmarks/peers/README.md") from None
     tt = torchtitan_counts(cfg, T, args.attn_backend)
     doc["params"]["torchtitan_model"] = tt["params"]
     doc["flops_per_token"]["torchtitan"] = tt["flops_per_token"]
