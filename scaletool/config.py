@@ -419,6 +419,8 @@ class ParallelConfig(_Section):
     async_tp: bool = Field(False, description="tensor_parallel > 1 with train.compile on CUDA: inductor fuses each "
                            "all-gather with the matmul it feeds and each matmul with its reduce-scatter, overlapping "
                            "them chunk by chunk over symmetric memory")
+    tp_local_ops: bool = Field(False, description="tensor_parallel > 1: the same split with every op inside a block "
+                               "on local tensors (parameters stay DTensors), saving DTensor's per-op host dispatch")
 
     @field_validator("deepspeed")
     @classmethod

@@ -264,7 +264,9 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     if dispatch:
         assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
                            f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "
-                           "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else ""))
+                           "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else "")
+                           + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
+                              "not modelled" if p.tp_local_ops else ""))
     if N > G:
         assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
                            f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")

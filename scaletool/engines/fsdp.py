@@ -42,7 +42,7 @@ class FSDPEngine(SingleEngine):
         tp = self.recipe.parallel.tensor_parallel
         self.mesh = device_mesh(self.env, tp)
         if tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"], self.recipe.model)
+            apply_tensor_parallel(model, self.mesh["tp"], self.recipe.model, self.recipe.parallel.tp_local_ops)
             if self.recipe.parallel.async_tp:
                 if self.env.device.type != "cuda":
                     raise RecipeError([f"parallel.async_tp: needs CUDA devices (symmetric memory), "

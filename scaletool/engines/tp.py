@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from scaletool.config import ModelConfig
+from scaletool.engines.tp_local import localize_block, localize_root
 
 _PARTIAL = (Partial(),)
 
@@ -151,10 +152,11 @@ def _ffn_styles(cfg: ModelConfig) -> dict[str, ParallelStyle]:
     return styles
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig) -> None:
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, local_ops: bool = False) -> None:
     """Split ``model`` (a built, initialised :class:`~scaletool.model.transformer.Transformer`, the same
     weights on every rank) over the 1-D ``mesh`` in place. Call before activation checkpointing,
-    compile and FSDP2 (torchtitan's order)."""
+    compile and FSDP2 (torchtitan's order). ``local_ops``: the blocks run on local tensors, the same
+    split (:mod:`scaletool.engines.tp_local`)."""
     root: dict[str, ParallelStyle] = {
         # vocabulary-sharded: masked lookups, partial sums reduce-scattered onto the sequence shards
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
@@ -165,11 +167,16 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig) 
         # gathered normed states that gives vocabulary-sharded logits, as this style would
         root["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, root)
+    if local_ops:
+        localize_root(model, mesh)
     plan = ATTENTION_PLANS[cfg.attention](cfg, mesh.size())
     for block in model.layers:
         styles = {"attn_norm": SequenceParallel(), "attn": _sublayer_input(3), "ffn_norm": SequenceParallel(),
                   **{f"attn.{name}": style for name, style in plan.styles.items()}, **_ffn_styles(cfg)}
-        parallelize_module(block, mesh, styles)
+        if local_ops:
+            localize_block(block, mesh, styles)
+        else:
+            parallelize_module(block, mesh, styles)
         for name, value in plan.local.items():
             setattr(block.attn, name, value)
 

@@ -271,6 +271,8 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     if p.async_tp and (p.tensor_parallel == 1 or not recipe.train.compile):
         return ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true (the fused "
                 "collective matmuls are an inductor pass over the compiled blocks)"]
+    if p.tp_local_ops and p.tensor_parallel == 1:
+        return ["parallel.tp_local_ops: needs parallel.tensor_parallel > 1 (it is a form of the tensor-parallel plan)"]
     if p.tensor_parallel > 1:
         problems = tensor_parallel_problems(recipe, seq_len)
         if problems:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,6 +62,11 @@ def test_features_the_peers_cannot_express_are_one_line_each():
     (["nope.yaml", "--dry-run"], "error: "),
     ([str(RECIPES / "mha-1b.yaml"), "--set", "model.ffn=gelu", "--dry-run"], "error: model.ffn: gelu"),
     ([str(RECIPES / "mha-1b.yaml"), "--steps", "0"], "--steps: 0 is too small"),
+    ([str(RECIPES / "mha-1b.yaml"), "--tp", "0"], "--tp: 0 is too small"),
+    ([str(RECIPES / "mha-1b.yaml"), "--async-tp"], "--async-tp: needs --tp > 1"),
+    ([str(RECIPES / "mha-1b.yaml"), "--tp", "2", "--also-recipe"], "--also-recipe: not with --tp"),
+    ([str(RECIPES / "mha-1b.yaml"), "--tp", "2", "--only", "scaletool"], "error: --tp 2: does not divide the world size 1"),
+    ([str(RECIPES / "mha-1b.yaml"), "--tp", "3", "--dry-run"], "model.n_heads: 16 heads do not split"),
 ])
 def test_bad_input_exits_2_with_one_line_per_problem(argv, message, capsys):
     try:
@@ -105,6 +113,39 @@ def test_torchtitan_model_has_exactly_scaletools_parameters(recipe):
     assert doc["flops_per_token"]["torchtitan"] == doc["flops_per_token"]["scaletool_full"] + 6 * outside_matmul
 
 
+def test_scaletool_side_with_tp_matches_one_rank(tmp_path):
+    """--tp 2 under torchrun (two gloo ranks, one tensor-parallel group): both ranks read the one batch
+    stream a one-rank run reads, so scaletool's TP=2 step takes the one-rank FSDP2 step's losses; tokens/s per
+    GPU counts each batch once over the two GPUs."""
+    args = [str(RECIPES / "tiny.yaml"), "--only", "scaletool", "--set", "train.micro_batch_size=2", "--set",
+            "train.seq_len=32", "--steps", "4", "--warmup", "1"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), *args,
+                        "--tp", "2", "--out", str(tmp_path / "tp2.json")], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tp2 = json.loads((tmp_path / "tp2.json").read_text())
+    assert peer.main([*args, "--out", str(tmp_path / "one.json")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())
+    s = tp2["settings"]
+    assert (tp2["world_size"], s["tensor_parallel"], s["data_parallel"], s["global_batch_sequences"]) == (2, 2, 1, 2)
+    r = tp2["results"]["scaletool"]
+    assert r["tokens_per_s_per_gpu"]["median"] == pytest.approx(2 * 32 / 2 / r["step_s"]["median"])
+    for key in ("loss_first", "loss_last"):
+        assert r[key] == pytest.approx(one["results"]["scaletool"][key], rel=1e-4)
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("recipe", ["mha-1b.yaml", "mla-1b.yaml"])
+def test_both_tensor_parallel_plans_leave_a_rank_the_same_share(recipe):
+    """--tp 2 --dry-run: torchtitan's sharding plan and scaletool's, each on the meta device over a fake
+    two-rank group, keep the same parameters per rank and replicate the same ones, the analytic figures."""
+    _, doc = peer.plan(peer.parse_args([str(RECIPES / recipe), "--tp", "2", "--dry-run"]))
+    shares = doc["tp_shares"]
+    assert shares["torchtitan"] == shares["scaletool"] == {"local": shares["analytic_local"],
+                                                           "replicated": shares["analytic_replicated"]}
+    assert shares["analytic_local"] < doc["params"]["scaletool_analytic"]
+
+
 @needs_torchtitan
 def test_unequal_shapes_are_refused(monkeypatch):
     monkeypatch.setattr(peer, "torchtitan_counts", lambda cfg, T, backend: {"params": 1, "flops_per_token": 1.0,
@@ -133,3 +174,11 @@ def test_torch_compat_shims_refuse_without_the_flag_and_raise_on_unsupported_use
     assert calls == [(("mod", 1), {})]  # the keyword older torch lacks is not passed on
     with pytest.raises(RuntimeError, match="separate_full_blocks=False"):
         flex_attention.create_block_mask("mod", separate_full_blocks=False)
+
+
+@pytest.mark.skipif(has_torchtitan(), reason="torchtitan is installed here")
+def test_without_torchtitan_the_torchtitan_side_is_one_error_line(capsys):
+    assert peer.main([str(RECIPES / "mha-1b.yaml"), "--tp", "2", "--dry-run"]) == 2
+    err = capsys.readouterr()
+    assert err.err.startswith("error: torchtitan 0.3.0 is not importable") and len(err.err.splitlines()) == 1
+    assert err.out == ""

@@ -41,8 +41,13 @@ KINDS = {"mha": ["model.attention=mha"], "gqa": ["model.attention=gqa", "model.n
 #: DTensor blocks as on GPUs, without inductor's C++ build) -> the one-process run they must match
 COMPILED = {"mha-compiled": ("mha", ["model.attention=mha", "train.compile=true"]),
             "mla-compiled": ("mla", ["train.compile=true"])}
-#: layout -> (ranks, tensor_parallel, the kinds it trains)
-LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post", *COMPILED)), "fsdp2x2": (4, 2, ("mha", "gqa", "mla"))}
+#: layout -> (ranks, tensor_parallel, the kinds it trains, further overrides); "-local": parallel.tp_local_ops, the
+#: same split with the blocks on local tensors, must match the one-process runs (and the collectives) the same way
+LOCAL = ["parallel.tp_local_ops=true"]
+LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post", *COMPILED), []),
+           "fsdp2x2": (4, 2, ("mha", "gqa", "mla"), []),
+           "tp2-local": (2, 2, ("mha", "mqa", "mla", "post", *COMPILED), LOCAL),
+           "fsdp2x2-local": (4, 2, ("gqa", "mla"), LOCAL)}
 
 
 def summary(path: Path) -> dict:
@@ -61,9 +66,10 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request, tmp_path_factory):
     name = request.param
-    ranks, tp, kinds = LAYOUTS[name]
+    ranks, tp, kinds, extra = LAYOUTS[name]
     root = tmp_path_factory.mktemp(name)
-    parallel = ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}", f"train.micro_batch_size={8 * tp // ranks}"]
+    parallel = ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}", f"train.micro_batch_size={8 * tp // ranks}",
+                *extra]
     jobs = {kind: COMMON + (COMPILED[kind][1] if kind in COMPILED else KINDS[kind]) + parallel for kind in kinds}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), WORKER, TINY,
                         str(root), json.dumps(jobs), json.dumps(parallel)], capture_output=True, text=True,
@@ -178,6 +184,8 @@ def recipe(tp: int, engine: str = "fsdp", **model) -> dict:
      ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true"]),
     (recipe(1) | {"parallel": {"engine": "fsdp", "async_tp": True}, "train": {"compile": True}},
      ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true"]),
+    (recipe(1) | {"parallel": {"engine": "fsdp", "tp_local_ops": True}},
+     ["parallel.tp_local_ops: needs parallel.tensor_parallel > 1"]),
     (recipe(2, position_encoding="learned"), ["model.position_encoding: learned is not split by tensor parallelism"]),
     (recipe(2, position_encoding="alibi"), ["model.position_encoding: alibi is not split by tensor parallelism"]),
 ])

@@ -5,6 +5,8 @@ Usage (from the repository root; torchrun for N GPUs, FSDP2 over all of them)::
     python recipes/benchmarks/peers/torchtitan_train.py recipes/mha-1b.yaml --out peer-mha-1b.json
     torchrun --nproc-per-node 4 recipes/benchmarks/peers/torchtitan_train.py recipes/mla-1b.yaml --out x4.json
     python recipes/benchmarks/peers/torchtitan_train.py recipes/mla-1b.yaml --dry-run   # CPU: mapping, counts
+    torchrun --nproc-per-node 2 recipes/benchmarks/peers/torchtitan_train.py recipes/mha-1b.yaml --tp 2 --out tp2.json
+    python recipes/benchmarks/peers/torchtitan_train.py recipes/mla-1b.yaml --tp 2 --dry-run  # CPU: per-rank shares
 
 What runs, in this order, each on the same pre-drawn synthetic token batches:
 
@@ -33,6 +35,17 @@ card's peak from scaletool's hardware profiles: scaletool's (``analytic.flops_pe
 parameters + causal attention, with the full-attention figure beside it) and torchtitan's
 (``get_nparams_and_flops``: 6 × non-embedding parameters + 6·L·H·(d_qk + d_v)·T, full attention).
 Peak memory is ``torch.cuda.max_memory_allocated`` (max over ranks), reset between the runs.
+
+``--tp N`` (N divides the world size): tensor parallelism over groups of N ranks, FSDP2 over the rest, on
+both sides. torchtitan: its own sharding plan (``set_llama3_sharding_config`` /
+``set_deepseek_v3_sharding_config`` with sequence parallelism, its default) applied by the same
+``parallelize_llama`` / ``parallelize_deepseekv3`` (``Module.parallelize`` before compile and FSDP2), the
+head's vocabulary-sharded logits into its loss-parallel cross-entropy. scaletool:
+``parallel.tensor_parallel=N`` (loss parallel always; ``--set parallel.tp_local_ops=true`` for its
+local-ops form). The ranks of a TP group read the same batches; the global batch is micro-batch × world /
+N sequences, so tokens/s per GPU = micro-batch × seq_len × (world / N) / world / step time. ``--async-tp``
+turns on async TP on both sides (compiled only). With ``--dry-run``, ``--tp N`` also applies both plans on
+the meta device over a fake N-rank group and records each side's per-rank parameter share.
 
 One JSON document (``--out``, and stdout) holds the card, date, versions, command, settings,
 parameter counts, FLOPs per token and both results with their ratio.
@@ -158,12 +171,13 @@ def ensure_torch_api(allow_compat: bool) -> list[str]:
     return [f"{COMPAT[k][0]}: {COMPAT[k][1]}" for k in missing]
 
 
-def torchtitan_config(cfg: ModelConfig, attn_backend: str):
+def torchtitan_config(cfg: ModelConfig, attn_backend: str, tp: int = 1):
     """torchtitan's ``Llama3Model.Config`` or ``DeepSeekV3Model.Config`` at the recipe's shapes.
 
     Built from torchtitan's own builders (``make_gqa_config``/``make_ffn_config`` for Llama-3,
     ``build_mla_moe_layers`` with ``n_dense_layers = n_layers`` for DeepSeek-V3) with its Llama-3
     initialisation scheme (truncated normal 0.02, depth-scaled output projections); no RoPE scaling.
+    ``tp`` > 1: with torchtitan's tensor-parallel sharding plan (sequence parallel), as its trainer sets it.
     """
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.config_utils import get_attention_config, make_ffn_config, make_gqa_config
@@ -198,7 +212,11 @@ def torchtitan_config(cfg: ModelConfig, attn_backend: str):
             feed_forward=make_ffn_config(dim=d, hidden_dim=s["hidden_dim"], w1_param_init=linear,
                                          w2w3_param_init=depth(i)))
             for i in range(s["n_layers"])]
-        return Llama3Model.Config(layers=layers, **head)
+        out = Llama3Model.Config(layers=layers, **head)
+        if tp > 1:
+            from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+            set_llama3_sharding_config(out, enable_sp=True)
+        return out
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 
     # n_dense_layers = n_layers: every block takes the dense SwiGLU; the MoE arguments are then unused
@@ -214,7 +232,11 @@ def torchtitan_config(cfg: ModelConfig, attn_backend: str):
         block.attention_norm, block.ffn_norm, block.attention.kv_norm = rms(d), rms(d), rms(s["kv_lora_rank"])
         if s["q_lora_rank"]:
             block.attention.q_norm = rms(s["q_lora_rank"])
-    return DeepSeekV3Model.Config(layers=layers, **head)
+    out = DeepSeekV3Model.Config(layers=layers, **head)
+    if tp > 1:
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+        set_deepseek_v3_sharding_config(out, enable_sp=True, enable_ep=False)
+    return out
 
 
 def torchtitan_counts(cfg: ModelConfig, seq_len: int, attn_backend: str) -> dict:
@@ -256,11 +278,12 @@ def timed_steps(step: Callable[[], torch.Tensor], steps: int, device: torch.devi
     return times, [float(x) for x in torch.stack(losses).float().cpu()]
 
 
-def synthetic_batches(recipe: Recipe, device: torch.device, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def synthetic_batches(recipe: Recipe, device: torch.device, n: int = 4, tp: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` batches of uniform random tokens (inputs, next-token labels), the same on every framework
-    (seeded by rank, so ranks see different data as a data-parallel loader gives)."""
+    (seeded by data-parallel rank, so data-parallel ranks see different data as a loader gives, and the
+    ``tp`` neighbouring ranks of a tensor-parallel group the same)."""
     B, T, V = recipe.train.micro_batch_size, recipe.seq_len, recipe.model.vocab_size
-    g = torch.Generator().manual_seed(recipe.train.seed + (dist.get_rank() if dist.is_initialized() else 0))
+    g = torch.Generator().manual_seed(recipe.train.seed + (dist.get_rank() // tp if dist.is_initialized() else 0))
     out = []
     for _ in range(n):
         x = torch.randint(0, V, (B, T + 1), generator=g)
@@ -292,17 +315,20 @@ def run_torchtitan(recipe: Recipe, batches, steps: int, device: torch.device, ar
     from torchtitan.distributed import utils as dist_utils
 
     cfg, t = recipe.model, recipe.train
-    world = dist.get_world_size()
+    world, tp = dist.get_world_size(), args.tp
+    dp = world // tp
     compile_on = device.type == "cuda" and not args.eager
-    compile_cfg = CompileConfig(enable=compile_on, components=["model", "loss"])
+    compile_cfg = CompileConfig(enable=compile_on, components=["model", "loss"],
+                                enable_async_tensor_parallel=args.async_tp and compile_on)
     training = TrainingConfig(local_batch_size=t.micro_batch_size, seq_len=recipe.seq_len, max_norm=t.grad_clip,
                               mixed_precision_param="bfloat16", mixed_precision_reduce="float32",
                               disable_cuda_graphs=not args.cuda_graphs)
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=world)
-    dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1, world_size=world,
+    parallelism = ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=dp,
+                                    tensor_parallel_degree=tp, enable_sequence_parallel=True)
+    dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1, world_size=world,
                         spmd_backend="partial_dtensor")
     dist_utils.set_spmd_backend("partial_dtensor")
-    tt_cfg = torchtitan_config(cfg, args.attn_backend)
+    tt_cfg = torchtitan_config(cfg, args.attn_backend, tp)
     with torch.device("meta"):
         model = tt_cfg.build()
     if cfg.attention == "mla":
@@ -351,7 +377,7 @@ def run_torchtitan(recipe: Recipe, batches, steps: int, device: torch.device, ar
         loss = fwd_bwd(inputs, labels, tokens, extra).detach().clone()  # the graph output is overwritten next replay
         dist_utils.clip_grad_norm_(params, t.grad_clip, foreach=True)
         opt.step()
-        return loss * world  # the local loss is summed over this rank's tokens / all ranks' tokens
+        return loss * dp  # the loss is summed over this data-parallel rank's tokens / all of their tokens
 
     try:
         return {"times": timed_steps(step, steps, device)}
@@ -361,14 +387,16 @@ def run_torchtitan(recipe: Recipe, batches, steps: int, device: torch.device, ar
             cudagraph_teardown()
 
 
-def scaletool_recipe(recipe: Recipe, equal: bool) -> Recipe:
-    """The recipe scaletool runs: with ``equal``, torchtitan's settings (FSDP2, per-block compile, AC off)."""
+def scaletool_recipe(recipe: Recipe, equal: bool, tp: int = 1, async_tp: bool = False) -> Recipe:
+    """The recipe scaletool runs: with ``equal``, torchtitan's settings (FSDP2, per-block compile, AC off,
+    tensor parallelism over ``tp`` ranks)."""
     from scaletool import api
 
     if not equal:
         return recipe
     return api.resolve(recipe, ["parallel.engine=fsdp", "train.compile=true", "train.compile_scope=block",
-                                "train.activation_checkpointing=none"])
+                                "train.activation_checkpointing=none", f"parallel.tensor_parallel={tp}",
+                                f"parallel.async_tp={str(async_tp).lower()}"])
 
 
 def run_scaletool(recipe: Recipe, batches, steps: int, device: torch.device, args) -> dict:
@@ -377,7 +405,7 @@ def run_scaletool(recipe: Recipe, batches, steps: int, device: torch.device, arg
 
     if args.eager or device.type != "cuda":
         from scaletool import api
-        recipe = api.resolve(recipe, ["train.compile=false"])
+        recipe = api.resolve(recipe, ["train.compile=false", "parallel.async_tp=false"])
     env = init_distributed(recipe.parallel.engine)
     engine = make_engine(recipe, env)
     lr = recipe.train.lr
@@ -455,6 +483,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no torch.compile on either side")
     p.add_argument("--torch-compat", action="store_true", help="run torchtitan on a torch older than 2.13 "
                    "(see the module docstring)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism over N ranks on both sides (N divides the world size; default 1)")
+    p.add_argument("--async-tp", action="store_true", help="with --tp: async TP on both sides (compiled only)")
     p.add_argument("--peak-tflops", type=float, default=None, help="override the card's dense bf16 peak")
     p.add_argument("--dry-run", action="store_true", help="map the recipe and count parameters and FLOPs only "
                    "(meta device, no GPU)")
@@ -464,6 +495,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         v = getattr(args, name)
         if v is not None and v < (1 if name == "steps" else 0):
             p.error(f"--{name}: {v} is too small")
+    if args.tp < 1:
+        p.error(f"--tp: {args.tp} is too small")
+    if args.async_tp and (args.tp == 1 or args.eager):
+        p.error("--async-tp: needs --tp > 1 and compile (no --eager)")
+    if args.also_recipe and args.tp > 1:
+        p.error("--also-recipe: not with --tp (the recipe's own run is not tensor-parallel)")
     return args
 
 
@@ -472,6 +509,11 @@ def plan(args) -> tuple[Recipe, dict]:
     recipe = load_recipe(args.recipe, args.overrides)
     cfg, T = recipe.model, recipe.seq_len
     shapes = torchtitan_shapes(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not args.dry_run and world % args.tp:
+        raise RecipeError(f"--tp {args.tp}: does not divide the world size {world} (torchrun --nproc-per-node)")
+    if args.tp > 1:  # scaletool's tensor-parallel rules (heads, widths, vocabulary, sequence split over N)
+        load_recipe(args.recipe, [*args.overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={args.tp}"])
     ours = analytic.flops_per_token(cfg, T)
     doc = {"recipe": str(args.recipe), "overrides": args.overrides, "torchtitan_model": shapes,
            "params": {"scaletool_analytic": analytic.param_counts(cfg)["total"]},
@@ -479,13 +521,59 @@ def plan(args) -> tuple[Recipe, dict]:
     if args.only == "scaletool" and not args.dry_run:  # torchtitan neither runs nor needs importing
         return recipe, doc
     doc["compat"] = ensure_torch_api(args.torch_compat)
+    try:
+        import torchtitan.models  # noqa: F401
+    except ImportError as e:
+        raise RecipeError(f"torchtitan {TORCHTITAN_VERSION} is not importable ({e}); install its wheels: "
+                          "recipes/benchmarks/peers/README.md") from None
     tt = torchtitan_counts(cfg, T, args.attn_backend)
     doc["params"]["torchtitan_model"] = tt["params"]
     doc["flops_per_token"]["torchtitan"] = tt["flops_per_token"]
     if tt["params"] != doc["params"]["scaletool_analytic"]:
         raise RecipeError(f"torchtitan's {tt['model_class']} has {tt['params']:,} parameters, scaletool's model "
                           f"{doc['params']['scaletool_analytic']:,}: the shapes differ")
+    if args.dry_run and args.tp > 1:
+        doc["tp_shares"] = tp_shares(cfg, args.tp, args.attn_backend)
     return recipe, doc
+
+
+def tp_shares(cfg: ModelConfig, tp: int, attn_backend: str) -> dict:
+    """Both tensor-parallel plans applied on the meta device over a fake ``tp``-rank group (as rank 0):
+    the parameters each side leaves a rank, and those it replicates, beside the analytic share."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as tt_dims
+    from torchtitan.distributed import utils as dist_utils
+
+    from scaletool.engines.tp import apply_tensor_parallel
+    from scaletool.model import build_model
+
+    def shares(model: nn.Module) -> dict:
+        params = list(model.parameters())
+        return {"local": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
+                "replicated": sum(p.numel() for p in params if not isinstance(p, DTensor) or
+                                  all(isinstance(x, Replicate) for x in p.placements))}
+
+    dist.init_process_group("fake", rank=0, world_size=tp, store=FakeStore())
+    device_type = tt_dims.device_type
+    try:
+        tt_dims.device_type = "cpu"  # torchtitan's meshes default to the accelerator; this count needs none
+        ours = build_model(cfg, "meta", seed=None)
+        apply_tensor_parallel(ours, init_device_mesh("cpu", (tp,)), cfg)
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=tp, pp=1, ep=1, world_size=tp,
+                            spmd_backend="partial_dtensor")
+        dist_utils.set_spmd_backend("partial_dtensor")
+        with torch.device("meta"):
+            theirs = torchtitan_config(cfg, attn_backend, tp).build()
+        theirs.parallelize(dims)
+        return {"tp": tp, "scaletool": shares(ours), "torchtitan": shares(theirs),
+                "analytic_local": analytic.param_counts(analytic.tensor_parallel_config(cfg, tp))["total"],
+                "analytic_replicated": sum(analytic.tensor_parallel_replicated(cfg))}
+    finally:
+        tt_dims.device_type = device_type
+        dist.destroy_process_group()
 
 
 def measure(recipe: Recipe, doc: dict, args) -> dict:
@@ -499,13 +587,15 @@ def measure(recipe: Recipe, doc: dict, args) -> dict:
     warmup = recipe.train.measure_warmup_steps if args.warmup is None else args.warmup
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     peak = peak_for(device.type, name, "bf16", args.peak_tflops)
-    tokens = recipe.train.micro_batch_size * recipe.seq_len
-    batches = synthetic_batches(recipe, device)
+    tp = args.tp
+    tokens = recipe.train.micro_batch_size * recipe.seq_len // tp  # per GPU: a TP group shares one batch
+    batches = synthetic_batches(recipe, device, tp=tp)
     runs: list[tuple[str, Callable]] = []
     if args.only in ("both", "torchtitan"):
         runs.append(("torchtitan", lambda: run_torchtitan(recipe, batches, steps, device, args)))
     if args.only in ("both", "scaletool"):
-        runs.append(("scaletool", lambda: run_scaletool(scaletool_recipe(recipe, True), batches, steps, device, args)))
+        runs.append(("scaletool", lambda: run_scaletool(scaletool_recipe(recipe, True, tp, args.async_tp), batches, steps,
+                                                        device, args)))
     if args.also_recipe:
         runs.append(("scaletool_recipe", lambda: run_scaletool(recipe, batches, steps, device, args)))
     results, dynamo_config = {}, torch._dynamo.config.save_config()
@@ -527,6 +617,8 @@ def measure(recipe: Recipe, doc: dict, args) -> dict:
                peak={"tflops": peak.tflops, "profile": peak.profile, "warning": peak.warning},
                settings={"micro_batch_size": recipe.train.micro_batch_size, "seq_len": recipe.seq_len, "steps": steps,
                          "measure_warmup_steps": warmup, "dtype": "bf16 params, fp32 reduce (FSDP2)",
+                         "tensor_parallel": tp, "data_parallel": env.world_size // tp, "async_tp": args.async_tp,
+                         "global_batch_sequences": recipe.train.micro_batch_size * env.world_size // tp,
                          "compile": "none" if args.eager else "per block", "activation_checkpointing": "none",
                          "grad_clip": recipe.train.grad_clip, "optimizer": "AdamW fused",
                          "torchtitan_attention": args.attn_backend, "torchtitan_cuda_graphs": args.cuda_graphs,
