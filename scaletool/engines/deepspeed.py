@@ -4,8 +4,8 @@ The DeepSpeed config is built from the recipe (micro-batch, accumulation, clippi
 ZeRO stage, offload) on top of defaults of our own (ZeRO-3's sized by the model's blocks:
 :mod:`scaletool.analytic.zero3`); ``parallel.deepspeed`` is then merged in unchanged, and the result
 is recorded in the run's result (``environment.deepspeed_config``). A passthrough key that contradicts
-a recipe field is reported, one line per key, instead of silently winning. The learning rate follows :mod:`scaletool.train.schedule` for every
-engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
+a recipe field is reported, one line per key, instead of silently winning. The learning rate follows
+:mod:`scaletool.train.schedule` for every engine, so a DeepSpeed ``scheduler`` section is a conflict too. These rules live in
 :mod:`scaletool.kinds.engines` (``deepspeed_settings``, ``deepspeed_problems``) so that validating a recipe
 runs them; only ``train_batch_size`` waits for the world size.
 
