@@ -203,6 +203,7 @@ def environment(env) -> dict:
         out["deepspeed"] = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
         out["deepspeed"] = None
+    out["zero3_settings"] = "derived"  # scaletool's block-sized ZeRO-3 settings (scaletool.analytic.zero3)
     return out
 
 
@@ -289,13 +290,20 @@ def progress_line(rec: dict) -> str:
             f"{g(v['optimizer_step'])} (est {g(v['optimizer_step_estimate'])}) GiB, {rec['seconds']} s")
 
 
-def recompute_estimate(cell: dict) -> dict:
-    """The current analytic estimate for a cell (so the table follows the model without re-measuring)."""
+def recompute_estimate(cell: dict, deepspeed_defaults: bool = False) -> dict:
+    """The current analytic estimate for a cell (so the table follows the model without re-measuring).
+    ``deepspeed_defaults``: the cell ran under DeepSpeed's own ZeRO settings (recorded before scaletool
+    derived them from the model), and is estimated with those."""
     from scaletool import analytic
+    from scaletool.analytic.zero3 import deepspeed_as_ran
     from scaletool.config import load_recipe
 
     c = Cell(**cell)
-    est = analytic.recipe_memory(load_recipe(ROOT / "recipes" / f"{c.recipe}.yaml", c.overrides()), c.world_size)
+    recipe = load_recipe(ROOT / "recipes" / f"{c.recipe}.yaml", c.overrides())
+    if deepspeed_defaults and recipe.parallel.engine == "deepspeed":
+        ds = deepspeed_as_ran(recipe.parallel.deepspeed, recipe.parallel.zero_stage)
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"deepspeed": ds})})
+    est = analytic.recipe_memory(recipe, c.world_size)
     return {k: est[k] for k in ("phases", "phase", "total_bytes", "backward_peak_at")}
 
 
@@ -308,7 +316,8 @@ def load_records(src: Path) -> list[dict]:
 
 def render_table(recs: list[dict], recompute: bool = True) -> tuple[list[dict], str]:
     """(views, markdown): measured vs estimated per phase, one row per cell, errors as (est − meas) / meas."""
-    views = [cell_view(r, recompute_estimate(r["cell"]) if recompute else None) for r in recs]
+    views = [cell_view(r, recompute_estimate(r["cell"], deepspeed_defaults="zero3_settings" not in (r.get("environment") or {}))
+                       if recompute else None) for r in recs]
     order = {label: i for i, label in enumerate(ENGINES)}
     views.sort(key=lambda v: (v["recipe"], v["world_size"], order[v["label"]], v["micro_batch_size"],
                               v["activation_checkpointing"]))

@@ -37,6 +37,18 @@ DEEPSPEED_DEFAULTS = {"stage3_prefetch_bucket_size": ZERO3_PREFETCH_BUCKET, "red
                       "stage3_param_persistence_threshold": PERSISTENCE_FLOOR, "leaf_module": {"classes": []}}
 
 
+def deepspeed_as_ran(deepspeed: dict | None, zero_stage: int | None) -> dict:
+    """A ``parallel.deepspeed`` passthrough with DeepSpeed's own defaults under it: the settings a run
+    recorded before scaletool derived them from the model (one without ``environment.deepspeed_config``)
+    ran with. The passthrough's own keys still win."""
+    ds = dict(deepspeed or {})
+    zero = {**DEEPSPEED_DEFAULTS, **(ds.get("zero_optimization") or {})}
+    if zero_stage != 3:
+        zero = {k: v for k, v in zero.items() if not k.startswith("stage3_") and k != "leaf_module"}
+    ds["zero_optimization"] = zero
+    return ds
+
+
 def block_params(cfg: ModelConfig) -> int:
     """Parameters of the largest transformer block (attention, norms and FFN of one layer)."""
     per = param_counts(cfg)["per_layer"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scaletool.analytic.calibration import Calibration, calibration_for, load_calibration
 from scaletool.analytic.step import predict_step
-from scaletool.analytic.zero3 import DEEPSPEED_DEFAULTS
+from scaletool.analytic.zero3 import deepspeed_as_ran
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError
 from scaletool.measure.hardware import load_profiles, profile_for
@@ -82,6 +82,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
             pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
             measured = measured_tokens_per_s_per_gpu(r)
             rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "async_tp": recipe.parallel.async_tp,
+                         "float8": recipe.train.float8,
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
                          "world_size": pred["world_size"], "compiled": pred["compiled"],
@@ -93,19 +94,13 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
 
 
 def _as_ran(r: dict) -> dict:
-    """The recorded recipe with the ZeRO settings the run had: a ZeRO run recorded before scaletool
-    derived them from the model (no ``environment.deepspeed_config``) ran with DeepSpeed's defaults,
-    under whatever the recipe's passthrough set."""
+    """The recorded recipe with the ZeRO settings the run had (:func:`deepspeed_as_ran` for a run recorded
+    before scaletool derived them)."""
     recipe = r["recipe"]
     par = recipe.get("parallel") or {}
     if par.get("engine") != "deepspeed" or "deepspeed_config" in r["environment"]:
         return recipe
-    ds = dict(par.get("deepspeed") or {})
-    ds["zero_optimization"] = {**DEEPSPEED_DEFAULTS, **(ds.get("zero_optimization") or {})}
-    if par.get("zero_stage") != 3:
-        ds["zero_optimization"] = {k: v for k, v in ds["zero_optimization"].items()
-                                   if not k.startswith("stage3_") and k != "leaf_module"}
-    return {**recipe, "parallel": {**par, "deepspeed": ds}}
+    return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(par.get("deepspeed"), par.get("zero_stage"))}}
 
 
 def measured_tokens_per_s_per_gpu(r: dict) -> float:

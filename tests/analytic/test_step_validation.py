@@ -10,11 +10,11 @@ from scaletool.measure.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.39),  # every committed dense run, H100 and H200 (100 runs: 3.8%, 37.7%)
-    "dense but ZeRO-3": (0.035, 0.26),  # the same without ZeRO-3 (83 runs: 3.4%, 24.5%)
+    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (102 runs: 3.8%, 37.7%)
+    "dense but ZeRO-3": (0.035, 0.26),  # the same without ZeRO-3 (85 runs: 3.4%, 24.5%)
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
-    "H100": (0.035, 0.19),   # the card the model was fitted on (51 runs: 2.6%, 17.7%)
-    "compiled": (0.03, 0.12),  # compiled single, FSDP2 and TP (21 runs: 2.9%, 11.4%)
+    "H100": (0.035, 0.19),   # the card the model was fitted on (53 runs: 2.6%, 17.7%)
+    "compiled": (0.035, 0.12),  # compiled single, FSDP2 and TP (23 runs: 3.4%, 11.4%)
     "TP": (0.05, 0.12),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (7 runs: 4.0%, 11.4%)
 }
 
@@ -42,7 +42,7 @@ def test_every_committed_gpu_run_is_predicted(runs):
 
 
 def test_error_distribution_within_the_stated_tolerance(runs):
-    dense = [r for r in runs if not r["moe"] and not r["async_tp"]]
+    dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none"]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
     _check([r for r in dense if "ZeRO-3" in r["engine"]], "ZeRO-3")
@@ -65,3 +65,11 @@ def test_async_tensor_parallelism_is_not_modelled_and_says_so(runs):
     tolerances as MoE is."""
     asyncs = [r for r in runs if r["async_tp"]]
     assert len(asyncs) == 2 and all(r["rel_error"] > 0.1 for r in asyncs)
+
+
+def test_fp8_runs_are_over_predicted_while_the_fp8_gemm_rate_is_not_calibrated(runs):
+    """FP8 runs are predicted with the swapped GEMMs at twice the bf16 curve (no calibration has an FP8
+    rate yet): on one H100 tensorwise gained 1.11x at Llama-3-8B layer shapes, not the ~1.3x predicted, so
+    they are over-predicted and kept out of the tolerances. A calibrated FP8 rate should bring them in."""
+    fp8 = [r for r in runs if r["float8"] != "none"]
+    assert len(fp8) == 3 and all(0.03 < r["rel_error"] < 0.25 for r in fp8), [(r["run"], r["rel_error"]) for r in fp8]
