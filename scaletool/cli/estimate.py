@@ -244,7 +244,9 @@ def print_memory(r, est, console: Console) -> None:
                   f"{rec.phase.replace('_', ' ')}{where}.")
     if rec.float8:
         f8, (name, size) = rec.float8, unit
+        saved = [(f8["autocast_weight_copies_saved_bytes"], "autocast weight copies", "activ"),
+                 (f8["fp8_all_gather_saved_bytes"], "FP8 all-gather", "buffers")]
         console.print(f"float8 {tr.float8}: {f8['fp8_params']:,} linear parameters in FP8; FP8 casts "
-                      f"+{f8['fp8_cast_temporaries_bytes'] / size:.2f} {name} (temps), autocast weight copies "
-                      f"-{f8['autocast_weight_copies_saved_bytes'] / size:.2f} {name} (activ), FP8 all-gather "
-                      f"-{f8['fp8_all_gather_saved_bytes'] / size:.2f} {name} (buffers); the engine table is bf16.")
+                      f"+{f8['fp8_cast_temporaries_bytes'] / size:.2f} {name} (temps)"
+                      + "".join(f", {label} -{b / size:.2f} {name} ({what})" for b, label, what in saved if b)
+                      + "; the engine table is bf16.")

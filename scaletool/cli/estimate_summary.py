@@ -27,6 +27,12 @@ class EngineColumns(NamedTuple):
     note: str = ""  # one line under the table saying what the columns mean, or ""
 
 
+#: the float8 savings the summary names where they are not zero (``autocast_*``: single and DDP only;
+#: the all-gather: FSDP2 under tensorwise only)
+_FP8_SAVINGS = (("autocast_weight_copies_saved_bytes", "autocast weight copies"),
+                ("fp8_all_gather_saved_bytes", "FP8 all-gather"))
+
+
 def size(x: float) -> str:
     """Bytes in the largest binary unit that reads at least 1 (TiB included), three significant figures."""
     from scaletool.cli.estimate import UNITS
@@ -132,9 +138,8 @@ def print_summary(r, est, con: Console) -> None:
         f8 = rec.float8
         con.print(f"float8 {tr.float8}: {f8['fp8_params'] / 1e6:,.0f} M linear parameters in FP8 (in the table: the "
                   "tok/s of single, ddp, fsdp;\n  its memory columns are bf16's);"
-                  f" FP8 casts +{size(f8['fp8_cast_temporaries_bytes'])}, autocast weight copies "
-                  f"-{size(f8['autocast_weight_copies_saved_bytes'])}, FP8 all-gather "
-                  f"-{size(f8['fp8_all_gather_saved_bytes'])}.")
+                  f" FP8 casts +{size(f8['fp8_cast_temporaries_bytes'])}"
+                  + "".join(f", {label} -{size(f8[key])}" for key, label in _FP8_SAVINGS if f8[key]) + ".")
     if tp > 1 and data.get("communication"):
         c = data["communication"]
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "

@@ -185,7 +185,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     cfg = config or choose_config(B, H, S, c_kv.device, C, R, c_kv.dtype)
     n_splits, split_len = cfg.splits(B, H, S, _sm_count(c_kv.device))
     direct = cfg.direct and n_splits == 1
-    out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype)
+    out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype) if direct else None
     o_part = out[:, None] if direct else torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
     if lengths is None:
