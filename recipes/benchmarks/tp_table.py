@@ -49,7 +49,7 @@ def _mode(d: dict) -> str:
     t, p = d["recipe"]["train"], d["recipe"]["parallel"]
     m = "eager" if not t["compile"] else "compiled" + ("" if t.get("compile_mode", "default") == "default"
                                                        else f" {t['compile_mode']}")
-    return m + (" async" if p.get("async_tp") else "") + \
+    return m + (" local" if p.get("tp_local_ops") else "") + (" async" if p.get("async_tp") else "") + \
         (f" ac={t['activation_checkpointing']}" if t["activation_checkpointing"] != "none" else "")
 
 
@@ -146,6 +146,16 @@ def table(out: Path) -> None:
         print(f"{p.stem:26} step {1e3 * step:7.1f} ms  communication {1e3 * co['communication_s']:6.1f} ms "
               f"({co['communication_s'] / step:.1%}), exposed {co['exposed_s'] / step:.1%}, "
               f"overlap ratio {co['overlap_ratio']}")
+    peers = [(p, d) for p in _results(out, "peer-*.json") if isinstance(d := _load(p), dict) and d.get("results")]
+    if peers:
+        print("\npeers: tokens/s per GPU, median [p10-p90] n, each side in the same process group")
+    for p, d in peers:
+        sides = "  ".join(f"{k} {r['tokens_per_s_per_gpu']['median']:,.0f} [{r['tokens_per_s_per_gpu']['p10']:,.0f}-"
+                          f"{r['tokens_per_s_per_gpu']['p90']:,.0f}] {r['tokens_per_s_per_gpu']['n']}"
+                          for k, r in d["results"].items())
+        ratio = d.get("scaletool_over_torchtitan", {}).get("tokens_per_s_ratio")
+        print(f"{p.stem:34} TP {d.get('settings', {}).get('tensor_parallel', '-')}  {sides}"
+              + (f"  scaletool/torchtitan {ratio:.2f}" if ratio else ""))
     failures = _failures(out)
     if failures:
         print("\nfailed or stopped (the first error line of logs/NAME.stderr)")

@@ -113,20 +113,23 @@ def test_torchtitan_model_has_exactly_scaletools_parameters(recipe):
     assert doc["flops_per_token"]["torchtitan"] == doc["flops_per_token"]["scaletool_full"] + 6 * outside_matmul
 
 
-def test_scaletool_side_with_tp_matches_one_rank(tmp_path):
+@pytest.mark.parametrize("local", [[], ["--set", "parallel.tp_local_ops=true"]], ids=["dtensor", "local"])
+def test_scaletool_side_with_tp_matches_one_rank(tmp_path, local):
     """--tp 2 under torchrun (two gloo ranks, one tensor-parallel group): both ranks read the one batch
     stream a one-rank run reads, so scaletool's TP=2 step takes the one-rank FSDP2 step's losses; tokens/s per
-    GPU counts each batch once over the two GPUs."""
+    GPU counts each batch once over the two GPUs. An override of the split's own keys (the local-ops form)
+    applies to the split."""
     args = [str(RECIPES / "tiny.yaml"), "--only", "scaletool", "--set", "train.micro_batch_size=2", "--set",
             "train.seq_len=32", "--steps", "4", "--warmup", "1"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT), *args,
-                        "--tp", "2", "--out", str(tmp_path / "tp2.json")], capture_output=True, text=True, timeout=600,
+                        "--tp", "2", *local, "--out", str(tmp_path / "tp2.json")], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     tp2 = json.loads((tmp_path / "tp2.json").read_text())
     assert peer.main([*args, "--out", str(tmp_path / "one.json")]) == 0
     one = json.loads((tmp_path / "one.json").read_text())
     s = tp2["settings"]
+    assert ("parallel.tp_local_ops=true" in tp2["overrides"]) == bool(local)
     assert (tp2["world_size"], s["tensor_parallel"], s["data_parallel"], s["global_batch_sequences"]) == (2, 2, 1, 2)
     r = tp2["results"]["scaletool"]
     assert r["tokens_per_s_per_gpu"]["median"] == pytest.approx(2 * 32 / 2 / r["step_s"]["median"])

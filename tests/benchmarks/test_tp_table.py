@@ -44,3 +44,16 @@ def test_a_failed_command_shows_its_first_error_line(tmp_path):
     text = table(tmp_path)
     assert "mha-1b-tp2-compiled-ro             failed: error: CUDA graphs: a collective cannot be captured" in text
     assert "table " not in text.split("failed or stopped")[1]
+
+
+def test_a_peer_result_shows_both_sides_and_their_ratio(tmp_path):
+    side = {"tokens_per_s_per_gpu": {"median": 50_000.0, "p10": 49_000.0, "p90": 51_000.0, "n": 10}}
+    other = {"tokens_per_s_per_gpu": {"median": 40_000.0, "p10": 39_500.0, "p90": 40_500.0, "n": 10}}
+    doc = {"settings": {"tensor_parallel": 2}, "results": {"torchtitan": other, "scaletool": side},
+           "scaletool_over_torchtitan": {"tokens_per_s_ratio": 1.25}}
+    (tmp_path / "peer-torchtitan-mha-1b-tp2.json").write_text(json.dumps(doc))
+    (tmp_path / "peer-broken.json").write_text("{")  # unreadable: left out, not a crash
+    text = table(tmp_path)
+    line = next(x for x in text.splitlines() if x.startswith("peer-torchtitan-mha-1b-tp2"))
+    assert "torchtitan 40,000 [39,500-40,500] 10" in line and "scaletool 50,000 [49,000-51,000] 10" in line
+    assert line.endswith("scaletool/torchtitan 1.25") and "peer-broken" not in text

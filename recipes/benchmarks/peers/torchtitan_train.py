@@ -506,14 +506,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def plan(args) -> tuple[Recipe, dict]:
     """The recipe, its torchtitan mapping and both parameter and FLOP counts (no training)."""
-    recipe = load_recipe(args.recipe, args.overrides)
+    # with --tp the split comes first, so that overrides of the split's own keys (parallel.tp_local_ops) apply to it;
+    # scaletool's tensor-parallel rules (heads, widths, vocabulary, sequence split over N) check the recipe
+    split = ["parallel.engine=fsdp", f"parallel.tensor_parallel={args.tp}"] if args.tp > 1 else []
+    recipe = load_recipe(args.recipe, [*split, *args.overrides])
     cfg, T = recipe.model, recipe.seq_len
     shapes = torchtitan_shapes(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not args.dry_run and world % args.tp:
         raise RecipeError(f"--tp {args.tp}: does not divide the world size {world} (torchrun --nproc-per-node)")
-    if args.tp > 1:  # scaletool's tensor-parallel rules (heads, widths, vocabulary, sequence split over N)
-        load_recipe(args.recipe, [*args.overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={args.tp}"])
     ours = analytic.flops_per_token(cfg, T)
     doc = {"recipe": str(args.recipe), "overrides": args.overrides, "torchtitan_model": shapes,
            "params": {"scaletool_analytic": analytic.param_counts(cfg)["total"]},
