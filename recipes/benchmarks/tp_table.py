@@ -53,9 +53,17 @@ def _mode(d: dict) -> str:
         (f" ac={t['activation_checkpointing']}" if t["activation_checkpointing"] != "none" else "")
 
 
-def _per_gpu(d: dict) -> tuple[float, float, float, int]:
+def _per_gpu(d: dict) -> tuple[float, float | None, float | None, int]:
+    """Median, p10, p90 and n of the per-step rates; a run without per-step timing (``--no-measure``): the
+    measured window's rate, no spread, n 0."""
     t, w = d["timing"]["tokens_per_s"], d["environment"]["world_size"]
+    if t is None:
+        return d["tokens_per_s"] / w, None, None, 0
     return t["median"] / w, t["p10"] / w, t["p90"] / w, t["n"]
+
+
+def _rate(med: float, p10: float | None, p90: float | None, n: int) -> str:
+    return f"{med:,.0f} [{p10:,.0f}-{p90:,.0f}] {n}" if n else f"{med:,.0f} [window]"
 
 
 def _failures(out: Path) -> list[str]:
@@ -123,7 +131,7 @@ def table(out: Path) -> None:
         rel, peak = m.get("memory/analytic_rel_error"), d.get("peak_memory_bytes")
         print(f"{k:34} {world:>4} {d['recipe']['parallel']['tensor_parallel']:>3} "
               f"{d['recipe']['train']['micro_batch_size']:>3} {_mode(d):30} "
-              f"{f'{med:,.0f} [{p10:,.0f}-{p90:,.0f}] {n}':>32} {ratio:>8} "
+              f"{_rate(med, p10, p90, n):>32} {ratio:>8} "
               f"{(f'{peak / 2**30:.2f}' if peak else '-'):>9} {m['memory/analytic_bytes'] / 2**30:>8.2f} "
               f"{(f'{rel:+.1%}' if rel is not None else '-'):>7}")
     print("\nbest TP against best FSDP2, per GPU (same recipe, batch regime and GPU count; any mode)")

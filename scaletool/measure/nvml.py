@@ -4,8 +4,9 @@ Uses nvidia-ml-py (``import pynvml``). Where there is no GPU or no NVML the samp
 summary says why; it never raises into the training loop. Sampling costs no CUDA synchronisation:
 NVML queries the driver, not the CUDA stream. Alongside, what NVML can see of contention on the card:
 other processes holding a context on it, the SM clock below the card's default (base) application
-clock, and throttle reasons other than idle (power cap, thermal, hardware slowdown); the summary gives
-them as ``contention/gpu_*`` keys.
+clock, and throttle reasons other than idle (power cap, thermal, hardware slowdown), read every tenth
+sample (listing the card's processes is NVML's slowest query); the summary gives them as
+``contention/gpu_*`` keys, and what the reads cost the sampling thread (``read_ms_*``).
 """
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ class NvmlSampler:
     ``uuid`` selects the device robustly under ``CUDA_VISIBLE_DEVICES``; ``index`` is the fallback.
     """
 
-    def __init__(self, index: int | None, uuid: str | None = None, interval_s: float = 0.1):
+    def __init__(self, index: int | None, uuid: str | None = None, interval_s: float = 0.1, contention_every: int = 10):
         self.interval_s = interval_s
+        # the contention reads (the card's process list above all) are the slow ones: every ``contention_every``
+        # samples, so that a host-bound run (tensor parallelism at 1B) is not slowed by its own telemetry
+        self.contention_every = max(1, contention_every)
+        self.read_s: list[float] = []  # seconds each sample's NVML reads took (the sampler's own cost)
+        self._parents: dict[int, int | None] = {}
         self.samples: list[tuple[float, float, float, float]] = []  # (t, util %, mem bytes, power W)
         # (t, other processes on the card, throttled by power/thermal/slowdown, SM clock below base), None: unseen
         self.contention: list[tuple[float, int | None, bool | None, bool | None]] = []
@@ -73,7 +79,7 @@ class NvmlSampler:
         n = self._nvml
         procs = self._query("nvmlDeviceGetComputeRunningProcesses")
         # in a container NVML reports host PIDs: where this process is not among them, it is one of them
-        others = None if procs is None else foreign_processes([p.pid for p in procs])
+        others = None if procs is None else foreign_processes([p.pid for p in procs], parents=self._parents)
         reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons")
         throttled = None if reasons is None else bool(reasons & _THROTTLE_MASK)
         if self._base_mhz is None:
@@ -83,10 +89,15 @@ class NvmlSampler:
         return time.perf_counter(), others, throttled, below
 
     def _run(self) -> None:
+        i = 0
         while not self._stop.wait(self.interval_s):
             try:
+                t0 = time.perf_counter()
                 self.samples.append(self._read())
-                self.contention.append(self._read_contention())
+                if i % self.contention_every == 0:
+                    self.contention.append(self._read_contention())
+                self.read_s.append(time.perf_counter() - t0)
+                i += 1
             except Exception as e:  # a driver hiccup ends sampling, never the run
                 self.note = f"NVML read failed ({e}); sampling stopped early"
                 return
@@ -109,6 +120,9 @@ class NvmlSampler:
         out: dict = {"samples": len(rows), "interval_s": self.interval_s, "note": self.note}
         if not rows:
             return out
+        if self.read_s:  # what the sampling cost its thread (a host-bound step shares the interpreter with it)
+            out["read_ms_mean"] = 1e3 * sum(self.read_s) / len(self.read_s)
+            out["read_ms_max"] = 1e3 * max(self.read_s)
         for i, key in ((1, "utilization_pct"), (2, "memory_used_bytes"), (3, "power_w")):
             vals = [r[i] for r in rows]
             out[f"{key}_mean"] = sum(vals) / len(vals)
@@ -125,17 +139,24 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-def foreign_processes(pids: list[int], me: int | None = None) -> int:
+def foreign_processes(pids: list[int], me: int | None = None, parents: dict[int, int | None] | None = None) -> int:
     """How many of the processes NVML lists on our GPU belong to someone else: not this process and
     not a sibling rank of the same job (a process with our parent, the launcher that started every
     local rank; NCCL's peer-to-peer transport opens each peer rank's context on our GPU). A PID this
     namespace cannot see counts as foreign; NVML listing PIDs of another namespace only (ours absent)
-    counts all but one as foreign."""
+    counts all but one as foreign. ``parents``: a cache of the parents already read (a PID's parent is
+    fixed while the PID lives)."""
     me = os.getpid() if me is None else me
     if me not in pids:
         return max(0, len(pids) - 1)
-    parent = _parent(me)
-    return sum(1 for pid in pids if pid != me and (parent is None or parent <= 1 or _parent(pid) != parent))
+    cache = {} if parents is None else parents
+
+    def parent_of(pid: int) -> int | None:
+        if pid not in cache:
+            cache[pid] = _parent(pid)
+        return cache[pid]
+    parent = parent_of(me)
+    return sum(1 for pid in pids if pid != me and (parent is None or parent <= 1 or parent_of(pid) != parent))
 
 
 def contention_summary(rows: list[tuple]) -> dict:

@@ -18,6 +18,7 @@ among the ranks on this node); the result records the thread count.
 """
 from __future__ import annotations
 
+import gc
 import math
 import signal
 import threading
@@ -194,6 +195,7 @@ class Trainer:
         self.before_window_peak: int | None = None  # allocator peak before the measured window (build, warm-up)
         self.nvml_since: float | None = None
         self.checkpoint_s = 0.0
+        self.frozen = False  # gc.freeze() at the measured window (undone when the run ends)
         # the recipe's (scaletool.profile.recipe_callbacks: MoE, profiler, monitors), then the caller's
         self.callbacks: list[Callback] = list(callbacks)
         self.info = TrainInfo(r, self.out, env, self.engine, self.writer, self.clock.unmeasured)
@@ -243,6 +245,9 @@ class Trainer:
             raise
         finally:
             self.sampler.stop()
+            if self.frozen:
+                gc.unfreeze()
+                self.frozen = False
         self.result = self._finish(status, message, collective=True)
         return self.result
 
@@ -315,6 +320,12 @@ class Trainer:
 
     def _open_window(self) -> None:
         synchronize(self.env.device, self.env.world_size)
+        # what the warm-up built (modules, compiled graphs, DTensor specs) lives for the run: out of the
+        # collector's reach, a full collection no longer walks it, a pause of tens of ms in a step that
+        # a host-bound run (tensor parallelism at 1B) pays in full (torchtitan disables the collector for this)
+        gc.collect()
+        gc.freeze()
+        self.frozen = True
         if self.env.device.type == "cuda":
             # the warm-up steps' peak, kept before the window's own: DDP's second step holds two sets of gradient
             # buckets (it rebuilds them), a peak the run has and the measured steps do not

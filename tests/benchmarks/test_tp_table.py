@@ -57,3 +57,12 @@ def test_a_peer_result_shows_both_sides_and_their_ratio(tmp_path):
     line = next(x for x in text.splitlines() if x.startswith("peer-torchtitan-mha-1b-tp2"))
     assert "torchtitan 40,000 [39,500-40,500] 10" in line and "scaletool 50,000 [49,000-51,000] 10" in line
     assert line.endswith("scaletool/torchtitan 1.25") and "peer-broken" not in text
+
+
+def test_a_run_without_per_step_timing_shows_its_window_rate(tmp_path):
+    d = json.loads((RESULTS / "mha-tp2-compiled.json").read_text())
+    d["timing"]["tokens_per_s"], d["tokens_per_s"] = None, 120_000.0  # --no-measure: the window's rate only
+    (tmp_path / "tp2").mkdir()
+    (tmp_path / "tp2" / "mha-tp2-compiled-nomeasure.json").write_text(json.dumps(d))
+    line = next(x for x in table(tmp_path).splitlines() if x.startswith("mha-tp2-compiled-nomeasure"))
+    assert "60,000 [window]" in line

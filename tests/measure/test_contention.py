@@ -103,6 +103,10 @@ def test_sibling_ranks_of_one_launcher_are_not_other_processes_but_a_stranger_is
         assert foreign_processes([a, b, stranger.pid], me=a) == 1
         assert foreign_processes([b, stranger.pid], me=a) == 1  # we are not listed: all but one
         assert foreign_processes([a, 999_999_999], me=a) == 1  # a PID this namespace cannot see
+        cache: dict = {}
+        assert foreign_processes([a, b, stranger.pid], me=a, parents=cache) == 1
+        assert set(cache) == {a, b, stranger.pid}  # each parent read once, then reused
+        assert foreign_processes([a, b, stranger.pid], me=a, parents=cache) == 1
     finally:
         import os
         import signal
@@ -112,3 +116,49 @@ def test_sibling_ranks_of_one_launcher_are_not_other_processes_but_a_stranger_is
         launcher.kill()
         launcher.wait()
         stranger.wait()
+
+
+class _FakeNvml:
+    """pynvml's calls the sampler makes, counted; the card lists one process, this one."""
+    NVML_CLOCK_SM = 1
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name):
+        if not name.startswith("nvmlDevice"):
+            raise AttributeError(name)
+        import os
+        from types import SimpleNamespace as NS
+        values = {"nvmlDeviceGetUtilizationRates": NS(gpu=50), "nvmlDeviceGetMemoryInfo": NS(used=2**30),
+                  "nvmlDeviceGetPowerUsage": 300_000, "nvmlDeviceGetComputeRunningProcesses": [NS(pid=os.getpid())],
+                  "nvmlDeviceGetCurrentClocksThrottleReasons": 0, "nvmlDeviceGetDefaultApplicationsClock": 1500,
+                  "nvmlDeviceGetClockInfo": 1700}
+
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return values[name]
+        return call
+
+
+def test_the_sampler_reads_the_slow_contention_queries_at_a_tenth_of_its_rate():
+    import threading
+
+    from scaletool.measure.nvml import NvmlSampler
+    s = NvmlSampler(None, interval_s=0.001, contention_every=5)
+    s._nvml, s._handle, s.note = _FakeNvml(), object(), None
+    done = threading.Event()
+    s.start()
+    for _ in range(10_000):  # until 23 samples, however long the machine takes (no time is asserted)
+        if len(s.read_s) >= 23:
+            break
+        done.wait(0.01)
+    s.stop()
+    n = len(s.samples)
+    assert n >= 23 and len(s.read_s) == n
+    assert len(s.contention) == (n + 4) // 5  # samples 0, 5, 10, ...
+    assert s._nvml.calls["nvmlDeviceGetComputeRunningProcesses"] == len(s.contention)
+    assert s._nvml.calls["nvmlDeviceGetUtilizationRates"] == n
+    summary = s.summary()
+    assert summary["samples"] == n and 0 <= summary["read_ms_mean"] <= summary["read_ms_max"]
+    assert summary["contention/gpu_other_processes_max"] == 0 and summary["contention/gpu_throttled_share"] == 0

@@ -49,6 +49,32 @@ def test_a_failure_raises_with_the_partial_result_written(tmp_path):
     assert "error: RuntimeError: boom" in (tmp_path / "train.log").read_text()
 
 
+class FreezeSeen(Callback):
+    def __init__(self):
+        self.frozen: dict[int, int] = {}
+
+    def on_step_end(self, step, state):
+        import gc
+        self.frozen[step] = gc.get_freeze_count()
+
+
+@pytest.mark.parametrize("boom", [False, True])
+def test_the_warm_up_is_out_of_the_collectors_reach_while_measured_and_back_after(tmp_path, boom):
+    """gc.freeze() when the measured window opens (step 2 here): what the warm-up built is not walked by the
+    collector during the measured steps; the run unfreezes at its end, failed or not."""
+    import gc
+    seen = FreezeSeen()
+    before = gc.get_freeze_count()
+    overrides = ["train.steps=5", "train.measure_warmup_steps=2"]
+    if boom:
+        with pytest.raises(TrainFailed):
+            api.train(TINY, overrides=overrides, out=tmp_path, quiet=True, callbacks=[seen, Boom()])
+    else:
+        api.train(TINY, overrides=overrides, out=tmp_path, quiet=True, callbacks=[seen])
+    assert seen.frozen[0] == seen.frozen[1] == before and all(seen.frozen[s] > before for s in (2, 3))
+    assert gc.get_freeze_count() == before
+
+
 def test_a_diverged_run_prints_its_error_once(tmp_path):
     r = CliRunner().invoke(main, ["train", TINY, "--out", str(tmp_path / "nan"), "--set", "train.lr=1.0e+12",
                                   "--set", "train.grad_clip=0", "--set", "train.warmup_steps=0"])
