@@ -49,7 +49,10 @@ def _mode(d: dict) -> str:
     t, p = d["recipe"]["train"], d["recipe"]["parallel"]
     m = "eager" if not t["compile"] else "compiled" + ("" if t.get("compile_mode", "default") == "default"
                                                        else f" {t['compile_mode']}")
+    one_rank = p.get("tensor_parallel", 1) > 1 and p.get("fsdp_on_one_rank", True) and d["environment"]["world_size"] == \
+        p["tensor_parallel"]  # FSDP2 over one rank: set, or recorded before the key existed
     return m + (" local" if p.get("tp_local_ops") else "") + (" async" if p.get("async_tp") else "") + \
+        (" fsdp1" if one_rank else "") + \
         (f" ac={t['activation_checkpointing']}" if t["activation_checkpointing"] != "none" else "")
 
 

@@ -55,8 +55,8 @@ def tensor_parallel_replicated(cfg: ModelConfig) -> list[int]:
     return cfg.n_layers * layer + norm
 
 
-def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInputs, grad_accum_steps: int = 1
-                                  ) -> list[dict]:
+def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInputs, grad_accum_steps: int = 1,
+                                  pure: bool = False) -> list[dict]:
     """Tensor parallelism's collectives per optimizer step, per rank of a group of ``tp``.
 
     Sequence parallelism (Korthikanti et al. 2022, §4.2.2, Figure 5): each sub-layer (attention, FFN)
@@ -69,6 +69,8 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
     all-reduces of micro_batch_size × seq_len fp32 numbers (max, sum of exponentials, target logit).
     Once per step the replicated weights' partial gradients are all-reduced, one per tensor, in the
     parameter dtype (fp32 when accumulating: FSDP2 keeps accumulated gradients in its reduce dtype).
+    ``pure`` (tensor parallelism over every rank, no FSDP2: engines.fsdp's ``pure_tp``): those gradients are
+    fp32 (the parameters' dtype under autocast) and go in one flat all-reduce.
     The global gradient norm's all-reduce of one number per tensor is left out.
     """
     if tp == 1:
@@ -80,14 +82,15 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
     activation = tokens * cfg.d_model * cfg.dtype_bytes
     per_micro = 4 * L + 2 * recomputed + 2  # per op: blocks forward and backward, recompute, embedding and final norm
     replicated = tensor_parallel_replicated(cfg)
-    grad_bytes = 4 if gas > 1 else cfg.dtype_bytes
+    grad_bytes = 4 if gas > 1 or pure else cfg.dtype_bytes
     return [
         _row("tp", "all_gather", "sub-layer inputs, final norm; embedding (backward)", gas * per_micro,
              gas * per_micro * activation, tp),
         _row("tp", "reduce_scatter", "sub-layer outputs, embedding; final norm (backward)", gas * per_micro,
              gas * per_micro * activation, tp),
         _row("tp", "all_reduce", "loss parallelism (max, sum of exp, target logit)", 3 * gas, 3 * gas * tokens * 4, tp),
-        _row("tp", "all_reduce", "replicated weights' gradients", len(replicated), sum(replicated) * grad_bytes, tp),
+        _row("tp", "all_reduce", "replicated weights' gradients" + (", flat" if pure else ""),
+             1 if pure else len(replicated), sum(replicated) * grad_bytes, tp),
     ]
 
 
@@ -187,7 +190,8 @@ def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel
     dp = N // tp
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     local = tensor_parallel_config(recipe.model, tp)
-    rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps)
+    pure = tp > 1 and dp == 1 and not p.fsdp_on_one_rank  # engines.fsdp trains pure TP without FSDP2
+    rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps, pure=pure)
     rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
                                         reshard_after_forward=p.reshard_after_forward,
                                         expert_parallel=p.expert_parallel, inputs=inputs)

@@ -176,8 +176,9 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     """Peak bytes per GPU under FSDP2 × tensor parallelism (engines.fsdp with parallel.tensor_parallel).
 
     Each rank holds :func:`tensor_parallel_config`'s model (sharded weights divided by the group size,
-    replicated ones whole) and FSDP2 shards it over ``world_size / tensor_parallel`` data-parallel ranks:
-    :func:`training_memory` of that model gives the states, FSDP2's buffers and the activations of the
+    replicated ones whole) and FSDP2 shards it over ``world_size / tensor_parallel`` data-parallel ranks
+    (one data-parallel rank: no FSDP2, the single engine's states and autocast; ``parallel.fsdp_on_one_rank``
+    keeps FSDP2 there): :func:`training_memory` of that model gives the states, FSDP2's buffers and the activations of the
     split sub-layers (heads, FFN columns, vocabulary-sharded logits under loss parallelism; MLA's latent
     and the normed inputs the column-parallel projections save are whole on every rank). Sequence
     parallelism (Korthikanti et al. 2022, §4.2.2) then shards what that count keeps whole between the
@@ -191,9 +192,13 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     dp = world_size // tp
     local = tensor_parallel_config(cfg, tp)
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
-    engine = engines_with("tensor_parallel")[0]  # tensor parallelism is a layout of FSDP2
+    # tensor parallelism is a layout of FSDP2; over every rank (one data-parallel rank) the engine trains the split
+    # model without FSDP2, as the single engine does (fp32 parameters under autocast)
+    pure = dp == 1 and not recipe.parallel.fsdp_on_one_rank
+    engine = "single" if pure else engines_with("tensor_parallel")[0]
     row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
-    res = cfg.dtype_bytes  # the residual stream is 16-bit under FSDP2's mixed precision, fp32 otherwise
+    # the residual stream is 16-bit under FSDP2's mixed precision, fp32 under autocast and in fp32 models
+    res = 4 if pure else cfg.dtype_bytes
     ac, every = inputs.activation_checkpointing, inputs.selective_every
     kept = sum(1 if ac == "full" or (ac == "selective" and (i + 1) % every == 0) else 2 for i in range(cfg.n_layers)) + 1
     saving = int(inputs.micro_batch_size * inputs.seq_len * res * cfg.d_model * kept * (1 - 1 / tp))

@@ -266,7 +266,10 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
                            f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "
                            "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else "")
                            + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
-                              "not modelled" if p.tp_local_ops else ""))
+                              "not modelled" if p.tp_local_ops else "")
+                           + ("; calibrated with FSDP2 over the one-rank data mesh, whose per-block hooks pure "
+                              "tensor parallelism now skips: an upper bound" if dp == 1 and not p.fsdp_on_one_rank
+                              else ""))
     if N > G:
         assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
                            f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")

@@ -14,6 +14,14 @@ tensor-parallel run is this engine with world size N: FSDP2 over a one-rank data
 nothing (its all-gathers are local copies) and still gives the mixed-precision policy and the
 reduction of replicated weights' partial gradients that tensor parallelism needs, as in torchtitan.
 The forward and backward of a micro-batch run under ``loss_parallel`` (vocabulary-sharded logits).
+
+Pure tensor parallelism (world size N, one data-parallel rank) skips FSDP2, as torchtitan does where its
+data-parallel degree is 1: over one rank FSDP2 shards nothing, and its hooks cost host time per block
+(pre-forward, and per parameter in the post-backward, which redistributes each gradient DTensor) that a
+host-bound run pays in full. The split model then trains as the single engine does (fp32 parameters,
+autocast); after the backward :meth:`FSDPEngine.finish_grads` all-reduces the replicated parameters'
+partial gradients in one flat collective and gives every gradient its parameter's placement.
+``parallel.fsdp_on_one_rank`` keeps FSDP2 there (the earlier behaviour).
 """
 from __future__ import annotations
 
@@ -21,8 +29,11 @@ import warnings
 from contextlib import ExitStack
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletool.config import RecipeError
@@ -37,6 +48,15 @@ class FSDPEngine(SingleEngine):
     name = "fsdp"
     auto_compile_scope = "block"
     casts_params = True
+
+    def __init__(self, model: nn.Module, recipe, env):
+        p = recipe.parallel
+        #: tensor parallelism over every rank: no FSDP2 (module docstring), unless the recipe asks for it
+        self.pure_tp = p.tensor_parallel > 1 and env.world_size == p.tensor_parallel and not p.fsdp_on_one_rank
+        self.casts_params = not self.pure_tp  # without FSDP2's mixed-precision policy: autocast
+        super().__init__(model, recipe, env)
+        if self.pure_tp:
+            self.clip_in_optimizer = False  # the parameters are DTensors: clipping stays outside fused AdamW
 
     def shard_tensors(self, model: nn.Module) -> None:
         tp = self.recipe.parallel.tensor_parallel
@@ -55,6 +75,8 @@ class FSDPEngine(SingleEngine):
                                     category=UserWarning)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if self.pure_tp:
+            return model
         p = self.recipe.parallel
         mesh = self.mesh["dp"]
         dtype = self.recipe.model.dtype
@@ -72,8 +94,31 @@ class FSDPEngine(SingleEngine):
         return model
 
     def grad_sync(self, enabled: bool):
-        self.model.set_requires_gradient_sync(enabled)
+        if not self.pure_tp:  # pure TP: no data-parallel ranks to reduce over
+            self.model.set_requires_gradient_sync(enabled)
         stack = ExitStack()
         if self.recipe.parallel.tensor_parallel > 1:
             stack.enter_context(loss_parallel())  # the cross-entropy over vocabulary-sharded logits, and its backward
         return stack
+
+    def finish_grads(self) -> None:
+        """Pure TP: every gradient in its parameter's placement, as FSDP2's post-backward leaves them. The
+        replicated parameters' gradients come out of the backward as per-rank partial sums (``Partial``): one
+        flat all-reduce over the group sums them; any other mismatch (a vocabulary-sharded weight whose
+        gradient came out whole) is a local redistribute."""
+        if not self.pure_tp:
+            return
+        partial, other = [], []
+        for p in self.model.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and g.placements != p.placements:
+                (partial if all(pl.is_partial() for pl in g.placements) and all(pl.is_replicate() for pl in p.placements)
+                 else other).append(p)
+        if partial:
+            local = [p.grad.to_local() for p in partial]
+            flat = _flatten_dense_tensors(local)
+            dist.all_reduce(flat, group=self.mesh["tp"].get_group())
+            for p, t in zip(partial, _unflatten_dense_tensors(flat, local)):
+                p.grad = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
+        for p in other:
+            p.grad = p.grad.redistribute(placements=p.placements)

@@ -73,6 +73,10 @@ class SingleEngine(Engine):
         """Context for one micro-step's forward and backward; ``enabled=False`` while accumulating."""
         return nullcontext()
 
+    def finish_grads(self) -> None:
+        """After the last micro-batch's backward, before clipping: what the gradients still need (FSDP's
+        pure tensor parallelism reduces partial sums here); nothing on one device."""
+
     def train_step(self, batches, lr):
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -88,6 +92,7 @@ class SingleEngine(Engine):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss = _plain(loss.detach())
             total = loss if total is None else total + loss
+        self.finish_grads()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = None

@@ -273,6 +273,9 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
                 "collective matmuls are an inductor pass over the compiled blocks)"]
     if p.tp_local_ops and p.tensor_parallel == 1:
         return ["parallel.tp_local_ops: needs parallel.tensor_parallel > 1 (it is a form of the tensor-parallel plan)"]
+    if p.fsdp_on_one_rank and p.tensor_parallel == 1:
+        return ["parallel.fsdp_on_one_rank: needs parallel.tensor_parallel > 1 (it keeps FSDP2 under pure tensor "
+                "parallelism)"]
     if p.tensor_parallel > 1:
         problems = tensor_parallel_problems(recipe, seq_len)
         if problems:

@@ -94,10 +94,13 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
 
 
 def _as_ran(r: dict) -> dict:
-    """The recorded recipe with the ZeRO settings the run had (:func:`deepspeed_as_ran` for a run recorded
-    before scaletool derived them)."""
+    """The recorded recipe with the settings the run had: the ZeRO settings (:func:`deepspeed_as_ran` for a
+    run recorded before scaletool derived them); FSDP2 under pure tensor parallelism for a run recorded before
+    the engine dropped it there (its recipe has no ``parallel.fsdp_on_one_rank``)."""
     recipe = r["recipe"]
     par = recipe.get("parallel") or {}
+    if (par.get("tensor_parallel") or 1) > 1 and "fsdp_on_one_rank" not in par:
+        return {**recipe, "parallel": {**par, "fsdp_on_one_rank": True}}
     if par.get("engine") != "deepspeed" or "deepspeed_config" in r["environment"]:
         return recipe
     return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(par.get("deepspeed"), par.get("zero_stage"))}}

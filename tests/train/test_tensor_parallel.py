@@ -42,11 +42,13 @@ KINDS = {"mha": ["model.attention=mha"], "gqa": ["model.attention=gqa", "model.n
 COMPILED = {"mha-compiled": ("mha", ["model.attention=mha", "train.compile=true"]),
             "mla-compiled": ("mla", ["train.compile=true"])}
 #: layout -> (ranks, tensor_parallel, the kinds it trains, further overrides); "-local": parallel.tp_local_ops, the
-#: same split with the blocks on local tensors, must match the one-process runs (and the collectives) the same way
+#: same split with the blocks on local tensors, must match the one-process runs (and the collectives) the same way;
+#: TP=2 on two ranks trains without FSDP2 (pure tensor parallelism), "tp2-fsdp" with it (parallel.fsdp_on_one_rank)
 LOCAL = ["parallel.tp_local_ops=true"]
 LAYOUTS = {"tp2": (2, 2, ("mha", "gqa", "mqa", "mla", "post", *COMPILED), []),
            "fsdp2x2": (4, 2, ("mha", "gqa", "mla"), []),
            "tp2-local": (2, 2, ("mha", "mqa", "mla", "post", *COMPILED), LOCAL),
+           "tp2-fsdp": (2, 2, ("mha", "mla"), ["parallel.fsdp_on_one_rank=true"]),
            "fsdp2x2-local": (4, 2, ("gqa", "mla"), LOCAL)}
 
 
@@ -186,6 +188,8 @@ def recipe(tp: int, engine: str = "fsdp", **model) -> dict:
      ["parallel.async_tp: needs parallel.tensor_parallel > 1 and train.compile=true"]),
     (recipe(1) | {"parallel": {"engine": "fsdp", "tp_local_ops": True}},
      ["parallel.tp_local_ops: needs parallel.tensor_parallel > 1"]),
+    (recipe(1) | {"parallel": {"engine": "fsdp", "fsdp_on_one_rank": True}},
+     ["parallel.fsdp_on_one_rank: needs parallel.tensor_parallel > 1"]),
     (recipe(2, position_encoding="learned"), ["model.position_encoding: learned is not split by tensor parallelism"]),
     (recipe(2, position_encoding="alibi"), ["model.position_encoding: alibi is not split by tensor parallelism"]),
 ])

@@ -4,7 +4,8 @@
 Every rank trains each job through ``scaletool.api.train`` into ``OUT/<name>`` (one process start for
 all of them). A job that saved checkpoints is then copied without its summary, as if killed after its
 last checkpoint, and every rank resumes the copy in ``OUT/<name>-resumed``. Last, the engine of the
-MEASURE overrides runs one optimizer step's forward and backward (one micro-batch) under
+MEASURE overrides runs one optimizer step's forward and backward (one micro-batch) and what follows the
+backward before the optimizer (``finish_grads``) under
 :class:`~scaletool.measure.collectives.CollectiveLog`, and rank 0 writes what it issued, by mesh
 dimension and op, to ``OUT/collectives.json``. The test reads the summaries and that file.
 ``TP_WORKER_COMPILE_BACKEND`` set: ``torch.compile`` (``train.compile``) uses that backend.
@@ -46,8 +47,10 @@ def measure(recipe: str, out: Path, sets: list[str]) -> None:
     batch = make_source(r, *data_parallel(env, r.parallel.tensor_parallel)).batch(0, 0)
     engine.train_step([batch], r.train.lr)  # first use: anything done once is not a step's
     dims = {tuple(engine.mesh[dim].mesh.tolist()): dim for dim in engine.mesh.mesh_dim_names}
-    with CollectiveLog() as log, engine.grad_sync(True):
-        engine.model(*batch).backward()
+    with CollectiveLog() as log:
+        with engine.grad_sync(True):
+            engine.model(*batch).backward()
+        engine.finish_grads()  # pure TP: the replicated weights' gradients, reduced after the backward
     if env.rank == 0:
         found = {f"{dims[ranks]}:{op}": v for (ranks, op), v in log.totals().items()}
         (out / "collectives.json").write_text(json.dumps(found))
