@@ -177,18 +177,23 @@ def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Cal
     return host
 
 
-def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp: bool, calib: Calibration) -> float:
+def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp: bool, calib: Calibration,
+                 pure: bool = False) -> float:
     """Host seconds per step to issue a tensor-parallel step: every op on a DTensor goes through its
     dispatcher (placements, redistributes) on the CPU, about ten times a plain tensor's cost. The CPU
     runs ahead of the GPU, so this bounds the step only when it exceeds the device's work (1B models at
     8 sequences per rank: yes; Llama-3-8B layers at T=8192: no). Per block, by attention family (MLA's
-    latent path has more ops) and mode (per-block compile fuses the element-wise ones away)."""
+    latent path has more ops) and mode (per-block compile fuses the element-wise ones away). Calibrated with
+    FSDP2 over the one-rank data mesh; ``pure`` (tensor parallelism over every rank, which now runs without
+    FSDP2) takes those hooks' share per block off."""
     if tp == 1:
         return 0.0
     ov = calib.overheads
     mode = "compiled" if compiled else "eager"
     key = f"tp_{mode}_block{'_mla' if local.attention == 'mla' else ''}_s"
     per_block = ov.get(key, ov.get(f"tp_{mode}_block_s", 0.0))
+    if pure:
+        per_block = max(0.0, per_block - ov.get("tp_fsdp1_hooks_block_s", 0.0))
     return gas * per_block * local.n_layers
 
 
@@ -232,7 +237,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}
     exposed = tp_exposed + dp_exposed
     device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
-    dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib)
+    dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=dp == 1 and not p.fsdp_on_one_rank)
     step = max(device, dispatch + host)
     terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
              **totals, "host_overhead_s": host, "tp_dispatch_s": dispatch}
@@ -267,9 +272,8 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
                            "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else "")
                            + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
                               "not modelled" if p.tp_local_ops else "")
-                           + ("; calibrated with FSDP2 over the one-rank data mesh, whose per-block hooks pure "
-                              "tensor parallelism now skips: an upper bound" if dp == 1 and not p.fsdp_on_one_rank
-                              else ""))
+                           + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
+                              if dp == 1 and not p.fsdp_on_one_rank else ""))
     if N > G:
         assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
                            f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")

@@ -82,6 +82,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
             pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
             measured = measured_tokens_per_s_per_gpu(r)
             rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "async_tp": recipe.parallel.async_tp,
+                         "tp_local_ops": recipe.parallel.tp_local_ops,
                          "float8": recipe.train.float8,
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),

@@ -10,12 +10,14 @@ from scaletool.measure.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (102 runs: 3.8%, 37.7%)
-    "dense but ZeRO-3": (0.035, 0.26),  # the same without ZeRO-3 (85 runs: 3.4%, 24.5%)
+    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (108 runs: 3.9%, 37.7%)
+    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (91 runs: 3.7%, 24.5%)
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
     "H100": (0.035, 0.19),   # the card the model was fitted on (53 runs: 2.6%, 17.7%)
-    "compiled": (0.035, 0.12),  # compiled single, FSDP2 and TP (23 runs: 3.4%, 11.4%)
-    "TP": (0.05, 0.12),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (7 runs: 4.0%, 11.4%)
+    # compiled single, FSDP2 and TP (29 runs: 4.8%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
+    # varies by +-20% from call to call on the same machine)
+    "compiled": (0.05, 0.21),
+    "TP": (0.06, 0.21),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (11 runs: 5.9%, 20.5%)
 }
 
 
@@ -42,7 +44,7 @@ def test_every_committed_gpu_run_is_predicted(runs):
 
 
 def test_error_distribution_within_the_stated_tolerance(runs):
-    dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none"]
+    dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
     _check([r for r in dense if "ZeRO-3" in r["engine"]], "ZeRO-3")
@@ -73,3 +75,15 @@ def test_fp8_runs_are_over_predicted_while_the_fp8_gemm_rate_is_not_calibrated(r
     they are over-predicted and kept out of the tolerances. A calibrated FP8 rate should bring them in."""
     fp8 = [r for r in runs if r["float8"] != "none"]
     assert len(fp8) == 3 and all(0.03 < r["rel_error"] < 0.25 for r in fp8), [(r["run"], r["rel_error"]) for r in fp8]
+
+
+def test_tp_local_ops_is_not_modelled_and_says_so(runs):
+    """parallel.tp_local_ops (each block's ops on local tensors) is predicted with the DTensor plan's host
+    dispatch: compiled, where the step is the device's, that holds (within 5% on 2 H200s); eager, where the
+    dispatch sets the step, the local plan runs faster than predicted. Kept out of the tolerances."""
+    local = {r["compiled"]: [] for r in runs if r["tp_local_ops"]}
+    for r in runs:
+        if r["tp_local_ops"]:
+            local[r["compiled"]].append(r["rel_error"])
+    assert len(local[True]) == 2 and all(abs(e) < 0.05 for e in local[True]), local
+    assert len(local[False]) == 2 and all(e < -0.15 for e in local[False]), local
