@@ -1,27 +1,19 @@
-"""FSDP2: ``fully_shard`` on every block, then on the root (which takes the embedding, final norm
-and head), over the data-parallel ranks; with ``parallel.tensor_parallel`` N > 1, composed with
-tensor parallelism over a 2-D ``("dp", "tp")`` mesh, as torchtitan does.
+"""FSDP2: ``fully_shard`` on every block, then on the root (embedding, final norm, head), over the
+data-parallel ranks; with ``parallel.tensor_parallel`` N > 1, composed with tensor parallelism over a 2-D
+``("dp", "tp")`` mesh, as torchtitan does.
 
-Parameters, gradients and AdamW state are sharded; each block's 16-bit parameters are all-gathered
-just before its forward (and again before its backward when ``reshard_after_forward``) under a
-``MixedPrecisionPolicy`` of 16-bit params and fp32 gradient reduction. ``cpu_offload`` keeps the
-shards and the optimizer step on the CPU (``CPUOffloadPolicy``). While accumulating,
-``set_requires_gradient_sync(False)`` defers the reduce-scatter to the last micro-batch.
+Parameters, gradients and AdamW state are sharded; each block's 16-bit parameters are all-gathered just
+before its forward (again before its backward when ``reshard_after_forward``) under a
+``MixedPrecisionPolicy`` of 16-bit params and fp32 gradient reduction. ``cpu_offload``: shards and optimizer
+step on the CPU. While accumulating, ``set_requires_gradient_sync(False)`` defers the reduce-scatter.
 
-Tensor parallelism (:mod:`scaletool.engines.tp`) splits the layers first; FSDP2 then shards each
-rank's tensor-parallel pieces over the ``world_size / N`` data-parallel ranks (2-D DTensors). A pure
-tensor-parallel run is this engine with world size N: FSDP2 over a one-rank data mesh communicates
-nothing (its all-gathers are local copies) and still gives the mixed-precision policy and the
-reduction of replicated weights' partial gradients that tensor parallelism needs, as in torchtitan.
-The forward and backward of a micro-batch run under ``loss_parallel`` (vocabulary-sharded logits).
-
-Pure tensor parallelism (world size N, one data-parallel rank) skips FSDP2, as torchtitan does where its
-data-parallel degree is 1: over one rank FSDP2 shards nothing, and its hooks cost host time per block
-(pre-forward, and per parameter in the post-backward, which redistributes each gradient DTensor) that a
-host-bound run pays in full. The split model then trains as the single engine does (fp32 parameters,
-autocast); after the backward :meth:`FSDPEngine.finish_grads` all-reduces the replicated parameters'
-partial gradients in one flat collective and gives every gradient its parameter's placement.
-``parallel.fsdp_on_one_rank`` keeps FSDP2 there (the earlier behaviour).
+Tensor parallelism (:mod:`scaletool.engines.tp`) splits the layers first; FSDP2 then shards each rank's
+pieces over the ``world_size / N`` data-parallel ranks (2-D DTensors). Micro-batches run under
+``loss_parallel`` (vocabulary-sharded logits). Pure tensor parallelism (one data-parallel rank) skips
+FSDP2, as torchtitan does: over one rank it shards nothing, and its per-block hooks (the post-backward
+redistributes every gradient DTensor) cost host time a host-bound step pays in full. The split model then
+trains as the single engine does (fp32 parameters, autocast) and :meth:`FSDPEngine.finish_grads` reduces
+the replicated weights' partial gradients; ``parallel.fsdp_on_one_rank`` keeps FSDP2 there.
 """
 from __future__ import annotations
 
