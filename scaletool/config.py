@@ -445,6 +445,13 @@ class ParallelConfig(_Section):
                 raise ValueError(f"{where}: a {type(v).__name__} is not a JSON value")
         return value
 
+    def pure_tensor_parallel(self, world_size: int, tensor_parallel: int | None = None) -> bool:
+        """Tensor parallelism (``tensor_parallel``, default this section's) over all ``world_size`` ranks, one
+        data-parallel rank: engines.fsdp trains it without FSDP2 unless ``fsdp_on_one_rank``, and the
+        estimates follow the same rule."""
+        tp = self.tensor_parallel if tensor_parallel is None else tensor_parallel
+        return 1 < tp == world_size and not self.fsdp_on_one_rank
+
 
 class DataConfig(_Section):
     source: Literal["synthetic", "text", "tokens", "csv"] = Field(

@@ -190,8 +190,8 @@ def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel
     dp = N // tp
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     local = tensor_parallel_config(recipe.model, tp)
-    pure = tp > 1 and dp == 1 and not p.fsdp_on_one_rank  # engines.fsdp trains pure TP without FSDP2
-    rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps, pure=pure)
+    rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps,
+                                         pure=p.pure_tensor_parallel(N, tp))
     rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
                                         reshard_after_forward=p.reshard_after_forward,
                                         expert_parallel=p.expert_parallel, inputs=inputs)

@@ -194,7 +194,7 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     # tensor parallelism is a layout of FSDP2; over every rank (one data-parallel rank) the engine trains the split
     # model without FSDP2, as the single engine does (fp32 parameters under autocast)
-    pure = dp == 1 and not recipe.parallel.fsdp_on_one_rank
+    pure = recipe.parallel.pure_tensor_parallel(world_size, tp)
     engine = "single" if pure else engines_with("tensor_parallel")[0]
     row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
     # the residual stream is 16-bit under FSDP2's mixed precision, fp32 under autocast and in fp32 models

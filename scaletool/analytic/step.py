@@ -237,7 +237,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}
     exposed = tp_exposed + dp_exposed
     device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
-    dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=dp == 1 and not p.fsdp_on_one_rank)
+    dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=p.pure_tensor_parallel(N, tp))
     step = max(device, dispatch + host)
     terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
              **totals, "host_overhead_s": host, "tp_dispatch_s": dispatch}
@@ -273,7 +273,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
                            + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
                               "not modelled" if p.tp_local_ops else "")
                            + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
-                              if dp == 1 and not p.fsdp_on_one_rank else ""))
+                              if p.pure_tensor_parallel(N, tp) else ""))
     if N > G:
         assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
                            f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")

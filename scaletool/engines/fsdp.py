@@ -42,9 +42,8 @@ class FSDPEngine(SingleEngine):
     casts_params = True
 
     def __init__(self, model: nn.Module, recipe, env):
-        p = recipe.parallel
         #: tensor parallelism over every rank: no FSDP2 (module docstring), unless the recipe asks for it
-        self.pure_tp = p.tensor_parallel > 1 and env.world_size == p.tensor_parallel and not p.fsdp_on_one_rank
+        self.pure_tp = recipe.parallel.pure_tensor_parallel(env.world_size)
         self.casts_params = not self.pure_tp  # without FSDP2's mixed-precision policy: autocast
         super().__init__(model, recipe, env)
         if self.pure_tp:
