@@ -3,11 +3,17 @@
     python recipes/benchmarks/float8_table.py OUT    # OUT holds the study's {shape}-{mode}.json results
 
 Reads each run's result (``scaletool train --json``): ``llama8l-*`` (Llama-3-8B with 8 layers, T=8192,
-micro-batch 1), ``mha1b-*`` (mha-1b at its recipe micro-batch) and ``loss-*`` (a small decoder trained
-300 steps from one seed on one text, bf16 against tensorwise). Writes OUT/float8.json (per run: tokens/s
-median with p10/p90 and n over the measured steps, warm-up excluded; MFU against the bf16 and the FP8
-dense peaks; peak memory; the speed-up over bf16 of the same shape; card, date, torch and CUDA of the
-runs), OUT/float8.md (the table) and OUT/float8-loss.json + .png (the loss curves, step by step).
+micro-batch 1; ``llama4l-*`` the same with 4 layers), ``mha1b-*`` (mha-1b at its recipe micro-batch) and
+``loss-*`` (a small decoder trained 300 steps from one seed on one text, bf16 against tensorwise). Writes
+OUT/float8.json (per run: tokens/s median with p10/p90 and n over the measured steps, warm-up excluded;
+MFU against the bf16 and the FP8 dense peaks; peak memory; the speed-up over bf16 of the same shape; card,
+date, torch and CUDA of the runs; the per-layer gain from the 4- and 8-layer runs, below), OUT/float8.md
+(the table) and OUT/float8-loss.json + .png (the loss curves, step by step).
+
+Per layer: a step of L layers takes a + L·b (the embedding, output head, loss and their optimizer work
+in a; one block's forward, backward and optimizer step in b). Two depths give both, per mode, from the
+median step times; b(bf16) / b(FP8) is the gain of one Llama-3-8B block, and (a + 32·b) projects the
+whole 32-layer model. The range beside each is the extreme one of the runs' p10/p90 step times gives.
 """
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ import sys
 from pathlib import Path
 
 MODES = ("none", "tensorwise", "rowwise")
-SHAPES = {"llama8l": "Llama-3-8B, 8 layers, T=8192, micro-batch 1 (single, compiled per block)",
+SHAPES = {"llama4l": "Llama-3-8B, 4 layers, T=8192, micro-batch 1 (single, compiled per block)",
+          "llama8l": "Llama-3-8B, 8 layers, T=8192, micro-batch 1 (single, compiled per block)",
           "mha1b": "mha-1b, its recipe's micro-batch 8 x 2048 (single, compiled per block)",
           "loss": "small decoder, 300 steps on one text (eager; loss curves)"}
 
@@ -54,11 +61,59 @@ def row(shape: str, mode: str, d: dict, base: dict | None) -> dict:
             "loss/first": d.get("loss_first"), "loss/last": d.get("loss_last")}
 
 
+def _step_s(d: dict, which: str) -> float | None:
+    """Seconds per token of one run's step at the tokens/s quantile ``which`` (median, p10, p90)."""
+    rate = ((d.get("timing") or {}).get("tokens_per_s") or {}).get(which)
+    return 1.0 / rate if rate else None
+
+
+def per_layer(found: dict, shallow: str = "llama4l", deep: str = "llama8l", depths: tuple[int, int] = (4, 8),
+              full: int = 32) -> list[dict]:
+    """Per FP8 mode with both depths and bf16 at both: one block's gain, and the whole ``full``-layer model's
+    projected gain (see the module docstring), median with the range the p10/p90 steps give."""
+    (l1, l2), out = depths, []
+
+    def fit(mode: str, q1: str, q2: str) -> tuple[float, float] | None:
+        t1, t2 = _step_s(found[(shallow, mode)], q1), _step_s(found[(deep, mode)], q2)
+        if t1 is None or t2 is None:
+            return None
+        b = (t2 - t1) / (l2 - l1)
+        return t1 - l1 * b, b  # a, b: seconds per token outside the blocks, and per block
+
+    if (shallow, "none") not in found or (deep, "none") not in found:
+        return out
+    for mode in MODES[1:]:
+        if (shallow, mode) not in found or (deep, mode) not in found:
+            continue
+        base, f8 = fit("none", "median", "median"), fit(mode, "median", "median")
+        if base is None or f8 is None or base[1] <= 0 or f8[1] <= 0:
+            continue
+        # the extremes: bf16 blocks at their fastest/slowest against FP8 blocks at their slowest/fastest
+        qs = [("p90", "p10"), ("p10", "p90")]  # tokens/s p90 is the shorter step
+        gains, projected = [], []
+        for (bq1, bq2), (fq1, fq2) in ((qs[0], qs[1]), (qs[1], qs[0])):
+            b0, f0 = fit("none", bq1, bq2), fit(mode, fq1, fq2)
+            if b0 and f0 and b0[1] > 0 and f0[1] > 0:
+                gains.append(b0[1] / f0[1])
+                projected.append((b0[0] + full * b0[1]) / (f0[0] + full * f0[1]))
+        out.append({"float8": mode, "depths": [l1, l2],
+                    "block_s_per_token": {"none": base[1], mode: f8[1]},
+                    "outside_blocks_s_per_token": {"none": base[0], mode: f8[0]},
+                    "gain/per_block": base[1] / f8[1],
+                    "gain/per_block_range": [min(gains), max(gains)] if gains else None,
+                    "gain/projected_layers": full,
+                    "gain/projected": (base[0] + full * base[1]) / (f8[0] + full * f8[1]),
+                    "gain/projected_range": [min(projected), max(projected)] if projected else None,
+                    "blocks_share_of_bf16_step": {str(l2): l2 * base[1] / (base[0] + l2 * base[1]),
+                                                  str(full): full * base[1] / (base[0] + full * base[1])}})
+    return out
+
+
 def _pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def markdown(rows: list[dict], env: dict) -> str:
+def markdown(rows: list[dict], env: dict, layers: list[dict] | None = None) -> str:
     lines = [f"# FP8 training against bf16, one GPU ({env.get('card')}, torch {env.get('torch')}, CUDA {env.get('cuda')})",
              "", "tokens/s: median over the measured steps (warm-up excluded), p10-p90, n steps. MFU: model FLOPs "
              "(causal) over the dense bf16 peak and over the dense FP8 peak.", "",
@@ -75,6 +130,17 @@ def markdown(rows: list[dict], env: dict) -> str:
                  "-" if mem is None else f"{mem / 2**30:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *(f"- {k}: {v}" for k, v in SHAPES.items())]
+    if layers:
+        lines += ["", "## Per Llama-3-8B block (from the 4- and 8-layer runs)", "",
+                  "| float8 | gain per block | range | blocks' share of the bf16 step (8 / 32 layers) | "
+                  "projected gain, 32 layers | range |", "|---|---:|---:|---:|---:|---:|"]
+        for r in layers:
+            lo, hi = r["gain/per_block_range"] or (None, None)
+            plo, phi = r["gain/projected_range"] or (None, None)
+            share = r["blocks_share_of_bf16_step"]
+            lines.append(f"| {r['float8']} | {r['gain/per_block']:.2f}x | "
+                         + ("-" if lo is None else f"{lo:.2f}-{hi:.2f}x") + f" | {_pct(share['8'])} / {_pct(share['32'])} | "
+                         f"{r['gain/projected']:.2f}x | " + ("-" if plo is None else f"{plo:.2f}-{phi:.2f}x") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -108,9 +174,10 @@ def table(out: Path) -> dict:
     env = {"card": (any_env.get("gpu_names") or ["cpu"])[0], "torch": any_env.get("torch"),
            "cuda": any_env.get("cuda"), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv)}
-    doc = {"kind": "float8-1gpu", "environment": env, "rows": rows}
+    layers = per_layer(found)
+    doc = {"kind": "float8-1gpu", "environment": env, "rows": rows, "per_block": layers}
     (out / "float8.json").write_text(json.dumps(doc, indent=1))
-    (out / "float8.md").write_text(markdown(rows, env))
+    (out / "float8.md").write_text(markdown(rows, env, layers))
     loss_overlay(found, out)
     return doc
 

@@ -3,6 +3,7 @@
 Usage (repository root)::
 
     python recipes/benchmarks/moe_layer.py parts OUT.json [--tiny]   # GPU: about 2 minutes on an H100
+    python recipes/benchmarks/moe_layer.py gemms OUT.json [--tiny]   # GPU: seconds
     python recipes/benchmarks/moe_layer.py train OUT_DIR [--tiny]    # GPU: about 4 minutes on an H100
     python recipes/benchmarks/moe_layer.py point PERMUTE -- ARGS...  # `scaletool ARGS` with MoE.permute set
     python recipes/benchmarks/moe_layer.py ep-table OUT/ep            # the moe-ep study's table
@@ -54,6 +55,83 @@ def environment() -> dict:
 def _spread_dict(xs: list[float], scale: float = 1.0) -> dict | None:
     s = spread([x * scale for x in xs])
     return None if s is None else {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n}
+
+
+# -- gemms ---------------------------------------------------------------------------------------------
+
+
+def gemms(args) -> int:
+    """The routed experts' GEMMs one by one: forward, input gradient (dgrad) and weight gradient (wgrad),
+    for both weight layouts ``torch._grouped_mm`` can take, against references of the same FLOPs: one bmm
+    over equal groups (what the capacity path runs) and one dense mm of all rows (the ceiling)."""
+    import torch
+
+    tiny = args.tiny or not torch.cuda.is_available()
+    device = torch.device("cpu" if tiny else "cuda")
+    E, d, i, rows = (4, 32, 16, 256) if tiny else (16, 2048, 1024, 32768)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.full((E,), rows // E, dtype=torch.long)
+    counts += torch.randint(-rows // (8 * E), rows // (8 * E) + 1, (E,), generator=gen)  # routed-like, uneven
+    counts[-1] = rows - counts[:-1].sum()
+    offs = counts.cumsum(0).to(torch.int32).to(device)
+    timed = _timer(device)
+    results: dict[str, dict] = {}
+
+    def run(name: str, fn, flops: float) -> None:
+        try:
+            times = [timed(fn) for _ in range(args.warmup + args.iters)][args.warmup:]
+            results[name] = {"ms": _spread_dict(times), "tflops": _spread_dict([flops / (1e9 * t) for t in times])}
+        except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+            results[name] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+        print(f"{name}: {results[name]}", file=sys.stderr)
+
+    def grouped(a, w):
+        if tiny:  # no grouped GEMM on the CPU: the per-segment loop, same shapes
+            return torch.cat([seg @ w[e] for e, seg in enumerate(a.split(counts.tolist()))])
+        return torch._grouped_mm(a, w, offs=offs)
+
+    def time_layout(proj: str, layout: str, x, dy, flops: float) -> None:
+        K, N = x.shape[1], dy.shape[1]
+        # kn: w stored (E, K, N), as GroupedExperts keeps it; nk: stored (E, N, K) and passed transposed
+        store = torch.randn(*((E, K, N) if layout == "kn" else (E, N, K)), device=device, dtype=dtype)
+
+        def view(t):
+            return t if layout == "kn" else t.transpose(-2, -1)
+        with torch.no_grad():
+            run(f"{proj}/{layout}/forward", lambda: grouped(x, view(store)), flops)
+        xg = x.detach().requires_grad_()
+        out_x = grouped(xg, view(store))
+        run(f"{proj}/{layout}/dgrad", lambda: torch.autograd.grad(out_x, xg, dy, retain_graph=True), flops)
+        wg = store.detach().requires_grad_()
+        out_w = grouped(x, view(wg))
+        run(f"{proj}/{layout}/wgrad", lambda: torch.autograd.grad(out_w, wg, dy, retain_graph=True), flops)
+
+    def time_references(proj: str, x, N: int, flops: float) -> None:
+        K = x.shape[1]
+        xb, wb = x.view(E, rows // E, K), torch.randn(E, K, N, device=device, dtype=dtype)
+        wd = torch.randn(K, N, device=device, dtype=dtype)
+        with torch.no_grad():
+            run(f"{proj}/bmm-equal-groups/forward", lambda: torch.bmm(xb, wb), flops)
+            run(f"{proj}/dense-mm/forward", lambda: x @ wd, flops)
+
+    for proj, (K, N) in {"gate_up": (d, 2 * i), "down": (i, d)}.items():
+        flops = 2.0 * rows * K * N
+        x = torch.randn(rows, K, device=device, dtype=dtype)
+        dy = torch.randn(rows, N, device=device, dtype=dtype)
+        for layout in ("kn", "nk"):
+            time_layout(proj, layout, x, dy, flops)
+        time_references(proj, x, N, flops)
+    out = {"benchmark": "moe-expert-gemms", **environment(), "tiny": tiny,
+           "config": {"experts": E, "d_model": d, "moe_intermediate_size": i, "rows": rows,
+                      "rows_per_expert": counts.tolist(), "dtype": str(dtype), "iters": args.iters,
+                      "warmup": args.warmup,
+                      "layouts": {"kn": "weights (E, K, N), row-major: GroupedExperts' storage",
+                                  "nk": "weights (E, N, K) passed as a transposed view (torchtitan's storage)"}},
+           "gemms": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0 if all("error" not in r for r in results.values()) else 1
 
 
 # -- parts ---------------------------------------------------------------------------------------------
@@ -374,6 +452,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--iters", type=int, default=20, help="timed repeats per part (default 20)")
     a.add_argument("--warmup", type=int, default=5, help="untimed repeats first (default 5)")
     a.add_argument("--tiny", action="store_true", help="CPU, toy sizes: checks the driver")
+    g = sub.add_parser("gemms", help="the routed experts' GEMMs: forward, dgrad, wgrad, both weight layouts")
+    g.add_argument("out", type=Path, help="JSON file to write")
+    g.add_argument("--iters", type=int, default=20, help="timed repeats per GEMM (default 20)")
+    g.add_argument("--warmup", type=int, default=5, help="untimed repeats first (default 5)")
+    g.add_argument("--tiny", action="store_true", help="CPU, toy sizes: checks the driver")
     b = sub.add_parser("train", help="dense vs MoE (indexed, gather) training, compiled")
     b.add_argument("out", type=Path, help="directory for the run summaries, train.json and table.md")
     b.add_argument("--recipe", default="recipes/mla-1b.yaml")
@@ -383,9 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--tiny", action="store_true", help="CPU, tiny recipe, eager: checks the driver")
     args = p.parse_args(argv)
-    if args.cmd == "parts" and (args.iters < 1 or args.warmup < 0):
+    if args.cmd in ("parts", "gemms") and (args.iters < 1 or args.warmup < 0):
         p.error("--iters must be >= 1 and --warmup >= 0")
-    return parts(args) if args.cmd == "parts" else train(args)
+    return {"parts": parts, "gemms": gemms, "train": train}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -164,6 +164,25 @@ def _bound(p) -> str:
     return f"{p.decode_bound} ×{p.decode_step_over_floor:.3g}"
 
 
+def _print_kernel_time(points, con: Console) -> None:
+    """Where one uncaptured step's GPU time went, per point: busy time against the median step (the rest is
+    the gaps between kernels) and the kernel groups (scaletool.decode.bounds.kernel_breakdown)."""
+    timed = [p for p in points if p.decode_kernel_time]
+    if not timed:
+        return
+    groups = sorted({g for p in timed for g in p.decode_kernel_time["groups_s"]},
+                    key=lambda g: -sum(p.decode_kernel_time["groups_s"].get(g, 0.0) for p in timed))
+    t = _table("GPU time of one step (profiled, not captured), ms",
+               ["ctx", "batch", "kernels", "busy", "of step"] + groups)
+    for p in timed:
+        k = p.decode_kernel_time
+        step = p.decode_step_s.median if p.decode_step_s else None
+        t.add_row(f"{p.context:,}", f"{p.batch:,}", str(p.decode_kernels_per_step or "-"), f"{1e3 * k['busy_s']:.3g}",
+                  "-" if not step else f"{100 * k['busy_s'] / step:.0f}%",
+                  *(f"{1e3 * k['groups_s'].get(g, 0.0):.3g}" for g in groups))
+    con.print(t)
+
+
 def print_decode(res, con: Console) -> None:
     """The human tables: speed per point, the cache against the analytic bytes, the largest batches."""
     dev, kv = res.device, res.kv_cache
@@ -186,6 +205,7 @@ def print_decode(res, con: Console) -> None:
                   "-" if p.decode_hbm_fraction_of_copy is None else f"{100 * p.decode_hbm_fraction_of_copy:.0f}%",
                   _bound(p))
     con.print(t)
+    _print_kernel_time(ok, con)
     alloc = any(p.kv_cache_bytes_allocator is not None for p in ok)
     t = _table("KV cache (prompt + warm-up + new tokens)",
                ["ctx", "batch", "measured", "analytic", "Δ"] + (["allocator"] if alloc else []))

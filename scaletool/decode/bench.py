@@ -18,7 +18,7 @@ import torch
 from scaletool.analytic import kv_cache
 from scaletool.analytic.flops import decode_flops_per_token
 from scaletool.config import ModelConfig
-from scaletool.decode.bounds import Floors, kernels_per_step, measure_floors, point_bound
+from scaletool.decode.bounds import Floors, kernel_breakdown, measure_floors, point_bound, step_kernels
 from scaletool.decode.generate import prefill, require_lm
 from scaletool.decode.sizing import (
     cache_bytes_per_token,
@@ -166,7 +166,8 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     if s.compile:
         tick(a + p, "compiling the decode step (torch.compile)")
     steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile)
-    kernels = kernels_per_step(steps) if floors is not None else None
+    found = step_kernels(steps) if floors is not None else None
+    kernels = None if found is None else len(found)
     probe = []
     n_steps = s.warmup_steps + s.new_tokens
     tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
@@ -184,6 +185,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     bw = bytes_per_step / step_s.median
     flops = batch * decode_flops_per_token(cfg, round(mean_positions), s.mode.mla, batch)["total"]
     point.update(point_bound(floors, step_s.median, bytes_per_step, flops, kernels) if floors is not None else {})
+    point["decode_kernel_time"] = None if found is None else kernel_breakdown(found)
     point.update(_stepper_fields(steps, cfg, s.mode, device, dtype))
     point.update({
         "decode_step_s": step_s,

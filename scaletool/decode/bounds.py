@@ -95,9 +95,44 @@ def measure_floors(device: torch.device, dtype: str) -> Floors:
     return Floors(copy_bandwidth(device), graph_kernel_seconds(device), peak, source)
 
 
-def kernels_per_step(steps) -> int | None:
-    """Kernels (and copies) one decode step runs on the GPU, from the profiler over one uncaptured step;
-    the stepper's token and position are put back, so the next step rewrites the same cache row."""
+#: kernel-name fragments -> the group a decode step's GPU time is reported under (first match wins)
+KERNEL_GROUPS = (
+    ("attention", ("mla_", "_mla", "latent_decode", "_merge_kernel", "flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("matmul", ("gemv", "gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_", "splitk", "mm_")),
+    ("fused element-wise (inductor)", ("triton_",)),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The group of a CUDA kernel named ``name`` (:data:`KERNEL_GROUPS`), ``other`` if none matches."""
+    low = name.lower()
+    for group, fragments in KERNEL_GROUPS:
+        if any(f in low for f in fragments):
+            return group
+    return "other"
+
+
+def kernel_breakdown(kernels: list[tuple[str, float]], top: int = 8) -> dict:
+    """GPU time of one step's kernels ``[(name, seconds)]``: the sum, per group (:func:`kernel_group`)
+    and the ``top`` kernels by total time (name, calls, seconds). The sum is busy time only: a step's
+    time over it is the gaps between kernels (launch and dependency latency)."""
+    groups: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for name, s in kernels:
+        g = kernel_group(name)
+        groups[g] = groups.get(g, 0.0) + s
+        by_name.setdefault(name, []).append(s)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"busy_s": sum(s for _, s in kernels),
+            "groups_s": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": n[:160], "calls": len(v), "s": sum(v)} for n, v in ranked]}
+
+
+def step_kernels(steps) -> list[tuple[str, float]] | None:
+    """The kernels (and copies) one decode step runs on the GPU, ``[(name, seconds)]`` in launch order,
+    from the profiler over one uncaptured step (None off CUDA, or without CUPTI). The stepper's token and
+    position are put back, so the next step rewrites the same cache row."""
     token = steps.token.clone()
     if token.device.type != "cuda":
         return None
@@ -106,20 +141,28 @@ def kernels_per_step(steps) -> int | None:
     from torch.profiler import ProfilerActivity, profile
 
     try:
+        run()  # a step outside the profiler first: its one-time work (autotuning, allocation) stays out
         torch.cuda.synchronize(token.device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
             torch.cuda.synchronize(token.device)
-        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        found = [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
     except Exception:  # noqa: BLE001 - no CUPTI in this build or container: the launch floor stays unknown
-        n = None
+        found = None
     finally:
         if isinstance(pos, torch.Tensor):  # the static stepper: its storage is what a CUDA graph reads
             steps.token.copy_(token)
             steps.pos.copy_(pos)
         else:
             steps.token, steps.pos = token, pos
-    return n or None
+    return found or None
+
+
+def kernels_per_step(steps) -> int | None:
+    """How many kernels one decode step runs on the GPU (:func:`step_kernels`; None where unknown)."""
+    found = step_kernels(steps)
+    return None if found is None else len(found)
 
 
 def point_bound(floors: Floors, step_s: float, bytes_per_step: float, flops_per_step: float,

@@ -61,6 +61,8 @@ class DecodePoint(_Part):
     decode_flops_per_step: float | None = None
     decode_bound: str | None = None  # memory | compute | launch
     decode_step_over_floor: float | None = None  # median step / the bound's floor
+    # one uncaptured step's GPU time (scaletool.decode.bounds.kernel_breakdown): busy_s, groups_s, top kernels
+    decode_kernel_time: dict | None = None
     memory_peak_allocated_bytes: int | None = None
     # the timed steps' contention: {contended, contended_steps, sampled_steps, contention/... medians}
     contention: dict | None = None

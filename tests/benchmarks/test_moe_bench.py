@@ -23,7 +23,7 @@ PARTS = {"router", "aux_loss", "permute/gather", "permute/indexed", "expert_gemm
 def test_gpu_studies_run_the_driver():
     gpu = {name: load_study(name) for name in ("moe", "moe-ep")}
     assert gpu["moe"].gpus == 1 and gpu["moe-ep"].gpus == 2
-    assert {c.name for c in gpu["moe"].commands} == {"parts", "train"}
+    assert {c.name for c in gpu["moe"].commands} == {"parts", "gemms", "train"}
     assert {c.name for c in gpu["moe-ep"].commands} == {"ep2", "fsdp2", "profile-ep2", "profile-fsdp2", "table"}
     ep = next(c for c in gpu["moe-ep"].commands if c.name == "ep2")
     assert "parallel.expert_parallel=true" in ep.argv and "--nproc-per-node" in ep.argv
@@ -37,6 +37,10 @@ def test_tiny_study_runs_on_cpu(tmp_path):
     assert set(parts["parts"]) == PARTS and parts["tiny"] and parts["torch"] and parts["date"]
     assert all(p["ms"]["n"] == 3 and p["ms"]["p10"] <= p["ms"]["median"] <= p["ms"]["p90"] for p in parts["parts"].values())
     assert parts["config"]["rows_routed"] == parts["config"]["tokens"] * 2 <= parts["config"]["rows_aligned16"]
+    gemms = json.loads((tmp_path / "moe" / "gemms.json").read_text())["gemms"]
+    assert {n.rsplit("/", 1)[0] for n in gemms} == {f"{p}/{v}" for p in ("gate_up", "down")
+                                                   for v in ("kn", "nk", "bmm-equal-groups", "dense-mm")}
+    assert all(g["tflops"]["n"] == 3 and g["tflops"]["median"] > 0 for g in gemms.values())
     train = json.loads((tmp_path / "moe" / "train" / "train.json").read_text())
     points = train["points"]
     assert all(p["status"] == "completed" and p["tokens_per_s"]["n"] == 4 for p in points.values())

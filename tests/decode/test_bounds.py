@@ -5,7 +5,16 @@ import pytest
 import torch
 from tiny_variants import tiny_model
 
-from scaletool.decode.bounds import Floors, copy_bandwidth, graph_kernel_seconds, kernels_per_step, point_bound
+from scaletool.decode.bounds import (
+    Floors,
+    copy_bandwidth,
+    graph_kernel_seconds,
+    kernel_breakdown,
+    kernel_group,
+    kernels_per_step,
+    point_bound,
+    step_kernels,
+)
 from scaletool.decode.steps import EagerSteps
 from scaletool.model.attention import DecodeMode
 from scaletool.model.cache import make_caches
@@ -43,3 +52,26 @@ def test_cpu_measures_a_copy_and_counts_no_kernels():
     caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
     st = EagerSteps(model, caches, DecodeMode(mla, "torch"), torch.zeros(1, dtype=torch.long), 2)
     assert kernels_per_step(st) is None and st.pos == 2
+    assert step_kernels(st) is None and st.pos == 2
+
+
+def test_kernel_names_fall_into_groups():
+    assert kernel_group("_latent_decode_kernel") == kernel_group("_merge_kernel") == "attention"
+    assert kernel_group("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert kernel_group("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT") == "matmul"
+    assert kernel_group("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "matmul"
+    assert kernel_group("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "fused element-wise (inductor)"
+    assert kernel_group("Memcpy DtoD (Device -> Device)") == "copy"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+
+def test_breakdown_sums_groups_and_ranks_kernels_by_total_time():
+    found = [("gemv2T_kernel", 3e-6), ("triton_poi_fused_add_0", 1e-6), ("gemv2T_kernel", 4e-6),
+             ("_mla_decode_kernel", 5e-6), ("Memcpy DtoD", 0.5e-6)]
+    out = kernel_breakdown(found, top=2)
+    assert out["busy_s"] == pytest.approx(13.5e-6)
+    assert out["groups_s"] == pytest.approx({"matmul": 7e-6, "attention": 5e-6,
+                                             "fused element-wise (inductor)": 1e-6, "copy": 0.5e-6})
+    assert list(out["groups_s"]) == ["matmul", "attention", "fused element-wise (inductor)", "copy"]
+    assert out["top"] == [{"name": "gemv2T_kernel", "calls": 2, "s": pytest.approx(7e-6)},
+                          {"name": "_mla_decode_kernel", "calls": 1, "s": 5e-6}]
