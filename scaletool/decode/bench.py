@@ -4,13 +4,15 @@ Per (context N, batch B) point: allocate caches for every position the run uses 
 from the tensors and the allocator, beside the analytic bytes; time ``1 + prefill_repeats`` prefills
 of one prompt (leading runs excluded by ``scaletool.stats.settled_start``) and copy its cache rows to
 the batch; time each decode step of the whole batch (CUDA events, or wall clock on CPU; a CUDA graph
-unless turned off; ``torch.compile`` of the step with ``compile``), excluding warm-up by the same rule;
+unless turned off; ``torch.compile`` of the step with ``compile``; on CUDA after replaying the first
+step untimed for ``spin_up_s``, as clocks settle), excluding warm-up by the same rule;
 derive tokens/s and the bandwidth of the bytes a step must read (weights and cache) from the median
 step, and the step's bound against the floors of ``scaletool.decode.bounds``.
 """
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,7 +44,8 @@ from scaletool.results.decode import DecodePoint, DecodeResult
 from scaletool.stats import settled_start, spread
 
 WARMUP_RULE = ("the first {w} decode steps and the first prefill run always; further leading samples while slower "
-               "than 1.25x the median of the later half (scaletool.stats.settled_start)")
+               "than 1.25x the median of the later half (scaletool.stats.settled_start); on CUDA the first step is "
+               "first replayed untimed for {spin} s")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class DecodeSettings:
     mode: DecodeMode = DecodeMode()
     cuda_graph: bool = False
     compile: bool = False  # torch.compile the static step (then captured in the CUDA graph with cuda_graph)
+    compile_tuning: bool = True  # with compile: Inductor's coordinate-descent tuning of its kernels
+    spin_up_s: float = 0.5  # CUDA: replay the first step this long, untimed, before the timed steps (clocks settle)
     prefill_chunk: int = 4096
     warmup_steps: int = 3
     prefill_repeats: int = 3
@@ -111,10 +116,40 @@ def _timed(device: torch.device, runs: int, fn, samples: list | None = None, aft
     return out
 
 
+def spin_up(steps, seconds: float) -> int:
+    """On CUDA, replay the stepper's current step for ``seconds``, untimed, putting its token and position
+    back after each (every replay rewrites the same cache row, which the first timed step rewrites again):
+    a steps-long warm-up is milliseconds at batch 1, too short for the card's clocks to settle. Returns
+    the replays run (0 off CUDA or with ``seconds`` 0)."""
+    token = steps.token
+    if token.device.type != "cuda" or seconds <= 0:
+        return 0
+    token0 = token.clone()
+    pos0 = steps.pos.clone() if isinstance(steps.pos, torch.Tensor) else steps.pos
+
+    def restore() -> None:
+        if isinstance(pos0, torch.Tensor):  # the static stepper: a CUDA graph reads these very tensors
+            steps.token.copy_(token0)
+            steps.pos.copy_(pos0)
+        else:
+            steps.token, steps.pos = token0.clone(), pos0
+
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for _ in range(8):
+            steps.step()
+            restore()
+        n += 8
+        torch.cuda.synchronize(token.device)
+        if time.perf_counter() - t0 >= seconds:
+            return n
+
+
 def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.device, dtype: torch.dtype) -> dict:
     """What ran a point's steps: the attention kernel, the CUDA graph, the compile and its graph breaks."""
     return {"attention_kernel": attention_kernel(cfg, mode, device, dtype, steps.cuda_graph),
-            "cuda_graph": steps.cuda_graph, "compiled": steps.compiled, "compile_s": steps.compile_s,
+            "cuda_graph": steps.cuda_graph, "compiled": steps.compiled, "compile_tuning": steps.tuning,
+            "compile_s": steps.compile_s,
             "compile_graph_breaks": steps.graph_breaks}
 
 
@@ -165,9 +200,11 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     first = out["logits"].argmax(-1).expand(batch).contiguous()  # (B,)
     if s.compile:
         tick(a + p, "compiling the decode step (torch.compile)")
-    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile)
+    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile,
+                       tuning=s.compile_tuning)
     found = step_kernels(steps) if floors is not None else None
     kernels = None if found is None else len(found)
+    point["spin_up_replays"] = spin_up(steps, s.spin_up_s)
     probe = []
     n_steps = s.warmup_steps + s.new_tokens
     tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
@@ -259,8 +296,9 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
         settings={"new_tokens": s.new_tokens, "prefill_chunk": s.prefill_chunk, "warmup_steps": s.warmup_steps,
                   "prefill_repeats": s.prefill_repeats, "seed": s.seed, "kernel": s.mode.kernel,
                   "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph,
-                  "compile": s.compile},
+                  "compile": s.compile, "compile_tuning": s.compile and s.compile_tuning,
+                  "spin_up_s": s.spin_up_s},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
-        timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps), "contention": CONTENTION_RULE},
+        timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps, spin=s.spin_up_s), "contention": CONTENTION_RULE},
         cuda_graph=any(p.cuda_graph for p in points), compiled=any(p.compiled for p in points))

@@ -16,7 +16,8 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
   its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
   capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
-  as the custom operator ``scaletool::mla_decode``.
+  as the custom operator ``scaletool::mla_decode``. Compiled with Inductor's coordinate-descent tuning
+  unless ``tuning=False``: at batch 1 it fuses the matrix-vector products into tuned reductions.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from scaletool.model.transformer import Transformer
 class EagerSteps:
     """Greedy steps with an int position over the cache prefix (the reference path)."""
 
-    cuda_graph, compiled, compile_s, graph_breaks = False, False, None, None
+    cuda_graph, compiled, tuning, compile_s, graph_breaks = False, False, None, None, None
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -53,12 +54,13 @@ class GraphSteps:
     """
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-                 *, capture: bool, compile: bool = False, backend: str = "inductor"):
+                 *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = True):
         self.model, self.caches, self.mode = model, caches, mode
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = compile
+        self.tuning = tuning if compile else None  # Inductor's coordinate-descent tuning
         self.compile_s: float | None = None  # seconds of the first compiled call (tracing and code generation)
         self.graph_breaks: int | None = None
         self._run = self._static_step
@@ -78,7 +80,10 @@ class GraphSteps:
         if token.is_cuda:
             torch.cuda.synchronize(token.device)
         t0 = time.perf_counter()
-        self._run()
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(coordinate_descent_tuning=bool(self.tuning)):  # the first call compiles
+            self._run()
         if token.is_cuda:
             torch.cuda.synchronize(token.device)
         self.compile_s = time.perf_counter() - t0
@@ -120,9 +125,11 @@ class GraphSteps:
 
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-               cuda_graph: bool, compile: bool = False, backend: str = "inductor") -> EagerSteps | GraphSteps:
+               cuda_graph: bool, compile: bool = False, backend: str = "inductor",
+               tuning: bool = True) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
     if cuda_graph or compile:
-        return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend)
+        return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend,
+                          tuning=tuning)
     return EagerSteps(model, caches, mode, token, pos)

@@ -222,9 +222,11 @@ def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
     res = _decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--compile", "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["settings"]["compile"] is True and out["compiled"] is True
+    assert out["settings"]["compile"] is True and out["compiled"] is True and out["settings"]["compile_tuning"] is True
     (p,) = out["points"]
-    assert p["compiled"] is True and p["compile_graph_breaks"] == 0 and p["compile_s"] > 0
+    assert p["compiled"] is True and p["compile_graph_breaks"] == 0 and p["compile_s"] > 0 and p["compile_tuning"] is True
+    assert p["spin_up_replays"] == 0  # CUDA only: a CPU's clock needs no spin-up
+    assert "first replayed untimed for 0.5 s" in out["timing"]["rule"]
     assert out["device"]["copy_bandwidth_bytes_per_s"] > 0
     # on a CPU only the memory floor is known: the bound is memory, its fraction the bytes over the median step
     assert p["decode_bound"] == "memory" and p["decode_floor_launch_s"] is None
@@ -232,3 +234,4 @@ def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
         p["decode_bytes_per_step"] / p["decode_step_s"]["median"] / out["device"]["copy_bandwidth_bytes_per_s"])
     plain = json.loads(_decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--json").stdout)
     assert plain["settings"]["compile"] is False and plain["points"][0]["compiled"] is False
+    assert plain["settings"]["compile_tuning"] is False and plain["points"][0]["compile_tuning"] is None

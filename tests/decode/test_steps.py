@@ -103,6 +103,27 @@ def test_compiled_step_records_its_compile_and_has_no_graph_break():
     assert int(st.pos) == 2  # the compile's own step is undone: the next step runs at the same position
 
 
+@pytest.mark.parametrize("tuning", [True, False])
+def test_the_compile_sees_coordinate_descent_tuning_as_asked(tuning):
+    import torch._inductor.config as inductor_config
+
+    seen = []
+
+    def backend(gm, example_inputs):  # what Inductor would read, at the moment it would compile
+        seen.append(inductor_config.coordinate_descent_tuning)
+        return gm.forward
+
+    cfg, model, mla = tiny_model("mha")
+    caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
+    before = inductor_config.coordinate_descent_tuning
+    st = make_steps(model, caches, DecodeMode(mla, "auto"), torch.zeros(1, dtype=torch.long), 2, False,
+                    compile=True, backend=backend, tuning=tuning)
+    assert seen and set(seen) == {tuning} and st.tuning is tuning
+    assert inductor_config.coordinate_descent_tuning == before  # patched for the compile only
+    assert make_steps(model, caches, DecodeMode(mla, "auto"), torch.zeros(1, dtype=torch.long), 2,
+                      False).tuning is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("label", ["mha", "mla"])
 def test_compiled_graph_replay_agrees_with_eager_decoding(label):
