@@ -87,9 +87,10 @@ class _Contexts(click.ParamType):
               help="Run each decode step through torch.compile (static shapes, one compile per point), then "
                    "capture the compiled step in the CUDA graph: fewer, fused kernels per step. The compile "
                    "time is reported, not timed.")
-@click.option("--compile-tuning/--no-compile-tuning", default=True, show_default=True,
+@click.option("--compile-tuning/--no-compile-tuning", default=False, show_default=True,
               help="With --compile: Inductor's coordinate-descent tuning of its kernels. At batch 1 it fuses the "
-                   "matrix-vector products into tuned reductions (fewer kernels); each point compiles about 3x longer.")
+                   "matrix-vector products into tuned reductions (fewer kernels); each point compiles about 3x longer, "
+                   "and on an H100 the step was not faster (docs/decode.md).")
 @click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,

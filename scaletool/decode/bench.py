@@ -56,7 +56,7 @@ class DecodeSettings:
     mode: DecodeMode = DecodeMode()
     cuda_graph: bool = False
     compile: bool = False  # torch.compile the static step (then captured in the CUDA graph with cuda_graph)
-    compile_tuning: bool = True  # with compile: Inductor's coordinate-descent tuning of its kernels
+    compile_tuning: bool = False  # with compile: Inductor's coordinate-descent tuning of its kernels
     spin_up_s: float = 0.5  # CUDA: replay the first step this long, untimed, before the timed steps (clocks settle)
     prefill_chunk: int = 4096
     warmup_steps: int = 3

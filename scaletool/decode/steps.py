@@ -16,8 +16,8 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
   its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
   capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
-  as the custom operator ``scaletool::mla_decode``. Compiled with Inductor's coordinate-descent tuning
-  unless ``tuning=False``: at batch 1 it fuses the matrix-vector products into tuned reductions.
+  as the custom operator ``scaletool::mla_decode``. ``tuning=True`` adds Inductor's coordinate-descent
+  tuning: at batch 1 it fuses the matrix-vector products into tuned reductions (not faster, measured).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class GraphSteps:
     """
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-                 *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = True):
+                 *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False):
         self.model, self.caches, self.mode = model, caches, mode
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
@@ -126,7 +126,7 @@ class GraphSteps:
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                cuda_graph: bool, compile: bool = False, backend: str = "inductor",
-               tuning: bool = True) -> EagerSteps | GraphSteps:
+               tuning: bool = False) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
     if cuda_graph or compile:

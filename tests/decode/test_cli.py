@@ -219,7 +219,7 @@ def test_progress_hears_of_every_part_of_a_point_with_the_time_left(capsys):
 
 
 def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
-    res = _decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--compile", "--json")
+    res = _decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--compile", "--compile-tuning", "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     assert out["settings"]["compile"] is True and out["compiled"] is True and out["settings"]["compile_tuning"] is True
