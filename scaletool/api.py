@@ -241,7 +241,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
-           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, progress=None):
+           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = True, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -251,7 +251,9 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
     one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``: with Inductor's
     coordinate-descent tuning of its kernels (at batch 1 it turns the matrix-vector products into fused,
-    tuned reductions; compiles about 3x longer, and was not faster on an H100: docs/decode.md). ``memory_budget_gib``: for 'max'
+    tuned reductions; compiles about 3x longer, and was not faster on an H100: docs/decode.md); ``gemv``: the
+    graphed step's bias-free projections through scaletool's Triton GEMV where it runs (CUDA, 16-bit; at most
+    8 rows, prefill keeps cuBLAS). ``memory_budget_gib``: for 'max'
     and the fit table (default: the GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train``
     checkpoint directory (default: random weights from ``seed``). ``progress(done, total, description,
     detail=None)`` hears of building the model (``total`` None) and of each point, and of the parts of a
@@ -285,7 +287,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     contexts = tuple(_positive("context", n) for n in (contexts or (cfg.max_seq_len,)))
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
-                       compile=bool(compile), compile_tuning=bool(compile_tuning),
+                       compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),
                        prefill_repeats=_positive("prefill_repeats", prefill_repeats), seed=seed)

@@ -91,6 +91,10 @@ class _Contexts(click.ParamType):
               help="With --compile: Inductor's coordinate-descent tuning of its kernels. At batch 1 it fuses the "
                    "matrix-vector products into tuned reductions (fewer kernels); each point compiles about 3x longer, "
                    "and on an H100 the step was not faster (docs/decode.md).")
+@click.option("--gemv/--no-gemv", default=True, show_default=True,
+              help="Run the graphed step's projections (bias-free linear layers) through scaletool's Triton GEMV, "
+                   "which streams each weight once for the step's few rows (at most 8), where it can run: CUDA, "
+                   "16-bit. --no-gemv keeps cuBLAS.")
 @click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
@@ -108,8 +112,9 @@ class _Contexts(click.ParamType):
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
-           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, memory_budget: float | None, checkpoint: str | None,
-           trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int, prefill_repeats: int, as_json: bool):
+           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, gemv: bool, memory_budget: float | None,
+           checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
+           prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
 
     For each context length N and batch B: the KV-cache bytes allocated (cache tensors and CUDA
@@ -143,7 +148,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
                          prefill_repeats=prefill_repeats, compile=compile_step,
-                         compile_tuning=compile_tuning, progress=progress)
+                         compile_tuning=compile_tuning, gemv=gemv, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())
@@ -221,6 +226,9 @@ def print_decode(res, con: Console) -> None:
         con.print(t)
     for k in sorted({p.attention_kernel for p in ok}):
         con.print(f"• attention kernel: {k}")
+    gemv = max((p.gemv_linears or 0) for p in ok) if ok else 0
+    if gemv:
+        con.print(f"• projections: {gemv} linear layers through the Triton GEMV at the step's rows (scaletool.kernels.gemv)")
     graphs = {p.cuda_graph for p in ok}
     if graphs:  # none when no point ran (no batch fit the budget)
         con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"

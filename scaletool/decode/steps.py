@@ -16,7 +16,9 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
   its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
   capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
-  as the custom operator ``scaletool::mla_decode``. ``tuning=True`` adds Inductor's coordinate-descent
+  as the custom operator ``scaletool::mla_decode``. ``gemv=True`` routes the bias-free linear layers
+  through the Triton GEMV where a step has at most 8 rows (:mod:`scaletool.kernels.gemv`; CUDA, 16-bit),
+  the custom operator ``scaletool::gemv`` under compile. ``tuning=True`` adds Inductor's coordinate-descent
   tuning: at batch 1 it fuses the matrix-vector products into tuned reductions (not faster, measured).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 import torch
 import torch.nn as nn
 
+from scaletool.kernels import gemv as gemv_kernel
 from scaletool.model.attention import DecodeMode
 from scaletool.model.transformer import Transformer
 
@@ -33,7 +36,7 @@ from scaletool.model.transformer import Transformer
 class EagerSteps:
     """Greedy steps with an int position over the cache prefix (the reference path)."""
 
-    cuda_graph, compiled, tuning, compile_s, graph_breaks = False, False, None, None, None
+    cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears = False, False, None, None, None, 0
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -54,13 +57,16 @@ class GraphSteps:
     """
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
-                 *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False):
+                 *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False,
+                 gemv: bool = False):
         self.model, self.caches, self.mode = model, caches, mode
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = compile
         self.tuning = tuning if compile else None  # Inductor's coordinate-descent tuning
+        # bias-free linear layers routed through the Triton GEMV at decode's few rows (0: cuBLAS throughout)
+        self.gemv_linears = gemv_kernel.install(model) if gemv and gemv_usable(model) else 0
         self.compile_s: float | None = None  # seconds of the first compiled call (tracing and code generation)
         self.graph_breaks: int | None = None
         self._run = self._static_step
@@ -124,12 +130,20 @@ class GraphSteps:
             self._run()
 
 
+def gemv_usable(model: nn.Module) -> bool:
+    """Whether the Triton GEMV (:mod:`scaletool.kernels.gemv`) can run this model's decode projections:
+    Triton and CUDA present, 16-bit weights on a CUDA device."""
+    w = next(model.parameters())
+    return (gemv_kernel.triton is not None and w.device.type == "cuda"
+            and w.dtype in (torch.bfloat16, torch.float16))
+
+
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                cuda_graph: bool, compile: bool = False, backend: str = "inductor",
-               tuning: bool = False) -> EagerSteps | GraphSteps:
+               tuning: bool = False, gemv: bool = False) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
     if cuda_graph or compile:
         return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend,
-                          tuning=tuning)
+                          tuning=tuning, gemv=gemv)
     return EagerSteps(model, caches, mode, token, pos)

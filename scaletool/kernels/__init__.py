@@ -2,4 +2,5 @@
 
 - :mod:`.mla_decode`: attention of one query per sequence over an MLA latent cache (Triton split-KV,
   with the torch reference CPUs run).
+- :mod:`.gemv`: the linear layers of a decode step's few rows (Triton; F.linear elsewhere).
 """

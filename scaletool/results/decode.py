@@ -35,6 +35,7 @@ class DecodePoint(_Part):
     compiled: bool | None = None  # the step ran through torch.compile
     compile_tuning: bool | None = None  # compiled with Inductor's coordinate-descent tuning
     compile_s: float | None = None  # seconds of the first compiled call (trace + code generation)
+    gemv_linears: int | None = None  # linear layers through the Triton GEMV at decode's few rows (0: cuBLAS)
     spin_up_replays: int | None = None  # untimed replays of the first step before timing (CUDA: clocks settle)
     compile_graph_breaks: int | None = None
     kv_cache_bytes_per_token_analytic: int | None = None

@@ -125,15 +125,19 @@ def test_the_compile_sees_coordinate_descent_tuning_as_asked(tuning):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("label", ["mha", "mla"])
-def test_compiled_graph_replay_agrees_with_eager_decoding(label):
-    """The compiled step captured in the CUDA graph, the MLA kernel inside it as the custom operator."""
+def test_compiled_graph_replay_agrees_with_eager_decoding(label, gemv):
+    """The compiled step captured in the CUDA graph, the MLA kernel inside it as the custom operator, the
+    projections through cuBLAS or the Triton GEMV (scaletool::gemv)."""
     cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
                                            "model.qk_rope_head_dim": 16} if label == "mla" else {})
     model = model.to("cuda", torch.bfloat16)
     mode = DecodeMode(mla, "auto")
     eager, _ = _run(EagerSteps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16)
     graph, _ = _run(make_steps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
-                    compile=True)
+                    compile=True, gemv=gemv)
+    assert all(vars(m).get("_scaletool_gemv", False) == gemv for m in model.modules()
+               if type(m) is torch.nn.Linear and m.bias is None)
     assert torch.equal(graph[:, :4], eager[:, :4])
     assert (graph == eager).float().mean() > 0.9

@@ -1,0 +1,93 @@
+"""The decode GEMV against cuBLAS at the projections of mla-1b and mha-1b (one GPU, seconds).
+
+    python recipes/benchmarks/gemv_bench.py OUT.json [--rows 1,4,8] [--iters 50]
+
+Per weight shape (N, K) of the recipes' bias-free linear layers and per row count M: F.linear (cuBLAS)
+and scaletool's Triton GEMV (scaletool.kernels.gemv), each call timed with CUDA events, median with
+p10/p90 over ``--iters`` calls after 10 warm-up calls. Each call reads a different copy of the weight,
+enough copies to exceed 256 MiB, so no call finds its weight in the L2 cache: a decode step reads each
+weight once. Bandwidth is the weight's bytes over the median call; the copy rate of the card is measured
+beside it. Writes JSON with the card, date, torch and Triton versions and the command.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+#: (N, K) of the bias-free linear layers of mla-1b and mha-1b (d 2048, 16 heads, FFN 5632, vocab 32000)
+SHAPES = {"mla-1b wq (2048 -> 16 x 192)": (3072, 2048), "mla-1b wkv_a (2048 -> 512 + 64)": (576, 2048),
+          "wo (2048 -> 2048)": (2048, 2048), "mha-1b wqkv (2048 -> 3 x 2048)": (6144, 2048),
+          "w1 / w3 (2048 -> 5632)": (5632, 2048), "w2 (5632 -> 2048)": (2048, 5632),
+          "output (2048 -> 32000)": (32000, 2048)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="JSON file to write")
+    p.add_argument("--rows", default="1,4,8", help="row counts M, comma-separated (default 1,4,8)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per kernel and shape (default 50)")
+    args = p.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows {args.rows!r}: expected integers such as 1,4,8")
+    if args.iters < 3 or not rows or min(rows) < 1:
+        p.error("--iters must be >= 3 and --rows positive")
+    import torch
+    import torch.nn.functional as F
+
+    from scaletool.decode.bounds import copy_bandwidth
+    from scaletool.kernels import gemv
+    from scaletool.stats import spread
+
+    if not torch.cuda.is_available() or gemv.triton is None:
+        sys.exit("error: gemv_bench needs a CUDA GPU and Triton")
+    dev = torch.device("cuda")
+    results = []
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5 for _ in range(max(2, -(-2**28 // nbytes)))]
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            err = (gemv.gemv_triton(x, copies[0]).float() - F.linear(x.float(), copies[0].float())).abs().max().item()
+            row = {"shape": name, "n": n, "k": k, "rows": m, "weight_bytes": nbytes, "max_abs_error_vs_fp32": err}
+            for kernel, fn in (("cublas", F.linear), ("gemv", gemv.gemv_triton)):
+                times = []
+                for i in range(10 + args.iters):
+                    w = copies[i % len(copies)]
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn(x, w)
+                    b.record()
+                    b.synchronize()
+                    if i >= 10:
+                        times.append(a.elapsed_time(b) / 1e3)
+                s = spread(times)
+                row[kernel] = {"us": {"median": 1e6 * s.median, "p10": 1e6 * s.p10, "p90": 1e6 * s.p90, "n": s.n},
+                               "bytes_per_s": nbytes / s.median}
+            row["speedup"] = row["cublas"]["us"]["median"] / row["gemv"]["us"]["median"]
+            results.append(row)
+            print(f"{name:36s} M={m}: cuBLAS {row['cublas']['us']['median']:7.1f} us "
+                  f"({row['cublas']['bytes_per_s'] / 1e12:.2f} TB/s), GEMV {row['gemv']['us']['median']:7.1f} us "
+                  f"({row['gemv']['bytes_per_s'] / 1e12:.2f} TB/s): {row['speedup']:.2f}x", file=sys.stderr)
+        del copies
+    import triton
+    out = {"benchmark": "decode-gemv", "card": torch.cuda.get_device_name(dev),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+           "python": platform.python_version(), "command": [Path(sys.executable).name, *sys.argv],
+           "copy_bandwidth_bytes_per_s": copy_bandwidth(dev), "iters": args.iters, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
