@@ -241,7 +241,8 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
-           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = True, progress=None):
+           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = False,
+           split_batch: int = 1, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -253,7 +254,9 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     coordinate-descent tuning of its kernels (at batch 1 it turns the matrix-vector products into fused,
     tuned reductions; compiles about 3x longer, and was not faster on an H100: docs/decode.md); ``gemv``: the
     graphed step's bias-free projections through scaletool's Triton GEMV where it runs (CUDA, 16-bit; at most
-    8 rows, prefill keeps cuBLAS). ``memory_budget_gib``: for 'max'
+    8 rows, prefill keeps cuBLAS); ``split_batch``: decode each step's batch as that many parts on their own
+    CUDA streams within the one graph (not with ``compile``), so one part's GEMMs can overlap another's cache
+    reads. ``memory_budget_gib``: for 'max'
     and the fit table (default: the GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train``
     checkpoint directory (default: random weights from ``seed``). ``progress(done, total, description,
     detail=None)`` hears of building the model (``total`` None) and of each point, and of the parts of a
@@ -280,6 +283,9 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     dev = _decode_device(device)
     if cuda_graph and dev.type != "cuda":
         raise RecipeError("cuda_graph: CUDA graphs need a CUDA device")
+    if compile and split_batch != 1:
+        raise RecipeError(f"split_batch {split_batch}: the batch's parts run on separate CUDA streams, which the "
+                          "compiled step does not take; drop compile or use split_batch 1")
     if mla_kernel == "triton" and attention_kind(cfg).decode_path(cfg, mode.mla) == "absorbed":
         why = triton_supports(dev, TORCH_DTYPES[cfg.dtype], cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         if why:
@@ -288,6 +294,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),
+                       split=_positive("split_batch", split_batch),
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),
                        prefill_repeats=_positive("prefill_repeats", prefill_repeats), seed=seed)

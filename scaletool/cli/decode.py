@@ -91,10 +91,13 @@ class _Contexts(click.ParamType):
               help="With --compile: Inductor's coordinate-descent tuning of its kernels. At batch 1 it fuses the "
                    "matrix-vector products into tuned reductions (fewer kernels); each point compiles about 3x longer, "
                    "and on an H100 the step was not faster (docs/decode.md).")
-@click.option("--gemv/--no-gemv", default=True, show_default=True,
+@click.option("--gemv/--no-gemv", default=False, show_default=True,
               help="Run the graphed step's projections (bias-free linear layers) through scaletool's Triton GEMV, "
                    "which streams each weight once for the step's few rows (at most 8), where it can run: CUDA, "
-                   "16-bit. --no-gemv keeps cuBLAS.")
+                   "16-bit. On an H100 it matched cuBLAS (docs/decode.md), so cuBLAS stays the default.")
+@click.option("--split-batch", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="Decode each step's batch as N parts, each on its own CUDA stream inside the one graphed step, "
+                   "so one part's projections can run beside another's attention. Not with --compile.")
 @click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
@@ -112,7 +115,8 @@ class _Contexts(click.ParamType):
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
-           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, gemv: bool, memory_budget: float | None,
+           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, gemv: bool, split_batch: int,
+           memory_budget: float | None,
            checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
            prefill_repeats: int, as_json: bool):
     """Prefill and decode RECIPE's model; measure the KV cache, speed and memory bandwidth.
@@ -148,7 +152,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
                          prefill_repeats=prefill_repeats, compile=compile_step,
-                         compile_tuning=compile_tuning, gemv=gemv, progress=progress)
+                         compile_tuning=compile_tuning, gemv=gemv, split_batch=split_batch, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())

@@ -57,7 +57,8 @@ class DecodeSettings:
     cuda_graph: bool = False
     compile: bool = False  # torch.compile the static step (then captured in the CUDA graph with cuda_graph)
     compile_tuning: bool = False  # with compile: Inductor's coordinate-descent tuning of its kernels
-    gemv: bool = True  # the graphed step's projections through the Triton GEMV where it can run (CUDA, 16-bit)
+    gemv: bool = False  # the graphed step's projections through the Triton GEMV where it can run (CUDA, 16-bit)
+    split: int = 1  # the batch as this many parts on their own CUDA streams in the one graphed step
     spin_up_s: float = 0.5  # CUDA: replay the first step this long, untimed, before the timed steps (clocks settle)
     prefill_chunk: int = 4096
     warmup_steps: int = 3
@@ -150,7 +151,7 @@ def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.dev
     """What ran a point's steps: the attention kernel, the CUDA graph, the compile and its graph breaks."""
     return {"attention_kernel": attention_kernel(cfg, mode, device, dtype, steps.cuda_graph),
             "cuda_graph": steps.cuda_graph, "compiled": steps.compiled, "compile_tuning": steps.tuning,
-            "gemv_linears": steps.gemv_linears,
+            "gemv_linears": steps.gemv_linears, "split_streams": steps.split,
             "compile_s": steps.compile_s,
             "compile_graph_breaks": steps.graph_breaks}
 
@@ -203,7 +204,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     if s.compile:
         tick(a + p, "compiling the decode step (torch.compile)")
     steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile,
-                       tuning=s.compile_tuning, gemv=s.gemv)
+                       tuning=s.compile_tuning, gemv=s.gemv, split=s.split)
     found = step_kernels(steps) if floors is not None else None
     kernels = None if found is None else len(found)
     point["spin_up_replays"] = spin_up(steps, s.spin_up_s)
@@ -299,7 +300,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
                   "prefill_repeats": s.prefill_repeats, "seed": s.seed, "kernel": s.mode.kernel,
                   "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph,
                   "compile": s.compile, "compile_tuning": s.compile and s.compile_tuning,
-                  "spin_up_s": s.spin_up_s, "gemv": s.gemv},
+                  "spin_up_s": s.spin_up_s, "gemv": s.gemv, "split": s.split},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
         timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps, spin=s.spin_up_s), "contention": CONTENTION_RULE},

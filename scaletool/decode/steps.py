@@ -18,11 +18,14 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
   as the custom operator ``scaletool::mla_decode``. ``gemv=True`` routes the bias-free linear layers
   through the Triton GEMV where a step has at most 8 rows (:mod:`scaletool.kernels.gemv`; CUDA, 16-bit),
-  the custom operator ``scaletool::gemv`` under compile. ``tuning=True`` adds Inductor's coordinate-descent
+  the custom operator ``scaletool::gemv`` under compile. ``split=N`` decodes the batch as N parts on
+  N CUDA streams within the one captured step (not compiled), so one part's GEMMs can overlap another's
+  cache reads. ``tuning=True`` adds Inductor's coordinate-descent
   tuning: at batch 1 it fuses the matrix-vector products into tuned reductions (not faster, measured).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -30,13 +33,14 @@ import torch.nn as nn
 
 from scaletool.kernels import gemv as gemv_kernel
 from scaletool.model.attention import DecodeMode
+from scaletool.model.cache import cache_rows
 from scaletool.model.transformer import Transformer
 
 
 class EagerSteps:
     """Greedy steps with an int position over the cache prefix (the reference path)."""
 
-    cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears = False, False, None, None, None, 0
+    cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears, split = False, False, None, None, None, 0, 1
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -58,7 +62,7 @@ class GraphSteps:
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                  *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False,
-                 gemv: bool = False):
+                 gemv: bool = False, split: int = 1):
         self.model, self.caches, self.mode = model, caches, mode
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
@@ -69,6 +73,16 @@ class GraphSteps:
         self.gemv_linears = gemv_kernel.install(model) if gemv and gemv_usable(model) else 0
         self.compile_s: float | None = None  # seconds of the first compiled call (tracing and code generation)
         self.graph_breaks: int | None = None
+        # split > 1: the batch as that many parts, each decoded on its own CUDA stream inside the one step
+        # (and graph), so one part's projections can run beside another's attention
+        if split > 1 and compile:
+            raise ValueError("split: the batch parts run on separate CUDA streams, which the compiled step does "
+                             "not take; use the graphed eager step")
+        self.split = max(1, min(split, int(token.shape[0])))
+        bounds = [round(i * token.shape[0] / self.split) for i in range(self.split + 1)]
+        self._parts = None if self.split == 1 else [
+            (lo, hi, cache_rows(caches, lo, hi), torch.cuda.Stream(token.device) if token.is_cuda else None)
+            for lo, hi in zip(bounds, bounds[1:])]
         self._run = self._static_step
         if compile:
             self._compile(backend)
@@ -102,8 +116,20 @@ class GraphSteps:
         return self.graph is not None
 
     def _static_step(self) -> None:
-        logits = self.model.step(self.token[:, None], self.pos, self.caches, self.mode)
-        self.token.copy_(logits.argmax(-1))
+        if self._parts is None:
+            logits = self.model.step(self.token[:, None], self.pos, self.caches, self.mode)
+            self.token.copy_(logits.argmax(-1))
+        else:
+            here = torch.cuda.current_stream(self.token.device) if self.token.is_cuda else None
+            for lo, hi, caches, stream in self._parts:  # fork: every part waits for what came before the step
+                if stream is not None:
+                    stream.wait_stream(here)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    logits = self.model.step(self.token[lo:hi, None], self.pos, caches, self.mode)
+                    self.token[lo:hi].copy_(logits.argmax(-1))
+            for *_, stream in self._parts:  # join: the position advances after every part
+                if stream is not None:
+                    here.wait_stream(stream)
         self.pos.add_(1)
 
     def _capture(self) -> None:
@@ -140,10 +166,10 @@ def gemv_usable(model: nn.Module) -> bool:
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                cuda_graph: bool, compile: bool = False, backend: str = "inductor",
-               tuning: bool = False, gemv: bool = False) -> EagerSteps | GraphSteps:
+               tuning: bool = False, gemv: bool = False, split: int = 1) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
-    if cuda_graph or compile:
+    if cuda_graph or compile or split > 1:
         return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend,
-                          tuning=tuning, gemv=gemv)
+                          tuning=tuning, gemv=gemv, split=split)
     return EagerSteps(model, caches, mode, token, pos)

@@ -92,6 +92,20 @@ def make_caches(cfg: ModelConfig, max_batch: int, max_len: int, *, dtype: torch.
     return nn.ModuleList(make_cache(layout, max_batch, max_len, dtype, device) for _ in range(cfg.n_layers))
 
 
+def cache_rows(caches: nn.ModuleList, start: int, stop: int) -> nn.ModuleList:
+    """Caches over sequences ``[start, stop)`` of ``caches``: new cache modules whose buffers are views of
+    those rows (writes land in the original buffers), for steps that decode part of a batch."""
+    out = nn.ModuleList()
+    for cache in caches:
+        part = cache.__class__.__new__(cache.__class__)
+        nn.Module.__init__(part)
+        part.max_len, part.names = cache.max_len, cache.names
+        for name, buf in cache.named_buffers(recurse=False):
+            part.register_buffer(name, buf[start:stop], persistent=False)
+        out.append(part)
+    return out
+
+
 def cache_bytes(caches: nn.Module) -> int:
     """Bytes held by the cache tensors themselves."""
     return sum(b.numel() * b.element_size() for b in caches.buffers())

@@ -110,6 +110,8 @@ def test_mha_recipe_decodes_and_naive_mode_is_refused_for_it():
     (["--device", "cpu", "--batch", "2,,y"], "'y' is neither a positive integer nor 'max'"),
     (["--device", "cpu", "--mla-kernel", "triton"], "fused kernel cannot run here"),
     (["--device", "cpu", "--cuda-graph"], "CUDA graphs need a CUDA device"),
+    (["--device", "cpu", "--compile", "--split-batch", "2"], "the compiled step does not take"),
+    (["--device", "cpu", "--split-batch", "0"], "0 is not in the range x>=1"),
     (["--device", "tpu"], "'tpu' is not one of 'cuda', 'cpu'"),
     (["--device", "cuda"], "no CUDA device is available"),
     (["--device", "cpu", "--set", "model.d_model=1048576", "--set", "model.n_layers=1000"], "decode needs about"),
@@ -235,3 +237,13 @@ def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
     plain = json.loads(_decode(TINY, *FAST, "--context", "16", "--new-tokens", "3", "--json").stdout)
     assert plain["settings"]["compile"] is False and plain["points"][0]["compiled"] is False
     assert plain["settings"]["compile_tuning"] is False and plain["points"][0]["compile_tuning"] is None
+
+
+def test_a_split_batch_is_recorded_and_decodes_as_the_whole_one():
+    args = [TINY, *FAST, "--context", "8", "--batch", "3", "--new-tokens", "3", "--json"]
+    whole = json.loads(_decode(*args).stdout)
+    split = _decode(*args, "--split-batch", "2")
+    assert split.exit_code == 0, split.output
+    out = json.loads(split.stdout)
+    assert out["settings"]["split"] == 2 and out["points"][0]["split_streams"] == 2
+    assert whole["points"][0]["split_streams"] == 1 and out["points"][0]["cuda_graph"] is False

@@ -141,3 +141,60 @@ def test_compiled_graph_replay_agrees_with_eager_decoding(label, gemv):
                if type(m) is torch.nn.Linear and m.bias is None)
     assert torch.equal(graph[:, :4], eager[:, :4])
     assert (graph == eager).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("label", ["mha", "mla"])
+def test_a_batch_decoded_in_parts_gives_the_whole_batchs_tokens_and_caches(label):
+    """split=N decodes rows in N parts over row views of the caches (on CUDA, N streams in one graph);
+    every part's tokens and cache entries equal the whole batch's, with rows that differ."""
+    cfg, model, mla = tiny_model(label)
+    mode = DecodeMode(mla, "torch")
+    runs = {}
+    for split in (1, 2, 3, 9):  # 9 > batch: one part per sequence
+        caches = make_caches(cfg, 5, 24, dtype=torch.float32, device="cpu", mla_mode=mla)
+        prompt = torch.randint(cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+        logits = prefill(model, prompt, caches, mode=mode)
+        replicate_first_row(caches, 9, 5)
+        token = (logits.argmax(-1) + torch.arange(5)) % cfg.vocab_size  # five different next tokens
+        st = make_steps(model, caches, mode, token, 9, False, split=split) if split > 1 else \
+            GraphSteps(model, caches, mode, token, 9, capture=False)
+        out = []
+        for _ in range(6):
+            st.step()
+            out.append(st.token.clone())
+        runs[split] = (torch.stack(out, 1), caches, st.split)
+    whole, whole_caches, _ = runs[1]
+    assert len({tuple(r) for r in whole.tolist()}) > 1
+    for split, (tokens, caches, parts) in runs.items():
+        assert parts == min(split, 5) and torch.equal(tokens, whole), split
+        for a, b in zip(caches.buffers(), whole_caches.buffers()):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("label", ["mha", "mla"])
+def test_a_graphed_step_in_parts_on_their_own_streams_agrees_with_eager(label):
+    cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
+                                           "model.qk_rope_head_dim": 16} if label == "mla" else {})
+    model = model.to("cuda", torch.bfloat16)
+    mode = DecodeMode(mla, "auto")
+    eager, _ = _run(EagerSteps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16)
+    graph, _ = _run(make_steps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
+                    split=2)
+    assert torch.equal(graph[:, :4], eager[:, :4])
+    assert (graph == eager).float().mean() > 0.9
+
+
+def test_cache_rows_are_views_and_split_refuses_compile():
+    from scaletool.model.cache import cache_rows
+
+    cfg, model, mla = tiny_model("mla")
+    caches = make_caches(cfg, 4, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
+    part = cache_rows(caches, 1, 3)
+    for whole, rows in zip(caches.buffers(), part.buffers()):
+        assert rows.shape[0] == 2 and rows.data_ptr() == whole[1].data_ptr()
+        rows.fill_(7.0)
+        assert (whole[1:3] == 7).all() and (whole[0] == 0).all() and (whole[3] == 0).all()
+    with pytest.raises(ValueError, match="separate CUDA streams"):
+        make_steps(model, caches, DecodeMode(mla, "torch"), torch.zeros(4, dtype=torch.long), 2, False,
+                   compile=True, split=2)
