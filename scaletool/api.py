@@ -250,28 +250,21 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.kinds.attention.MLA_MODES``;
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
-    one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``: with Inductor's
-    coordinate-descent tuning of its kernels (at batch 1 it turns the matrix-vector products into fused,
-    tuned reductions; compiles about 3x longer, and was not faster on an H100: docs/decode.md); ``gemv``: the
-    graphed step's bias-free projections through scaletool's Triton GEMV where it runs (CUDA, 16-bit; at most
-    8 rows, prefill keeps cuBLAS); ``split_batch``: decode each step's batch as that many parts on their own
-    CUDA streams within the one graph (not with ``compile``), so one part's GEMMs can overlap another's cache
-    reads. ``memory_budget_gib``: for 'max'
-    and the fit table (default: the GPU's memory; none on CPU). ``checkpoint``: a ``scaletool train``
-    checkpoint directory (default: random weights from ``seed``). ``progress(done, total, description,
-    detail=None)`` hears of building the model (``total`` None) and of each point, and of the parts of a
-    point (fractional ``done``). A run whose weights and largest cache exceed the memory available is
-    refused before anything is allocated.
+    one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv`` and
+    ``split_batch``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv`` and ``--split-batch``.
+    ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
+    ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
+    ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
+    each point, and of the parts of a point (fractional ``done``). A run whose weights and largest cache
+    exceed the memory available is refused before anything is allocated.
     """
     import torch
 
     from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
     from scaletool.decode.generate import require_lm
     from scaletool.decode.sizing import cache_bytes_per_token, check_memory, memory_fit
-    from scaletool.kernels.mla_decode import triton_supports
     from scaletool.kinds.attention import attention_kind, position_kind
     from scaletool.model.attention import DecodeMode
-    from scaletool.model.layers import TORCH_DTYPES
 
     r = resolve(recipe, [*overrides, *([f"model.dtype={dtype}"] if dtype else [])])
     cfg = r.model
@@ -281,15 +274,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     except ValueError as e:
         raise RecipeError(str(e)) from None
     dev = _decode_device(device)
-    if cuda_graph and dev.type != "cuda":
-        raise RecipeError("cuda_graph: CUDA graphs need a CUDA device")
-    if compile and split_batch != 1:
-        raise RecipeError(f"split_batch {split_batch}: the batch's parts run on separate CUDA streams, which the "
-                          "compiled step does not take; drop compile or use split_batch 1")
-    if mla_kernel == "triton" and attention_kind(cfg).decode_path(cfg, mode.mla) == "absorbed":
-        why = triton_supports(dev, TORCH_DTYPES[cfg.dtype], cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        if why:
-            raise RecipeError(f"mla_kernel triton: the fused kernel cannot run here: {why}")
+    _check_decode_paths(cfg, mode, dev, cuda_graph=cuda_graph, compile=compile, split_batch=split_batch)
     contexts = tuple(_positive("context", n) for n in (contexts or (cfg.max_seq_len,)))
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
@@ -324,6 +309,24 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     res = run_decode(cfg, model, s, budget_bytes=budget, progress=progress)
     return res.model_copy(update={"recipe": str(recipe) if isinstance(recipe, (str, Path)) else None,
                                   "checkpoint": None if checkpoint is None else str(checkpoint), "threads": threads})
+
+
+def _check_decode_paths(cfg, mode, dev, *, cuda_graph: bool | None, compile: bool, split_batch: int) -> None:
+    """Refuse (RecipeError) the decode paths this device or combination cannot run: CUDA graphs off CUDA, a
+    split batch under compile, the Triton MLA kernel where it cannot run."""
+    from scaletool.kernels.mla_decode import triton_supports
+    from scaletool.kinds.attention import attention_kind
+    from scaletool.model.layers import TORCH_DTYPES
+
+    if cuda_graph and dev.type != "cuda":
+        raise RecipeError("cuda_graph: CUDA graphs need a CUDA device")
+    if compile and split_batch != 1:
+        raise RecipeError(f"split_batch {split_batch}: the batch's parts run on separate CUDA streams, which the "
+                          "compiled step does not take; drop compile or use split_batch 1")
+    if mode.kernel == "triton" and attention_kind(cfg).decode_path(cfg, mode.mla) == "absorbed":
+        why = triton_supports(dev, TORCH_DTYPES[cfg.dtype], cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        if why:
+            raise RecipeError(f"mla_kernel triton: the fused kernel cannot run here: {why}")
 
 
 def _announce_build(progress, cfg, dev, checkpoint) -> None:

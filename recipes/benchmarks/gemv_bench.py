@@ -3,10 +3,12 @@
     python recipes/benchmarks/gemv_bench.py OUT.json [--rows 1,4,8] [--iters 50]
 
 Per weight shape (N, K) of the recipes' bias-free linear layers and per row count M: F.linear (cuBLAS)
-and scaletool's Triton GEMV (scaletool.kernels.gemv), each call timed with CUDA events, median with
-p10/p90 over ``--iters`` calls after 10 warm-up calls. Each call reads a different copy of the weight,
-enough copies to exceed 256 MiB, so no call finds its weight in the L2 cache: a decode step reads each
-weight once. Bandwidth is the weight's bytes over the median call; the copy rate of the card is measured
+and scaletool's Triton GEMV (scaletool.kernels.gemv). Each kernel's calls are captured in a CUDA graph
+(``--calls`` calls, each reading a different copy of the weight, enough copies to exceed 256 MiB, so no
+call finds its weight in the L2 cache: a decode step reads each weight once); a replay of the graph is
+timed with CUDA events, ``--iters`` replays after two warm-up replays, and a call's time is the replay's
+over ``--calls``: the kernels back to back as in a captured decode step, no host launch inside the
+interval. Bandwidth is the weight's bytes over the median call; the copy rate of the card is measured
 beside it. Writes JSON with the card, date, torch and Triton versions and the command.
 """
 from __future__ import annotations
@@ -32,14 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path, help="JSON file to write")
     p.add_argument("--rows", default="1,4,8", help="row counts M, comma-separated (default 1,4,8)")
-    p.add_argument("--iters", type=int, default=50, help="timed calls per kernel and shape (default 50)")
+    p.add_argument("--iters", type=int, default=20, help="timed graph replays per kernel and shape (default 20)")
+    p.add_argument("--calls", type=int, default=32, help="calls captured per graph (default 32)")
     args = p.parse_args(argv)
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
         p.error(f"--rows {args.rows!r}: expected integers such as 1,4,8")
-    if args.iters < 3 or not rows or min(rows) < 1:
-        p.error("--iters must be >= 3 and --rows positive")
+    if args.iters < 3 or args.calls < 1 or not rows or min(rows) < 1:
+        p.error("--iters must be >= 3, --calls >= 1 and --rows positive")
     import torch
     import torch.nn.functional as F
 
@@ -59,16 +62,22 @@ def main(argv: list[str] | None = None) -> int:
             err = (gemv.gemv_triton(x, copies[0]).float() - F.linear(x.float(), copies[0].float())).abs().max().item()
             row = {"shape": name, "n": n, "k": k, "rows": m, "weight_bytes": nbytes, "max_abs_error_vs_fp32": err}
             for kernel, fn in (("cublas", F.linear), ("gemv", gemv.gemv_triton)):
+                fn(x, copies[0])  # the GEMV's autotuning, cuBLAS's workspace: before the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for i in range(args.calls):
+                        fn(x, copies[i % len(copies)])
                 times = []
-                for i in range(10 + args.iters):
-                    w = copies[i % len(copies)]
+                for i in range(2 + args.iters):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
-                    fn(x, w)
+                    graph.replay()
                     b.record()
                     b.synchronize()
-                    if i >= 10:
-                        times.append(a.elapsed_time(b) / 1e3)
+                    if i >= 2:
+                        times.append(a.elapsed_time(b) / 1e3 / args.calls)
+                del graph
                 s = spread(times)
                 row[kernel] = {"us": {"median": 1e6 * s.median, "p10": 1e6 * s.p10, "p90": 1e6 * s.p90, "n": s.n},
                                "bytes_per_s": nbytes / s.median}
@@ -83,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
            "python": platform.python_version(), "command": [Path(sys.executable).name, *sys.argv],
-           "copy_bandwidth_bytes_per_s": copy_bandwidth(dev), "iters": args.iters, "results": results}
+           "copy_bandwidth_bytes_per_s": copy_bandwidth(dev), "iters": args.iters, "calls_per_graph": args.calls,
+           "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -126,7 +126,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
     decode tokens/s with their spread (median of per-step times, p10-p90, warm-up excluded by
     rule); the bandwidth a decode step achieves (weights + cache read per step over the median
     step) against the card's peak HBM bandwidth and a copy measured in the run, with the step's
-    bound (memory, compute or kernel launches); and the largest batch per context that fits
+    bound and where one step's GPU time goes; and the largest batch per context that fits
     --memory-budget, per attention type (analytic).
 
     \b
@@ -135,6 +135,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
       scaletool decode mla-1b --batch 1,max --context 4k,32k --dtype bf16 --json
       scaletool decode mla-1b --mla-mode naive --batch 4 --no-cuda-graph
       scaletool decode mla-1b --batch 1 --context 4k --compile
+      scaletool decode mla-1b --batch max --context 4k --split-batch 2
       # per-head RoPE: the cache is re-expanded every step
       scaletool decode mla-1b --set model.mla_rope=per_head --context 4k
     """

@@ -147,6 +147,16 @@ def spin_up(steps, seconds: float) -> int:
             return n
 
 
+def _ready_steps(model, caches, s: DecodeSettings, first: torch.Tensor, context: int, profile: bool):
+    """The point's stepper, built (compiled, captured), its kernels profiled over one step (with ``profile``;
+    None where unknown) and spun up (:func:`spin_up`, the replays kept as ``spin_up_replays``)."""
+    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile,
+                       tuning=s.compile_tuning, gemv=s.gemv, split=s.split)
+    found = step_kernels(steps) if profile else None
+    steps.spin_up_replays = spin_up(steps, s.spin_up_s)
+    return steps, found
+
+
 def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.device, dtype: torch.dtype) -> dict:
     """What ran a point's steps: the attention kernel, the CUDA graph, the compile and its graph breaks."""
     return {"attention_kernel": attention_kernel(cfg, mode, device, dtype, steps.cuda_graph),
@@ -203,11 +213,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     first = out["logits"].argmax(-1).expand(batch).contiguous()  # (B,)
     if s.compile:
         tick(a + p, "compiling the decode step (torch.compile)")
-    steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile,
-                       tuning=s.compile_tuning, gemv=s.gemv, split=s.split)
-    found = step_kernels(steps) if floors is not None else None
-    kernels = None if found is None else len(found)
-    point["spin_up_replays"] = spin_up(steps, s.spin_up_s)
+    steps, found = _ready_steps(model, caches, s, first, context, floors is not None)
     probe = []
     n_steps = s.warmup_steps + s.new_tokens
     tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
@@ -224,9 +230,9 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     bytes_per_step = weight_bytes_per_step(cfg) + batch * per_token * mean_positions
     bw = bytes_per_step / step_s.median
     flops = batch * decode_flops_per_token(cfg, round(mean_positions), s.mode.mla, batch)["total"]
-    point.update(point_bound(floors, step_s.median, bytes_per_step, flops, kernels) if floors is not None else {})
+    point.update(point_bound(floors, step_s.median, bytes_per_step, flops, found and len(found)) if floors else {})
     point["decode_kernel_time"] = None if found is None else kernel_breakdown(found)
-    point.update(_stepper_fields(steps, cfg, s.mode, device, dtype))
+    point.update(_stepper_fields(steps, cfg, s.mode, device, dtype), spin_up_replays=steps.spin_up_replays)
     point.update({
         "decode_step_s": step_s,
         "warmup_steps_excluded": start,

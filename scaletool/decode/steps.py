@@ -10,18 +10,13 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   current one (the Triton latent kernel reads a device-side length and skips them), and the step
   ends by writing the next token and advancing the position in place. On CUDA that step is
   captured once in a CUDA graph and every ``step()`` is one ``replay()`` (hundreds of launches per
-  step; recipes/benchmarks/decode.md has the measured gap). We capture with ``torch.cuda.CUDAGraph``
-  directly: the eager kernels stay the ones measured.
-- ``compile=True``: the static step through ``torch.compile`` (inductor, static shapes, one compile
-  per point), then captured in the same graph, as gpt-fast does. Not ``mode="reduce-overhead"``:
-  its CUDA-graph trees skip graphs that mutate non-static inputs (token and position here), and one
-  capture method keeps the two paths' timings comparable. The MLA kernel enters the compiled graph
-  as the custom operator ``scaletool::mla_decode``. ``gemv=True`` routes the bias-free linear layers
-  through the Triton GEMV where a step has at most 8 rows (:mod:`scaletool.kernels.gemv`; CUDA, 16-bit),
-  the custom operator ``scaletool::gemv`` under compile. ``split=N`` decodes the batch as N parts on
-  N CUDA streams within the one captured step (not compiled), so one part's GEMMs can overlap another's
-  cache reads. ``tuning=True`` adds Inductor's coordinate-descent
-  tuning: at batch 1 it fuses the matrix-vector products into tuned reductions (not faster, measured).
+  step). We capture with ``torch.cuda.CUDAGraph`` directly: the eager kernels stay the ones measured.
+- ``compile=True``: the static step through ``torch.compile`` (static shapes, one compile per point),
+  captured in the same graph, as gpt-fast does; not ``mode="reduce-overhead"``, whose graph trees skip
+  graphs that mutate non-static inputs (token and position). The MLA kernel is the custom operator
+  ``scaletool::mla_decode`` there; ``tuning=True`` adds Inductor's coordinate-descent tuning.
+- ``gemv=True``: bias-free linear layers through :mod:`scaletool.kernels.gemv` at up to 8 rows;
+  ``split=N``: the batch as N parts on N CUDA streams in the one captured step (not compiled).
 """
 from __future__ import annotations
 
