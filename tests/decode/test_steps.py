@@ -125,19 +125,21 @@ def test_the_compile_sees_coordinate_descent_tuning_as_asked(tuning):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("gemv", [False, True])
+@pytest.mark.parametrize("how", [{"compile": True}, {"compile": True, "gemv": True}, {"split": 2}],
+                         ids=["compiled", "compiled-gemv", "split-2"])
 @pytest.mark.parametrize("label", ["mha", "mla"])
-def test_compiled_graph_replay_agrees_with_eager_decoding(label, gemv):
-    """The compiled step captured in the CUDA graph, the MLA kernel inside it as the custom operator, the
-    projections through cuBLAS or the Triton GEMV (scaletool::gemv)."""
+def test_graph_replay_agrees_with_eager_decoding(label, how):
+    """The step captured in the CUDA graph against eager decoding: compiled (the MLA kernel inside it as the
+    custom operator), its projections through cuBLAS or the Triton GEMV (scaletool::gemv); or eager kernels
+    with the batch in two parts on two streams."""
     cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
                                            "model.qk_rope_head_dim": 16} if label == "mla" else {})
     model = model.to("cuda", torch.bfloat16)
     mode = DecodeMode(mla, "auto")
-    eager, _ = _run(EagerSteps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16)
-    graph, _ = _run(make_steps, model, cfg, mode, 4, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
-                    compile=True, gemv=gemv)
-    assert all(vars(m).get("_scaletool_gemv", False) == gemv for m in model.modules()
+    eager, _ = _run(EagerSteps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16)
+    graph, _ = _run(make_steps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
+                    **how)
+    assert all(vars(m).get("_scaletool_gemv", False) == how.get("gemv", False) for m in model.modules()
                if type(m) is torch.nn.Linear and m.bias is None)
     assert torch.equal(graph[:, :4], eager[:, :4])
     assert (graph == eager).float().mean() > 0.9
@@ -169,20 +171,6 @@ def test_a_batch_decoded_in_parts_gives_the_whole_batchs_tokens_and_caches(label
         assert parts == min(split, 5) and torch.equal(tokens, whole), split
         for a, b in zip(caches.buffers(), whole_caches.buffers()):
             torch.testing.assert_close(a, b)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("label", ["mha", "mla"])
-def test_a_graphed_step_in_parts_on_their_own_streams_agrees_with_eager(label):
-    cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
-                                           "model.qk_rope_head_dim": 16} if label == "mla" else {})
-    model = model.to("cuda", torch.bfloat16)
-    mode = DecodeMode(mla, "auto")
-    eager, _ = _run(EagerSteps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16)
-    graph, _ = _run(make_steps, model, cfg, mode, 6, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
-                    split=2)
-    assert torch.equal(graph[:, :4], eager[:, :4])
-    assert (graph == eager).float().mean() > 0.9
 
 
 def test_cache_rows_are_views_and_split_refuses_compile():
