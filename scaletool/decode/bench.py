@@ -123,26 +123,17 @@ def spin_up(steps, seconds: float) -> int:
     back after each (every replay rewrites the same cache row, which the first timed step rewrites again):
     a steps-long warm-up is milliseconds at batch 1, too short for the card's clocks to settle. Returns
     the replays run (0 off CUDA or with ``seconds`` 0)."""
-    token = steps.token
-    if token.device.type != "cuda" or seconds <= 0:
+    device = steps.token.device
+    if device.type != "cuda" or seconds <= 0:
         return 0
-    token0 = token.clone()
-    pos0 = steps.pos.clone() if isinstance(steps.pos, torch.Tensor) else steps.pos
-
-    def restore() -> None:
-        if isinstance(pos0, torch.Tensor):  # the static stepper: a CUDA graph reads these very tensors
-            steps.token.copy_(token0)
-            steps.pos.copy_(pos0)
-        else:
-            steps.token, steps.pos = token0.clone(), pos0
-
+    mark = steps.mark()
     n, t0 = 0, time.perf_counter()
     while True:
         for _ in range(8):
             steps.step()
-            restore()
+            steps.rewind(mark)
         n += 8
-        torch.cuda.synchronize(token.device)
+        torch.cuda.synchronize(device)
         if time.perf_counter() - t0 >= seconds:
             return n
 

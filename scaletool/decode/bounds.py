@@ -133,29 +133,25 @@ def step_kernels(steps) -> list[tuple[str, float]] | None:
     """The kernels (and copies) one decode step runs on the GPU, ``[(name, seconds)]`` in launch order,
     from the profiler over one uncaptured step (None off CUDA, or without CUPTI). The stepper's token and
     position are put back, so the next step rewrites the same cache row."""
-    token = steps.token.clone()
-    if token.device.type != "cuda":
+    device = steps.token.device
+    if device.type != "cuda":
         return None
-    pos = steps.pos.clone() if isinstance(steps.pos, torch.Tensor) else steps.pos
+    mark = steps.mark()
     run = getattr(steps, "_run", steps.step)
     from torch.profiler import ProfilerActivity, profile
 
     try:
         run()  # a step outside the profiler first: its one-time work (autotuning, allocation) stays out
-        torch.cuda.synchronize(token.device)
+        torch.cuda.synchronize(device)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             run()
-            torch.cuda.synchronize(token.device)
+            torch.cuda.synchronize(device)
         found = [(e.name, e.time_range.elapsed_us() / 1e6) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA]
     except Exception:  # noqa: BLE001 - no CUPTI in this build or container: the launch floor stays unknown
         found = None
     finally:
-        if isinstance(pos, torch.Tensor):  # the static stepper: its storage is what a CUDA graph reads
-            steps.token.copy_(token)
-            steps.pos.copy_(pos)
-        else:
-            steps.token, steps.pos = token, pos
+        steps.rewind(mark)
     return found or None
 
 

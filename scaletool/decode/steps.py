@@ -45,6 +45,15 @@ class EagerSteps:
         self.token = self.model.step(self.token[:, None], self.pos, self.caches, self.mode).argmax(-1)
         self.pos += 1
 
+    def mark(self) -> tuple:
+        """Where the stepper stands (token, position), for :meth:`rewind` (a step replaces the token tensor,
+        never writes into it)."""
+        return self.token, self.pos
+
+    def rewind(self, mark: tuple) -> None:
+        """Back to ``mark``: the next step rewrites the cache row the steps since wrote."""
+        self.token, self.pos = mark
+
 
 class GraphSteps:
     """Greedy steps over the static caches with token and position as device tensors.
@@ -91,24 +100,33 @@ class GraphSteps:
         torch._dynamo.reset()  # a fresh compile per point: shapes differ, and the recompile limit stays far
         counters.clear()
         self._run = torch.compile(self._static_step, backend=backend, dynamic=False)
-        token, pos = self.token.clone(), self.pos.clone()
-        if token.is_cuda:
-            torch.cuda.synchronize(token.device)
+        mark = self.mark()
+        if self.token.is_cuda:
+            torch.cuda.synchronize(self.token.device)
         t0 = time.perf_counter()
         import torch._inductor.config as inductor_config
 
         with inductor_config.patch(coordinate_descent_tuning=bool(self.tuning)):  # the first call compiles
             self._run()
-        if token.is_cuda:
-            torch.cuda.synchronize(token.device)
+        if self.token.is_cuda:
+            torch.cuda.synchronize(self.token.device)
         self.compile_s = time.perf_counter() - t0
         self.graph_breaks = int(sum(counters["graph_break"].values()))
-        self.token.copy_(token)  # the step's cache write lands at pos, which the next step overwrites
-        self.pos.copy_(pos)
+        self.rewind(mark)  # the step's cache write lands at pos, which the next step overwrites
 
     @property
     def cuda_graph(self) -> bool:
         return self.graph is not None
+
+    def mark(self) -> tuple:
+        """Where the stepper stands (copies of token and position), for :meth:`rewind`."""
+        return self.token.clone(), self.pos.clone()
+
+    def rewind(self, mark: tuple) -> None:
+        """Back to ``mark``, in place (a CUDA graph reads these very tensors): the next step rewrites the
+        cache row the steps since wrote."""
+        self.token.copy_(mark[0])
+        self.pos.copy_(mark[1])
 
     def _static_step(self) -> None:
         if self._parts is None:
@@ -130,15 +148,14 @@ class GraphSteps:
     def _capture(self) -> None:
         if self.token.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        token, pos = self.token.clone(), self.pos.clone()
+        mark = self.mark()
         side = torch.cuda.Stream(self.token.device)
         side.wait_stream(torch.cuda.current_stream(self.token.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 self._run()
         torch.cuda.current_stream(self.token.device).wait_stream(side)
-        self.token.copy_(token)
-        self.pos.copy_(pos)
+        self.rewind(mark)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._run()
