@@ -242,7 +242,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
            prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = False,
-           split_batch: int = 1, progress=None):
+           split_batch: int = 1, join_projections: bool = True, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -250,8 +250,9 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     cuda when available). ``mla_mode``: MLA's decode algorithm (``scaletool.kinds.attention.MLA_MODES``;
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
-    one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv`` and
-    ``split_batch``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv`` and ``--split-batch``.
+    one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv``,
+    ``split_batch`` and ``join_projections``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv``,
+    ``--split-batch`` and ``--join-projections``.
     ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
     ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
     ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
@@ -279,6 +280,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),
+                       join=bool(join_projections),
                        split=_positive("split_batch", split_batch),
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),

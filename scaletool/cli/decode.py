@@ -91,6 +91,10 @@ class _Contexts(click.ParamType):
               help="With --compile: Inductor's coordinate-descent tuning of its kernels. At batch 1 it fuses the "
                    "matrix-vector products into tuned reductions (fewer kernels); each point compiles about 3x longer, "
                    "and on an H100 the step was not faster (docs/decode.md).")
+@click.option("--join-projections/--no-join-projections", default=True, show_default=True,
+              help="Join the projections that read one input into one GEMM each before decoding (q, k, v; MLA's "
+                   "query and latent projections; SwiGLU's gate and up): the same numbers, fewer kernels per step. "
+                   "At batch 1 each projection costs a fixed ramp of about 3 us beside its bytes (docs/decode.md).")
 @click.option("--gemv/--no-gemv", default=False, show_default=True,
               help="Run the graphed step's projections (bias-free linear layers) through scaletool's Triton GEMV, "
                    "which streams each weight once for the step's few rows (at most 8), where it can run: CUDA, "
@@ -115,7 +119,8 @@ class _Contexts(click.ParamType):
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
-           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, gemv: bool, split_batch: int,
+           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, join_projections: bool, gemv: bool,
+           split_batch: int,
            memory_budget: float | None,
            checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
            prefill_repeats: int, as_json: bool):
@@ -136,6 +141,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
       scaletool decode mla-1b --mla-mode naive --batch 4 --no-cuda-graph
       scaletool decode mla-1b --batch 1 --context 4k --compile
       scaletool decode mla-1b --batch max --context 4k --split-batch 2
+      scaletool decode mha-1b --batch 1 --context 4k --compile --no-join-projections
       # per-head RoPE: the cache is re-expanded every step
       scaletool decode mla-1b --set model.mla_rope=per_head --context 4k
     """
@@ -153,7 +159,8 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          memory_budget_gib=memory_budget, checkpoint=checkpoint, trust_checkpoint=trust_checkpoint,
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
                          prefill_repeats=prefill_repeats, compile=compile_step,
-                         compile_tuning=compile_tuning, gemv=gemv, split_batch=split_batch, progress=progress)
+                         compile_tuning=compile_tuning, gemv=gemv, split_batch=split_batch,
+                         join_projections=join_projections, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())
@@ -231,6 +238,9 @@ def print_decode(res, con: Console) -> None:
         con.print(t)
     for k in sorted({p.attention_kernel for p in ok}):
         con.print(f"• attention kernel: {k}")
+    joined = (res.settings or {}).get("join_projections") or 0
+    if joined:
+        con.print(f"• projections: {joined} groups reading one input joined into one GEMM each (--join-projections)")
     gemv = max((p.gemv_linears or 0) for p in ok) if ok else 0
     if gemv:
         con.print(f"• projections: {gemv} linear layers through the Triton GEMV at the step's rows (scaletool.kernels.gemv)")

@@ -57,6 +57,7 @@ class DecodeSettings:
     cuda_graph: bool = False
     compile: bool = False  # torch.compile the static step (then captured in the CUDA graph with cuda_graph)
     compile_tuning: bool = False  # with compile: Inductor's coordinate-descent tuning of its kernels
+    join: bool = True  # projections reading one input as one GEMM (Transformer.join_projections)
     gemv: bool = False  # the graphed step's projections through the Triton GEMV where it can run (CUDA, 16-bit)
     split: int = 1  # the batch as this many parts on their own CUDA streams in the one graphed step
     spin_up_s: float = 0.5  # CUDA: replay the first step this long, untimed, before the timed steps (clocks settle)
@@ -259,9 +260,11 @@ def plan_points(cfg: ModelConfig, s: DecodeSettings, fit: dict | None) -> list[t
 
 def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int | None, progress=None) -> DecodeResult:
     """Measure every (context, batch) point of ``s``; ``progress(done, total, description, detail=None)``
-    hears of each point and, with fractional ``done`` and a ``detail``, of the parts within one."""
+    hears of each point and, with fractional ``done`` and a ``detail``, of the parts within one. With
+    ``s.join`` the model's projections are joined first (``Transformer.join_projections``), in place."""
     require_lm(cfg)
     s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
+    joined = model.join_projections() if s.join else 0  # in place: the caller's model keeps its joined layers
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
     floors = measure_floors(device, cfg.dtype)
@@ -297,7 +300,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
                   "prefill_repeats": s.prefill_repeats, "seed": s.seed, "kernel": s.mode.kernel,
                   "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph,
                   "compile": s.compile, "compile_tuning": s.compile and s.compile_tuning,
-                  "spin_up_s": s.spin_up_s, "gemv": s.gemv, "split": s.split},
+                  "spin_up_s": s.spin_up_s, "join_projections": joined, "gemv": s.gemv, "split": s.split},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
         timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps, spin=s.spin_up_s), "contention": CONTENTION_RULE},

@@ -23,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from scaletool.config import ModelConfig
 from scaletool.kernels.mla_decode import KERNELS, latent_attention
 from scaletool.kinds.attention import MLA_MODES, CacheLayout, attention_kind
-from scaletool.model.layers import RMSNorm
+from scaletool.model.layers import RMSNorm, join_linears
 from scaletool.model.positions import Positions, apply_rope
 
 _BACKENDS = {
@@ -197,8 +197,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, KV * hd, bias=cfg.qkv_bias)
         self.wv = nn.Linear(d, KV * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(H * hd, d, bias=False)
+        self.wqkv: nn.Linear | None = None  # wq, wk, wv joined (join_projections), which then are gone
         self.backends = sdpa_backends(sdpa_backend, hd, hd)
         self.decode_backends = decode_backends(sdpa_backend)
+
+    def join_projections(self) -> int:
+        """Replace wq, wk, wv by one ``wqkv`` (``join_linears``): one GEMM per step instead of three."""
+        if self.wqkv is not None:
+            return 0
+        self._qkv_widths = [self.wq.out_features, self.wk.out_features, self.wv.out_features]
+        self.wqkv = join_linears([self.wq, self.wk, self.wv])
+        del self.wq, self.wk, self.wv
+        return 1
 
     def _rope(self, x, positions: Positions):
         r = self.rope_dim
@@ -211,9 +221,9 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, positions: Positions):
         """Projected, rotated q (B,T,H,hd), k and v (B,T,KV,hd)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k, v = self.wqkv(x).split(self._qkv_widths, -1) if self.wqkv is not None else (
+            self.wq(x), self.wk(x), self.wv(x))
+        q, k, v = (t.view(B, T, -1, self.head_dim) for t in (q, k, v))
         return self._rope(q, positions), self._rope(k, positions), v
 
     def forward(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
@@ -278,22 +288,42 @@ class MLA(nn.Module):
         self.kv_norm = RMSNorm(self.kv_lora_rank, eps=cfg.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, H * sum(self.up), bias=False)
         self.wo = nn.Linear(H * self.v_dim, d, bias=False)
+        self.w_in: nn.Linear | None = None  # wq (or wq_a) and wkv_a joined (join_projections), which then are gone
         self.backends = sdpa_backends(sdpa_backend, self.qk_dim, self.v_dim)
         self.decode_backends = decode_backends(sdpa_backend)
 
-    def query(self, x: torch.Tensor, positions: Positions):
-        """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope)."""
-        B, T, _ = x.shape
-        q = self.wq(x) if self.q_lora_rank == 0 else self.wq_b(self.q_norm(self.wq_a(x)))
+    def join_projections(self) -> int:
+        """Replace the two projections of the block's input, wq (wq_a with a low-rank query) and wkv_a, by
+        one ``w_in`` (``join_linears``): one GEMM per step instead of two."""
+        if self.w_in is not None:
+            return 0
+        name = "wq" if self.q_lora_rank == 0 else "wq_a"
+        first = getattr(self, name)
+        self._in_widths = [first.out_features, self.wkv_a.out_features]
+        self.w_in = join_linears([first, self.wkv_a])
+        delattr(self, name)
+        del self.wkv_a
+        return 1
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two projections of x: the query's (wq, or wq_a) and the latent's (wkv_a), by one GEMM when joined."""
+        if self.w_in is not None:
+            return self.w_in(x).split(self._in_widths, -1)
+        return (self.wq if self.q_lora_rank == 0 else self.wq_a)(x), self.wkv_a(x)
+
+    def query(self, q: torch.Tensor, positions: Positions):
+        """q_nope (B,T,H,nope) and rotated q_pe (B,T,H,rope) from the query projection ``q`` (:meth:`inputs`)."""
+        B, T, _ = q.shape
+        q = q if self.q_lora_rank == 0 else self.wq_b(self.q_norm(q))
         q_nope, q_pe = q.view(B, T, -1, self.qk_dim).split([self.nope, self.rope_dim], dim=-1)
         return q_nope, apply_rope(q_pe, positions.cos, positions.sin)
 
-    def latent(self, x: torch.Tensor, positions: Positions) -> tuple[torch.Tensor, ...]:
-        """What a latent cache holds: normalised c_kv (B,T,kv_lora_rank), and for mla_rope=shared the
-        rotated k_pe (B,T,rope)."""
+    def latent(self, kv: torch.Tensor, positions: Positions) -> tuple[torch.Tensor, ...]:
+        """What a latent cache holds, from the latent projection ``kv`` (:meth:`inputs`): normalised c_kv
+        (B,T,kv_lora_rank), and for mla_rope=shared the rotated k_pe (B,T,rope)."""
         if self.per_head:
-            return (self.kv_norm(self.wkv_a(x)),)
-        c_kv, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+            return (self.kv_norm(kv),)
+        c_kv, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_pe = apply_rope(k_pe.unsqueeze(2), positions.cos, positions.sin).squeeze(2)
         return self.kv_norm(c_kv), k_pe
 
@@ -313,8 +343,9 @@ class MLA(nn.Module):
 
     def qkv(self, x: torch.Tensor, positions: Positions):
         """Full per-head q, k (B,T,H,nope+rope) and v (B,T,H,v): the naive (uncompressed) form."""
-        q_nope, q_pe = self.query(x, positions)
-        k, v = self.expand(self.latent(x, positions), (positions.cos, positions.sin))
+        q, kv = self.inputs(x)
+        q_nope, q_pe = self.query(q, positions)
+        k, v = self.expand(self.latent(kv, positions), (positions.cos, positions.sin))
         return torch.cat([q_nope, q_pe], dim=-1), k, v
 
     def forward(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
@@ -341,8 +372,9 @@ class MLA(nn.Module):
         mla = mode.resolved(self.cfg).mla
         _expect_cache(cache, attention_kind(self.cfg).cache_layout(self.cfg, mla), mla)
         B, T, _ = x.shape
-        q_nope, q_pe = self.query(x, positions)  # (B,T,H,nope), (B,T,H,rope)
-        latent = self.latent(x, positions)  # c_kv (B,T,c)[, k_pe (B,T,rope)]
+        q, kv = self.inputs(x)
+        q_nope, q_pe = self.query(q, positions)  # (B,T,H,nope), (B,T,H,rope)
+        latent = self.latent(kv, positions)  # c_kv (B,T,c)[, k_pe (B,T,rope)]
         if mla == "naive":
             k, v = cache.update(pos, *self.expand(latent, (positions.cos, positions.sin)))  # (B,H,S,qk), (B,H,S,v)
         else:

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 from conftest import RECIPES, run_cli
 
 from scaletool.cli import main
+from scaletool.config import load_recipe
 from scaletool.results import load_result
 from scaletool.results.decode import DecodeResult
 from scaletool.stats import Spread
@@ -247,3 +248,17 @@ def test_a_split_batch_is_recorded_and_decodes_as_the_whole_one():
     out = json.loads(split.stdout)
     assert out["settings"]["split"] == 2 and out["points"][0]["split_streams"] == 2
     assert whole["points"][0]["split_streams"] == 1 and out["points"][0]["cuda_graph"] is False
+
+
+def test_projections_are_joined_unless_asked_not_to_and_the_result_says_how_many():
+    args = [TINY, *FAST, "--context", "8", "--new-tokens", "2"]
+    joined = _decode(*args)
+    assert joined.exit_code == 0, joined.output
+    assert "groups reading one input joined into one GEMM each" in joined.output
+    counts = []
+    for flag in ("--join-projections", "--no-join-projections"):
+        res = _decode(*args, flag, "--json")
+        assert res.exit_code == 0, res.output
+        counts.append(json.loads(res.stdout)["settings"]["join_projections"])
+    layers = load_recipe(RECIPES / "tiny.yaml").model.n_layers
+    assert counts == [2 * layers, 0]  # attention's and the SwiGLU's per layer

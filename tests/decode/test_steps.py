@@ -186,3 +186,22 @@ def test_cache_rows_are_views_and_split_refuses_compile():
     with pytest.raises(ValueError, match="separate CUDA streams"):
         make_steps(model, caches, DecodeMode(mla, "torch"), torch.zeros(4, dtype=torch.long), 2, False,
                    compile=True, split=2)
+
+
+@pytest.mark.parametrize("label", list(VARIANTS))
+def test_joined_projections_decode_the_same_tokens_and_caches(label):
+    """Transformer.join_projections (q/k/v, MLA's two input projections, SwiGLU's gate and up as one GEMM
+    each) keeps the parameter count and decodes what the separate projections decode, in every layout."""
+    cfg, model, mla = tiny_model(label, **{"model.qkv_bias": True} if label == "gqa" else {})
+    mode = DecodeMode(mla, "torch")
+    plain, c_plain = _run(GraphSteps, model, cfg, mode, 3, 9, 12, capture=False)
+    n = model.num_params()
+    joined = model.join_projections()
+    assert joined == 2 * cfg.n_layers and model.num_params() == n
+    assert model.join_projections() == 0  # already joined
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    assert names & {"wqkv", "w_in"} and "w13" in names and not names & {"wq", "wk", "wv", "wkv_a", "w1", "w3"}
+    same, c_same = _run(GraphSteps, model, cfg, mode, 3, 9, 12, capture=False)
+    assert torch.equal(same, plain)
+    for a, b in zip(c_plain.buffers(), c_same.buffers()):
+        torch.testing.assert_close(a, b)

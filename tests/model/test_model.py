@@ -264,3 +264,23 @@ def test_block_attention_probs_are_the_weights_its_attention_uses(placement):
     torch.testing.assert_close(block.attn(h, positions), ref, atol=1e-5, rtol=1e-4)
     other = block.attn.probs(block.attn_norm(x) if placement == "post" else x, positions)
     assert not torch.allclose(other, probs, atol=1e-4)  # the other placement's input gives other weights
+
+
+@pytest.mark.parametrize("name,extra,groups", [
+    *[(f"{k}-swiglu", v, 2) for k, v in ATTN.items()],
+    ("mha-gelu", {"attention": "mha", "ffn": "gelu"}, 1),
+    ("mla-moe-shared", {**ATTN["mla-q_lora"], "ffn": "moe", "n_routed_experts": 4, "num_experts_per_tok": 2,
+                        "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}, 2),
+])
+def test_joined_projections_compute_the_same_forward(name, extra, groups):
+    """Transformer.join_projections: every group of projections reading one input becomes one Linear, the
+    forward (training path) and the parameter count stay what they were; a GELU MLP has nothing to join."""
+    model = build_model(small(**extra), "cpu", seed=0).eval()
+    x = torch.randint(97, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, n = model(x), model.num_params()
+        assert model.join_projections() == groups * 2
+        after = model(x)
+    before, after = (t[0] if isinstance(t, tuple) else t for t in (before, after))
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert model.num_params() == n
