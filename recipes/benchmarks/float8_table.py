@@ -3,7 +3,8 @@
     python recipes/benchmarks/float8_table.py OUT    # OUT holds the study's {shape}-{mode}.json results
 
 Reads each run's result (``scaletool train --json``): ``llama8l-*`` (Llama-3-8B with 8 layers, T=8192,
-micro-batch 1; ``llama4l-*`` the same with 4 layers), ``mha1b-*`` (mha-1b at its recipe micro-batch) and
+micro-batch 1; ``llama4l-*`` the same with 4 layers; ``llama{4,8}lt2k-*`` both at T=2048, micro-batch 4: the
+same tokens per step with a quarter of the attention FLOPs per token), ``mha1b-*`` (mha-1b at its recipe micro-batch) and
 ``loss-*`` (a small decoder trained 300 steps from one seed on one text, bf16 against tensorwise). Writes
 OUT/float8.json (per run: tokens/s median with p10/p90 and n over the measured steps, warm-up excluded;
 MFU against the bf16 and the FP8 dense peaks; peak memory; the speed-up over bf16 of the same shape; card,
@@ -26,6 +27,8 @@ from pathlib import Path
 MODES = ("none", "tensorwise", "rowwise")
 SHAPES = {"llama4l": "Llama-3-8B, 4 layers, T=8192, micro-batch 1 (single, compiled per block)",
           "llama8l": "Llama-3-8B, 8 layers, T=8192, micro-batch 1 (single, compiled per block)",
+          "llama4lt2k": "Llama-3-8B, 4 layers, T=2048, micro-batch 4 (single, compiled per block)",
+          "llama8lt2k": "Llama-3-8B, 8 layers, T=2048, micro-batch 4 (single, compiled per block)",
           "mha1b": "mha-1b, its recipe's micro-batch 8 x 2048 (single, compiled per block)",
           "loss": "small decoder, 300 steps on one text (eager; loss curves)"}
 
@@ -96,7 +99,7 @@ def per_layer(found: dict, shallow: str = "llama4l", deep: str = "llama8l", dept
             if b0 and f0 and b0[1] > 0 and f0[1] > 0:
                 gains.append(b0[1] / f0[1])
                 projected.append((b0[0] + full * b0[1]) / (f0[0] + full * f0[1]))
-        out.append({"float8": mode, "depths": [l1, l2],
+        out.append({"float8": mode, "shapes": [shallow, deep], "depths": [l1, l2],
                     "block_s_per_token": {"none": base[1], mode: f8[1]},
                     "outside_blocks_s_per_token": {"none": base[0], mode: f8[0]},
                     "gain/per_block": base[1] / f8[1],
@@ -132,13 +135,13 @@ def markdown(rows: list[dict], env: dict, layers: list[dict] | None = None) -> s
     lines += ["", *(f"- {k}: {v}" for k, v in SHAPES.items())]
     if layers:
         lines += ["", "## Per Llama-3-8B block (from the 4- and 8-layer runs)", "",
-                  "| float8 | gain per block | range | blocks' share of the bf16 step (8 / 32 layers) | "
-                  "projected gain, 32 layers | range |", "|---|---:|---:|---:|---:|---:|"]
+                  "| runs | float8 | gain per block | range | blocks' share of the bf16 step (8 / 32 layers) | "
+                  "projected gain, 32 layers | range |", "|---|---|---:|---:|---:|---:|---:|"]
         for r in layers:
             lo, hi = r["gain/per_block_range"] or (None, None)
             plo, phi = r["gain/projected_range"] or (None, None)
             share = r["blocks_share_of_bf16_step"]
-            lines.append(f"| {r['float8']} | {r['gain/per_block']:.2f}x | "
+            lines.append(f"| {' / '.join(r.get('shapes', []))} | {r['float8']} | {r['gain/per_block']:.2f}x | "
                          + ("-" if lo is None else f"{lo:.2f}-{hi:.2f}x") + f" | {_pct(share['8'])} / {_pct(share['32'])} | "
                          f"{r['gain/projected']:.2f}x | " + ("-" if plo is None else f"{plo:.2f}-{phi:.2f}x") + " |")
     return "\n".join(lines) + "\n"
@@ -174,7 +177,7 @@ def table(out: Path) -> dict:
     env = {"card": (any_env.get("gpu_names") or ["cpu"])[0], "torch": any_env.get("torch"),
            "cuda": any_env.get("cuda"), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "command": " ".join(sys.argv)}
-    layers = per_layer(found)
+    layers = per_layer(found) + per_layer(found, "llama4lt2k", "llama8lt2k")
     doc = {"kind": "float8-1gpu", "environment": env, "rows": rows, "per_block": layers}
     (out / "float8.json").write_text(json.dumps(doc, indent=1))
     (out / "float8.md").write_text(markdown(rows, env, layers))
