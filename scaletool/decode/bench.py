@@ -104,15 +104,20 @@ def _allocated(device: torch.device) -> int | None:
     return torch.cuda.memory_allocated(device)
 
 
-def _timed(device: torch.device, runs: int, fn, samples: list | None = None, after=None) -> list[float]:
+def _timed(device: torch.device, runs: int, fn, samples: list | None = None, after=None,
+           host: list | None = None) -> list[float]:
     """Per-run seconds of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample and
-    ``after(k)`` is called between runs, outside the timing."""
+    ``after(k)`` is called between runs, outside the timing; ``host`` receives the host's seconds from the
+    first call to the return of the last, before waiting for the device (on CUDA: the issue time)."""
     timer = StepTimer(device, Probe())
+    t0 = time.perf_counter()
     for k in range(runs):
         with timer.step():
             fn()
         if after is not None:
             after(k + 1)
+    if host is not None:
+        host.append(time.perf_counter() - t0)
     out = timer.seconds()
     if samples is not None:
         samples.extend(timer.contention)
@@ -209,9 +214,12 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     probe = []
     n_steps = s.warmup_steps + s.new_tokens
     tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
+    host: list[float] = []
     times = _timed(device, n_steps, steps.step, probe,
                    None if device.type == "cuda" else lambda k: tick(a + p + (1 - a - p) * k / n_steps,
-                                                                      f"decode step {k}/{n_steps}"))
+                                                                      f"decode step {k}/{n_steps}"), host)
+    # on CUDA: near the step's time when the host, not the device, sets the pace (launch-bound)
+    point["decode_host_issue_s_per_step"] = host[0] / n_steps
     start = settled_start(times, s.warmup_steps)
     timed_samples += probe[start:]
     summary = summarize(timed_samples) if timed_samples else {}
