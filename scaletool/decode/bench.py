@@ -106,11 +106,18 @@ def _allocated(device: torch.device) -> int | None:
 
 def _timed(device: torch.device, runs: int, fn, samples: list | None = None, after=None,
            host: list | None = None) -> list[float]:
-    """Per-run seconds of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample and
-    ``after(k)`` is called between runs, outside the timing; ``host`` receives the host's seconds from the
-    first call to the return of the last, before waiting for the device (on CUDA: the issue time)."""
-    timer = StepTimer(device, Probe())
-    t0 = time.perf_counter()
+    """Per-run seconds of ``runs`` calls of ``fn``; ``samples`` receives each call's contention sample (on a
+    CPU) or one sample of the whole span (on CUDA, see below) and ``after(k)`` is called between runs, outside
+    the timing; ``host`` receives the host's seconds from the first call to the return of the last, before
+    waiting for the device (on CUDA: the time to issue the runs).
+
+    On CUDA the runs are asynchronous, so a per-run host sample says nothing of its run, and reading the
+    probe's files (every thread's scheduler statistics, ``/proc/stat``) took about 1 ms a snapshot on a
+    16-core GPU host after a compile: two per step made batch-1 steps wait on the host."""
+    probe = Probe()
+    cuda = device.type == "cuda"
+    timer = StepTimer(device, None if cuda else probe)
+    t0, first = time.perf_counter(), probe.snap() if cuda and samples is not None else None
     for k in range(runs):
         with timer.step():
             fn()
@@ -120,8 +127,14 @@ def _timed(device: torch.device, runs: int, fn, samples: list | None = None, aft
         host.append(time.perf_counter() - t0)
     out = timer.seconds()
     if samples is not None:
-        samples.extend(timer.contention)
+        samples.extend([probe.between(first, probe.snap())] if cuda else timer.contention)
     return out
+
+
+def _kept(samples: list[dict], times: list[float], start: int) -> list[dict]:
+    """The contention samples of the runs kept from ``start``: per run on a CPU, the one whole-span sample
+    on CUDA (:func:`_timed`)."""
+    return samples[start:] if len(samples) == len(times) else samples
 
 
 def spin_up(steps, seconds: float) -> int:
@@ -202,7 +215,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
                                                                    mode=s.mode)), probe,
                    lambda k: tick(a + p * k / runs, f"prefill {min(k + 1, runs)}/{runs}"))
     start = settled_start(times, 1)
-    timed_samples = probe[start:]
+    timed_samples = _kept(probe, times, start)
     prefill_s = spread(times[start:])
     point.update(prefill_s=prefill_s, prefill_runs_excluded=start, prefill_tokens_per_s=context / prefill_s.median)
 
@@ -221,7 +234,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     # on CUDA: near the step's time when the host, not the device, sets the pace (launch-bound)
     point["decode_host_issue_s_per_step"] = host[0] / n_steps
     start = settled_start(times, s.warmup_steps)
-    timed_samples += probe[start:]
+    timed_samples += _kept(probe, times, start)
     summary = summarize(timed_samples) if timed_samples else {}
     step_s = spread(times[start:])
     # The step at position context + i reads the cache up to and including it: context + i + 1 tokens.
@@ -297,7 +310,8 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
         _free(device)
     if progress is not None:
         progress(len(plan), len(plan), f"decode {label}: {len(plan)} point{'s' if len(plan) > 1 else ''} done")
-    clock = ("CUDA events, one pair per step, read after one synchronisation" if device.type == "cuda"
+    clock = ("CUDA events, one pair per step, read after one synchronisation; contention sampled once over the "
+             "timed steps (they are issued asynchronously)" if device.type == "cuda"
              else "perf_counter around each step")
     return DecodeResult(
         attention=label, mla_mode=s.mode.mla,
