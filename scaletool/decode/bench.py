@@ -176,6 +176,19 @@ def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.dev
             "compile_graph_breaks": steps.graph_breaks}
 
 
+def _decode_steps(steps, s: DecodeSettings, device: torch.device, tick, at: float):
+    """The point's timed decode steps: (seconds per step, contention samples, the host's seconds per step to
+    issue them; on CUDA near the step's time when the host, not the device, sets the pace)."""
+    probe: list[dict] = []
+    host: list[float] = []
+    n_steps = s.warmup_steps + s.new_tokens
+    tick(at, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
+    times = _timed(device, n_steps, steps.step, probe,
+                   None if device.type == "cuda" else lambda k: tick(at + (1 - at) * k / n_steps,
+                                                                      f"decode step {k}/{n_steps}"), host)
+    return times, probe, host[0] / n_steps
+
+
 #: the share of a point's progress each part takes (allocation, prefill runs, decode steps)
 POINT_SHARES = (0.05, 0.45, 0.5)
 
@@ -224,15 +237,7 @@ def measure_point(model, cfg: ModelConfig, s: DecodeSettings, batch: int, contex
     if s.compile:
         tick(a + p, "compiling the decode step (torch.compile)")
     steps, found = _ready_steps(model, caches, s, first, context, floors is not None)
-    probe = []
-    n_steps = s.warmup_steps + s.new_tokens
-    tick(a + p, f"decode steps ({n_steps}, {s.warmup_steps} of them warm-up)")
-    host: list[float] = []
-    times = _timed(device, n_steps, steps.step, probe,
-                   None if device.type == "cuda" else lambda k: tick(a + p + (1 - a - p) * k / n_steps,
-                                                                      f"decode step {k}/{n_steps}"), host)
-    # on CUDA: near the step's time when the host, not the device, sets the pace (launch-bound)
-    point["decode_host_issue_s_per_step"] = host[0] / n_steps
+    times, probe, point["decode_host_issue_s_per_step"] = _decode_steps(steps, s, device, tick, a + p)
     start = settled_start(times, s.warmup_steps)
     timed_samples += _kept(probe, times, start)
     summary = summarize(timed_samples) if timed_samples else {}

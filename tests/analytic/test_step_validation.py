@@ -10,13 +10,14 @@ from scaletool.measure.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (113 runs: 3.9%, 37.7%)
-    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (96 runs: 3.7%, 24.5%)
+    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (115 runs: 3.9%, 37.7%)
+    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (98 runs: 3.8%, 24.5%)
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
-    "H100": (0.035, 0.19),   # the card the model was fitted on (58 runs: 2.6%, 17.7%)
-    # compiled single, FSDP2 and TP (34 runs: 4.4%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
-    # varies by +-20% from call to call on the same machine)
-    "compiled": (0.05, 0.21),
+    "H100": (0.035, 0.19),   # the card the model was fitted on (60 runs: 2.6%, 17.7%)
+    # compiled single, FSDP2 and TP (36 runs: 5.0%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
+    # varies by +-20% from call to call on the same machine; Llama-3-8B's layers at 4 and 8 layers over-predicted
+    # by 6.5-15.7%, most at 4 layers)
+    "compiled": (0.055, 0.21),
     "TP": (0.06, 0.21),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (11 runs: 5.9%, 20.5%)
 }
 
@@ -74,7 +75,7 @@ def test_fp8_runs_are_over_predicted_while_the_fp8_gemm_rate_is_not_calibrated(r
     rate yet): on one H100 tensorwise gained 1.11x at Llama-3-8B layer shapes, not the ~1.3x predicted, so
     they are over-predicted and kept out of the tolerances. A calibrated FP8 rate should bring them in."""
     fp8 = [r for r in runs if r["float8"] != "none"]
-    assert len(fp8) == 5 and all(0.03 < r["rel_error"] < 0.25 for r in fp8), [(r["run"], r["rel_error"]) for r in fp8]
+    assert len(fp8) == 7 and all(0.03 < r["rel_error"] < 0.25 for r in fp8), [(r["run"], r["rel_error"]) for r in fp8]
 
 
 def test_tp_local_ops_is_not_modelled_and_says_so(runs):
