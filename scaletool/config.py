@@ -391,10 +391,6 @@ class TrainConfig(_Section):
         "none", description="FP8 GEMMs for the blocks' linear layers (torchao's float8 training; engines single, "
         "ddp, fsdp; model.dtype=bf16; CUDA capability >= 8.9): tensorwise (one scale per tensor; FSDP2 all-gathers "
         "fp8 weights) or rowwise (a scale per row, closer to bf16); wants train.compile for its speed")
-    join_projections: bool = Field(
-        False, description="train with the projections that read one input joined into one GEMM each (q/k/v; "
-        "MLA's query and latent projections; SwiGLU's gate and up), as decode does; the same numbers and parameter "
-        "count, joined names in checkpoints; not with tensor parallelism (its plans shard the parts by name)")
     seed: int = 1234
     measure_warmup_steps: int = Field(2, ge=0, description="steps excluded from throughput and MFU")
     log_every: int = Field(1, gt=0)
@@ -524,10 +520,6 @@ class Recipe(_Section):
             problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {echo(pr.ranks)}")
         problems += layout_problems(self, self.seq_len)
         problems += float8_problems(self)
-        if self.train.join_projections and self.parallel.tensor_parallel > 1:
-            problems.append(f"train.join_projections: not with parallel.tensor_parallel={self.parallel.tensor_parallel} "
-                            "(its plans shard wq, wk, wv, w1, w3 by name, and a joined layer's columns would split "
-                            "across the parts); use tensor_parallel=1 or train.join_projections=false")
         if problems:
             raise RecipeError(problems)
         return self

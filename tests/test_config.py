@@ -375,10 +375,3 @@ def test_a_recipe_built_in_python_is_bounded_too():
         tree = [tree] * 10
     with pytest.raises(RecipeError, match="once YAML aliases are expanded"):
         recipe_from_dict({"parallel": {"engine": "deepspeed", "deepspeed": {"x": tree}}})
-
-
-def test_joined_projections_are_refused_with_tensor_parallelism():
-    lines = refused(check(RECIPES / "tiny.yaml", "parallel.engine=fsdp", "parallel.tensor_parallel=2",
-                          "train.join_projections=true"))
-    assert len(lines) == 1 and "train.join_projections: not with parallel.tensor_parallel=2" in lines[0], lines
-    assert check(RECIPES / "tiny.yaml", "train.join_projections=true").exit_code == 0

@@ -290,9 +290,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     ``s.join`` the model's projections are joined first (``Transformer.join_projections``), in place."""
     require_lm(cfg)
     s = replace(s, mode=s.mode.resolved(cfg))  # the default mode named, so labels and the result say which ran
-    if s.join:
-        model.join_projections()  # in place: the caller's model keeps its joined layers
-    joined = model.joined_projections()  # a checkpoint trained joined loads joined (load_model_weights)
+    joined = model.join_projections() if s.join else 0  # in place: the caller's model keeps its joined layers
     device = next(model.parameters()).device
     peak, peak_source = peak_bandwidth(device)
     floors = measure_floors(device, cfg.dtype)

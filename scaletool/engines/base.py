@@ -65,7 +65,5 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     check_runtime(recipe, env.device)  # no FP8 on this device, or no torchao: one line each, before building
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
-    if t.join_projections:  # before float8, checkpointing, compile and wrapping see the layers
-        model.join_projections()
     cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for
     return cls(model, recipe, env)

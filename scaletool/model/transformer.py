@@ -136,10 +136,6 @@ class Transformer(nn.Module):
         Returns how many groups were joined (0 when already joined)."""
         return sum(m.join_projections() for m in self.modules() if m is not self and hasattr(m, "join_projections"))
 
-    def joined_projections(self) -> int:
-        """How many groups of projections are joined now (:meth:`join_projections`)."""
-        return sum(getattr(m, name, None) is not None for m in self.modules() for name in ("wqkv", "w_in", "w13"))
-
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Normal(0, 0.02) for matrices and embeddings (the learned position table too), output projections

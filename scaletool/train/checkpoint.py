@@ -238,15 +238,6 @@ def check_loadable(ckpt_dir: str | Path, *, trust_checkpoint: bool = False) -> N
                           f"nor DeepSpeed's *{_DS_STATES})")
 
 
-_JOINED = (".wqkv.weight", ".w_in.weight", ".w13.weight")
-
-
-def _join_like(names, model: nn.Module) -> None:
-    """A checkpoint trained with ``train.join_projections`` holds joined layers: join ``model``'s too."""
-    if any(k.endswith(_JOINED) for k in names) and hasattr(model, "join_projections"):
-        model.join_projections()
-
-
 def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoint: bool = False) -> nn.Module:
     """Load the weights saved in ``ckpt_dir`` (any engine's format) into the plain ``model``; return it.
 
@@ -260,7 +251,6 @@ def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoi
     d = Path(ckpt_dir)
     check_loadable(d, trust_checkpoint=trust_checkpoint)
     if (d / ".metadata").exists():
-        _join_like(dcp_shapes(d), model)
         mismatch = shape_problem(d, dcp_shapes(d), _shapes(model))
         if mismatch:
             raise RecipeError(mismatch)
@@ -284,7 +274,6 @@ def load_model_weights(ckpt_dir: str | Path, model: nn.Module, *, trust_checkpoi
     else:
         sd = load_model_states(d / _DS_STATES, trust=trust_checkpoint, mmap=True)["module"]
     sd = {_canonical(k): v for k, v in sd.items()}
-    _join_like(sd, model)
     mismatch = shape_problem(d, {k: tuple(v.shape) for k, v in sd.items()}, _shapes(model))
     if mismatch:
         raise RecipeError(mismatch)

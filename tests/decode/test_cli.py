@@ -264,22 +264,3 @@ def test_projections_are_joined_unless_asked_not_to_and_the_result_says_how_many
         counts.append(json.loads(res.stdout)["settings"]["join_projections"])
     layers = load_recipe(RECIPES / "tiny.yaml").model.n_layers
     assert counts == [2 * layers, 0]  # attention's and the SwiGLU's per layer
-
-
-def test_a_checkpoint_trained_with_joined_projections_decodes_joined(tmp_path):
-    """train.join_projections writes the joined layers' names; decode loads them into a joined model even with
-    --no-join-projections, and resuming without the setting is one line naming a missing tensor."""
-    out = tmp_path / "run"
-    train = ["train", TINY, "--out", str(out), "--no-measure", "--set", "train.checkpoint_every=2",
-             "--set", "train.seq_len=16"]
-    res = CliRunner().invoke(main, [*train, "--set", "train.steps=2", "--set", "train.join_projections=true"])
-    assert res.exit_code == 0, res.output
-    ckpt = out / "checkpoints" / "step_2"
-    res = _decode(TINY, "--checkpoint", str(ckpt), *FAST, "--context", "8", "--new-tokens", "2",
-                  "--no-join-projections", "--json")
-    assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["settings"]["join_projections"] == 2 * load_recipe(RECIPES / "tiny.yaml").model.n_layers
-    res = CliRunner().invoke(main, [*train, "--set", "train.steps=4", "--resume"])
-    assert res.exit_code == 2
-    (line,) = res.stderr.strip().splitlines()[-1:]
-    assert line.startswith("error: ") and "is missing from the checkpoint" in line
