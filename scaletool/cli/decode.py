@@ -140,7 +140,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
       scaletool decode mla-1b --batch 1,max --context 4k,32k --dtype bf16 --json
       scaletool decode mla-1b --mla-mode naive --batch 4 --no-cuda-graph
       scaletool decode mla-1b --batch 1 --context 4k --compile
-      scaletool decode mha-1b --batch 1 --context 4k --compile --no-join-projections
+      scaletool decode mha-1b --context 4k --compile --no-join-projections
       # per-head RoPE: the cache is re-expanded every step
       scaletool decode mla-1b --set model.mla_rope=per_head --context 4k
     """
