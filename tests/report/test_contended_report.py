@@ -55,9 +55,14 @@ def test_a_difference_is_called_on_quiet_runs_and_not_on_contended_ones(tmp_path
 
 
 def _hogs(n: int) -> list[subprocess.Popen]:
-    # each a busy loop that ends by itself after 15 minutes should the test be killed before it stops them
-    code = "import time\nend = time.monotonic() + 900\nwhile time.monotonic() < end: pass\n"
-    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+    """``n`` busy loops, returned once every one is spinning: each says so on stdout as its loop starts (a tiny
+    run's ten steps can end before n interpreters have started on a loaded machine). Each ends by itself after
+    15 minutes should the test be killed before it stops them."""
+    code = "import time\nend = time.monotonic() + 900\nprint('spinning', flush=True)\nwhile time.monotonic() < end: pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(n)]
+    for h in hogs:
+        assert h.stdout.readline().strip() == "spinning"
+    return hogs
 
 
 @pytest.mark.slow
