@@ -236,20 +236,13 @@ def _positive_finite(name: str, value: float | None) -> float | None:
     return float(value)
 
 
-def _share(name: str, value: float) -> float:
-    """A share in (0, 1]."""
-    if _positive_finite(name, value) > 1:
-        raise RecipeError(f"{name}: expected a share in (0, 1], got {str(value)[:40]!r}")
-    return float(value)
-
-
 def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Sequence[int] | None = None,
            batch: int | str | Sequence[int | str] = 1, new_tokens: int = 32, device: str | None = None,
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
            prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = False,
-           split_batch: int = 1, join_projections: bool = True, attention_sm_share: float = 1.0, progress=None):
+           split_batch: int = 1, join_projections: bool = True, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -258,8 +251,8 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
     one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv``,
-    ``split_batch``, ``join_projections`` and ``attention_sm_share``: ``scaletool decode``'s
-    ``--compile-tuning``, ``--gemv``, ``--split-batch``, ``--join-projections`` and ``--attention-sm-share``.
+    ``split_batch`` and ``join_projections``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv``,
+    ``--split-batch`` and ``--join-projections``.
     ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
     ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
     ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
@@ -278,8 +271,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     cfg = r.model
     require_lm(cfg)
     try:
-        mode = DecodeMode(attention_kind(cfg).resolve_mode(cfg, mla_mode), mla_kernel,
-                          _share("attention_sm_share", attention_sm_share))
+        mode = DecodeMode(attention_kind(cfg).resolve_mode(cfg, mla_mode), mla_kernel)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     dev = _decode_device(device)

@@ -102,10 +102,6 @@ class _Contexts(click.ParamType):
 @click.option("--split-batch", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Decode each step's batch as N parts, each on its own CUDA stream inside the one graphed step, "
                    "so one part's projections can run beside another's attention. Not with --compile.")
-@click.option("--attention-sm-share", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
-              metavar="F", help="Run MLA's latent attention kernel as a persistent grid on this share of the SMs, "
-                                "leaving the rest to another stream's work (with --split-batch: the other parts' "
-                                "GEMMs); 1 launches a program per item.")
 @click.option("--memory-budget", type=PositiveFloat(), default=None, metavar="GiB",
               help="Memory for the largest-batch fit (default: the GPU's total memory; none on CPU).")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default=None,
@@ -124,7 +120,7 @@ class _Contexts(click.ParamType):
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
            cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, join_projections: bool, gemv: bool,
-           split_batch: int, attention_sm_share: float,
+           split_batch: int,
            memory_budget: float | None,
            checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
            prefill_repeats: int, as_json: bool):
@@ -163,8 +159,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
                          prefill_repeats=prefill_repeats, compile=compile_step,
                          compile_tuning=compile_tuning, gemv=gemv, split_batch=split_batch,
-                         join_projections=join_projections, attention_sm_share=attention_sm_share,
-                         progress=progress)
+                         join_projections=join_projections, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())

@@ -19,7 +19,7 @@ a compiled decode step keeps the kernel inside one graph instead of breaking aro
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -75,35 +75,33 @@ def triton_supports(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     scale: float, kernel: str = "auto", lengths: torch.Tensor | None = None,
-                     sm_share: float = 1.0) -> torch.Tensor:
-    """Dispatch to the fused Triton kernel or the torch reference (see the module docstring); ``sm_share`` < 1
-    runs the Triton kernel as a persistent grid on that share of the SMs (the reference ignores it)."""
+                     scale: float, kernel: str = "auto", lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch to the fused Triton kernel or the torch reference (see the module docstring)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     unsupported = kernel == "auto" and triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1])
     if kernel == "torch" or unsupported:
         return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)
     if torch.compiler.is_compiling():  # an opaque operator to the tracer: no graph break around the kernel
-        return torch.ops.scaletool.mla_decode(q_lat, q_pe, c_kv, k_pe, scale, lengths, sm_share)
-    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths, sm_share=sm_share)
+        return torch.ops.scaletool.mla_decode(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
 
 
 def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, scale: float,
-                   lengths: torch.Tensor | None, sm_share: float = 1.0) -> torch.Tensor:
+                   lengths: torch.Tensor | None) -> torch.Tensor:
     if triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1]) is None:
-        return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths, sm_share=sm_share)
+        return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
     return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)  # CPUs: the same contract
 
 
 # The schema is spelled out: annotations are strings under ``from __future__ import annotations``.
 mla_decode_op = torch.library.custom_op(
     "scaletool::mla_decode", _mla_decode_op, mutates_args=(),
-    schema="(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, float scale, Tensor? lengths, float sm_share=1.0) -> Tensor")
+    schema="(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, float scale, Tensor? lengths) -> Tensor")
 
 
 @mla_decode_op.register_fake
-def _(q_lat, q_pe, c_kv, k_pe, scale, lengths, sm_share=1.0):
+def _(q_lat, q_pe, c_kv, k_pe, scale, lengths):
     return q_lat.new_empty(q_lat.shape)
 
 
@@ -127,9 +125,6 @@ class KernelConfig:
     and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
     ``direct``: where a call ends up with one split, the kernel writes the output itself in the
     cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
-    ``max_programs``: at most this many programs, each looping over (sequence, split, head block) items (a
-    persistent grid), so the kernel holds only that many SMs and leaves the rest to work on other streams
-    (``scaletool decode --split-batch N --attention-sm-share F``); None: one program per item.
     """
 
     block_s: int = 64
@@ -140,7 +135,6 @@ class KernelConfig:
     max_splits: int = 128
     n_splits: int | None = None
     direct: bool = False
-    max_programs: int | None = None
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
         """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs."""
@@ -177,12 +171,11 @@ def _sm_count(device: torch.device) -> int:
 
 def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                             scale: float, lengths: torch.Tensor | None = None,
-                            config: KernelConfig | None = None, sm_share: float = 1.0) -> torch.Tensor:
+                            config: KernelConfig | None = None) -> torch.Tensor:
     """The fused split-KV kernel; same contract as :func:`latent_attention_reference`.
 
     With ``lengths`` the grid is sized for the full S (static under a CUDA graph) and programs
     whose split starts past a sequence's length read no cache. No host synchronisation.
-    ``sm_share`` < 1: a persistent grid of that share of the SMs (``KernelConfig.max_programs``).
     """
     if triton is None:
         raise RuntimeError("the Triton MLA decode kernel needs the triton package")
@@ -190,8 +183,6 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     S, R = c_kv.shape[1], k_pe.shape[-1]
     q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
     cfg = config or choose_config(B, H, S, c_kv.device, C, R, c_kv.dtype)
-    if sm_share < 1.0:
-        cfg = replace(cfg, max_programs=max(1, int(sm_share * _sm_count(c_kv.device))))
     n_splits, split_len = cfg.splits(B, H, S, _sm_count(c_kv.device))
     direct = cfg.direct and n_splits == 1
     out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype) if direct else None
@@ -202,18 +193,13 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     else:
         len_ptr = lengths.reshape(-1)
         len_stride = 0 if len_ptr.numel() == 1 else 1
-    args = (q_lat, q_pe, c_kv, k_pe, o_part, lse_part, len_ptr, len_stride, H, S, split_len, scale,
-            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
-            c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1))
-    meta = dict(C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    head_blocks = triton.cdiv(H, _BLOCK_H)
-    items = B * n_splits * head_blocks
-    if cfg.max_programs is not None and cfg.max_programs < items:
-        _latent_decode_persistent[(cfg.max_programs,)](*args, items, n_splits, head_blocks, **meta)
-    else:
-        _latent_decode_kernel[(B, n_splits, head_blocks)](*args, **meta)
+    _latent_decode_kernel[(B, n_splits, triton.cdiv(H, _BLOCK_H))](
+        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, len_ptr, len_stride, H, S, split_len, scale,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if direct else merge_splits_triton(o_part, lse_part, q_lat.dtype)
 
 
@@ -242,12 +228,12 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _latent_item(b, sp, hb, q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
-                     s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                     HAS_LENGTHS: tl.constexpr):
-        """Sequence ``b`` (int64: batch offsets pass 2^31 elements in large caches), split ``sp``, head block
-        ``hb``: its partial output and log2-sum-exp."""
+    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
+                              s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
+                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                              HAS_LENGTHS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
+        sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)
@@ -285,31 +271,6 @@ if triton is not None:
         tl.store(out_ptr, o.to(o_part.dtype.element_ty), mask=h_ok[:, None])
         lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
-
-    @triton.jit
-    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
-                              s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr):
-        """One program per (sequence, split, head block)."""
-        _latent_item(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
-                     q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
-                     s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                     C, R, BLOCK_H, BLOCK_S, HAS_LENGTHS)
-
-    @triton.jit
-    def _latent_decode_persistent(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len,
-                                  sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb,
-                                  s_ls, n_items, n_splits, head_blocks,
-                                  C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                                  HAS_LENGTHS: tl.constexpr):
-        """A persistent grid: program p takes the items (sequence, split, head block) p, p + programs, ..."""
-        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            rest = item % (n_splits * head_blocks)
-            _latent_item((item // (n_splits * head_blocks)).to(tl.int64), rest // head_blocks, rest % head_blocks,
-                         q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
-                         s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                         C, R, BLOCK_H, BLOCK_S, HAS_LENGTHS)
 
     @triton.jit
     def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,

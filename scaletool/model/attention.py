@@ -86,26 +86,22 @@ class DecodeMode:
     each step; ``naive`` caches the up-projected per-head K and V and runs plain attention. None is
     the model's default (absorbed; expand for ``mla_rope=per_head``, which cannot absorb). MHA/GQA/MQA
     have one algorithm and take None. ``kernel``: how absorbed MLA's latent attention runs
-    (``scaletool.kernels.mla_decode``: auto, triton, torch); ``sm_share`` < 1: the Triton kernel as a
-    persistent grid on that share of the SMs (the rest free for another stream's work).
+    (``scaletool.kernels.mla_decode``: auto, triton, torch).
     """
 
     mla: str | None = None
     kernel: str = "auto"
-    sm_share: float = 1.0
 
     def __post_init__(self):
         if self.mla is not None and self.mla not in MLA_MODES:
             raise ValueError(f"mla mode must be one of {MLA_MODES}, got {self.mla!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if not 0 < self.sm_share <= 1:
-            raise ValueError(f"sm_share must be in (0, 1], got {self.sm_share!r}")
 
     def resolved(self, cfg: ModelConfig) -> DecodeMode:
         """This mode for ``cfg``'s attention: the default filled in, or ValueError with the reason the kind
         refuses it (a mode given to MHA/GQA/MQA; absorbed for mla_rope=per_head)."""
-        return DecodeMode(attention_kind(cfg).resolve_mode(cfg, self.mla), self.kernel, self.sm_share)
+        return DecodeMode(attention_kind(cfg).resolve_mode(cfg, self.mla), self.kernel)
 
 
 def valid_length(pos: int | torch.Tensor) -> torch.Tensor | None:
@@ -384,7 +380,7 @@ class MLA(nn.Module):
         else:
             cached = cache.update(pos, *latent)  # (B,S,c)[, (B,S,rope)]
             if mla == "absorbed" and T == 1:
-                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], *cached, valid_length(pos), mode)
+                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], *cached, valid_length(pos), mode.kernel)
             S = cached[0].shape[1]
             k, v = (t.transpose(1, 2) for t in self.expand(cached, positions.key_rotation(S) if self.per_head else None))
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
@@ -392,14 +388,13 @@ class MLA(nn.Module):
                          backends=self.decode_backends if T == 1 else self.backends).transpose(1, 2)  # (B,T,H,v)
         return self.wo(y.reshape(B, T, -1))
 
-    def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, mode: DecodeMode) -> torch.Tensor:
+    def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, kernel: str) -> torch.Tensor:
         """One query per sequence, q_nope (B,H,nope), q_pe (B,H,rope), over the latent cache -> (B,1,d)."""
         B = q_nope.shape[0]
         w_uk, w_uv = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
             [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-        y_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=mode.kernel, lengths=length,
-                                 sm_share=mode.sm_share)  # (B,H,c)
+        y_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length)  # (B,H,c)
         y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
         return self.wo(y.reshape(B, 1, -1))
 

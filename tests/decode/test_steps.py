@@ -205,15 +205,3 @@ def test_joined_projections_decode_the_same_tokens_and_caches(label):
     assert torch.equal(same, plain)
     for a, b in zip(c_plain.buffers(), c_same.buffers()):
         torch.testing.assert_close(a, b)
-
-
-def test_the_attention_sm_share_is_checked_kept_and_ignored_by_the_reference():
-    """DecodeMode.sm_share: (0, 1], kept through resolved(); the torch reference decodes the same with any share."""
-    for bad in (0.0, -0.5, 1.5):
-        with pytest.raises(ValueError, match="sm_share must be in"):
-            DecodeMode("absorbed", "torch", bad)
-    cfg, model, mla = tiny_model("mla")
-    assert DecodeMode(None, "torch", 0.5).resolved(cfg).sm_share == 0.5
-    whole, _ = _run(GraphSteps, model, cfg, DecodeMode(mla, "torch"), 2, 9, 6, capture=False)
-    share, _ = _run(GraphSteps, model, cfg, DecodeMode(mla, "torch", 0.5), 2, 9, 6, capture=False)
-    assert torch.equal(whole, share)
