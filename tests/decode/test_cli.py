@@ -32,8 +32,9 @@ def test_json_points_carry_the_contract_and_cache_bytes_match_the_analytic_model
     assert [p["context"] for p in out["points"]] == [16, 80]
     for p in out["points"]:
         assert p["attention"] == "mla" and p["batch"] == 2 and p["cuda_graph"] is False
-        # on CPU the steps run synchronously: issuing them takes at least the time they are measured at
-        assert p["decode_host_issue_s_per_step"] >= 0.5 * p["decode_ms_per_token"] * p["batch"] / 1e3
+        # on CPU the steps run synchronously: issuing one takes about the time it runs (the mean over every step,
+        # warm-up included, against the median of the timed ones: not less than half of it)
+        assert p["decode_host_issue_s_per_step"] >= 0.5 * p["decode_step_s"]["median"]
         # the cache holds the prompt, the warm-up step and the 4 timed steps
         assert p["max_len"] == p["context"] + 1 + 4
         assert p["kv_cache_bytes_measured"] == p["kv_cache_bytes_analytic"] == 2 * p["max_len"] * 320
