@@ -155,12 +155,6 @@ def step_kernels(steps) -> list[tuple[str, float]] | None:
     return found or None
 
 
-def kernels_per_step(steps) -> int | None:
-    """How many kernels one decode step runs on the GPU (:func:`step_kernels`; None where unknown)."""
-    found = step_kernels(steps)
-    return None if found is None else len(found)
-
-
 def point_bound(floors: Floors, step_s: float, bytes_per_step: float, flops_per_step: float,
                 kernels: int | None) -> dict:
     """A point's floors, its bound (the largest floor), the step over that floor and its HBM fraction."""

@@ -3,7 +3,7 @@
 At batch 1 a decode step's projections are matrix-vector products: each weight is read once for one
 row, so the step is bound by how fast the weights stream from HBM. cuBLAS runs them as GEMMs with
 tall thin tiles; the profile of mla-1b at batch 1 on an H100 has them reading the weights at about
-1.7 TB/s, half the card's copy rate. :func:`gemv_triton` gives each program ``BLOCK_N`` rows of W
+1.6 TB/s, about half the card's copy rate. :func:`gemv_triton` gives each program ``BLOCK_N`` rows of W
 (contiguous along K: coalesced 16-byte loads), multiplies them by all M rows of x in registers and
 reduces along K in fp32; the launch grid is N / BLOCK_N programs, with the block and warp counts
 autotuned per (M, N, K) the first time a shape runs (before any CUDA-graph capture).

@@ -11,7 +11,6 @@ from scaletool.decode.bounds import (
     graph_kernel_seconds,
     kernel_breakdown,
     kernel_group,
-    kernels_per_step,
     point_bound,
     step_kernels,
 )
@@ -51,7 +50,6 @@ def test_cpu_measures_a_copy_and_counts_no_kernels():
     cfg, model, mla = tiny_model("mla")
     caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
     st = EagerSteps(model, caches, DecodeMode(mla, "torch"), torch.zeros(1, dtype=torch.long), 2)
-    assert kernels_per_step(st) is None and st.pos == 2
     assert step_kernels(st) is None and st.pos == 2
 
 
