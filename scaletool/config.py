@@ -391,6 +391,11 @@ class TrainConfig(_Section):
         "none", description="FP8 GEMMs for the blocks' linear layers (torchao's float8 training; engines single, "
         "ddp, fsdp; model.dtype=bf16; CUDA capability >= 8.9): tensorwise (one scale per tensor; FSDP2 all-gathers "
         "fp8 weights) or rowwise (a scale per row, closer to bf16); wants train.compile for its speed")
+    weight_cast: Literal["micro-batch", "step"] = Field(
+        "micro-batch", description="when the linear layers' 16-bit weight copies are made under autocast: "
+        "micro-batch (autocast casts at every forward) or step (engine=single: once per optimizer step, each "
+        "micro-batch's 16-bit weight gradient added into the fp32 one in one kernel; the same numbers, fewer "
+        "casts with train.grad_accum_steps > 1)")
     seed: int = 1234
     measure_warmup_steps: int = Field(2, ge=0, description="steps excluded from throughput and MFU")
     log_every: int = Field(1, gt=0)

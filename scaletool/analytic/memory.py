@@ -17,6 +17,7 @@ from scaletool.analytic.timeline import (
     MemoryInputs,
     _timeline,
     _units,
+    cast_once_params,
 )
 from scaletool.analytic.zero3 import PERSISTENCE_FLOOR, zero3_defaults, zero_options
 from scaletool.config import ModelConfig, Recipe
@@ -50,9 +51,14 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}")
     kind = engine_kind(engine)
-    units, loss_temp = _units(cfg, inputs, autocast=kind.autocast, expert_parallel=s.expert_parallel)
+    cast_once = s.weight_cast_step and kind.weight_cast_step and cfg.dtype != "fp32"
+    units, loss_temp = _units(cfg, inputs, autocast=kind.autocast, expert_parallel=s.expert_parallel,
+                              cast_once=cast_once)
     out = kind.memory_form()(cfg, N, units, loss_temp, s)
     phases = {name: {c: int(out["phases"][name][c]) for c in COMPONENTS} for name in PHASES}
+    copies = 2 * cast_once_params(cfg) if cast_once else 0  # train.weight_cast=step: held the whole step
+    for name in PHASES:
+        phases[name]["weights"] += copies
     totals = {name: sum(comp.values()) for name, comp in phases.items()}
     phase = max(PHASES, key=lambda name: totals[name])
     peak = phases[phase]
@@ -60,7 +66,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     blocks = units[1:-1]
     return {
         "engine": engine, "world_size": N, "zero_stage": s.zero_stage if kind.zero_stages else None,
-        "weights_bytes": int(out["weights_bytes"]), "gradients_bytes": int(out["gradients_bytes"]),
+        "weights_bytes": int(out["weights_bytes"]) + copies, "gradients_bytes": int(out["gradients_bytes"]),
         "optimizer_bytes": int(out["optimizer_bytes"]),
         # what autograd keeps at the end of the forward (the loss gradient not included)
         "activations_bytes": int(sum(u.saved for u in units)),
@@ -91,7 +97,7 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
     return EngineSettings(
         zero_stage=stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
         # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
-        fused_optimizer=t.fused_optimizer is not False,
+        fused_optimizer=t.fused_optimizer is not False, weight_cast_step=t.weight_cast == "step",
         reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
         overlap_comm=bool(zero.get("overlap_comm", True)),
         max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),

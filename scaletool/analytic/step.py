@@ -21,7 +21,7 @@ from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
 from scaletool.analytic.params import attention_params, param_counts
-from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
+from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
 from scaletool.analytic.zero3 import leaf_blocks as zero3_leaf_blocks
 from scaletool.config import ModelConfig, Recipe
 
@@ -101,9 +101,10 @@ def _exposure(engine: str, zero_stage: int, rows: list[dict], times: list[float]
 
 
 def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: int, ac: str, every: int,
-             compiled: bool, calib: Calibration, float8: str = "none") -> dict:
+             compiled: bool, calib: Calibration, float8: str = "none", cast_once: int = 0) -> dict:
     """Seconds of one micro-batch on one rank: GEMMs (train.float8: the swapped ones at the FP8 rate, plus
-    their casts' traffic), attention, element-wise traffic, recomputation."""
+    their casts' traffic), attention, element-wise traffic, recomputation. ``cast_once``: matmul parameters
+    whose 16-bit copy is made once per step instead (train.weight_cast=step; the caller counts that cast)."""
     L = local.n_layers
     shapes = gemm_shapes(local, tokens)
     heads = ("lm_head", "head")
@@ -123,7 +124,7 @@ def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: 
     factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
     V = local.vocab_size if cfg.task == "lm" else 0
     weights = sum(n * k * c for _, m, n, k, c in shapes)  # this rank's matmul weights (every routed expert)
-    casts = 0.0 if engine == "deepspeed" else CAST_BYTES_PER_PARAM * weights
+    casts = 0.0 if engine == "deepspeed" else CAST_BYTES_PER_PARAM * (weights - cast_once)
     if float8 != "none":
         casts += fp8_cast_bytes(shapes, rowwise=float8 == "rowwise")
     elementwise = (factor * tokens * (L * act + 4 * V) + casts) / hbm
@@ -223,7 +224,8 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     B, T, gas, ac = t.micro_batch_size, recipe.seq_len, t.grad_accum_steps, t.activation_checkpointing
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
-    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib, t.float8)
+    cast_once = cast_once_params(local) if t.weight_cast == "step" and engine == "single" and cfg.dtype != "fp32" else 0
+    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once)
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]
     sharded_states = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 1)
@@ -234,7 +236,9 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     host = _host(engine, p.zero_stage, local, gas, calib, leaf_blocks=engine == "deepspeed" and zero3_leaf_blocks(recipe))
     compute_terms = {"gemm_forward_s": gas * c["gemm_forward"], "gemm_backward_s": gas * c["gemm_backward"],
                      "attention_s": gas * c["attention"], "recompute_s": gas * c["recompute"]}
-    memory_terms = {"elementwise_s": gas * c["elementwise"], "optimizer_s": optimizer, "grad_accumulation_s": accumulate}
+    per_step_casts = CAST_BYTES_PER_PARAM * cast_once / hbm  # train.weight_cast=step: once per optimizer step
+    memory_terms = {"elementwise_s": gas * c["elementwise"] + per_step_casts, "optimizer_s": optimizer,
+                    "grad_accumulation_s": accumulate}
     exposed = tp_exposed + dp_exposed
     device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
     dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=p.pure_tensor_parallel(N, tp))
@@ -266,6 +270,9 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
             + f"), their FP8 casts' traffic ({CAST_BYTES_PER_ELEMENT} B per operand element) at HBM bandwidth; "
             "heads and router in bf16" + ("; FSDP2's FP8 all-gather (half the gathered bytes) not modelled in the "
                                           "collectives" if engine == "fsdp" and t.float8 == "tensorwise" else ""))
+    if cast_once:
+        assumptions.append(f"train.weight_cast=step: {cast_once / 1e6:,.0f} M linear parameters cast to 16 bits once "
+                           f"per optimizer step ({CAST_BYTES_PER_PARAM} B each), not at each of the {gas} micro-batches")
     if dispatch:
         assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
                            f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "

@@ -69,6 +69,7 @@ class EngineSettings:
     prefetch_bucket: float = ZERO3_PREFETCH_BUCKET
     persistence_threshold: float = 100_000  # ZeRO-3: parameters this small stay whole on every rank
     sub_group_size: float = ZERO3_SUB_GROUP_SIZE
+    weight_cast_step: bool = False  # train.weight_cast=step: the linear layers' 16-bit copies persist
 
 
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,
@@ -118,7 +119,19 @@ class _Unit:
     checkpointed: bool = False
 
 
-def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_parallel: bool) -> tuple[list[_Unit], float]:
+def cast_once_params(cfg: ModelConfig) -> int:
+    """Parameters ``train.weight_cast=step`` keeps a persistent 16-bit copy of (the ``nn.Linear`` weights):
+    every block's attention projections and dense FFN, a MoE block's router and shared experts (not its
+    stacked routed experts, which the layer casts itself), and an untied LM head."""
+    attn = sum(v for k, v in attention_params(cfg).items() if not k.endswith(("norm", "bias")))
+    dense = cfg.n_layers - cfg.n_moe_layers
+    moe = moe_params(cfg) if cfg.n_moe_layers else {"gate": 0, "shared": 0}
+    head = cfg.vocab_size * cfg.d_model if cfg.task == "lm" and not cfg.tie_embeddings else 0
+    return cfg.n_layers * attn + dense * ffn_params(cfg) + cfg.n_moe_layers * (moe["gate"] + moe["shared"]) + head
+
+
+def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_parallel: bool,
+           cast_once: bool = False) -> tuple[list[_Unit], float]:
     """The backward's stops (head, blocks L-1..0, embedding) and the loss gradient's bytes.
 
     Language model head: the final norm keeps its input (res·d) and output (the head matmul's input,
@@ -130,6 +143,8 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
     Under autocast (single, DDP: fp32 weights, 16-bit compute) every matmul saves the 16-bit copy of
     its weight that autocast made (torch autocast's weight cast cache), 2 bytes per matmul parameter,
     until its backward; FSDP2 and DeepSpeed compute with their own 16-bit parameters instead.
+    ``cast_once`` (``train.weight_cast=step``): the copies of :func:`cast_once_params` are persistent
+    (counted with the weights by the caller), not saved per unit; a MoE block's routed experts still are.
     """
     mixed = cfg.dtype != "fp32"
     res = a = cfg.dtype_bytes if mixed else 4  # 16-bit residual stream under mixed precision (see embed())
@@ -151,8 +166,9 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         # the largest single tensor: a stacked expert weight (E·d·i_moe) or one FFN matrix
         largest = max(max(attn.values()), moe["routed"] // 3 if is_moe else ffn // (3 if cfg.ffn in ("swiglu", "moe") else 2))
         gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
+        copied = (moe["routed"] if is_moe else 0) if cast_once else attn_matmul + ffn
         full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled)
-                + copy * (attn_matmul + ffn))
+                + copy * copied)
         ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)
         blocks.append(_Unit(f"block {i}", attn_total + norms + ffn, largest, gathered,
                             saved=tokens * res * d if ckpt else full, live=full, temp=0.0, checkpointed=ckpt))
@@ -161,8 +177,9 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         head_mm = V * d  # the LM head matmul (the embedding matrix when tied)
         head_params = head_mm + final_norm  # a tied matrix's gradient first appears here too
         norm_saved = tokens * (res + a) * d
-        head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + tokens * 4 * V + copy * head_mm,
-                     live=norm_saved + copy * head_mm, temp=tokens * a * V + a * head_mm)
+        head_copy = 0 if cast_once and not cfg.tie_embeddings else copy * head_mm
+        head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + tokens * 4 * V + head_copy,
+                     live=norm_saved + head_copy, temp=tokens * a * V + a * head_mm)
         emb_params = 0 if cfg.tie_embeddings else V * d
         loss_temp = tokens * 8 * V
     else:  # regression: the head reads the last time step only

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from scaletool.config import Recipe, RecipeError
-from scaletool.engines import float8
+from scaletool.engines import float8, weight_cast
 from scaletool.engines.apply import apply_activation_checkpointing, compile_blocks, compile_kwargs
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
@@ -41,6 +41,8 @@ class SingleEngine(Engine):
         self.shard_tensors(model)
         #: train.float8: the linear layers swapped to torchao's Float8Linear and those kept in bf16
         self.float8 = float8.convert(model, recipe) if t.float8 != "none" else None
+        #: train.weight_cast=step: the linear layers' 16-bit weight copies, kept for a whole optimizer step
+        self.weight_casts = weight_cast.attach(model, DTYPES[recipe.model.dtype]) if t.weight_cast == "step" else None
         apply_activation_checkpointing(model, t)
         if t.compile:
             scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
@@ -113,6 +115,8 @@ class SingleEngine(Engine):
             self.optimizer.step()
         if self.float8 is not None:
             float8.after_optimizer_step(self.model, self.recipe)
+        if self.weight_casts is not None:
+            self.weight_casts.refresh()
         self.optimizer.zero_grad(set_to_none=True)
         return total / n, norm
 
@@ -135,6 +139,8 @@ class SingleEngine(Engine):
             raise RecipeError(mismatch)
         dcp_load(state, path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        if self.weight_casts is not None:
+            self.weight_casts.refresh()
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
 

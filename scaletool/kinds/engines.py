@@ -44,6 +44,8 @@ class EngineKind:
     the ZeRO stages it takes (``parallel.zero_stage``), ``table_stages`` those the engine table shows.
     ``memory``/``communication``/``engine``: the closed forms and the torch class, as references.
     ``float8``: composes with ``train.float8`` (torchao's Float8Linear under this engine's wrapping).
+    ``weight_cast_step``: takes ``train.weight_cast=step`` (one process, gradients accumulated by the
+    engine itself, no hooks of a wrapper on the parameters).
     ``package``: the library whose version a training result records, ``config_record`` what it records of
     the library's configuration. ``rules``: the engine's own
     recipe rules, ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet).
@@ -60,6 +62,7 @@ class EngineKind:
     zero_stages: tuple[int, ...] = ()
     table_stages: tuple[int, ...] = ()
     float8: bool = False
+    weight_cast_step: bool = False
     package: str | None = None
     startup_notes: str | None = None
     #: ``"module:function"``, ``function(recipe, world_size)`` -> what a training result records of the
@@ -201,7 +204,8 @@ _COMM = "scaletool.analytic.comm"
 ENGINES: dict[str, EngineKind] = {
     k.name: k for k in (
         EngineKind("single", f"{_MEMORY}:single_memory", f"{_COMM}:no_communication",
-                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True, float8=True),
+                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True, float8=True,
+                   weight_cast_step=True),
         EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
                    "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
         EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
@@ -285,9 +289,30 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     if p.expert_parallel and m.moe_dispatch != "capacity":
         return ["parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
                 "fixed [E, C, d] buffer)"]
+    if recipe.train.weight_cast == "step":
+        problems = weight_cast_problems(recipe)
+        if problems:
+            return problems
     if p.expert_parallel and "expert_parallel" not in engine_kind(p.engine).layouts:
         return [f"parallel.expert_parallel: supported with engine={_or_list(engines_with('expert_parallel'))} (the expert "
                 f"shards are DTensors beside FSDP2's), not engine={p.engine}"]
+    return []
+
+
+def weight_cast_problems(recipe: Any) -> list[str]:
+    """What ``train.weight_cast=step`` needs: an engine that takes it, autocast (a 16-bit model.dtype),
+    and the linear layers as ``nn.Linear`` (not FP8's Float8Linear)."""
+    t, p, m = recipe.train, recipe.parallel, recipe.model
+    takes = [e.name for e in ENGINES.values() if e.weight_cast_step]
+    if not engine_kind(p.engine).weight_cast_step:
+        return [f"train.weight_cast: step needs parallel.engine={_or_list(takes)}, not {p.engine} (its wrapper casts "
+                "the weights or hooks their gradients itself); use train.weight_cast=micro-batch"]
+    if m.dtype == "fp32":
+        return ["train.weight_cast: step casts the fp32 weights to model.dtype once per optimizer step; with "
+                "model.dtype=fp32 there is nothing to cast (use bf16 or fp16, or train.weight_cast=micro-batch)"]
+    if t.float8 != "none":
+        return [f"train.weight_cast: step does not compose with train.float8={t.float8} (Float8Linear casts its "
+                "own weights); use one of them"]
     return []
 
 

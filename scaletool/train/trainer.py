@@ -184,6 +184,10 @@ class Trainer:
         # train.float8: MFU against the FP8 peak too (the bf16 one stays the headline, comparable across runs)
         self.peak_fp8 = peak_for(env.device.type, self.device_name, "fp8").tflops if t.float8 != "none" else None
         self._float8_notes()
+        casts = getattr(self.engine, "weight_casts", None)
+        if casts is not None:
+            self.writer.log(f"weight_cast step: {len(casts.pairs)} linear weights keep a 16-bit copy for the whole "
+                            f"optimizer step ({casts.params / 1e6:,.1f} M parameters, {casts.bytes / 2**20:,.1f} MiB)")
         on = cuda and self.measure
         self.sampler = NvmlSampler(env.device.index if on else None, device_uuid(env.device) if on else None)
         if cuda and not self.measure:

@@ -1,0 +1,82 @@
+"""``train.weight_cast=step``: one 16-bit copy of each linear weight per optimizer step, not per micro-batch.
+
+Under autocast every ``nn.Linear`` casts its fp32 weight to 16 bits at each forward (inside a compiled
+graph too), and the backward casts the 16-bit weight gradient back to fp32 before it is added into
+``.grad``. With gradient accumulation that is ``grad_accum_steps`` casts of every weight each way per
+optimizer step. Here each linear layer instead reads a persistent 16-bit leaf tensor (``weight16``),
+refreshed from the fp32 weight once per optimizer step (after the step, and after a checkpoint load);
+a hook on the leaf adds each micro-batch's 16-bit gradient into the fp32 ``.grad`` in one kernel and
+drops it. The numbers are autocast's: the forward multiplies by the same rounded weight, and the fp32
+gradient is the same sum of the same fp32-converted terms in the same order.
+
+Only plain ``nn.Linear`` modules are taken (FP8's ``Float8Linear``, MoE's stacked expert weights and a
+tied LM head keep autocast's casts), and only where autocast is on at the call (a forward under
+``autocast(enabled=False)`` reads the fp32 weight as before). One device only: DDP's and FSDP2's
+gradient hooks sit on the parameters, which this path no longer accumulates through autograd.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CastOnceLinear(nn.Linear):
+    """``nn.Linear`` whose forward under autocast multiplies by ``weight16`` (set by :func:`attach`).
+    The class of an existing module is swapped in place: parameters, names and state dict unchanged."""
+
+    weight16: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight16
+        if w is not None and torch.is_autocast_enabled(x.device.type):
+            return F.linear(x, w, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class WeightCasts:
+    """The 16-bit copies :func:`attach` made: ``refresh()`` after every change of the fp32 weights."""
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]):
+        self.pairs = pairs
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p, _ in self.pairs)
+
+    @property
+    def bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for _, w in self.pairs)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for p, w in self.pairs:
+            w.copy_(p)
+
+
+def _accumulate(param: nn.Parameter):
+    def hook(w16: torch.Tensor) -> None:
+        g = w16.grad
+        if param.grad is None:
+            param.grad = g.to(param.dtype)
+        else:
+            param.grad.add_(g)  # fp32 += 16-bit, converted in the same kernel
+        w16.grad = None
+    return hook
+
+
+def attach(model: nn.Module, dtype: torch.dtype) -> WeightCasts:
+    """Give every plain ``nn.Linear`` of ``model`` a ``dtype`` copy of its weight, read under autocast."""
+    pairs: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    for module in model.modules():
+        if type(module) is not nn.Linear or module.weight.dtype == dtype:
+            continue
+        p = module.weight
+        if id(p) not in pairs:
+            w16 = p.detach().to(dtype).requires_grad_(p.requires_grad)
+            if p.requires_grad:
+                w16.register_post_accumulate_grad_hook(_accumulate(p))
+            pairs[id(p)] = (p, w16)
+        module.__class__ = CastOnceLinear
+        module.weight16 = pairs[id(p)][1]
+    return WeightCasts(list(pairs.values()))
