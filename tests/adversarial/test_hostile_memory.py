@@ -2,6 +2,8 @@
 and the budget (on CPU: every local rank shares this machine's memory; on CUDA: each rank's GPU)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hostile import invoke
@@ -47,3 +49,23 @@ def test_a_run_that_fits_is_not_refused(tmp_path):
 
     checked = count.train_memory_check(load_recipe("tiny"), 1)
     assert checked is None or 0 < checked["required_bytes"] < checked["available_bytes"]
+
+
+def test_a_compiled_run_is_checked_against_the_compiled_estimate(monkeypatch):
+    """mha-1b at micro-batch 24 on an 80 GB card: the compiled estimate (~65 GiB) fits, the eager one (~87) not."""
+    from scaletool.config import load_recipe
+    from scaletool.errors import RecipeError
+
+    MHA_1B = str(Path(__file__).resolve().parents[2] / "recipes" / "mha-1b.yaml")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(78.66 * 2**30), 80 * 2**30))
+    compiled = load_recipe(MHA_1B, ["train.micro_batch_size=24"])
+    assert compiled.train.compile
+    checked = count.train_memory_check(compiled, 1)
+    assert 60 * 2**30 < checked["required_bytes"] < 70 * 2**30
+    eager = load_recipe(MHA_1B, ["train.micro_batch_size=24", "train.compile=false"])
+    with pytest.raises(RecipeError) as err:
+        count.train_memory_check(eager, 1)
+    assert "training needs about 87." in str(err.value) and "engine=single, micro_batch_size 24" in str(err.value)
