@@ -133,8 +133,11 @@ def _zero3(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
 
 
 def single_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
-    """engine=single: gradients as the backward produces them, no buffers (see :func:`_torch_engine`)."""
-    def grads_at(i, done): return 4 * done
+    """engine=single: gradients as the backward produces them, no buffers (see :func:`_torch_engine`);
+    with gradient accumulation every gradient is held from the first micro-batch on, so the later
+    micro-batches' backward peaks with all of them."""
+    psi = param_counts(cfg)["total"]
+    def grads_at(i, done): return 4 * psi if s.grad_accum_steps > 1 else 4 * done
     def buffers_at(i): return 0.0
     return _torch_engine(cfg, 1, (grads_at, buffers_at), units, loss_temp, s)
 

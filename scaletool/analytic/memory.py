@@ -98,6 +98,7 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
         zero_stage=stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
         # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
         fused_optimizer=t.fused_optimizer is not False, weight_cast_step=t.weight_cast == "step",
+        grad_accum_steps=t.grad_accum_steps,
         reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
         overlap_comm=bool(zero.get("overlap_comm", True)),
         max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),

@@ -70,6 +70,7 @@ class EngineSettings:
     persistence_threshold: float = 100_000  # ZeRO-3: parameters this small stay whole on every rank
     sub_group_size: float = ZERO3_SUB_GROUP_SIZE
     weight_cast_step: bool = False  # train.weight_cast=step: the linear layers' 16-bit copies persist
+    grad_accum_steps: int = 1  # > 1: the later micro-batches' backward starts with every gradient held
 
 
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,

@@ -338,6 +338,7 @@ def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
         t = recipe.train
         raise RecipeError(f"training needs about {gib(need)} for {where} (analytic estimate for parallel.engine="
                           f"{recipe.parallel.engine}{', compiled' if t.compile else ''}, micro_batch_size "
-                          f"{t.micro_batch_size} x seq_len {recipe.seq_len}), but {gib(avail)} is available ({source}); lower train.micro_batch_size "
-                          "or the model size, or set train.activation_checkpointing")
+                          f"{t.micro_batch_size} x seq_len {recipe.seq_len}), but {gib(avail)} is available "
+                          f"({source}); lower train.micro_batch_size or the model size, or set "
+                          "train.activation_checkpointing")
     return {"required_bytes": need, "available_bytes": avail, "available_source": source}
