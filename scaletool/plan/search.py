@@ -23,6 +23,7 @@ from scaletool.plan.space import (
     engines_for,
     largest_fitting,
     micro_batches,
+    planned_weight_cast,
     tensor_parallel_degrees,
     variant,
 )
@@ -93,12 +94,13 @@ def sequences_per_rank(req: Request, seq_len: int, tp: int) -> int | None:
     return req.global_batch_tokens // per if req.global_batch_tokens % per == 0 else 0
 
 
-def _expand(fam: Family, largest: int, per_rank: int | None) -> list[Layout]:
+def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None) -> list[Layout]:
     out = []
     for mb in micro_batches(largest, per_rank)[-PREDICTED_PER_FAMILY:]:
-        out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb,
-                          per_rank // mb if per_rank else 1, fam.activation_checkpointing, fam.compiled,
-                          fam.variant, fam.expert_parallel))
+        gas = per_rank // mb if per_rank else 1
+        out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
+                          fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
+                          planned_weight_cast(recipe, fam.engine, gas)))
     return out
 
 
@@ -106,7 +108,7 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
     """The recipe a layout runs (copied, not validated again: the families were)."""
     t = recipe.train.model_copy(update={"micro_batch_size": lay.micro_batch_size, "grad_accum_steps": lay.grad_accum_steps,
                                         "activation_checkpointing": lay.activation_checkpointing,
-                                        "compile": lay.compiled})
+                                        "compile": lay.compiled, "weight_cast": lay.weight_cast})
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
         "expert_parallel": lay.expert_parallel, **({"zero_stage": lay.zero_stage} if lay.engine == "deepspeed" else {})})
@@ -131,8 +133,8 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             continue
         mem = memory[fam.variant]
 
-        def ok(mb, mem=mem, fam=fam):
-            return fits(mem.total(fam, mb), req.card_bytes)[0]
+        def ok(mb, mem=mem, fam=fam, per_rank=per_rank):
+            return fits(mem.total(fam, mb, per_rank // mb if per_rank else 1), req.card_bytes)[0]
 
         largest = largest_fitting(ok, min(per_rank or req.max_micro_batch, req.max_micro_batch))
         if largest == 0:
@@ -140,7 +142,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             if shortfall is None or over < shortfall[0]:
                 shortfall = (over, fam, mem.total(fam, 1))
             continue
-        candidates += [(r, lay) for lay in _expand(fam, largest, per_rank)]
+        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank)]
     if not candidates:
         raise RecipeError(_nothing_fits(recipe, req, shortfall, batch_misses, len(fams)))
     ranked = []
@@ -158,7 +160,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
                  lay.activation_checkpointing, lay.compiled, lay.expert_parallel)
-    est = mem.estimate(fam, lay.micro_batch_size)
+    est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps)
     _, margin = fits(est["total_bytes"], req.card_bytes)
     cost = None
     if req.price_per_gpu_hour is not None and pred["tokens_per_s"]:

@@ -198,3 +198,27 @@ def test_python_api_plans_without_torch():
     import subprocess
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_single_gpu_layouts_that_accumulate_cast_the_weights_once_per_step():
+    """With a fixed global batch, ``single`` accumulates: its layouts run train.weight_cast=step (the same
+    numbers, fewer casts), the estimate holds every gradient through the step, and the command says so;
+    engines that do not take it run micro-batch even when the recipe says step."""
+    doc = _plan("mha-1b", "--gpus", "1", "--global-batch-tokens", "262144", "--hardware", "h100-sxm", "--top", "50")
+    rows = doc["layouts"]
+    for row in rows:
+        accumulating = row["engine"] == "single" and row["grad_accum_steps"] > 1
+        assert row["weight_cast"] == ("step" if accumulating else "micro-batch"), row
+        assert ("train.weight_cast=step" in _sets(row["argv"])) == accumulating
+    top = rows[0]
+    assert (top["engine"], top["micro_batch_size"], top["grad_accum_steps"]) == ("single", 16, 8)
+    r = load_recipe("mha-1b", ["train.micro_batch_size=16", "train.grad_accum_steps=8", "train.weight_cast=step"])
+    assert top["memory_bytes"] == analytic.recipe_memory(r, 1, compiled=True)["total_bytes"]
+    load_recipe("mha-1b", _sets(top["argv"]))  # a command launch accepts
+    kept = _plan("mha-1b", "--gpus", "1", "--global-batch-tokens", "262144", "--set", "train.weight_cast=micro-batch")
+    assert {row["weight_cast"] for row in kept["layouts"]} == {"micro-batch"}
+    two = _plan("mha-1b", "--gpus", "2", "--global-batch-tokens", "262144", "--set", "train.weight_cast=step",
+                "--top", "50")
+    assert all(row["weight_cast"] == "micro-batch" for row in two["layouts"])
+    for row in two["layouts"]:
+        load_recipe("mha-1b", _sets(row["argv"]))  # no layout keeps step under an engine that refuses it
