@@ -127,7 +127,8 @@ def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_p
     if verify:
         from scaletool.plan.verify import verify_locally
 
-        result["verify"], result["verify_notes"] = verify_locally(r, name, tuple(overrides), verify, verify_progress)
+        result["verify"], result["verify_notes"] = verify_locally(r, name, tuple(overrides), verify, verify_progress,
+                                                                  asked=req)
     return PlanResult.model_validate(result)
 
 

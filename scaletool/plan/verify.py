@@ -44,13 +44,29 @@ def local_machine() -> dict:
     return {"device": "cpu", "name": "CPU", "ranks": ranks, "profile": None, "memory_bytes": ram // ranks}
 
 
-def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, machine: dict) -> dict:
-    """The plan for this machine: its ranks, its memory, its calibration; on the CPU narrowed as above."""
+def carried_batch(asked, ranks: int) -> tuple[int | None, str | None]:
+    """The global batch a verification on ``ranks`` ranks plans for, from the plan's request ``asked``: the
+    same tokens per GPU (``--global-batch-tokens`` over ``--gpus``, times this machine's ranks), and a note."""
+    if asked is None or asked.global_batch_tokens is None:
+        return None, None
+    per_gpu, rest = divmod(asked.global_batch_tokens, asked.gpus)
+    if rest:
+        return None, (f"global batch not kept: {asked.global_batch_tokens:,} tokens over {asked.gpus} GPUs is not a "
+                      "whole number per GPU; verified with accumulation 1")
+    return per_gpu * ranks, (f"global batch {per_gpu * ranks:,} tokens here: the plan's {per_gpu:,} per GPU on "
+                             f"{ranks} rank{'s' if ranks > 1 else ''}")
+
+
+def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, machine: dict, asked=None) -> dict:
+    """The plan for this machine: its ranks, its memory, its calibration, and the asked plan's global batch
+    per GPU and attention variants (``asked``, its request); on the CPU narrowed as above."""
     cpu = machine["device"] == "cpu"
     narrow = {"labels": ("single", "ddp", "fsdp"), "compiled": (False,),
               "max_micro_batch": recipe.train.micro_batch_size} if cpu else {}
+    batch, _ = carried_batch(asked, machine["ranks"])
     req = make_request(machine["ranks"], machine["ranks"], machine["name"], top=k, card_bytes=machine["memory_bytes"],
-                       calibration=calibration_for_device(machine["device"], machine["profile"]), **narrow)
+                       calibration=calibration_for_device(machine["device"], machine["profile"]),
+                       global_batch_tokens=batch, attention_variants=bool(asked and asked.attention_variants), **narrow)
     return make_plan(recipe, name, overrides, req)
 
 
@@ -106,16 +122,21 @@ def describe(row: dict) -> str:
             + (" compiled" if row["compiled"] else ""))
 
 
-def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None) -> tuple[list, list]:
-    """Run the best ``k`` layouts that fit this machine; (the verified rows, notes on what was assumed)."""
+def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None,
+                   asked=None) -> tuple[list, list]:
+    """Run the best ``k`` layouts that fit this machine (``asked``: the plan's request, whose global batch per
+    GPU and attention variants carry over); (the verified rows, notes on what was assumed)."""
     machine = local_machine()
     try:
-        plan = local_plan(recipe, name, overrides, k, machine)
+        plan = local_plan(recipe, name, overrides, k, machine, asked)
     except RecipeError as e:
         raise RecipeError(f"verify: {e.problems[0]}") from None
     notes = [f"this machine: {machine['ranks']} × {machine['name']} ({machine['memory_bytes'] / 2**30:.1f} GiB each); "
              f"{VERIFY_STEPS} steps per layout, the first {VERIFY_WARMUP} not measured; calibration "
              f"{plan['calibration']}"]
+    batch_note = carried_batch(asked, machine["ranks"])[1]
+    if batch_note:
+        notes.append(batch_note)
     if machine["device"] == "cpu":
         notes.append("CPU: eager single/DDP/FSDP2 over gloo, micro-batches up to the recipe's; the CPU calibration is "
                      "a placeholder, so the prediction's error is not meaningful here; memory is measured on CUDA only "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
 import sys
 
@@ -158,11 +159,19 @@ def test_bad_input_is_one_error_line_and_exit_2(argv, needle):
 
 def test_verify_runs_the_best_layouts_here_and_measures_them(tmp_path):
     """A real subprocess: the plan, then one real training run on this machine; --json is all of stdout."""
-    proc = run_cli("plan", "tiny", "--gpus", "2", "--verify", "1", "--json", timeout=900, cwd=tmp_path)
+    proc = run_cli("plan", "tiny", "--gpus", "4", "--global-batch-tokens", "8192", "--verify", "1", "--json",
+                   timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["kind"] == "plan" and len(doc["verify"]) == 1 and doc["verify_notes"]
     v = doc["verify"][0]
+    # the plan's 2,048 tokens per GPU carry over to this machine's ranks (2 CPU ranks where there are 2 cores):
+    # 32 sequences of 64 per data-parallel rank
+    ranks = min(2, os.cpu_count() or 1)
+    assert (f"global batch {2048 * ranks:,} tokens here: the plan's 2,048 per GPU on {ranks} "
+            f"rank{'s' if ranks > 1 else ''}") in doc["verify_notes"]
+    mb = int(v["command"].split("train.micro_batch_size=")[1].split()[0])
+    assert f"train.grad_accum_steps={32 // mb}" in v["command"]
     assert v["status"] == "completed" and v["message"] is None, v
     m = v["measured_tokens_per_s"]
     assert m["n"] >= 1 and 0 < m["p10"] <= m["median"] <= m["p90"]
