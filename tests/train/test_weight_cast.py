@@ -143,3 +143,10 @@ def test_the_estimate_holds_every_gradient_through_an_accumulated_step_as_measur
         assert est["phases"]["backward"]["gradients"] == 4 * build_model(r.model, "meta", seed=0).num_params()
         assert est["total_bytes"] - est_one["total_bytes"] > 3 * 2**30  # the held fp32 gradients, 3.5 GiB
         assert abs(est["total_bytes"] / measured - 1) < 0.02, (cast, est["total_bytes"] / 2**30, measured / 2**30)
+
+
+@pytest.mark.parametrize("sets", [["model.dtype=fp16"], [*BF16, "train.activation_checkpointing=full"]])
+def test_fp16_with_its_grad_scaler_and_checkpointed_blocks_give_the_same_numbers_too(tmp_path, sets):
+    base = _train(tmp_path, "micro", sets)
+    step = _train(tmp_path, "step", [*sets, "train.weight_cast=step"])
+    assert step.history.loss == base.history.loss and step.history.grad_norm == base.history.grad_norm
