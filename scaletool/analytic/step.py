@@ -207,6 +207,40 @@ def _flops(cfg: ModelConfig, T: int, tokens: int, global_tokens: int, frac: floa
     return fl["train"] * global_tokens, fl[f"train_{conv}_computed"] * global_tokens + recompute
 
 
+def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: int, dispatch: float, compiled: bool,
+                  N: int, G: int, calib: Calibration) -> list[str]:
+    """The assumptions that only some recipes' options add: FP8, casts once per step, tensor parallelism's
+    host dispatch, several nodes."""
+    t, p, engine = recipe.train, recipe.parallel, recipe.parallel.engine
+    gas, tp = t.grad_accum_steps, p.tensor_parallel if engine != "single" else 1
+    assumptions: list[str] = []
+    if t.float8 != "none":
+        n8 = len(swapped_shapes(gemm_shapes(local, tokens)))
+        fp8 = calib.gemm_fp8_tflops
+        assumptions.append(
+            f"float8 {t.float8}: {n8} GEMM shapes of the blocks at the FP8 rate ("
+            + (f"calibrated, {fp8['max_tflops']:.0f} TFLOP/s x s/(s+{fp8['half_dim']:.0f})" if fp8 else
+               f"not calibrated: {FP8_OVER_BF16:g} x the bf16 curve, the datasheet FP8/bf16 ratio")
+            + f"), their FP8 casts' traffic ({CAST_BYTES_PER_ELEMENT} B per operand element) at HBM bandwidth; "
+            "heads and router in bf16" + ("; FSDP2's FP8 all-gather (half the gathered bytes) not modelled in the "
+                                          "collectives" if engine == "fsdp" and t.float8 == "tensorwise" else ""))
+    if cast_once:
+        assumptions.append(f"train.weight_cast=step: {cast_once / 1e6:,.0f} M linear parameters cast to 16 bits once "
+                           f"per optimizer step ({CAST_BYTES_PER_PARAM} B each), not at each of the {gas} micro-batches")
+    if dispatch:
+        assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
+                           f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "
+                           "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else "")
+                           + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
+                              "not modelled" if p.tp_local_ops else "")
+                           + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
+                              if p.pure_tensor_parallel(N, tp) else ""))
+    if N > G:
+        assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
+                           f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")
+    return assumptions
+
+
 def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
                  gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
     """Predicted step time of the recipe's own layout on ``world_size`` GPUs (default: the recipe's),
@@ -260,30 +294,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
-    if t.float8 != "none":
-        n8 = len(swapped_shapes(gemm_shapes(local, tokens)))
-        fp8 = calib.gemm_fp8_tflops
-        assumptions.append(
-            f"float8 {t.float8}: {n8} GEMM shapes of the blocks at the FP8 rate ("
-            + (f"calibrated, {fp8['max_tflops']:.0f} TFLOP/s x s/(s+{fp8['half_dim']:.0f})" if fp8 else
-               f"not calibrated: {FP8_OVER_BF16:g} x the bf16 curve, the datasheet FP8/bf16 ratio")
-            + f"), their FP8 casts' traffic ({CAST_BYTES_PER_ELEMENT} B per operand element) at HBM bandwidth; "
-            "heads and router in bf16" + ("; FSDP2's FP8 all-gather (half the gathered bytes) not modelled in the "
-                                          "collectives" if engine == "fsdp" and t.float8 == "tensorwise" else ""))
-    if cast_once:
-        assumptions.append(f"train.weight_cast=step: {cast_once / 1e6:,.0f} M linear parameters cast to 16 bits once "
-                           f"per optimizer step ({CAST_BYTES_PER_PARAM} B each), not at each of the {gas} micro-batches")
-    if dispatch:
-        assumptions.append(f"tensor parallelism: {dispatch / gas / local.n_layers * 1e3:.1f} ms of host dispatch "
-                           f"per block ({'compiled' if compiled else 'eager'}), overlapped with the device's work; "
-                           "the step is the larger of the two" + ("; async TP not modelled" if p.async_tp else "")
-                           + ("; measured for the DTensor plan: parallel.tp_local_ops (far fewer DTensor ops) "
-                              "not modelled" if p.tp_local_ops else "")
-                           + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
-                              if p.pure_tensor_parallel(N, tp) else ""))
-    if N > G:
-        assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
-                           f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")
+    assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib)
     return {
         "engine": engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "gpus_per_node": G,
         "compiled": bool(compiled), "micro_batch_size": B, "grad_accum_steps": gas, "seq_len": T,
