@@ -1,7 +1,8 @@
 """The search: every layout family, the micro-batches that fit, predicted and ranked.
 
 Pruning, stated once: memory is monotone in the micro-batch (doubling and bisection find the largest
-that fits, :func:`~scaletool.plan.space.largest_fitting`), and the step-time model's tokens/s does not
+that fits, :func:`~scaletool.plan.space.largest_fitting`; with a fixed global batch the micro-batch that
+needs no accumulation is checked on its own, as it holds fewer gradients), and the step-time model's tokens/s does not
 fall as the micro-batch grows at a fixed engine, tensor-parallel degree and checkpointing (compute per
 token is constant, communication per token shrinks), so only the :data:`PREDICTED_PER_FAMILY` largest
 micro-batches of each family are predicted.
@@ -94,9 +95,9 @@ def sequences_per_rank(req: Request, seq_len: int, tp: int) -> int | None:
     return req.global_batch_tokens // per if req.global_batch_tokens % per == 0 else 0
 
 
-def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None) -> list[Layout]:
+def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, ok: Callable[[int], bool]) -> list[Layout]:
     out = []
-    for mb in micro_batches(largest, per_rank)[-PREDICTED_PER_FAMILY:]:
+    for mb in [m for m in micro_batches(largest, per_rank) if ok(m)][-PREDICTED_PER_FAMILY:]:
         gas = per_rank // mb if per_rank else 1
         out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
@@ -137,12 +138,17 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             return fits(mem.total(fam, mb, per_rank // mb if per_rank else 1), req.card_bytes)[0]
 
         largest = largest_fitting(ok, min(per_rank or req.max_micro_batch, req.max_micro_batch))
+        # memory grows with the micro-batch except at the one that needs no accumulation, where the engine
+        # no longer holds every gradient through the step (single): it may fit past the largest that accumulates
+        if per_rank and largest < per_rank <= req.max_micro_batch and ok(per_rank):
+            largest = per_rank
         if largest == 0:
-            over = -fits(mem.total(fam, 1), req.card_bytes)[1]
+            total = mem.total(fam, 1, per_rank or 1)
+            over = -fits(total, req.card_bytes)[1]
             if shortfall is None or over < shortfall[0]:
-                shortfall = (over, fam, mem.total(fam, 1))
+                shortfall = (over, fam, total)
             continue
-        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank)]
+        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, ok)]
     if not candidates:
         raise RecipeError(_nothing_fits(recipe, req, shortfall, batch_misses, len(fams)))
     ranked = []

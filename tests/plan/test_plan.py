@@ -231,3 +231,26 @@ def test_single_gpu_layouts_that_accumulate_cast_the_weights_once_per_step():
     assert all(row["weight_cast"] == "micro-batch" for row in two["layouts"])
     for row in two["layouts"]:
         load_recipe("mha-1b", _sets(row["argv"]))  # no layout keeps step under an engine that refuses it
+
+
+def test_the_micro_batch_without_accumulation_is_checked_on_its_own():
+    """With a fixed global batch, ``single`` holds every gradient through an accumulated step, so the micro-batch
+    that needs no accumulation can fit where smaller ones do not: tiny at 8 positions with a wide FFN, 4
+    sequences per step, on a card whose usable memory (less the 2 GiB reserve) sits between the two."""
+    from scaletool.analytic.calibration import load_calibration
+    from scaletool.plan.build import make_plan, make_request
+    from scaletool.plan.space import Family, MemoryModel
+
+    r = load_recipe("tiny", ["model.dtype=bf16", "train.seq_len=8", "model.intermediate_size=4096"])
+    fam = Family("mla", "single", "single", 0, 1, "none", False)
+    mem = MemoryModel(r, 1)
+    whole, halves, quarters = mem.total(fam, 4, 1), mem.total(fam, 2, 2), mem.total(fam, 1, 4)
+    assert whole < min(halves, quarters)
+    card = 2 * 2**30 + (whole + min(halves, quarters)) // 2
+    assert fits(whole, card)[0] and not fits(min(halves, quarters), card)[0]
+    req = make_request(1, 1, "test card", card_bytes=card, calibration=load_calibration("h100-sxm"),
+                       global_batch_tokens=32, labels=("single",), compiled=(False,), top=50)
+    rows = make_plan(r, "tiny", (), req)["layouts"]
+    none = [row for row in rows if row["activation_checkpointing"] == "none"]
+    assert [(row["micro_batch_size"], row["grad_accum_steps"], row["weight_cast"]) for row in none] == [
+        (4, 1, "micro-batch")]
