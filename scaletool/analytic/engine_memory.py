@@ -1,7 +1,7 @@
 """Per-engine peak memory along the backward timeline: torch engines (single, DDP, FSDP2) and ZeRO-1/2/3."""
 from __future__ import annotations
 
-from scaletool.analytic.params import param_counts
+from scaletool.analytic.params import moe_params, param_counts
 from scaletool.analytic.timeline import EngineSettings, _group_sizes, _timeline
 from scaletool.analytic.zero3 import persistent_params
 
@@ -153,12 +153,19 @@ def ddp_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
 
 def fsdp_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
     """engine=fsdp: states sharded over N ranks, gathered 16-bit parameters and reduce-scatter buffers
-    per block (see :func:`_torch_engine`)."""
+    per block (see :func:`_torch_engine`). With gradient accumulation the engine turns gradient sync off
+    for all but the last micro-batch, and FSDP2 then keeps every parameter's gradient unsharded in its
+    fp32 reduce dtype between micro-batches (``FSDPParam.to_accumulated_grad_if_needed``): 4Ψ per rank,
+    not 4Ψ/N, until the last micro-batch's reduce-scatters (expert-parallel experts: only this rank's)."""
     p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
     root = units[0].gathered + units[-1].gathered
     blocks = [u.gathered for u in units[1:-1]]
+    held = 0.0
+    if s.grad_accum_steps > 1:
+        routed = moe_params(cfg)["routed"] * cfg.n_moe_layers if cfg.n_moe_layers and s.expert_parallel else 0
+        held = 4 * (param_counts(cfg)["total"] - routed * (1 - 1 / N))
 
-    def grads_at(i, done): return 4 * done / N
+    def grads_at(i, done): return max(held, 4 * done / N)
 
     def buffers_at(i):
         if i < 0:  # the root is still gathered from the forward; without resharding, every block too

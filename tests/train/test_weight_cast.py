@@ -1,5 +1,6 @@
 """train.weight_cast=step: the recipe rules, the numbers against autocast's per-micro-batch casts (bit for
-bit, eager and compiled, through a checkpoint and a resume), which layers it takes, and the memory estimate."""
+bit, eager and compiled, through a checkpoint and a resume), which layers it takes, and the memory estimate;
+with it, what gradient accumulation holds (single: every fp32 gradient; FSDP2: every one unsharded, in fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -150,3 +151,28 @@ def test_fp16_with_its_grad_scaler_and_checkpointed_blocks_give_the_same_numbers
     base = _train(tmp_path, "micro", sets)
     step = _train(tmp_path, "step", [*sets, "train.weight_cast=step"])
     assert step.history.loss == base.history.loss and step.history.grad_norm == base.history.grad_norm
+
+
+@pytest.mark.distributed
+def test_fsdp2_holds_unsharded_fp32_gradients_between_micro_batches_as_the_estimate_counts(tmp_path):
+    """The FSDP estimate's premise with accumulation: with sync off (every micro-batch but the last), FSDP2 keeps
+    every parameter's gradient unsharded, in the fp32 reduce dtype, on each rank: 4 B per parameter, not 4/N."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = str(Path(__file__).with_name("fsdp_accum_worker.py"))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        worker, TINY], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    held = json.loads(p.stdout.strip().splitlines()[-1])
+    assert held["dtypes"] == ["torch.float32"] and held["sharded_grads"] == 0
+    assert held["elements"] == held["params"] and held["bytes"] == 4 * held["params"]
+    r = load_recipe(TINY, ["model.dtype=bf16", "parallel.engine=fsdp", "train.grad_accum_steps=2"])
+    one = load_recipe(TINY, ["model.dtype=bf16", "parallel.engine=fsdp"])
+    est, est_one = recipe_memory(r, 2), recipe_memory(one, 2)
+    assert est["phases"]["backward"]["gradients"] == held["bytes"]
+    assert est_one["phases"]["backward"]["gradients"] < held["bytes"] / 2
