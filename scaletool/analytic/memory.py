@@ -203,7 +203,8 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     # model without FSDP2, as the single engine does (fp32 parameters under autocast)
     pure = recipe.parallel.pure_tensor_parallel(world_size, tp)
     engine = "single" if pure else engines_with("tensor_parallel")[0]
-    row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward)
+    row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward,
+                          grad_accum_steps=t.grad_accum_steps)
     # the residual stream is 16-bit under FSDP2's mixed precision, fp32 under autocast and in fp32 models
     res = 4 if pure else cfg.dtype_bytes
     ac, every = inputs.activation_checkpointing, inputs.selective_every

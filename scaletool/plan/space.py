@@ -104,7 +104,8 @@ class MemoryModel:
         r, t = self.recipe, self.recipe.train
         ac = fam.activation_checkpointing
         if fam.tensor_parallel > 1:
-            tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac})
+            tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac,
+                                      "grad_accum_steps": grad_accum_steps})
             return tensor_parallel_memory(r.model_copy(update={"train": tr}), self.gpus, fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
         settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,

@@ -176,3 +176,21 @@ def test_fsdp2_holds_unsharded_fp32_gradients_between_micro_batches_as_the_estim
     est, est_one = recipe_memory(r, 2), recipe_memory(one, 2)
     assert est["phases"]["backward"]["gradients"] == held["bytes"]
     assert est_one["phases"]["backward"]["gradients"] < held["bytes"] / 2
+
+
+def test_accumulation_under_tensor_parallelism_holds_the_local_unsharded_gradients_and_plan_sees_it():
+    """FSDP2 × TP: the held gradients are this rank's tensor-parallel shard of every parameter, unsharded over the
+    data-parallel ranks. llama3-405b-dense on 1,024 GPUs at TP 8 would hold ~189 GiB between micro-batches, so the
+    plan for a 4M-token global batch keeps only the layouts that do not accumulate."""
+    from scaletool.analytic import param_counts, tensor_parallel_config
+    from scaletool.api import plan
+
+    base = ["parallel.engine=fsdp", "parallel.tensor_parallel=8", "train.micro_batch_size=2",
+            "train.activation_checkpointing=full"]
+    one = recipe_memory(load_recipe("llama3-405b-dense", base), 1024)
+    two = recipe_memory(load_recipe("llama3-405b-dense", [*base, "train.grad_accum_steps=2"]), 1024)
+    local = param_counts(tensor_parallel_config(load_recipe("llama3-405b-dense").model, 8))["total"]
+    assert two["phases"]["backward"]["gradients"] == 4 * local
+    assert two["total_bytes"] - one["total_bytes"] > 150 * 2**30
+    rows = plan("llama3-405b-dense", gpus=1024, global_batch_tokens=4_194_304, top=50).layouts
+    assert rows and all(row.grad_accum_steps == 1 for row in rows)
