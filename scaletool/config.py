@@ -408,6 +408,10 @@ class ParallelConfig(_Section):
     zero_stage: int = Field(1, ge=0, le=3, description="deepspeed ZeRO stage")
     reshard_after_forward: bool = True
     cpu_offload: bool = Field(False, description="fsdp: CPUOffloadPolicy for params, grads and optimizer")
+    reduce_scatter_every: Literal["step", "micro-batch"] = Field(
+        "step", description="fsdp with train.grad_accum_steps > 1: reduce-scatter the gradients once per optimizer "
+        "step (gradient sync off until the last micro-batch; FSDP2 holds every gradient unsharded in fp32 between "
+        "micro-batches) or after every micro-batch (sharded gradients only; that many times the traffic)")
     offload_optimizer: bool = Field(False, description="deepspeed: optimizer state on the CPU")
     offload_params: bool = Field(False, description="deepspeed ZeRO-3: parameters on the CPU")
     world_size: int = Field(1, gt=0, description="ranks assumed by `estimate` (train uses the real one)")

@@ -108,7 +108,8 @@ def _layer_params(cfg: ModelConfig, expert_parallel: bool = False) -> list[int]:
 
 def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, zero_stage: int = 1,
                                 grad_accum_steps: int = 1, reshard_after_forward: bool = True,
-                                expert_parallel: bool = False, inputs: MemoryInputs | None = None) -> list[dict]:
+                                expert_parallel: bool = False, inputs: MemoryInputs | None = None,
+                                reduce_scatter_every: str = "step") -> list[dict]:
     """The data-parallel engine's collectives per optimizer step, per rank of ``ranks`` (``cfg`` is what
     one rank of a tensor-parallel group holds, :func:`tensor_parallel_config`, when there is one).
 
@@ -116,7 +117,7 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
     - FSDP2: per micro-batch, each block's and the root's (embedding, final norm, head) 16-bit parameters
       all-gathered for the forward, the blocks again for the backward when ``reshard_after_forward`` (the
       root is not resharded); per step one reduce-scatter of the gradients per block and root, in fp32
-      (the reduce dtype). Without FSDP2's padding of each tensor's first dimension to a multiple of
+      (the reduce dtype), or per micro-batch with ``reduce_scatter_every="micro-batch"``. Without FSDP2's padding of each tensor's first dimension to a multiple of
       ``ranks``. Expert parallelism (``inputs`` needed): the routed experts stay out of FSDP2, and each
       MoE layer's dispatch buffer (n_routed_experts × capacity × d_model) goes by all-to-all twice in
       the forward and twice in the backward.
@@ -132,7 +133,8 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
         raise ValueError(f"unknown engine {engine!r}")
     return engine_kind(engine).communication_form()(
         cfg, ranks, zero_stage=zero_stage, grad_accum_steps=grad_accum_steps,
-        reshard_after_forward=reshard_after_forward, expert_parallel=expert_parallel, inputs=inputs)
+        reshard_after_forward=reshard_after_forward, expert_parallel=expert_parallel, inputs=inputs,
+        reduce_scatter_every=reduce_scatter_every)
 
 
 def no_communication(cfg: ModelConfig, ranks: int, **_) -> list[dict]:
@@ -160,7 +162,8 @@ def zero_communication(cfg: ModelConfig, ranks: int, *, zero_stage: int = 1, gra
 
 
 def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 1, reshard_after_forward: bool = True,
-                       expert_parallel: bool = False, inputs: MemoryInputs | None = None, **_) -> list[dict]:
+                       expert_parallel: bool = False, inputs: MemoryInputs | None = None,
+                       reduce_scatter_every: str = "step", **_) -> list[dict]:
     """FSDP2's all-gathers and reduce-scatters, and expert parallelism's all-to-alls (see
     :func:`data_parallel_communication`)."""
     gas, p16 = grad_accum_steps, cfg.dtype_bytes  # 16-bit parameters under mixed precision, else fp32
@@ -169,8 +172,10 @@ def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 
     root = pc["embedding"] + pc["head"] + pc["final_norm"]
     gathers = gas * (len(blocks) * (2 if reshard_after_forward else 1) + 1)
     gathered = gas * (sum(blocks) * (2 if reshard_after_forward else 1) + root)
+    reductions = gas if reduce_scatter_every == "micro-batch" else 1
     rows = [_row("dp", "all_gather", "parameters (blocks and root)", gathers, gathered * p16, ranks),
-            _row("dp", "reduce_scatter", "gradients (fp32)", len(blocks) + 1, 4 * (sum(blocks) + root), ranks)]
+            _row("dp", "reduce_scatter", "gradients (fp32)", reductions * (len(blocks) + 1),
+                 reductions * 4 * (sum(blocks) + root), ranks)]
     if expert_parallel and cfg.n_moe_layers:
         slots = cfg.n_routed_experts * expert_capacity(cfg, inputs.micro_batch_size * inputs.seq_len)
         count = 4 * cfg.n_moe_layers * gas
@@ -194,7 +199,8 @@ def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel
                                          pure=p.pure_tensor_parallel(N, tp))
     rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
                                         reshard_after_forward=p.reshard_after_forward,
-                                        expert_parallel=p.expert_parallel, inputs=inputs)
+                                        expert_parallel=p.expert_parallel, inputs=inputs,
+                                        reduce_scatter_every=p.reduce_scatter_every)
     by_group = {g: sum(r["wire_bytes"] for r in rows if r["group"] == g) for g in ("tp", "dp")}
     return {"engine": p.engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "collectives": rows,
             "tp_wire_bytes": by_group["tp"], "dp_wire_bytes": by_group["dp"],

@@ -156,12 +156,13 @@ def fsdp_memory(cfg, N, units, loss_temp, s: EngineSettings) -> dict:
     per block (see :func:`_torch_engine`). With gradient accumulation the engine turns gradient sync off
     for all but the last micro-batch, and FSDP2 then keeps every parameter's gradient unsharded in its
     fp32 reduce dtype between micro-batches (``FSDPParam.to_accumulated_grad_if_needed``): 4Ψ per rank,
-    not 4Ψ/N, until the last micro-batch's reduce-scatters (expert-parallel experts: only this rank's)."""
+    not 4Ψ/N, until the last micro-batch's reduce-scatters (expert-parallel experts: only this rank's);
+    ``parallel.reduce_scatter_every=micro-batch`` keeps sync on and holds sharded gradients only."""
     p = cfg.dtype_bytes if cfg.dtype != "fp32" else 4
     root = units[0].gathered + units[-1].gathered
     blocks = [u.gathered for u in units[1:-1]]
     held = 0.0
-    if s.grad_accum_steps > 1:
+    if s.grad_accum_steps > 1 and not s.reduce_scatter_every_micro_batch:
         routed = moe_params(cfg)["routed"] * cfg.n_moe_layers if cfg.n_moe_layers and s.expert_parallel else 0
         held = 4 * (param_counts(cfg)["total"] - routed * (1 - 1 / N))
 

@@ -99,6 +99,7 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
         # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
         fused_optimizer=t.fused_optimizer is not False, weight_cast_step=t.weight_cast == "step",
         grad_accum_steps=t.grad_accum_steps,
+        reduce_scatter_every_micro_batch=p.reduce_scatter_every == "micro-batch",
         reduce_bucket=number("reduce_bucket_size", ZERO_REDUCE_BUCKET),
         overlap_comm=bool(zero.get("overlap_comm", True)),
         max_reuse_distance=number("stage3_max_reuse_distance", ZERO3_MAX_REUSE_DISTANCE),
@@ -204,7 +205,8 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     pure = recipe.parallel.pure_tensor_parallel(world_size, tp)
     engine = "single" if pure else engines_with("tensor_parallel")[0]
     row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward,
-                          grad_accum_steps=t.grad_accum_steps)
+                          grad_accum_steps=t.grad_accum_steps,
+                          reduce_scatter_every_micro_batch=recipe.parallel.reduce_scatter_every == "micro-batch")
     # the residual stream is 16-bit under FSDP2's mixed precision, fp32 under autocast and in fp32 models
     res = 4 if pure else cfg.dtype_bytes
     ac, every = inputs.activation_checkpointing, inputs.selective_every

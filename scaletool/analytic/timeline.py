@@ -71,6 +71,7 @@ class EngineSettings:
     sub_group_size: float = ZERO3_SUB_GROUP_SIZE
     weight_cast_step: bool = False  # train.weight_cast=step: the linear layers' 16-bit copies persist
     grad_accum_steps: int = 1  # > 1: the later micro-batches' backward starts with every gradient held
+    reduce_scatter_every_micro_batch: bool = False  # fsdp: sharded gradients only, even while accumulating
 
 
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,

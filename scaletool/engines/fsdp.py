@@ -86,7 +86,10 @@ class FSDPEngine(SingleEngine):
 
     def grad_sync(self, enabled: bool):
         if not self.pure_tp:  # pure TP: no data-parallel ranks to reduce over
-            self.model.set_requires_gradient_sync(enabled)
+            # parallel.reduce_scatter_every=micro-batch: sync on every micro-batch, so FSDP2 reduce-scatters each
+            # one's gradients into the sharded .grad instead of holding them unsharded until the last
+            every = self.recipe.parallel.reduce_scatter_every == "micro-batch"
+            self.model.set_requires_gradient_sync(enabled or every)
         stack = ExitStack()
         if self.recipe.parallel.tensor_parallel > 1:
             stack.enter_context(loss_parallel())  # the cross-entropy over vocabulary-sharded logits, and its backward

@@ -209,7 +209,7 @@ ENGINES: dict[str, EngineKind] = {
         EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
                    "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
         EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
-                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload",),
+                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload", "reduce_scatter_every"),
                    layouts=("tensor_parallel", "expert_parallel"), float8=True),
         EngineKind("deepspeed", f"{_MEMORY}:zero_memory", f"{_COMM}:zero_communication",
                    "scaletool.engines.deepspeed:DeepSpeedEngine",

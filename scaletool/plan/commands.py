@@ -30,6 +30,8 @@ def layout_sets(base: Recipe, row: dict) -> dict[str, object]:
     sets["train.activation_checkpointing"] = row["activation_checkpointing"]
     if row["compiled"] != t.compile:
         sets["train.compile"] = row["compiled"]
+    if row.get("reduce_scatter_every", "step") != p.reduce_scatter_every:
+        sets["parallel.reduce_scatter_every"] = row.get("reduce_scatter_every", "step")
     if row.get("weight_cast", "micro-batch") != t.weight_cast:
         sets["train.weight_cast"] = row.get("weight_cast", "micro-batch")
     return sets

@@ -95,13 +95,14 @@ def sequences_per_rank(req: Request, seq_len: int, tp: int) -> int | None:
     return req.global_batch_tokens // per if req.global_batch_tokens % per == 0 else 0
 
 
-def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, ok: Callable[[int], bool]) -> list[Layout]:
+def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, every: Callable[[int], str | None]
+            ) -> list[Layout]:
     out = []
-    for mb in [m for m in micro_batches(largest, per_rank) if ok(m)][-PREDICTED_PER_FAMILY:]:
+    for mb in [m for m in micro_batches(largest, per_rank) if every(m)][-PREDICTED_PER_FAMILY:]:
         gas = per_rank // mb if per_rank else 1
         out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
-                          planned_weight_cast(recipe, fam.engine, gas)))
+                          planned_weight_cast(recipe, fam.engine, gas), every(mb)))
     return out
 
 
@@ -112,6 +113,7 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
                                         "compile": lay.compiled, "weight_cast": lay.weight_cast})
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
+        "reduce_scatter_every": lay.reduce_scatter_every,
         "expert_parallel": lay.expert_parallel, **({"zero_stage": lay.zero_stage} if lay.engine == "deepspeed" else {})})
     return recipe.model_copy(update={"train": t, "parallel": p})
 
@@ -134,8 +136,11 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             continue
         mem = memory[fam.variant]
 
-        def ok(mb, mem=mem, fam=fam, per_rank=per_rank):
-            return fits(mem.total(fam, mb, per_rank // mb if per_rank else 1), req.card_bytes)[0]
+        def every(mb, mem=mem, fam=fam, per_rank=per_rank):
+            return mem.reduce_scatter_every(fam, mb, per_rank // mb if per_rank else 1, req.card_bytes)
+
+        def ok(mb, every=every):
+            return every(mb) is not None
 
         largest = largest_fitting(ok, min(per_rank or req.max_micro_batch, req.max_micro_batch))
         # memory grows with the micro-batch except at the one that needs no accumulation, where the engine
@@ -148,7 +153,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             if shortfall is None or over < shortfall[0]:
                 shortfall = (over, fam, total)
             continue
-        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, ok)]
+        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every)]
     if not candidates:
         raise RecipeError(_nothing_fits(recipe, req, shortfall, batch_misses, len(fams)))
     ranked = []
@@ -166,7 +171,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
                  lay.activation_checkpointing, lay.compiled, lay.expert_parallel)
-    est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps)
+    est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps, lay.reduce_scatter_every)
     _, margin = fits(est["total_bytes"], req.card_bytes)
     cost = None
     if req.price_per_gpu_hour is not None and pred["tokens_per_s"]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, tensor_parallel_memory, training_memory
+from scaletool.analytic.step import fits
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.kinds.engines import engine_kind
@@ -36,6 +37,7 @@ class Layout:
     attention: str
     expert_parallel: bool = False
     weight_cast: str = "micro-batch"  # train.weight_cast (planned_weight_cast)
+    reduce_scatter_every: str = "step"  # parallel.reduce_scatter_every (fsdp: micro-batch where step does not fit)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ def planned_weight_cast(recipe: Recipe, engine: str, grad_accum_steps: int) -> s
         return "micro-batch"
     takes = engine_kind(engine).weight_cast_step and recipe.model.dtype != "fp32" and t.float8 == "none"
     return "step" if takes and grad_accum_steps > 1 else "micro-batch"
+
+
+def stated_reduce_scatter(recipe: Recipe) -> str | None:
+    """``parallel.reduce_scatter_every`` where the recipe states it (then every FSDP layout keeps it), else None:
+    the plan takes ``step`` where it fits and ``micro-batch`` where only that fits."""
+    p = recipe.parallel
+    return p.reduce_scatter_every if "reduce_scatter_every" in p.model_fields_set else None
 
 
 def engines_for(gpus: int) -> list[tuple[str, str, int]]:
@@ -100,24 +109,38 @@ class MemoryModel:
         self.base = engine_settings(recipe)
         self.estimate = cache(self._estimate)
 
-    def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1) -> dict:
+    def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> dict:
         r, t = self.recipe, self.recipe.train
         ac = fam.activation_checkpointing
         if fam.tensor_parallel > 1:
             tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac,
                                       "grad_accum_steps": grad_accum_steps})
-            return tensor_parallel_memory(r.model_copy(update={"train": tr}), self.gpus, fam.tensor_parallel)
+            pr = r.parallel.model_copy(update={"reduce_scatter_every": every})
+            return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
+                                          fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
         settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
                            expert_parallel=fam.expert_parallel, grad_accum_steps=grad_accum_steps,
-                           weight_cast_step=cast == "step")
+                           weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
         whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
         inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
         return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
 
-    def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1) -> int:
-        return self.estimate(fam, micro_batch, grad_accum_steps)["total_bytes"]
+    def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
+        return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]
+
+    def reduce_scatter_every(self, fam: Family, micro_batch: int, grad_accum_steps: int, card_bytes: int) -> str | None:
+        """The ``parallel.reduce_scatter_every`` a layout runs with, None where it fits with neither: the
+        recipe's where it states one, else ``step`` where that fits and ``micro-batch`` (an accumulating FSDP
+        layout) where only that does."""
+        stated = stated_reduce_scatter(self.recipe) if fam.engine == "fsdp" else None
+        options = [stated] if stated else ["step", "micro-batch"] if fam.engine == "fsdp" and grad_accum_steps > 1 \
+            else ["step"]
+        for every in options:
+            if fits(self.total(fam, micro_batch, grad_accum_steps, every), card_bytes)[0]:
+                return every
+        return None
 
 
 def largest_fitting(fits, upper: int) -> int:

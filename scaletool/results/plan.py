@@ -39,6 +39,9 @@ class PlannedLayout(_Part):
     global_batch_tokens: int
     activation_checkpointing: str
     compiled: bool
+    weight_cast: str = Field("micro-batch", description="train.weight_cast: step for a single layout that accumulates")
+    reduce_scatter_every: str = Field("step", description="parallel.reduce_scatter_every: micro-batch for an FSDP "
+                                      "layout that accumulates and fits only so")
     memory_bytes: int = Field(description="estimated peak per GPU (phase-resolved)")
     margin_bytes: int = Field(description="usable memory left at that peak (the allocator's share kept free)")
     memory_phase: str

@@ -156,7 +156,8 @@ def test_fp16_with_its_grad_scaler_and_checkpointed_blocks_give_the_same_numbers
 @pytest.mark.distributed
 def test_fsdp2_holds_unsharded_fp32_gradients_between_micro_batches_as_the_estimate_counts(tmp_path):
     """The FSDP estimate's premise with accumulation: with sync off (every micro-batch but the last), FSDP2 keeps
-    every parameter's gradient unsharded, in the fp32 reduce dtype, on each rank: 4 B per parameter, not 4/N."""
+    every parameter's gradient unsharded, in the fp32 reduce dtype, on each rank: 4 B per parameter, not 4/N.
+    ``parallel.reduce_scatter_every=micro-batch`` holds sharded gradients only, and the step's gradients agree."""
     import json
     import os
     import subprocess
@@ -164,24 +165,30 @@ def test_fsdp2_holds_unsharded_fp32_gradients_between_micro_batches_as_the_estim
     from pathlib import Path
 
     worker = str(Path(__file__).with_name("fsdp_accum_worker.py"))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        worker, TINY], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-3000:]
-    held = json.loads(p.stdout.strip().splitlines()[-1])
-    assert held["dtypes"] == ["torch.float32"] and held["sharded_grads"] == 0
-    assert held["elements"] == held["params"] and held["bytes"] == 4 * held["params"]
-    r = load_recipe(TINY, ["model.dtype=bf16", "parallel.engine=fsdp", "train.grad_accum_steps=2"])
-    one = load_recipe(TINY, ["model.dtype=bf16", "parallel.engine=fsdp"])
-    est, est_one = recipe_memory(r, 2), recipe_memory(one, 2)
-    assert est["phases"]["backward"]["gradients"] == held["bytes"]
-    assert est_one["phases"]["backward"]["gradients"] < held["bytes"] / 2
+    held = {}
+    for every in ("step", "micro-batch"):
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            worker, TINY, every], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, p.stderr[-3000:]
+        held[every] = json.loads(p.stdout.strip().splitlines()[-1])
+    step, every = held["step"], held["micro-batch"]
+    assert step["dtypes"] == ["torch.float32"] and step["sharded_grads_between"] == 0
+    assert step["elements"] == step["params"] and step["bytes"] == 4 * step["params"]
+    assert every["bytes"] == 0 and every["sharded_grads_between"] > 0
+    assert every["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)  # fp32 sums in another order
+    sets = ["model.dtype=bf16", "parallel.engine=fsdp", "train.grad_accum_steps=2"]
+    est = recipe_memory(load_recipe(TINY, sets), 2)
+    assert est["phases"]["backward"]["gradients"] == step["bytes"]
+    est_every = recipe_memory(load_recipe(TINY, [*sets, "parallel.reduce_scatter_every=micro-batch"]), 2)
+    assert est_every["phases"]["backward"]["gradients"] < step["bytes"] / 2
+    assert est_every == recipe_memory(load_recipe(TINY, sets[:2]), 2)  # as without accumulation
 
 
 def test_accumulation_under_tensor_parallelism_holds_the_local_unsharded_gradients_and_plan_sees_it():
     """FSDP2 × TP: the held gradients are this rank's tensor-parallel shard of every parameter, unsharded over the
-    data-parallel ranks. llama3-405b-dense on 1,024 GPUs at TP 8 would hold ~189 GiB between micro-batches, so the
-    plan for a 4M-token global batch keeps only the layouts that do not accumulate."""
+    data-parallel ranks. llama3-405b-dense on 1,024 GPUs at TP 8 would hold ~189 GiB between micro-batches, so in
+    the plan for a 4M-token global batch every layout that accumulates reduce-scatters after each micro-batch."""
     from scaletool.analytic import param_counts, tensor_parallel_config
     from scaletool.api import plan
 
@@ -193,4 +200,11 @@ def test_accumulation_under_tensor_parallelism_holds_the_local_unsharded_gradien
     assert two["phases"]["backward"]["gradients"] == 4 * local
     assert two["total_bytes"] - one["total_bytes"] > 150 * 2**30
     rows = plan("llama3-405b-dense", gpus=1024, global_batch_tokens=4_194_304, top=50).layouts
-    assert rows and all(row.grad_accum_steps == 1 for row in rows)
+    accumulating = [row for row in rows if row.grad_accum_steps > 1]
+    assert accumulating and len(accumulating) < len(rows)
+    for row in rows:
+        every = "micro-batch" if row.grad_accum_steps > 1 else "step"
+        assert row.reduce_scatter_every == every
+        assert ("parallel.reduce_scatter_every=micro-batch" in row.argv) == (every == "micro-batch")
+    every = [*base[:3], "train.grad_accum_steps=2", "parallel.reduce_scatter_every=micro-batch", base[3]]
+    assert recipe_memory(load_recipe("llama3-405b-dense", every), 1024) == one  # sharded gradients only
