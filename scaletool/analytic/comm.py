@@ -118,9 +118,10 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
       all-gathered for the forward, the blocks again for the backward when ``reshard_after_forward`` (the
       root is not resharded); per step one reduce-scatter of the gradients per block and root, in fp32
       (the reduce dtype), or per micro-batch with ``reduce_scatter_every="micro-batch"``. Without FSDP2's
-      padding of each tensor's first dimension to a multiple of ``ranks``. Expert parallelism (``inputs`` needed): the routed experts stay out of FSDP2, and each
-      MoE layer's dispatch buffer (n_routed_experts × capacity × d_model) goes by all-to-all twice in
-      the forward and twice in the backward.
+      padding of each tensor's first dimension to a multiple of ``ranks``. Expert parallelism (``inputs``
+      needed): the routed experts stay out of FSDP2, and each MoE layer's dispatch buffer
+      (n_routed_experts × capacity × d_model) goes by all-to-all twice in the forward and twice in the
+      backward.
     - ZeRO (Rajbhandari et al. 2020, §7): stage 0 all-reduces the 16-bit gradients once per step;
       stages 1 and 2 reduce-scatter them (stage 1 once per step, stage 2 every micro-batch: its gradients
       are partitioned as the backward produces them) and all-gather the updated 16-bit parameters after
