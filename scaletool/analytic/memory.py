@@ -22,7 +22,7 @@ from scaletool.analytic.timeline import (
 from scaletool.analytic.zero3 import PERSISTENCE_FLOOR, zero3_defaults, zero_options
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
-from scaletool.kinds.engines import ENGINES, engine_kind, engines_with
+from scaletool.kinds.engines import ENGINES, casts_once, engine_kind, engines_with
 
 
 def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs,
@@ -51,7 +51,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}")
     kind = engine_kind(engine)
-    cast_once = s.weight_cast_step and kind.weight_cast_step and cfg.dtype != "fp32"
+    cast_once = s.weight_cast_step and casts_once(engine, cfg.dtype, "none")  # FP8 is refused with it
     units, loss_temp = _units(cfg, inputs, autocast=kind.autocast, expert_parallel=s.expert_parallel,
                               cast_once=cast_once)
     out = kind.memory_form()(cfg, N, units, loss_temp, s)

@@ -24,6 +24,7 @@ from scaletool.analytic.params import attention_params, param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
 from scaletool.analytic.zero3 import leaf_blocks as zero3_leaf_blocks
 from scaletool.config import ModelConfig, Recipe
+from scaletool.kinds.engines import casts_once
 
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p, m, v) + clipping (norm, scale)
 ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the fp32 gradient
@@ -258,7 +259,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     B, T, gas, ac = t.micro_batch_size, recipe.seq_len, t.grad_accum_steps, t.activation_checkpointing
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
-    cast_once = cast_once_params(local) if t.weight_cast == "step" and engine == "single" and cfg.dtype != "fp32" else 0
+    cast_once = cast_once_params(local) if t.weight_cast == "step" and casts_once(engine, cfg.dtype, t.float8) else 0
     c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once)
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]

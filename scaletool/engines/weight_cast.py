@@ -50,8 +50,8 @@ class WeightCasts:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        for p, w in self.pairs:
-            w.copy_(p)
+        if self.pairs:
+            torch._foreach_copy_([w for _, w in self.pairs], [p for p, _ in self.pairs])  # cast as it copies
 
 
 def _accumulate(param: nn.Parameter):

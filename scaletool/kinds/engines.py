@@ -299,6 +299,12 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     return []
 
 
+def casts_once(engine: str, dtype: str, float8: str) -> bool:
+    """Whether ``train.weight_cast=step`` can apply: an engine that takes it, a 16-bit ``model.dtype`` (autocast)
+    and no ``train.float8`` (the rules :func:`weight_cast_problems` states, as one test for the estimates)."""
+    return engine_kind(engine).weight_cast_step and dtype != "fp32" and float8 == "none"
+
+
 def weight_cast_problems(recipe: Any) -> list[str]:
     """What ``train.weight_cast=step`` needs: an engine that takes it, autocast (a 16-bit model.dtype),
     and the linear layers as ``nn.Linear`` (not FP8's Float8Linear)."""

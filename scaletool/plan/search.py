@@ -98,11 +98,12 @@ def sequences_per_rank(req: Request, seq_len: int, tp: int) -> int | None:
 def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, every: Callable[[int], str | None]
             ) -> list[Layout]:
     out = []
-    for mb in [m for m in micro_batches(largest, per_rank) if every(m)][-PREDICTED_PER_FAMILY:]:
+    fitting = [(m, every(m)) for m in micro_batches(largest, per_rank)]
+    for mb, reduce in [(m, e) for m, e in fitting if e is not None][-PREDICTED_PER_FAMILY:]:
         gas = per_rank // mb if per_rank else 1
         out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
-                          planned_weight_cast(recipe, fam.engine, gas), every(mb)))
+                          planned_weight_cast(recipe, fam.engine, gas), reduce))
     return out
 
 

@@ -15,7 +15,7 @@ from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, tensor_par
 from scaletool.analytic.step import fits
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import casts_once, engine_kind
 
 CHECKPOINTING = ("none", "selective", "full")
 #: the largest micro-batch searched when no global batch bounds it
@@ -61,7 +61,7 @@ def planned_weight_cast(recipe: Recipe, engine: str, grad_accum_steps: int) -> s
     t = recipe.train
     if "weight_cast" in t.model_fields_set and t.weight_cast == "micro-batch":
         return "micro-batch"
-    takes = engine_kind(engine).weight_cast_step and recipe.model.dtype != "fp32" and t.float8 == "none"
+    takes = casts_once(engine, recipe.model.dtype, t.float8)
     return "step" if takes and grad_accum_steps > 1 else "micro-batch"
 
 
@@ -134,9 +134,14 @@ class MemoryModel:
         """The ``parallel.reduce_scatter_every`` a layout runs with, None where it fits with neither: the
         recipe's where it states one, else ``step`` where that fits and ``micro-batch`` (an accumulating FSDP
         layout) where only that does."""
-        stated = stated_reduce_scatter(self.recipe) if fam.engine == "fsdp" else None
-        options = [stated] if stated else ["step", "micro-batch"] if fam.engine == "fsdp" and grad_accum_steps > 1 \
-            else ["step"]
+        takes_key = "reduce_scatter_every" in engine_kind(fam.engine).keys
+        stated = stated_reduce_scatter(self.recipe) if takes_key else None
+        if stated:
+            options = [stated]
+        elif takes_key and grad_accum_steps > 1:
+            options = ["step", "micro-batch"]
+        else:
+            options = ["step"]
         for every in options:
             if fits(self.total(fam, micro_batch, grad_accum_steps, every), card_bytes)[0]:
                 return every
