@@ -208,3 +208,17 @@ def test_accumulation_under_tensor_parallelism_holds_the_local_unsharded_gradien
         assert ("parallel.reduce_scatter_every=micro-batch" in row.argv) == (every == "micro-batch")
     every = [*base[:3], "train.grad_accum_steps=2", "parallel.reduce_scatter_every=micro-batch", base[3]]
     assert recipe_memory(load_recipe("llama3-405b-dense", every), 1024) == one  # sharded gradients only
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["parallel.engine=ddp", "parallel.reduce_scatter_every=micro-batch"], "only used by engine=fsdp"),
+    (["parallel.reduce_scatter_every=sometimes"], "parallel.reduce_scatter_every"),
+    (["train.weight_cast=always"], "train.weight_cast"),
+])
+def test_bad_accumulation_keys_are_one_line_and_write_nothing(tmp_path, sets, says):
+    out = tmp_path / "run"
+    args = [a for s in sets for a in ("--set", s)]
+    r = run_cli("train", TINY, "--out", str(out), "--set", "model.dtype=bf16", *args)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and says in errors[0], r.stderr
+    assert not out.exists()
