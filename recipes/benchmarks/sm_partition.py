@@ -126,11 +126,13 @@ class Part:
         self.o_lat = torch.zeros(B, H, C, device=dev, dtype=torch.bfloat16)
         self.w = w
 
+    cfg = None  # the kernel's configuration in the pipeline (None: the tuned table's)
+
     def attention(self, cfg=None):
         from scaletool.kernels.mla_decode import latent_attention_triton
 
         self.o_lat = latent_attention_triton(self.q_lat, self.q_pe, self.c_kv, self.k_pe, SCALE, self.lengths,
-                                             config=cfg)
+                                             config=cfg or self.cfg)
 
     def gemms(self):
         """This part's layer after its attention and the next layer's work before it (the absorbed decode
@@ -223,7 +225,8 @@ def main(argv=None) -> int:
     tuned = choose_config(half, H, a.context, dev)
     configs = {"tuned": tuned, "bs32-w4-s3": KernelConfig(block_s=32, num_stages=3, n_splits=1, direct=True),
                "bs64-w8-s2": KernelConfig(block_s=64, num_warps=8, n_splits=1, direct=True),
-               "bs32-w8-s4": KernelConfig(block_s=32, num_warps=8, num_stages=4, n_splits=1, direct=True)}
+               "bs32-w8-s4": KernelConfig(block_s=32, num_warps=8, num_stages=4, n_splits=1, direct=True),
+               "tuned-2-splits": KernelConfig(block_s=64, num_stages=2, n_splits=2)}
     ordinary = torch.cuda.Stream()
     greens = {}
     for n in [int(x) for x in a.sms.split(",") if x]:
@@ -250,6 +253,14 @@ def main(argv=None) -> int:
         save()
 
     out["gemms"] = {"time_s": timed(parts[0].gemms, ordinary, a.reps, a.warmup)}
+    try:  # the same work replayed from a CUDA graph: the GPU's time without the host's launches
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            parts[0].gemms()
+        out["gemms"]["graph_time_s"] = timed(g.replay, ordinary, a.reps, a.warmup)
+        log(f"gemms, graphed: {out['gemms']['graph_time_s']['median'] * 1e3:.3f} ms")
+    except Exception as e:  # noqa: BLE001
+        out["errors"].append(f"gemms graph: {type(e).__name__}: {str(e)[:300]}")
     log(f"gemms: {out['gemms']['time_s']['median'] * 1e3:.3f} ms")
     save()
 
@@ -269,8 +280,17 @@ def main(argv=None) -> int:
     run("two ordinary streams", torch.cuda.Stream(), torch.cuda.Stream(), props.multi_processor_count)
     hi = torch.cuda.Stream(priority=-1)
     run("two ordinary streams, attention high priority", hi, torch.cuda.Stream(), props.multi_processor_count)
+    run("two ordinary streams, GEMMs high priority", torch.cuda.Stream(), hi, props.multi_processor_count)
     for n, (_, s) in greens.items():
         run(f"attention on a green context of {n} SMs", s, torch.cuda.Stream(), n)
+        run(f"attention on a green context of {n} SMs, GEMMs high priority", s, hi, n)
+    for p in parts:
+        p.cfg = configs["tuned-2-splits"]
+    run("two ordinary streams, GEMMs high priority, 2 splits", torch.cuda.Stream(), hi, props.multi_processor_count)
+    for n, (_, s) in greens.items():
+        run(f"attention on a green context of {n} SMs, GEMMs high priority, 2 splits", s, hi, n)
+    for p in parts:
+        p.cfg = None
     if greens:  # the schedule captured in one CUDA graph, as a decode step would replay it
         n, (_, s) = min(greens.items())
         try:
