@@ -155,10 +155,10 @@ def main(argv=None) -> int:
     w = {k: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for k, s in WEIGHTS.items()}
     x = {k: torch.randn(1, s[1], device="cuda", dtype=torch.bfloat16, generator=g) for k, s in WEIGHTS.items()}
     flush_src = torch.empty(96 * 2**20, device="cuda", dtype=torch.bfloat16)  # 192 MB, past any L2
-    flush_dst = torch.empty(1, device="cuda", dtype=torch.float32)
+    flush_dst = torch.empty((), device="cuda", dtype=torch.float32)
 
     def flush():
-        torch.sum(flush_src, dtype=torch.float32, out=flush_dst)
+        torch.sum(flush_src, 0, dtype=torch.float32, out=flush_dst)
 
     kinds = ["load", "bulk"]
     pre = {}
