@@ -55,18 +55,17 @@ def kernels():
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(x + offs, mask=offs < n, other=0.0, cache_modifier=".cg",
-                           eviction_policy="evict_last").to(tl.float32)
+            acc += tl.load(x + offs, mask=offs < n, other=0.0, eviction_policy="evict_last").to(tl.float32)
         tl.store(sink + tl.program_id(0), tl.sum(acc, 0))
 
     @triton.jit
-    def _prefetch_bulk(x, n_chunks, sink, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    def _prefetch_bulk(x, n_chunks, sink, CHUNK: tl.constexpr, LANES: tl.constexpr):  # CHUNK: 8192 bf16 = 16 KB
         done = tl.zeros([LANES], tl.int32)
         for start in range(tl.program_id(0) * LANES, n_chunks, tl.num_programs(0) * LANES):
             idx = start + tl.arange(0, LANES)
             ptrs = x + tl.where(idx < n_chunks, idx, 0).to(tl.int64) * CHUNK
             done += tl.inline_asm_elementwise(
-                "cp.async.bulk.prefetch.L2.global [$1], " + str(CHUNK * 2) + ";\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                "cp.async.bulk.prefetch.L2.global [$1], 16384;\n mov.u32 $0, 0;", "=r,l", [ptrs],
                 dtype=tl.int32, is_pure=False, pack=1)
         tl.store(sink + tl.program_id(0), tl.sum(done, 0).to(tl.float32))
 
