@@ -1,12 +1,14 @@
 """Attention of one new query per sequence over an MLA latent cache (the absorbed decode step).
 
 Each head scores ``(q_lat·c_kv + q_pe·k_pe) · scale`` over ``t < length[b]`` and returns the
-softmax-weighted sum of the latents (W_UV is applied by the caller). ``lengths`` lives on the device,
-so a CUDA graph can replay the step over a static ``max_len`` cache while the sequence grows.
+softmax-weighted sum of the latents, or, given ``w_uv`` (H, V, C), that sum mapped to each head's values
+(``y_lat · W_UVᵀ``). ``lengths`` lives on the device, so a CUDA graph can replay the step over a static
+``max_len`` cache while the sequence grows.
 
 ``kernel``: ``torch`` is the reference (two batched matmuls, fp32 softmax); ``triton`` a fused split-KV
 kernel (flash-decoding) that reads the cache once per step, all heads of a sequence sharing each tile,
-with a one-launch merge of the splits (:func:`merge_splits` is its reference). ``auto`` takes Triton on
+with a one-launch merge of the splits (:func:`merge_splits` is its reference); at a few sequences
+(:data:`MERGE_UP_MAX_ROWS`) with ``w_uv`` the merge applies W_UV itself, one launch for two. ``auto`` takes Triton on
 CUDA for 16-bit caches with power-of-two widths, else the reference. Configurations come from
 :func:`choose_config` per shape, not an autotuner, which would keep its first shape's choice or
 re-tune at every context (impossible under graph capture): the committed table of tuned
@@ -74,35 +76,43 @@ def triton_supports(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
     return None
 
 
+def up_project(y_lat: torch.Tensor, w_uv: torch.Tensor | None) -> torch.Tensor:
+    """y_lat (B, H, C) -> (B, H, V) through w_uv (H, V, C); y_lat itself without w_uv."""
+    return y_lat if w_uv is None else torch.einsum("bhc,hvc->bhv", y_lat, w_uv).contiguous()
+
+
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                     scale: float, kernel: str = "auto", lengths: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, kernel: str = "auto", lengths: torch.Tensor | None = None,
+                     w_uv: torch.Tensor | None = None) -> torch.Tensor:
     """Dispatch to the fused Triton kernel or the torch reference (see the module docstring)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     unsupported = kernel == "auto" and triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1])
     if kernel == "torch" or unsupported:
-        return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+        return up_project(latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths), w_uv)
     if torch.compiler.is_compiling():  # an opaque operator to the tracer: no graph break around the kernel
-        return torch.ops.scaletool.mla_decode(q_lat, q_pe, c_kv, k_pe, scale, lengths)
-    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
+        return torch.ops.scaletool.mla_decode(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv)
+    return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv=w_uv)
 
 
 def _mla_decode_op(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, scale: float,
-                   lengths: torch.Tensor | None) -> torch.Tensor:
+                   lengths: torch.Tensor | None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
     if triton_supports(c_kv.device, c_kv.dtype, c_kv.shape[-1], k_pe.shape[-1]) is None:
-        return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths)
-    return latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths)  # CPUs: the same contract
+        return latent_attention_triton(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv=w_uv)
+    return up_project(latent_attention_reference(q_lat, q_pe, c_kv, k_pe, scale, lengths), w_uv)  # CPUs
 
 
 # The schema is spelled out: annotations are strings under ``from __future__ import annotations``.
 mla_decode_op = torch.library.custom_op(
     "scaletool::mla_decode", _mla_decode_op, mutates_args=(),
-    schema="(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, float scale, Tensor? lengths) -> Tensor")
+    schema="(Tensor q_lat, Tensor q_pe, Tensor c_kv, Tensor k_pe, float scale, Tensor? lengths, "
+           "Tensor? w_uv=None) -> Tensor")
 
 
 @mla_decode_op.register_fake
-def _(q_lat, q_pe, c_kv, k_pe, scale, lengths):
-    return q_lat.new_empty(q_lat.shape)
+def _(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv=None):
+    B, H, C = q_lat.shape
+    return q_lat.new_empty((B, H, C if w_uv is None else w_uv.shape[1]))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -171,8 +181,10 @@ def _sm_count(device: torch.device) -> int:
 
 def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                             scale: float, lengths: torch.Tensor | None = None,
-                            config: KernelConfig | None = None) -> torch.Tensor:
-    """The fused split-KV kernel; same contract as :func:`latent_attention_reference`.
+                            config: KernelConfig | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused split-KV kernel; same contract as :func:`latent_attention_reference` (then
+    :func:`up_project` by ``w_uv``, in the merge's launch where the call is split and has at most
+    :data:`MERGE_UP_MAX_ROWS` sequences).
 
     With ``lengths`` the grid is sized for the full S (static under a CUDA graph) and programs
     whose split starts past a sequence's length read no cache. No host synchronisation.
@@ -200,7 +212,34 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out if direct else merge_splits_triton(o_part, lse_part, q_lat.dtype)
+    if direct:
+        return up_project(out, w_uv)
+    if w_uv is not None and B <= MERGE_UP_MAX_ROWS:
+        return merge_up_triton(o_part, lse_part, w_uv, q_lat.dtype)
+    return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
+
+
+#: the most sequences whose split merge also applies W_UV; each (sequence, head) program reads its head's
+#: W_UV slice, so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
+MERGE_UP_MAX_ROWS = 8
+_MERGE_UP_BLOCK_V = 32  # value columns per program: B·H·V/32 programs (64 at batch 1, 16 heads of 128)
+
+
+def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """:func:`up_project` of :func:`merge_splits` in one launch, written in ``dtype``: programs over
+    (B, H, V / 32), each merging its head's splits in fp32 and multiplying by 32 rows of W_UV[h]."""
+    B, n_splits, H, C = o_part.shape
+    V = w_uv.shape[1]
+    if w_uv.shape != (H, V, C) or w_uv.stride(-1) != 1:
+        raise ValueError(f"w_uv must be (H={H}, V, C={C}) with C contiguous, got {tuple(w_uv.shape)}")
+    out = torch.empty(B, H, V, device=o_part.device, dtype=dtype)
+    block_v = min(_MERGE_UP_BLOCK_V, triton.next_power_of_2(V))
+    _merge_up_kernel[(B, H, triton.cdiv(V, block_v))](
+        o_part, lse_part, w_uv, out, n_splits, V, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
+        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=8)
+    return out
 
 
 def merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -291,3 +330,29 @@ if triton is not None:
                         other=0.0)
             acc += tl.sum(o * w[:, None], 0)
         tl.store(out + b * s_yb + h * s_yh + offs_c, (acc / denom).to(out.dtype.element_ty))
+
+    @triton.jit
+    def _merge_up_kernel(o_part, lse_part, w_uv, out, n_splits, V, s_ob, s_os, s_oh, s_lb, s_ls, s_wh, s_wv, s_yb,
+                         s_yh, C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                         SPLIT_CHUNK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h, vb = tl.program_id(1), tl.program_id(2)
+        offs_c = tl.arange(0, C)
+        all_s = tl.arange(0, BLOCK_SPLITS)
+        lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=all_s < n_splits, other=float("-inf"))
+        m = tl.max(lse, 0)  # finite: split 0 holds position 0
+        denom = tl.sum(tl.exp2(lse - m), 0)
+        merged = tl.zeros([C], tl.float32)
+        for s0 in range(0, n_splits, SPLIT_CHUNK):
+            offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
+            ok = offs_s < n_splits
+            w = tl.exp2(tl.load(lse_part + b * s_lb + offs_s * s_ls + h, mask=ok, other=float("-inf")) - m)
+            o = tl.load(o_part + b * s_ob + offs_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=ok[:, None],
+                        other=0.0)
+            merged += tl.sum(o * w[:, None], 0)
+        merged = merged / denom
+        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        v_ok = offs_v < V
+        wt = tl.load(w_uv + h * s_wh + offs_v[:, None] * s_wv + offs_c[None, :], mask=v_ok[:, None], other=0.0)
+        y = tl.sum(wt.to(tl.float32) * merged[None, :], 1)  # (BLOCK_V,)
+        tl.store(out + b * s_yb + h * s_yh + offs_v, y.to(out.dtype.element_ty), mask=v_ok)

@@ -394,8 +394,8 @@ class MLA(nn.Module):
         w_uk, w_uv = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
             [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-        y_lat = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length)  # (B,H,c)
-        y = torch.einsum("bhc,hvc->bhv", y_lat, w_uv)
+        # (B,H,v): the latent-weighted sum through W_UV (at a few sequences in the kernel's merge launch)
+        y = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length, w_uv=w_uv)
         return self.wo(y.reshape(B, 1, -1))
 
     @torch.no_grad()

@@ -24,6 +24,24 @@ def test_reference_is_softmax_attention_with_the_latent_as_shared_key_and_value(
             torch.testing.assert_close(out[b, h], s.softmax(0) @ c_kv[b])
 
 
+def _w_uv(H, V, C, nope=8, dtype=torch.float32, device="cpu"):
+    """W_UV as the model hands it over: value rows of wkv_b's (H·(nope+V), C) weight, a strided view."""
+    g = torch.Generator(device=device).manual_seed(3)
+    wkv_b = torch.randn(H * (nope + V), C, generator=g, device=device).to(dtype)
+    return wkv_b.view(H, nope + V, C)[:, nope:]
+
+
+def test_w_uv_maps_each_heads_latent_sum_to_its_values():
+    q_lat, q_pe, c_kv, k_pe = _inputs(2, 4, 32, 16, 9, torch.float32)
+    w_uv = _w_uv(4, 12, 32)
+    out = kernels.latent_attention(q_lat, q_pe, c_kv, k_pe, 0.3, kernel="torch", w_uv=w_uv)
+    y_lat = kernels.latent_attention(q_lat, q_pe, c_kv, k_pe, 0.3, kernel="torch")
+    assert out.shape == (2, 4, 12)
+    for b in range(2):
+        for h in range(4):
+            torch.testing.assert_close(out[b, h], w_uv[h] @ y_lat[b, h])
+
+
 def test_auto_falls_back_to_the_reference_where_the_kernel_cannot_run():
     assert kernels.triton_supports(torch.device("cpu"), torch.bfloat16, 512, 64) is not None
     q_lat, q_pe, c_kv, k_pe = _inputs(1, 2, 32, 8, 5, torch.float32)
@@ -116,12 +134,44 @@ def test_direct_single_split_store_matches_the_reference(B, S):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,splits,V", [(1, 32, 128), (3, 37, 128), (8, 1, 128), (2, 5, 48)])
+def test_merge_with_w_uv_equals_the_merge_then_the_up_projection(B, splits, V):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    o_part = torch.randn(B, splits, 16, 512, generator=g, device="cuda")
+    lse = torch.randn(B, splits, 16, generator=g, device="cuda") * 4
+    lse[:, splits // 2 + 1:] = float("-inf")  # trailing splits past the sequence's length
+    w_uv = _w_uv(16, V, 512, nope=128, dtype=torch.bfloat16, device="cuda")
+    out = kernels.merge_up_triton(o_part, lse, w_uv, torch.bfloat16)
+    want = kernels.up_project(kernels.merge_splits(o_part, lse), w_uv.float())
+    torch.testing.assert_close(out.float(), want, atol=0.1, rtol=2e-2)  # bf16 output, values up to ~100
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,S,cfg", [(1, 4096, None), (1, 100, kernels.KernelConfig(n_splits=1, direct=True)),
+                                     (20, 2000, None), (4, 333, kernels.KernelConfig(n_splits=3))])
+def test_triton_kernel_with_w_uv_matches_the_reference(B, S, cfg):
+    """Split at a few sequences (the merge applies W_UV), one direct split, and past MERGE_UP_MAX_ROWS."""
+    q_lat, q_pe, c_kv, k_pe = _inputs(B, 16, 512, 64, S, torch.bfloat16, device="cuda", seed=2)
+    w_uv = _w_uv(16, 128, 512, nope=128, dtype=torch.bfloat16, device="cuda") * 0.05
+    lengths = torch.full((B,), S - 1, device="cuda", dtype=torch.int32)
+    got = kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg, w_uv=w_uv)
+    want = kernels.up_project(kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(),
+                                                                 k_pe.float(), 0.07, lengths), w_uv.float())
+    assert got.shape == (B, 16, 128) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
 def test_the_kernel_is_a_custom_operator_with_a_fake_implementation():
     """opcheck runs the registered operator (on a CPU: its reference body) through schema, fake-tensor
     and autograd-registration checks; a compiled call keeps it in one graph."""
     q_lat, q_pe, c_kv, k_pe = _inputs(2, 4, 32, 16, 9, torch.float32)
     for lengths in (torch.tensor(5), None):
         torch.library.opcheck(torch.ops.scaletool.mla_decode, (q_lat, q_pe, c_kv, k_pe, 0.3, lengths))
+    w_uv = _w_uv(4, 12, 32)
+    torch.library.opcheck(torch.ops.scaletool.mla_decode, (q_lat, q_pe, c_kv, k_pe, 0.3, torch.tensor(5), w_uv))
+    g = torch.compile(lambda *a: torch.ops.scaletool.mla_decode(*a), fullgraph=True, backend="aot_eager")
+    assert g(q_lat, q_pe, c_kv, k_pe, 0.3, None, w_uv).shape == (2, 4, 12)
     f = torch.compile(lambda *a: torch.ops.scaletool.mla_decode(*a), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q_lat, q_pe, c_kv, k_pe, 0.3, torch.tensor(5)),
                                kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.3, torch.tensor(5)))
