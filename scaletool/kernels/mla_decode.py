@@ -223,22 +223,24 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
 #: W_UV slice, so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
 MERGE_UP_MAX_ROWS = 8
 _MERGE_UP_BLOCK_V = 32  # value columns per program: B·H·V/32 programs (64 at batch 1, 16 heads of 128)
+_MERGE_UP_WARPS = 8
 
 
-def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
+def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype,
+                    block_v: int = _MERGE_UP_BLOCK_V, num_warps: int = _MERGE_UP_WARPS) -> torch.Tensor:
     """:func:`up_project` of :func:`merge_splits` in one launch, written in ``dtype``: programs over
-    (B, H, V / 32), each merging its head's splits in fp32 and multiplying by 32 rows of W_UV[h]."""
+    (B, H, V / block_v), each merging its head's splits in fp32 and multiplying by block_v rows of W_UV[h]
+    (``recipes/benchmarks/merge_up_tune.py`` times the choices)."""
     B, n_splits, H, C = o_part.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, C) or w_uv.stride(-1) != 1:
         raise ValueError(f"w_uv must be (H={H}, V, C={C}) with C contiguous, got {tuple(w_uv.shape)}")
     out = torch.empty(B, H, V, device=o_part.device, dtype=dtype)
-    block_v = min(_MERGE_UP_BLOCK_V, triton.next_power_of_2(V))
+    block_v = min(block_v, triton.next_power_of_2(V))
     _merge_up_kernel[(B, H, triton.cdiv(V, block_v))](
         o_part, lse_part, w_uv, out, n_splits, V, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=8)
+        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=num_warps)
     return out
 
 

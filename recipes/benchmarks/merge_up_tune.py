@@ -1,0 +1,89 @@
+"""Time the MLA split merge that applies W_UV (``merge_up_triton``) per launch shape, beside the merge and einsum.
+
+Usage (GPU machine, repo root; under a minute on one H100):
+    python recipes/benchmarks/merge_up_tune.py --out merge_up.json
+
+mla-1b's heads (16, kv_lora_rank 512, 128 values per head) at batch 1 with the split counts the tuned
+latent kernel uses there (32 at 4K, 64 at 8K-32K). Each candidate (values per program, warps) runs 16 times
+in one CUDA graph (a step's 16 layers, each with its own W_UV so none is served from L2 by the one
+before); the reference is ``merge_splits_triton`` followed by the einsum, the two launches it replaces.
+Median, p10, p90 over ``--reps`` replays (3 warm-up replays excluded), microseconds per layer.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+H, C, V, NOPE, LAYERS = 16, 512, 128, 128, 16
+
+
+def spread(xs: list[float]) -> dict:
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=10)
+    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1], "n": len(s)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args(argv)
+
+    import torch
+    import triton
+
+    from scaletool.kernels import mla_decode as k
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w_uvs = [torch.randn(H * (NOPE + V), C, device="cuda", dtype=torch.bfloat16, generator=g).view(H, NOPE + V, C)[:, NOPE:]
+             for _ in range(LAYERS)]
+
+    def timed(fn) -> dict:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for i in range(3 + a.reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            graph.replay()
+            e1.record()
+            e1.synchronize()
+            if i >= 3:
+                times.append(e0.elapsed_time(e1) / 1e3 / LAYERS)
+        return spread(times)
+
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python recipes/benchmarks/merge_up_tune.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "card": torch.cuda.get_device_name(),
+           "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
+           "shape": {"batch": 1, "heads": H, "kv_lora_rank": C, "v_head_dim": V, "layers": LAYERS}, "points": []}
+    for splits in (32, 64):
+        o_part = torch.randn(1, splits, H, C, device="cuda", generator=g)
+        lse = torch.randn(1, splits, H, device="cuda", generator=g)
+        ref = timed(lambda o=o_part, s=lse: [k.up_project(k.merge_splits_triton(o, s, torch.bfloat16), w) for w in w_uvs])
+        out["points"].append({"splits": splits, "kernel": "merge + einsum", "time_s": ref})
+        print(f"{splits:3d} splits  merge + einsum       {ref['median'] * 1e6:6.2f} us", flush=True)
+        for block_v in (16, 32, 64, 128):
+            for warps in (4, 8):
+                t = timed(lambda o=o_part, s=lse, bv=block_v, nw=warps: [k.merge_up_triton(o, s, w, torch.bfloat16, bv, nw)
+                                                                     for w in w_uvs])
+                out["points"].append({"splits": splits, "kernel": "merge_up", "block_v": block_v, "num_warps": warps,
+                                      "time_s": t})
+                print(f"{splits:3d} splits  block_v {block_v:3d} warps {warps}  {t['median'] * 1e6:6.2f} us "
+                      f"({t['p10'] * 1e6:.2f}-{t['p90'] * 1e6:.2f})", flush=True)
+    a.out.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
