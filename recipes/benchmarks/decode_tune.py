@@ -16,7 +16,9 @@ over CUDA-graph replays of one call (L2 cleared before each run; median, p10, p9
 the cache, the queries, the output and the split partials (written and read back by the merge).
 The HBM fraction is against a device-to-device copy measured in the same run. ``--write-table``
 merges the best configuration per point into ``scaletool/kernels/mla_decode_tuned.json``, which
-``choose_config`` reads (nearest context, then nearest batch, for this card's name).
+``choose_config`` reads (nearest context, then nearest batch, for this card's name); a sweep of some points
+replaces those points' entries and keeps the others. At up to ``MERGE_UP_MAX_ROWS`` sequences each call takes
+mla-1b's W_UV, as the decode step's does, so the split merge's up-projection is timed with it.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from scaletool.kernels import mla_tuning  # noqa: E402  (no torch: --dry-run and --from run anywhere)
 
-H, C, R, LAYERS = 16, 512, 64, 16  # mla-1b
+H, C, R, V, LAYERS = 16, 512, 64, 128, 16  # mla-1b
 SCALE = 1 / (128 + 64) ** 0.5
 CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 BATCHES = ("1", "8", "32", "128", "512", "fit")
@@ -138,10 +140,12 @@ def run_point(p: dict, card: dict, deadline: float) -> dict:
     mk = lambda *shape: torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     q, qp, ckv, kpe = mk(B, H, C), mk(B, H, R), mk(B, S, C), mk(B, S, R)
     length = torch.tensor([S], device="cuda")
-    call = lambda cfg: K.latent_attention_triton(q, qp, ckv, kpe, SCALE, length, config=cfg)  # noqa: E731
+    # at a few sequences the decode step's call takes W_UV (its merge applies it): timed as it runs there
+    w_uv = mk(H, V, C) * 0.05 if B <= K.MERGE_UP_MAX_ROWS else None
+    call = lambda cfg: K.latent_attention_triton(q, qp, ckv, kpe, SCALE, length, config=cfg, w_uv=w_uv)  # noqa: E731
     want = call(K.KernelConfig())
     k = min(B, 4)
-    ref = K.latent_attention_reference(q[:k], qp[:k], ckv[:k], kpe[:k], SCALE)
+    ref = K.up_project(K.latent_attention_reference(q[:k], qp[:k], ckv[:k], kpe[:k], SCALE), w_uv)
     default_err = ((want[:k].float() - ref.float()).norm() / ref.float().norm()).item()
     bw = card["copy_bandwidth_bytes_per_s"]
     rows = []
@@ -157,7 +161,7 @@ def run_point(p: dict, card: dict, deadline: float) -> dict:
                 row["error"] = f"output differs from the default's by {err:.3g}"
                 rows.append(row)
                 return None
-            nbytes = call_bytes(B, S, n, cfg.direct)
+            nbytes = call_bytes(B, S, n, cfg.direct) + (0 if w_uv is None else H * V * C * 2)
             row["time_s"] = t = time_call(lambda: call(cfg), nbytes / bw)
             row.update(bytes=nbytes, bandwidth_bytes_per_s=nbytes / t["median"],
                        hbm_fraction_of_copy=nbytes / t["median"] / bw)
@@ -268,7 +272,8 @@ def main(argv=None) -> int:
                                                                        "dtype": "bfloat16", "layers_for_fit": LAYERS},
            "timing": "triton.testing.do_bench over CUDA-graph replays of one call, L2 cleared before each run; "
                      "median p10 p90 n of the runs (do_bench's warm-up excluded)",
-           "bytes": "cache + queries + output + fp32 split partials and log-sum-exps, written and read back",
+           "bytes": "cache + queries + output + fp32 split partials and log-sum-exps, written and read back "
+                    "(+ W_UV at batches up to MERGE_UP_MAX_ROWS)",
            "points": points, "wall_s": time.time() - t0}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(summary(points))

@@ -61,7 +61,7 @@ def table_from_sweep(sweep: dict) -> dict:
     shape = sweep["shape"]
     entries = [{"context": p["context"], "batch": p["batch"], "config": p["best"]["config"],
                 "hbm_fraction_of_copy": p["best"].get("hbm_fraction_of_copy"),
-                "median_s": p["best"]["time_s"]["median"]}
+                "median_s": p["best"]["time_s"]["median"], "swept": sweep.get("date")}
                for p in sweep["points"] if p.get("best")]
     return {"version": TABLE_VERSION,
             "source": f"recipes/benchmarks/decode_tune.py --write-table, from a sweep of {sweep.get('date', '?')}",
@@ -71,9 +71,18 @@ def table_from_sweep(sweep: dict) -> dict:
 
 
 def merge_tables(old: dict | None, new: dict) -> dict:
-    """``new``'s shape groups replace those of ``old`` with the same card and shape; the others stay."""
+    """``new``'s entries replace those of ``old`` at the same card, shape, context and batch; the other
+    entries and shape groups stay (a sweep of some points keeps the rest). A group's ``versions`` are the
+    newest sweep's; each entry says when it was swept."""
     key = lambda t: tuple(t.get(k) for k in ("card", "heads", "kv_lora_rank", "rope", "dtype"))  # noqa: E731
-    fresh = {key(t) for t in new["tables"]}
-    kept = [t for t in (old or {}).get("tables", []) if isinstance(t, dict) and key(t) not in fresh] \
-        if (old or {}).get("version") == TABLE_VERSION else []
-    return {**new, "tables": kept + new["tables"]}
+    point = lambda e: (e.get("context"), e.get("batch"))  # noqa: E731
+    groups = {key(t): t for t in (old or {}).get("tables", []) if isinstance(t, dict)} \
+        if (old or {}).get("version") == TABLE_VERSION else {}
+    for t in new["tables"]:
+        prev = groups.get(key(t))
+        if prev is not None and isinstance(prev.get("entries"), list):
+            fresh = {point(e) for e in t["entries"]}
+            kept = [e for e in prev["entries"] if isinstance(e, dict) and point(e) not in fresh]
+            t = {**t, "entries": sorted(kept + t["entries"], key=lambda e: (e["context"], e["batch"]))}
+        groups[key(t)] = t
+    return {**new, "tables": list(groups.values())}

@@ -60,15 +60,19 @@ def test_a_missing_or_damaged_table_is_no_table(tmp_path, text):
     mla_tuning.load.cache_clear()
 
 
-def test_merging_replaces_only_the_same_card_and_shape():
-    h100 = mla_tuning.table_from_sweep(_sweep([(4096, 1, 16, 4)]))
+def test_merging_replaces_only_the_same_card_shape_and_point():
+    h100 = mla_tuning.table_from_sweep(_sweep([(4096, 1, 16, 4), (4096, 8, 8, 4)]))
     h200 = json.loads(json.dumps(h100))
     h200["tables"][0]["card"] = "NVIDIA H200"
     merged = mla_tuning.merge_tables(mla_tuning.merge_tables(None, h100), h200)
-    again = mla_tuning.merge_tables(merged, mla_tuning.table_from_sweep(_sweep([(8192, 2, 8, 8)])))
+    # a sweep of some points: (4096, 1) re-tuned, (8192, 2) new, (4096, 8) kept from before; the H200's untouched
+    again = mla_tuning.merge_tables(merged, mla_tuning.table_from_sweep(_sweep([(8192, 2, 8, 8), (4096, 1, 32, 8)])))
     assert sorted(t["card"] for t in again["tables"]) == ["NVIDIA H100 80GB HBM3", "NVIDIA H200"]
     h100_entries = next(t for t in again["tables"] if t["card"] == CARD)["entries"]
-    assert [(e["context"], e["batch"]) for e in h100_entries] == [(8192, 2)]
+    assert [(e["context"], e["batch"], e["config"]["n_splits"]) for e in h100_entries] == \
+        [(4096, 1, 32), (4096, 8, 8), (8192, 2, 8)]
+    h200_entries = next(t for t in again["tables"] if t["card"] == "NVIDIA H200")["entries"]
+    assert [(e["context"], e["batch"], e["config"]["n_splits"]) for e in h200_entries] == [(4096, 1, 16), (4096, 8, 8)]
 
 
 def test_choose_config_off_cuda_is_the_heuristic():
