@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from scaletool.decode.bounds import copy_bandwidth
     from scaletool.kernels import gemv
+    from scaletool.measure.timing import graph_replay_seconds
     from scaletool.stats import spread
 
     if not torch.cuda.is_available() or gemv.triton is None:
@@ -68,15 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.cuda.graph(graph):
                     for i in range(args.calls):
                         fn(x, copies[i % len(copies)])
-                times = []
-                for i in range(2 + args.iters):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    graph.replay()
-                    b.record()
-                    b.synchronize()
-                    if i >= 2:
-                        times.append(a.elapsed_time(b) / 1e3 / args.calls)
+                times = graph_replay_seconds(graph, args.iters, warmup=2, per=args.calls)
                 del graph
                 s = spread(times)
                 row[kernel] = {"us": {"median": 1e6 * s.median, "p10": 1e6 * s.p10, "p90": 1e6 * s.p90, "n": s.n},

@@ -41,9 +41,9 @@ def log(msg: str) -> None:
 
 
 def spread(xs: list[float]) -> dict:
-    s = sorted(xs)
-    q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
-    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1], "n": len(s)}
+    from scaletool.stats import spread as _spread
+
+    return _spread(xs).model_dump()
 
 
 def kernels():
@@ -104,19 +104,10 @@ def graph_of(fn, reps: int = 1):
     return g
 
 
-def replay_times(g, n: int, warmup: int = 3) -> list[float]:
-    import torch
+def replay_times(g, n: int) -> list[float]:
+    from scaletool.measure.timing import graph_replay_seconds
 
-    out = []
-    for i in range(warmup + n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        if i >= warmup:
-            out.append(a.elapsed_time(b) / 1e3)
-    return out
+    return graph_replay_seconds(g, n)
 
 
 def diff(with_fn, without_fn, reps: int, per: int) -> dict:

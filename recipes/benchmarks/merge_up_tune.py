@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 H, C, V, NOPE, LAYERS = 16, 512, 128, 128, 16
-
-
-def spread(xs: list[float]) -> dict:
-    s = sorted(xs)
-    q = statistics.quantiles(s, n=10)
-    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1], "n": len(s)}
 
 
 def main(argv=None) -> int:
@@ -40,6 +33,8 @@ def main(argv=None) -> int:
     import triton
 
     from scaletool.kernels import mla_decode as k
+    from scaletool.measure.timing import graph_replay_seconds
+    from scaletool.stats import spread
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w_uvs = [torch.randn(H * (NOPE + V), C, device="cuda", dtype=torch.bfloat16, generator=g).view(H, NOPE + V, C)[:, NOPE:]
@@ -51,16 +46,7 @@ def main(argv=None) -> int:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        times = []
-        for i in range(3 + a.reps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            graph.replay()
-            e1.record()
-            e1.synchronize()
-            if i >= 3:
-                times.append(e0.elapsed_time(e1) / 1e3 / LAYERS)
-        return spread(times)
+        return spread(graph_replay_seconds(graph, a.reps, per=LAYERS)).model_dump()
 
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": "python recipes/benchmarks/merge_up_tune.py " + " ".join(sys.argv[1:] if argv is None else argv),

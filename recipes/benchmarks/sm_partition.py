@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,9 +43,9 @@ def log(msg: str) -> None:
 
 
 def spread(xs: list[float]) -> dict:
-    s = sorted(xs)
-    q = statistics.quantiles(s, n=10) if len(s) >= 2 else [s[0]] * 9
-    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1], "n": len(s)}
+    from scaletool.stats import spread as _spread
+
+    return _spread(xs).model_dump()
 
 
 def green_stream(n_sms: int):

@@ -314,11 +314,10 @@ if triton is not None:
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
 
     @triton.jit
-    def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,
-                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        h, cb = tl.program_id(1), tl.program_id(2)
-        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, BLOCK_C: tl.constexpr,
+                BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        """Head ``h`` of sequence ``b``: its splits' partial outputs at channels ``offs_c`` (BLOCK_C of them)
+        weighted by their log2-sum-exps, in fp32 (:func:`merge_splits` is the reference)."""
         all_s = tl.arange(0, BLOCK_SPLITS)
         lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=all_s < n_splits, other=float("-inf"))
         m = tl.max(lse, 0)  # finite: split 0 holds position 0
@@ -331,7 +330,17 @@ if triton is not None:
             o = tl.load(o_part + b * s_ob + offs_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=ok[:, None],
                         other=0.0)
             acc += tl.sum(o * w[:, None], 0)
-        tl.store(out + b * s_yb + h * s_yh + offs_c, (acc / denom).to(out.dtype.element_ty))
+        return acc / denom
+
+    @triton.jit
+    def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,
+                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        h, cb = tl.program_id(1), tl.program_id(2)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        merged = _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls,
+                         BLOCK_C, BLOCK_SPLITS, SPLIT_CHUNK)
+        tl.store(out + b * s_yb + h * s_yh + offs_c, merged.to(out.dtype.element_ty))
 
     @triton.jit
     def _merge_up_kernel(o_part, lse_part, w_uv, out, n_splits, V, s_ob, s_os, s_oh, s_lb, s_ls, s_wh, s_wv, s_yb,
@@ -340,19 +349,8 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64)
         h, vb = tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
-        all_s = tl.arange(0, BLOCK_SPLITS)
-        lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=all_s < n_splits, other=float("-inf"))
-        m = tl.max(lse, 0)  # finite: split 0 holds position 0
-        denom = tl.sum(tl.exp2(lse - m), 0)
-        merged = tl.zeros([C], tl.float32)
-        for s0 in range(0, n_splits, SPLIT_CHUNK):
-            offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
-            ok = offs_s < n_splits
-            w = tl.exp2(tl.load(lse_part + b * s_lb + offs_s * s_ls + h, mask=ok, other=float("-inf")) - m)
-            o = tl.load(o_part + b * s_ob + offs_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=ok[:, None],
-                        other=0.0)
-            merged += tl.sum(o * w[:, None], 0)
-        merged = merged / denom
+        merged = _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls,
+                         C, BLOCK_SPLITS, SPLIT_CHUNK)
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < V
         wt = tl.load(w_uv + h * s_wh + offs_v[:, None] * s_wv + offs_c[None, :], mask=v_ok[:, None], other=0.0)

@@ -87,3 +87,19 @@ class StepTimer:
     def seconds(self) -> list[float]:
         """Every step timed so far (see :meth:`fetch`)."""
         return self.fetch()
+
+
+def graph_replay_seconds(graph, runs: int, warmup: int = 3, per: int = 1) -> list[float]:
+    """Seconds of each of ``runs`` replays of a captured CUDA graph, after ``warmup`` untimed ones, divided by
+    ``per`` (the calls captured in it): one event pair around each replay, read once it has ended (what the
+    benchmark scripts time kernels of a few microseconds with, without the host's launches)."""
+    out = []
+    for i in range(warmup + runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            out.append(a.elapsed_time(b) / 1e3 / per)
+    return out
