@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletool.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -60,7 +62,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 - Triton's launch-grid idiom
     _gemv_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-                       BLOCK_M=max(1, triton.next_power_of_2(M)))
+                       BLOCK_M=max(1, triton.next_power_of_2(M)), **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -116,7 +118,10 @@ if triton is not None:
     @triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
     @triton.jit
     def _gemv_kernel(x, w, y, M, N, K, s_xm, s_wn, s_ym,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # programmatic dependent launch (scaletool.kernels.pdl): the input is the kernel before's
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)

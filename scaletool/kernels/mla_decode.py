@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scaletool.kernels import mla_tuning
+from scaletool.kernels import mla_tuning, pdl
 
 try:
     import triton
@@ -211,7 +211,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
     if direct:
         return up_project(out, w_uv)
     if w_uv is not None and B <= MERGE_UP_MAX_ROWS:
@@ -240,7 +240,8 @@ def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Te
     _merge_up_kernel[(B, H, triton.cdiv(V, block_v))](
         o_part, lse_part, w_uv, out, n_splits, V, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=num_warps)
+        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=num_warps,
+        **pdl.launch(o_part.device))
     return out
 
 
@@ -252,7 +253,8 @@ def merge_splits_triton(o_part: torch.Tensor, lse_part: torch.Tensor, dtype: tor
     _merge_kernel[(B, H, C // block_c)](
         o_part, lse_part, out, n_splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        BLOCK_C=block_c, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=4)
+        BLOCK_C=block_c, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=4,
+        **pdl.launch(o_part.device))
     return out
 
 
@@ -272,7 +274,8 @@ if triton is not None:
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr):
+                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr):
+        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -314,6 +317,14 @@ if triton is not None:
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
 
     @triton.jit
+    def _pdl_start(USE_PDL: tl.constexpr):
+        """Under programmatic dependent launch (:mod:`.pdl`): wait for the kernel before this one, then let the
+        one after be scheduled (it waits for this one in turn)."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, BLOCK_C: tl.constexpr,
                 BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
         """Head ``h`` of sequence ``b``: its splits' partial outputs at channels ``offs_c`` (BLOCK_C of them)
@@ -334,7 +345,9 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(o_part, lse_part, out, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, s_yb, s_yh,
-                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                      BLOCK_C: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h, cb = tl.program_id(1), tl.program_id(2)
         offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -345,7 +358,8 @@ if triton is not None:
     @triton.jit
     def _merge_up_kernel(o_part, lse_part, w_uv, out, n_splits, V, s_ob, s_os, s_oh, s_lb, s_ls, s_wh, s_wv, s_yb,
                          s_yh, C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                         SPLIT_CHUNK: tl.constexpr):
+                         SPLIT_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h, vb = tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)

@@ -1,0 +1,41 @@
+"""Programmatic dependent launch (PDL) for scaletool's Triton kernels, off unless enabled.
+
+On Hopper and newer a kernel launched with PDL may be scheduled while the kernel before it on the stream
+is still running; it executes ``griddepcontrol.wait`` before touching anything that kernel wrote, and
+signals (``griddepcontrol.launch_dependents``) that the kernel after it may be scheduled in turn. What it
+can save is the launch and ramp-up between two short kernels: a batch-1 decode step runs about 240 of
+them. :func:`enable` turns it on for the kernels of :mod:`scaletool.kernels` (the latent attention, its
+merges, the GEMV); :func:`launch` gives a launch its ``USE_PDL`` and ``launch_pdl`` arguments.
+A CUDA graph keeps the launches' attribute when it captures them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_enabled = False
+
+
+def enable(flag: bool) -> bool:
+    """Turn PDL on or off for the kernels launched from now on; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    return previous
+
+
+def supported(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and _capability(device.index or 0) >= (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def launch(device: torch.device) -> dict:
+    """The keyword arguments a kernel launch on ``device`` takes: PDL on where enabled and supported."""
+    on = _enabled and supported(device)
+    return {"USE_PDL": on, "launch_pdl": on}
