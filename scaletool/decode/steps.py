@@ -16,7 +16,8 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   graphs that mutate non-static inputs (token and position). The MLA kernel is the custom operator
   ``scaletool::mla_decode`` there; ``tuning=True`` adds Inductor's coordinate-descent tuning.
 - ``gemv=True``: bias-free linear layers through :mod:`scaletool.kernels.gemv` at up to 8 rows;
-  ``split=N``: the batch as N parts on N CUDA streams in the one captured step (not compiled).
+  ``split=N``: the batch as N parts on N CUDA streams in the one captured step (not compiled); ``pdl=True``:
+  its Triton kernels under programmatic dependent launch (:mod:`scaletool.kernels.pdl`; Hopper and newer).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from scaletool.kernels import gemv as gemv_kernel
+from scaletool.kernels import pdl as pdl_kernels
 from scaletool.model.attention import DecodeMode
 from scaletool.model.cache import cache_rows
 from scaletool.model.transformer import Transformer
@@ -35,7 +37,8 @@ from scaletool.model.transformer import Transformer
 class EagerSteps:
     """Greedy steps with an int position over the cache prefix (the reference path)."""
 
-    cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears, split = False, False, None, None, None, 0, 1
+    cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears, split, pdl = (False, False, None, None, None, 0,
+                                                                                       1, False)
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -66,8 +69,9 @@ class GraphSteps:
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                  *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False,
-                 gemv: bool = False, split: int = 1):
+                 gemv: bool = False, split: int = 1, pdl: bool = False):
         self.model, self.caches, self.mode = model, caches, mode
+        self.pdl = bool(pdl) and pdl_kernels.supported(token.device)  # programmatic dependent launch
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
         self.pos = torch.tensor(pos, dtype=torch.long, device=token.device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -106,7 +110,8 @@ class GraphSteps:
         t0 = time.perf_counter()
         import torch._inductor.config as inductor_config
 
-        with inductor_config.patch(coordinate_descent_tuning=bool(self.tuning)):  # the first call compiles
+        with inductor_config.patch({"coordinate_descent_tuning": bool(self.tuning),  # the first call compiles
+                                    "triton.enable_pdl": self.pdl}), pdl_kernels.enabled(self.pdl):
             self._run()
         if self.token.is_cuda:
             torch.cuda.synchronize(self.token.device)
@@ -151,13 +156,13 @@ class GraphSteps:
         mark = self.mark()
         side = torch.cuda.Stream(self.token.device)
         side.wait_stream(torch.cuda.current_stream(self.token.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), pdl_kernels.enabled(self.pdl):
             for _ in range(2):
                 self._run()
         torch.cuda.current_stream(self.token.device).wait_stream(side)
         self.rewind(mark)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph), pdl_kernels.enabled(self.pdl):  # the graph keeps each launch's attribute
             self._run()
         self.graph = graph
 
@@ -165,7 +170,8 @@ class GraphSteps:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self._run()
+            with pdl_kernels.enabled(self.pdl):
+                self._run()
 
 
 def gemv_usable(model: nn.Module) -> bool:
@@ -178,10 +184,10 @@ def gemv_usable(model: nn.Module) -> bool:
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                cuda_graph: bool, compile: bool = False, backend: str = "inductor",
-               tuning: bool = False, gemv: bool = False, split: int = 1) -> EagerSteps | GraphSteps:
+               tuning: bool = False, gemv: bool = False, split: int = 1, pdl: bool = False) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
     if cuda_graph or compile or split > 1:
         return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend,
-                          tuning=tuning, gemv=gemv, split=split)
+                          tuning=tuning, gemv=gemv, split=split, pdl=pdl)
     return EagerSteps(model, caches, mode, token, pos)

@@ -12,6 +12,10 @@ autotuned per (M, N, K) the first time a shape runs (before any CUDA-graph captu
 this kernel where the input has at most :data:`MAX_ROWS` rows (decode steps) and ``F.linear`` above
 (prefill). The kernel is the custom operator ``torch.ops.scaletool.gemv`` (with a fake implementation
 for shapes), so a compiled decode step keeps it inside one graph.
+
+At one row, each program loads its ``BLOCK_N`` whole rows of W into registers first and only then reads x:
+under programmatic dependent launch (:mod:`.pdl`) the program is scheduled while the kernel before it (which
+writes x) still runs, so the weights stream during that kernel's tail instead of after it.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ except ImportError:  # CPU installs: F.linear serves
 
 #: the most rows (batch × new tokens) the kernel takes; above, F.linear (cuBLAS) is the better GEMM
 MAX_ROWS = 8
+#: the longest rows of W the one-row kernel holds whole in registers (padded to a power of two)
+ROW_MAX_K = 8192
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -61,8 +67,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 - Triton's launch-grid idiom
-    _gemv_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-                       BLOCK_M=max(1, triton.next_power_of_2(M)), **pdl.launch(x.device))
+    if M == 1 and K <= ROW_MAX_K:  # whole rows of W in registers, loaded before waiting on x (module docstring)
+        _gemv_row_kernel[grid](x2, weight, y, N, K, weight.stride(0), K_P2=triton.next_power_of_2(K),
+                               **pdl.launch(x.device))
+    else:
+        _gemv_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+                           BLOCK_M=max(1, triton.next_power_of_2(M)), **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -133,3 +143,20 @@ if triton is not None:
             acc += tl.sum(xt[:, None, :].to(tl.float32) * wt[None, :, :].to(tl.float32), axis=2)
         out = y + rm[:, None] * s_ym + rn[None, :]
         tl.store(out, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _ROW_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8),
+                                                                               (8, 8))]
+
+    @triton.autotune(configs=_ROW_CONFIGS, key=["N", "K"])
+    @triton.jit
+    def _gemv_row_kernel(x, w, y, N, K, s_wn, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        """One row of x: BLOCK_N whole rows of W per program, loaded before the wait for x."""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, K_P2)
+        wt = tl.load(w + rn[:, None] * s_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        if USE_PDL:  # the weights are no kernel's output: only x waits for the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        xt = tl.load(x + rk, mask=rk < K, other=0.0)
+        acc = tl.sum(wt.to(tl.float32) * xt[None, :].to(tl.float32), axis=1)
+        tl.store(y + rn, acc.to(y.dtype.element_ty), mask=rn < N)

@@ -4,13 +4,16 @@ On Hopper and newer a kernel launched with PDL may be scheduled while the kernel
 is still running; it executes ``griddepcontrol.wait`` before touching anything that kernel wrote, and
 signals (``griddepcontrol.launch_dependents``) that the kernel after it may be scheduled in turn. What it
 can save is the launch and ramp-up between two short kernels: a batch-1 decode step runs about 240 of
-them. :func:`enable` turns it on for the kernels of :mod:`scaletool.kernels` (the latent attention, its
-merges, the GEMV); :func:`launch` gives a launch its ``USE_PDL`` and ``launch_pdl`` arguments.
-A CUDA graph keeps the launches' attribute when it captures them.
+them. :func:`enable` (or the :func:`enabled` block) turns it on for the kernels of :mod:`scaletool.kernels`
+(the latent attention, its merges, the GEMV); :func:`launch` gives a launch its ``USE_PDL`` and
+``launch_pdl`` arguments. A CUDA graph keeps the launches' attribute when it captures them.
+``scaletool decode --pdl`` turns it on for the step, Inductor's kernels included
+(``torch._inductor.config.triton.enable_pdl`` while the step compiles).
 """
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 
 import torch
 
@@ -22,6 +25,16 @@ def enable(flag: bool) -> bool:
     global _enabled
     previous, _enabled = _enabled, bool(flag)
     return previous
+
+
+@contextmanager
+def enabled(flag: bool):
+    """PDL on (or off) for the kernels launched inside the block; the previous setting after it."""
+    previous = enable(flag)
+    try:
+        yield
+    finally:
+        enable(previous)
 
 
 def supported(device: torch.device) -> bool:

@@ -38,6 +38,7 @@ class DecodePoint(_Part):
     gemv_linears: int | None = None  # linear layers through the Triton GEMV at decode's few rows (0: cuBLAS)
     decode_host_issue_s_per_step: float | None = None  # host seconds per step to issue the timed steps (CUDA: asynchronous)
     split_streams: int | None = None  # the batch's parts, each on its own CUDA stream in the step (1: one)
+    pdl: bool | None = None  # the step's Triton kernels under programmatic dependent launch
     spin_up_replays: int | None = None  # untimed replays of the first step before timing (CUDA: clocks settle)
     compile_graph_breaks: int | None = None
     kv_cache_bytes_per_token_analytic: int | None = None

@@ -265,3 +265,14 @@ def test_projections_are_joined_unless_asked_not_to_and_the_result_says_how_many
         counts.append(json.loads(res.stdout)["settings"]["join_projections"])
     layers = load_recipe(RECIPES / "tiny.yaml").model.n_layers
     assert counts == [2 * layers, 0]  # attention's and the SwiGLU's per layer
+
+
+def test_pdl_is_recorded_and_said_not_to_run_without_a_hopper_gpu():
+    args = [TINY, *FAST, "--context", "8", "--new-tokens", "2"]
+    res = _decode(*args, "--pdl", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["settings"]["pdl"] is True and out["points"][0]["pdl"] is False
+    text = _decode(*args, "--pdl")
+    assert text.exit_code == 0 and "--pdl asked for, not run" in text.output
+    assert "dependent launch" not in _decode(*args).output

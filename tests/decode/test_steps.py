@@ -124,9 +124,37 @@ def test_the_compile_sees_coordinate_descent_tuning_as_asked(tuning):
                       False).tuning is None
 
 
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_compile_sees_programmatic_dependent_launch_as_asked(monkeypatch, pdl):
+    """With ``pdl`` (on a device that has it: faked here) Inductor generates its kernels for PDL and
+    scaletool's kernels launch with it while the step compiles; both settings are restored after."""
+    import torch._inductor.config as inductor_config
+
+    from scaletool.kernels import pdl as pdl_kernels
+
+    monkeypatch.setattr(pdl_kernels, "supported", lambda device: True)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((inductor_config.triton.enable_pdl, pdl_kernels.launch(torch.device("cpu"))["USE_PDL"]))
+        return gm.forward
+
+    cfg, model, mla = tiny_model("mla")
+    caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
+    before = inductor_config.triton.enable_pdl
+    st = make_steps(model, caches, DecodeMode(mla, "auto"), torch.zeros(1, dtype=torch.long), 2, False,
+                    compile=True, backend=backend, pdl=pdl)
+    assert seen and set(seen) == {(pdl, pdl)} and st.pdl is pdl
+    assert inductor_config.triton.enable_pdl == before and pdl_kernels.launch(torch.device("cpu"))["USE_PDL"] is False
+    monkeypatch.undo()
+    assert make_steps(model, caches, DecodeMode(mla, "auto"), torch.zeros(1, dtype=torch.long), 2, False,
+                      compile=True, backend="aot_eager", pdl=True).pdl is False  # no PDL on a CPU
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("how", [{"compile": True}, {"compile": True, "gemv": True}, {"split": 2}],
-                         ids=["compiled", "compiled-gemv", "split-2"])
+@pytest.mark.parametrize("how", [{"compile": True}, {"compile": True, "gemv": True}, {"split": 2},
+                                 {"compile": True, "gemv": True, "pdl": True}, {"pdl": True}],
+                         ids=["compiled", "compiled-gemv", "split-2", "compiled-gemv-pdl", "pdl"])
 @pytest.mark.parametrize("label", ["mha", "mla"])
 def test_graph_replay_agrees_with_eager_decoding(label, how):
     """The step captured in the CUDA graph against eager decoding: compiled (the MLA kernel inside it as the

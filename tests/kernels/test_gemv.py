@@ -55,7 +55,8 @@ def test_the_operator_has_shapes_for_the_tracer():
 
 @pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])
-@pytest.mark.parametrize("n, k", [(3072, 2048), (576, 2048), (2048, 5632), (11264, 2048), (32000, 2048), (40, 24)])
+@pytest.mark.parametrize("n, k", [(3072, 2048), (576, 2048), (2048, 5632), (11264, 2048), (32000, 2048), (40, 24),
+                                  (100, 8192), (64, 9000)])  # one row: whole rows of W up to ROW_MAX_K, then tiles
 def test_kernel_matches_f_linear(rows, n, k):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, 1, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -64,3 +65,33 @@ def test_kernel_matches_f_linear(rows, n, k):
     got = gemv.gemv_triton(x, w)
     assert got.shape == (rows, 1, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
+def test_a_chain_under_programmatic_dependent_launch_reads_each_input_after_it_is_written():
+    """Each GEMV's input is the one before's output; captured with PDL (Hopper: each may be scheduled while
+    the one before runs, and waits before reading x), the replay gives F.linear's chain."""
+    from scaletool.kernels import pdl
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [(torch.randn(2048, 2048, device="cuda", generator=g) / 2048**0.5).to(torch.bfloat16) for _ in range(8)]
+    x = torch.randn(1, 2048, device="cuda", generator=g).to(torch.bfloat16)
+
+    def chain():
+        y = x
+        for w in ws:
+            y = gemv.gemv_triton(y, w)
+        return y
+
+    with pdl.enabled(True):
+        chain()  # autotuning before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+    assert pdl.launch(x.device)["USE_PDL"] is False  # the block restored the setting
+    for _ in range(3):
+        graph.replay()
+    want = x.float()
+    for w in ws:
+        want = F.linear(want, w.float()).to(torch.bfloat16).float()
+    torch.testing.assert_close(out.float(), want, atol=5e-2, rtol=5e-2)
