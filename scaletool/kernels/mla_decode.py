@@ -115,6 +115,50 @@ def _(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv=None):
     return q_lat.new_empty((B, H, C if w_uv is None else w_uv.shape[1]))
 
 
+def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope (B, H, nope) through each head's W_UK (H, nope, C) -> q_lat (B, H, C): the query absorbed into
+    the latent space. At up to :data:`MERGE_UP_MAX_ROWS` sequences on CUDA one Triton launch (each program
+    loads its slice of W_UK before it waits for the query under :mod:`.pdl`), else the einsum; inside
+    ``torch.compile`` the operator ``scaletool::mla_absorb_q``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.scaletool.mla_absorb_q(q_nope, w_uk)
+    return _absorb_q_op(q_nope, w_uk)
+
+
+def _absorb_q_op(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    B, H, N = q_nope.shape
+    if (triton_available() and q_nope.is_cuda and B <= MERGE_UP_MAX_ROWS and q_nope.dtype == w_uk.dtype
+            and q_nope.dtype in (torch.bfloat16, torch.float16) and w_uk.stride(-1) == 1 and q_nope.stride(-1) == 1):
+        return absorb_query_triton(q_nope, w_uk)
+    return torch.einsum("bhn,hnc->bhc", q_nope, w_uk).contiguous()
+
+
+mla_absorb_q_op = torch.library.custom_op("scaletool::mla_absorb_q", _absorb_q_op, mutates_args=(),
+                                          schema="(Tensor q_nope, Tensor w_uk) -> Tensor")
+
+
+@mla_absorb_q_op.register_fake
+def _(q_nope, w_uk):
+    return q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uk.shape[-1]))
+
+
+_ABSORB_BLOCK_C = 64  # latent channels per program: H·C/64 programs (128 for 16 heads of 512)
+
+
+def absorb_query_triton(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """:func:`absorb_query` in one launch: programs over (head, 64 latent channels), each holding its
+    (nope, 64) slice of W_UK and looping over the sequences."""
+    B, H, N = q_nope.shape
+    C = w_uk.shape[-1]
+    out = torch.empty(B, H, C, device=q_nope.device, dtype=q_nope.dtype)
+    block_c = min(_ABSORB_BLOCK_C, triton.next_power_of_2(C))
+    _absorb_q_kernel[(H, triton.cdiv(C, block_c))](
+        q_nope, w_uk, out, B, N, C, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
+        out.stride(0), out.stride(1), N_P2=triton.next_power_of_2(N), BLOCK_C=block_c, num_warps=4,
+        **pdl.launch(q_nope.device))
+    return out
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -370,3 +414,18 @@ if triton is not None:
         wt = tl.load(w_uv + h * s_wh + offs_v[:, None] * s_wv + offs_c[None, :], mask=v_ok[:, None], other=0.0)
         y = tl.sum(wt.to(tl.float32) * merged[None, :], 1)  # (BLOCK_V,)
         tl.store(out + b * s_yb + h * s_yh + offs_v, y.to(out.dtype.element_ty), mask=v_ok)
+
+    @triton.jit
+    def _absorb_q_kernel(q, w, out, B, N, C, s_qb, s_qh, s_wh, s_wn, s_ob, s_oh, N_P2: tl.constexpr,
+                         BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+        h, cb = tl.program_id(0), tl.program_id(1)
+        offs_n = tl.arange(0, N_P2)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        wt = tl.load(w + h * s_wh + offs_n[:, None] * s_wn + offs_c[None, :], mask=(offs_n[:, None] < N) & c_ok[None, :],
+                     other=0.0)  # (N_P2, BLOCK_C): a weight, loaded before waiting for the query
+        _pdl_start(USE_PDL)
+        for b in range(B):
+            qv = tl.load(q + b * s_qb + h * s_qh + offs_n, mask=offs_n < N, other=0.0)
+            y = tl.sum(wt.to(tl.float32) * qv[:, None].to(tl.float32), axis=0)
+            tl.store(out + b * s_ob + h * s_oh + offs_c, y.to(out.dtype.element_ty), mask=c_ok)

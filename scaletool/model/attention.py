@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from scaletool.config import ModelConfig
-from scaletool.kernels.mla_decode import KERNELS, latent_attention
+from scaletool.kernels.mla_decode import KERNELS, absorb_query, latent_attention
 from scaletool.kinds.attention import MLA_MODES, CacheLayout, attention_kind
 from scaletool.model.layers import RMSNorm, join_linears
 from scaletool.model.positions import Positions, apply_rope
@@ -393,7 +393,7 @@ class MLA(nn.Module):
         B = q_nope.shape[0]
         w_uk, w_uv = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
             [self.nope, self.v_dim], dim=1)  # (H,nope,c), (H,v,c)
-        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+        q_lat = absorb_query(q_nope, w_uk)  # (B,H,c): at a few sequences one Triton launch on CUDA
         # (B,H,v): the latent-weighted sum through W_UV (at a few sequences in the kernel's merge launch)
         y = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length, w_uv=w_uv)
         return self.wo(y.reshape(B, 1, -1))

@@ -162,6 +162,32 @@ def test_triton_kernel_with_w_uv_matches_the_reference(B, S, cfg):
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
+def test_the_absorbed_query_is_each_heads_product_and_an_operator_with_shapes():
+    g = torch.Generator().manual_seed(4)
+    w_uk = torch.randn(4 * 20, 32, generator=g).view(4, 20, 32)[:, :12]  # W_UK: key rows of wkv_b, a strided view
+    q_nope = torch.randn(3, 4, 16, generator=g)[:, :, :12]
+    out = kernels.absorb_query(q_nope, w_uk)
+    for b in range(3):
+        for h in range(4):
+            torch.testing.assert_close(out[b, h], q_nope[b, h] @ w_uk[h])
+    torch.library.opcheck(torch.ops.scaletool.mla_absorb_q, (q_nope, w_uk))
+    f = torch.compile(kernels.absorb_query, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q_nope, w_uk), out)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,H,N,C", [(1, 16, 128, 512), (8, 16, 128, 512), (3, 20, 100, 96)])
+def test_triton_absorbed_query_matches_the_einsum(B, H, N, C):
+    g = torch.Generator(device="cuda").manual_seed(6)
+    w_uk = (torch.randn(H * (N + 128), C, generator=g, device="cuda") / N**0.5).to(torch.bfloat16)
+    w_uk = w_uk.view(H, N + 128, C)[:, :N]
+    q_nope = torch.randn(B, H * (N + 64), generator=g, device="cuda").to(torch.bfloat16).view(B, H, N + 64)[:, :, :N]
+    got = kernels.absorb_query_triton(q_nope, w_uk)
+    want = torch.einsum("bhn,hnc->bhc", q_nope.float(), w_uk.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (B, H, C)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 def test_the_kernel_is_a_custom_operator_with_a_fake_implementation():
     """opcheck runs the registered operator (on a CPU: its reference body) through schema, fake-tensor
     and autograd-registration checks; a compiled call keeps it in one graph."""
