@@ -242,8 +242,8 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            dtype: str | None = None, mla_mode: str | None = None, mla_kernel: str = "auto",
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
-           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool = False,
-           split_batch: int = 1, join_projections: bool = True, pdl: bool = False, progress=None):
+           prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool | None = None,
+           split_batch: int = 1, join_projections: bool = True, pdl: bool | None = None, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -253,7 +253,8 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
     one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv``,
     ``split_batch``, ``join_projections`` and ``pdl``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv``,
-    ``--split-batch``, ``--join-projections`` and ``--pdl``.
+    ``--split-batch``, ``--join-projections`` and ``--pdl`` (``pdl`` None: on where the GPU has it; ``gemv``
+    None: as ``pdl`` resolved).
     ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
     ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
     ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
@@ -278,6 +279,11 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     dev = _decode_device(device)
     _check_decode_paths(cfg, mode, dev, cuda_graph=cuda_graph, compile=compile, split_batch=split_batch)
     contexts = tuple(_positive("context", n) for n in (contexts or (cfg.max_seq_len,)))
+    if pdl is None:
+        from scaletool.kernels.pdl import supported
+
+        pdl = supported(dev)
+    gemv = pdl if gemv is None else gemv
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),

@@ -95,15 +95,16 @@ class _Contexts(click.ParamType):
               help="Join the projections that read one input into one GEMM each before decoding (q, k, v; MLA's "
                    "query and latent projections; SwiGLU's gate and up): the same numbers, fewer kernels per step. "
                    "At batch 1 each projection costs a fixed ramp of about 3 us beside its bytes (docs/decode.md).")
-@click.option("--gemv/--no-gemv", default=False, show_default=True,
+@click.option("--gemv/--no-gemv", default=None,
               help="Run the graphed step's projections (bias-free linear layers) through scaletool's Triton GEMV, "
                    "which streams each weight once for the step's few rows (at most 8), where it can run: CUDA, "
-                   "16-bit. On an H100 it matched cuBLAS (docs/decode.md), so cuBLAS stays the default.")
-@click.option("--pdl/--no-pdl", default=False, show_default=True,
+                   "16-bit. Default: with --pdl (under it the GEMV loads its weights before it waits for its input; "
+                   "without it cuBLAS was as fast on an H100, docs/decode.md).")
+@click.option("--pdl/--no-pdl", default=None,
               help="Launch the step's Triton kernels (scaletool's attention, merges and GEMV, and Inductor's with "
                    "--compile) with programmatic dependent launch, so each is scheduled while the one before it "
-                   "finishes and the GEMV streams its weights before it waits for its input. Hopper and newer "
-                   "GPUs; elsewhere it does nothing. Each point records whether it ran.")
+                   "finishes and loads its weights before it waits for its input. Default: on for Hopper and "
+                   "newer GPUs, which alone have it. Each point records whether it ran.")
 @click.option("--split-batch", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Decode each step's batch as N parts, each on its own CUDA stream inside the one graphed step, "
                    "so one part's projections can run beside another's attention. Not with --compile.")
@@ -124,8 +125,8 @@ class _Contexts(click.ParamType):
 @json_option
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
-           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, join_projections: bool, gemv: bool,
-           pdl: bool, split_batch: int,
+           cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, join_projections: bool,
+           gemv: bool | None, pdl: bool | None, split_batch: int,
            memory_budget: float | None,
            checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
            prefill_repeats: int, as_json: bool):
@@ -248,10 +249,10 @@ def print_decode(res, con: Console) -> None:
     gemv = max((p.gemv_linears or 0) for p in ok) if ok else 0
     if gemv:
         con.print(f"• projections: {gemv} linear layers through the Triton GEMV at the step's rows (scaletool.kernels.gemv)")
-    if (res.settings or {}).get("pdl"):
-        ran = any(p.pdl for p in ok)
-        con.print("• kernels under programmatic dependent launch (--pdl)" if ran else
-                  "• --pdl asked for, not run: programmatic dependent launch needs a Hopper or newer GPU")
+    if any(p.pdl for p in ok):
+        con.print("• kernels under programmatic dependent launch (--pdl)")
+    elif (res.settings or {}).get("pdl"):
+        con.print("• --pdl asked for, not run: programmatic dependent launch needs a Hopper or newer GPU")
     graphs = {p.cuda_graph for p in ok}
     if graphs:  # none when no point ran (no batch fit the budget)
         con.print("• decode steps: " + ("replayed from a CUDA graph" if graphs == {True} else "eager"

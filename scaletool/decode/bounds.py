@@ -97,7 +97,8 @@ def measure_floors(device: torch.device, dtype: str) -> Floors:
 
 #: kernel-name fragments -> the group a decode step's GPU time is reported under (first match wins)
 KERNEL_GROUPS = (
-    ("attention", ("mla_", "_mla", "latent_decode", "_merge_kernel", "_merge_up", "flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("attention", ("mla_", "_mla", "latent_decode", "_merge_kernel", "_merge_up",
+                   "_absorb_q", "flash", "fmha", "cudnn", "attention", "sdpa")),
     ("matmul", ("gemv", "gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_", "splitk", "mm_")),
     ("fused element-wise (inductor)", ("triton_",)),
     ("copy", ("memcpy", "memset", "copy")),

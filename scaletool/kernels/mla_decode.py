@@ -403,15 +403,16 @@ if triton is not None:
     def _merge_up_kernel(o_part, lse_part, w_uv, out, n_splits, V, s_ob, s_os, s_oh, s_lb, s_ls, s_wh, s_wv, s_yb,
                          s_yh, C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                          SPLIT_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)
         h, vb = tl.program_id(1), tl.program_id(2)
         offs_c = tl.arange(0, C)
-        merged = _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls,
-                         C, BLOCK_SPLITS, SPLIT_CHUNK)
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         v_ok = offs_v < V
+        # a weight: loaded before the wait for the splits (under PDL, during the attention kernel's tail)
         wt = tl.load(w_uv + h * s_wh + offs_v[:, None] * s_wv + offs_c[None, :], mask=v_ok[:, None], other=0.0)
+        _pdl_start(USE_PDL)
+        merged = _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls,
+                         C, BLOCK_SPLITS, SPLIT_CHUNK)
         y = tl.sum(wt.to(tl.float32) * merged[None, :], 1)  # (BLOCK_V,)
         tl.store(out + b * s_yb + h * s_yh + offs_v, y.to(out.dtype.element_ty), mask=v_ok)
 

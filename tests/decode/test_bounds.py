@@ -56,6 +56,7 @@ def test_cpu_measures_a_copy_and_counts_no_kernels():
 def test_kernel_names_fall_into_groups():
     assert kernel_group("_latent_decode_kernel") == kernel_group("_merge_kernel") == "attention"
     assert kernel_group("_merge_up_kernel") == "attention"  # the split merge that applies W_UV
+    assert kernel_group("_absorb_q_kernel") == "attention"  # the query through W_UK
     assert kernel_group("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
     assert kernel_group("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT") == "matmul"
     assert kernel_group("void gemv2T_kernel_val<int, int, __nv_bfloat16>") == "matmul"
