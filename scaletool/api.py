@@ -254,7 +254,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv``,
     ``split_batch``, ``join_projections`` and ``pdl``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv``,
     ``--split-batch``, ``--join-projections`` and ``--pdl`` (``pdl`` None: on where the GPU has it; ``gemv``
-    None: as ``pdl`` resolved).
+    None: on with PDL and ``compile``).
     ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
     ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
     ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
@@ -283,7 +283,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
         from scaletool.kernels.pdl import supported
 
         pdl = supported(dev)
-    gemv = pdl if gemv is None else gemv
+    gemv = bool(pdl and compile) if gemv is None else gemv  # the GEMV pays where Inductor's kernels chain under PDL
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),

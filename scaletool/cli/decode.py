@@ -98,8 +98,8 @@ class _Contexts(click.ParamType):
 @click.option("--gemv/--no-gemv", default=None,
               help="Run the graphed step's projections (bias-free linear layers) through scaletool's Triton GEMV, "
                    "which streams each weight once for the step's few rows (at most 8), where it can run: CUDA, "
-                   "16-bit. Default: with --pdl (under it the GEMV loads its weights before it waits for its input; "
-                   "without it cuBLAS was as fast on an H100, docs/decode.md).")
+                   "16-bit. Default: on with --pdl and --compile (the GEMV loads its weights before it waits for its "
+                   "input while the kernel before it, Inductor's, finishes; otherwise cuBLAS, as fast on an H100).")
 @click.option("--pdl/--no-pdl", default=None,
               help="Launch the step's Triton kernels (scaletool's attention, merges and GEMV, and Inductor's with "
                    "--compile) with programmatic dependent launch, so each is scheduled while the one before it "

@@ -276,3 +276,16 @@ def test_pdl_is_recorded_and_said_not_to_run_without_a_hopper_gpu():
     text = _decode(*args, "--pdl")
     assert text.exit_code == 0 and "--pdl asked for, not run" in text.output
     assert "dependent launch" not in _decode(*args).output
+
+
+def test_pdl_defaults_to_the_gpu_having_it_and_the_gemv_to_pdl_under_compile(monkeypatch):
+    from scaletool import api
+    from scaletool.kernels import pdl
+
+    kw = dict(device="cpu", contexts=[8], new_tokens=2, warmup_steps=1, prefill_repeats=1)
+    assert api.decode(TINY, **kw).settings["pdl"] is False  # a CPU has no PDL
+    monkeypatch.setattr(pdl, "supported", lambda device: True)  # as on a Hopper GPU
+    res = api.decode(TINY, **kw)
+    assert res.settings["pdl"] is True and res.settings["gemv"] is False  # no compile: ATen's kernels around it
+    assert api.decode(TINY, **kw, pdl=False).settings["pdl"] is False
+    assert api.decode(TINY, **kw, gemv=True).settings["gemv"] is True
