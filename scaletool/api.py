@@ -279,11 +279,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     dev = _decode_device(device)
     _check_decode_paths(cfg, mode, dev, cuda_graph=cuda_graph, compile=compile, split_batch=split_batch)
     contexts = tuple(_positive("context", n) for n in (contexts or (cfg.max_seq_len,)))
-    if pdl is None:
-        from scaletool.kernels.pdl import supported
-
-        pdl = supported(dev)
-    gemv = bool(pdl and compile) if gemv is None else gemv  # the GEMV pays where Inductor's kernels chain under PDL
+    pdl, gemv = _launch_defaults(dev, pdl, gemv, compile)
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),
@@ -348,6 +344,16 @@ def _announce_build(progress, cfg, dev, checkpoint) -> None:
     progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
                       f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
                       + ("; drawing random weights on a CPU takes a while" if slow else ""))
+
+
+def _launch_defaults(dev, pdl: bool | None, gemv: bool | None, compile: bool) -> tuple[bool, bool]:
+    """``decode``'s PDL (None: where the GPU has it) and GEMV (None: with PDL under ``compile``, where
+    Inductor's kernels around it let it load its weights early)."""
+    if pdl is None:
+        from scaletool.kernels.pdl import supported
+
+        pdl = supported(dev)
+    return bool(pdl), bool(pdl and compile) if gemv is None else bool(gemv)
 
 
 def _decode_device(device: str | None):
