@@ -129,9 +129,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x, w, y, M, N, K, s_xm, s_wn, s_ym,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:  # programmatic dependent launch (scaletool.kernels.pdl): the input is the kernel before's
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl.start(USE_PDL)  # programmatic dependent launch: the input is the kernel before's
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
@@ -154,9 +152,7 @@ if triton is not None:
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, K_P2)
         wt = tl.load(w + rn[:, None] * s_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        if USE_PDL:  # the weights are no kernel's output: only x waits for the kernel before
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl.start(USE_PDL)  # the weights are no kernel's output: only x waits for the kernel before
         xt = tl.load(x + rk, mask=rk < K, other=0.0)
         acc = tl.sum(wt.to(tl.float32) * xt[None, :].to(tl.float32), axis=1)
         tl.store(y + rn, acc.to(y.dtype.element_ty), mask=rn < N)

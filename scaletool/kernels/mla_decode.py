@@ -314,6 +314,8 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from scaletool.kernels.pdl import start as _pdl_start
+
     @triton.jit
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
@@ -359,14 +361,6 @@ if triton is not None:
         tl.store(out_ptr, o.to(o_part.dtype.element_ty), mask=h_ok[:, None])
         lse = tl.where(filled, m_i + tl.log2(tl.where(filled, l_i, 1.0)), float("-inf"))
         tl.store(lse_part + b * s_lb + sp * s_ls + offs_h, lse, mask=h_ok)
-
-    @triton.jit
-    def _pdl_start(USE_PDL: tl.constexpr):
-        """Under programmatic dependent launch (:mod:`.pdl`): wait for the kernel before this one, then let the
-        one after be scheduled (it waits for this one in turn)."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls, BLOCK_C: tl.constexpr,

@@ -17,6 +17,12 @@ from contextlib import contextmanager
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs: no kernels to launch
+    triton = None
+
 _enabled = False
 
 
@@ -52,3 +58,13 @@ def launch(device: torch.device) -> dict:
     """The keyword arguments a kernel launch on ``device`` takes: PDL on where enabled and supported."""
     on = _enabled and supported(device)
     return {"USE_PDL": on, "launch_pdl": on}
+
+
+if triton is not None:
+    @triton.jit
+    def start(USE_PDL: tl.constexpr):
+        """Inside a kernel launched under :func:`launch`: wait for the kernel before this one (whose outputs it
+        may read from here on), then let the one after be scheduled (it waits for this one in turn)."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
