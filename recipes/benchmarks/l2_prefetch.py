@@ -104,16 +104,12 @@ def graph_of(fn, reps: int = 1):
     return g
 
 
-def replay_times(g, n: int) -> list[float]:
-    from scaletool.measure.timing import graph_replay_seconds
-
-    return graph_replay_seconds(g, n)
-
-
 def diff(with_fn, without_fn, reps: int, per: int) -> dict:
     """Seconds that ``with_fn`` adds over ``without_fn``, each repeated ``per`` times in one graph."""
-    a = replay_times(graph_of(with_fn, per), reps)
-    b = replay_times(graph_of(without_fn, per), reps)
+    from scaletool.measure.timing import graph_replay_seconds
+
+    a = graph_replay_seconds(graph_of(with_fn, per), reps)
+    b = graph_replay_seconds(graph_of(without_fn, per), reps)
     mb = statistics.median(b)
     return spread([(x - mb) / per for x in a])
 
@@ -130,6 +126,7 @@ def main(argv=None) -> int:
     import triton
 
     from scaletool.kernels.mla_decode import latent_attention_triton
+    from scaletool.measure.timing import graph_replay_seconds
 
     props = torch.cuda.get_device_properties(0)
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -223,9 +220,9 @@ def main(argv=None) -> int:
     runs = [(None, True)] + [(m * 2**20, j) for m in (8, 16, 24, 32, 46) for j in (True, False)]
     for ahead, join in runs:
         try:
-            t = spread(replay_times(graph_of(lambda ahead=ahead, join=join: (flush(), layer_stack(ahead, join))),
+            t = spread(graph_replay_seconds(graph_of(lambda ahead=ahead, join=join: (flush(), layer_stack(ahead, join))),
                                     a.reps))
-            base = spread(replay_times(graph_of(flush), a.reps))
+            base = spread(graph_replay_seconds(graph_of(flush), a.reps))
         except Exception as e:  # noqa: BLE001
             out["errors"].append(f"overlap {ahead} {join}: {type(e).__name__}: {str(e)[:300]}")
             continue
