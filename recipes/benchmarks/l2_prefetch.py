@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from probe_args import checked, positive_int  # noqa: E402  (beside this script)
+
 D, FFN, H, C, R, NOPE, V = 2048, 5632, 16, 512, 64, 128, 128
 WEIGHTS = {"o": (D, H * V), "qkv": (H * (NOPE + R) + C + R, D), "down": (D, FFN), "gate_up": (2 * FFN, D)}
 MB = 1e6
@@ -117,9 +119,9 @@ def diff(with_fn, without_fn, reps: int, per: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--context", type=int, default=4096)
-    a = ap.parse_args(argv)
+    ap.add_argument("--reps", type=positive_int, default=30)
+    ap.add_argument("--context", type=positive_int, default=4096)
+    a = checked(ap, argv)
 
     import torch
     import torch.nn.functional as F

@@ -20,14 +20,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from probe_args import checked, positive_int  # noqa: E402  (beside this script)
+
 H, C, V, NOPE, LAYERS = 16, 512, 128, 128, 16
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--reps", type=int, default=30)
-    a = ap.parse_args(argv)
+    ap.add_argument("--reps", type=positive_int, default=30)
+    a = checked(ap, argv)
 
     import torch
     import triton

@@ -33,6 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from probe_args import checked, count, positive_int, positive_ints  # noqa: E402  (beside this script)
+
 H, C, R, D, FFN, NOPE, V = 16, 512, 64, 2048, 5632, 128, 128  # mla-1b
 SCALE = 1 / (NOPE + R) ** 0.5
 LAYERS = 16
@@ -189,13 +191,13 @@ def pipeline(parts, attn_stream, gemm_stream, layers: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--batch", type=int, default=1036, help="the whole batch; two parts of half each")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--sms", default="124,116,108,100,92", help="green-context SM counts to try")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=LAYERS)
-    a = ap.parse_args(argv)
+    ap.add_argument("--batch", type=positive_int, default=1036, help="the whole batch; two parts of half each")
+    ap.add_argument("--context", type=positive_int, default=4096)
+    ap.add_argument("--sms", type=positive_ints, default=[124, 116, 108, 100, 92], help="green-context SM counts to try")
+    ap.add_argument("--reps", type=positive_int, default=20)
+    ap.add_argument("--warmup", type=count, default=3)
+    ap.add_argument("--layers", type=positive_int, default=LAYERS)
+    a = checked(ap, argv)
 
     import torch
     import triton
@@ -228,7 +230,7 @@ def main(argv=None) -> int:
                "tuned-2-splits": KernelConfig(block_s=64, num_stages=2, n_splits=2)}
     ordinary = torch.cuda.Stream()
     greens = {}
-    for n in [int(x) for x in a.sms.split(",") if x]:
+    for n in a.sms:
         try:
             ctx, s, how = green_stream(n)
             greens[n] = (ctx, s)
