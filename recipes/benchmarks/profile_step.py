@@ -1,9 +1,9 @@
 """Where a training step's GPU time goes: kernels by category for one recipe on one GPU.
 
-Usage: python recipes/benchmarks/profile_step.py RECIPE [--set k=v ...]
+Usage: python recipes/benchmarks/profile_step.py RECIPE [--set k=v ...] [--top N]
 Builds the recipe's engine as `scaletool train` does, runs train.measure_warmup_steps steps, then
 profiles two steps and prints one JSON object: CUDA time per category (matmul, attention,
-optimizer, elementwise/other) and the 25 most expensive kernels.
+optimizer, Inductor's fused kernels, other) and the N (default 25) most expensive kernels.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from scaletool.train.schedule import lr_at
 
 args = sys.argv[1:]
 sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+top = int(args[args.index("--top") + 1]) if "--top" in args else 25
 r = load_recipe(args[0], sets)
 env = init_distributed(r.parallel.engine)
 engine = make_engine(r, env)
@@ -48,6 +49,8 @@ def category(name: str) -> str:
         return "matmul"
     if "adam" in n or "multi_tensor" in n:
         return "optimizer"
+    if n.startswith("triton_"):
+        return "fused (inductor)"
     return "elementwise/other"
 
 
@@ -61,5 +64,5 @@ for e in prof.key_averages():
 rows.sort(reverse=True)
 print(json.dumps({"recipe": args[0], "overrides": sets, "device": torch.cuda.get_device_name(),
                   "ms_per_step_by_category": cats, "ms_per_step_total": sum(cats.values()),
-                  "top_kernels_ms_per_step": [{"ms": round(a, 3), "calls": b, "name": c} for a, b, c in rows[:25]]},
+                  "top_kernels_ms_per_step": [{"ms": round(a, 3), "calls": b, "name": c} for a, b, c in rows[:top]]},
                  indent=1))

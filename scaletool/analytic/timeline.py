@@ -122,14 +122,16 @@ class _Unit:
 
 
 def cast_once_params(cfg: ModelConfig) -> int:
-    """Parameters ``train.weight_cast=step`` keeps a persistent 16-bit copy of (the ``nn.Linear`` weights):
-    every block's attention projections and dense FFN, a MoE block's router and shared experts (not its
-    stacked routed experts, which the layer casts itself), and an untied LM head."""
+    """Parameters ``train.weight_cast=step`` keeps a persistent 16-bit copy of: every block's attention
+    projections and dense FFN, a MoE block's router and shared experts (``nn.Linear`` weights), its stacked
+    routed experts where the dispatch is dropless (the capacity dispatch casts its own), an untied LM head."""
     attn = sum(v for k, v in attention_params(cfg).items() if not k.endswith(("norm", "bias")))
     dense = cfg.n_layers - cfg.n_moe_layers
-    moe = moe_params(cfg) if cfg.n_moe_layers else {"gate": 0, "shared": 0}
+    moe = moe_params(cfg) if cfg.n_moe_layers else {"gate": 0, "shared": 0, "routed": 0}
+    routed = moe["routed"] if cfg.moe_dispatch == "dropless" else 0
     head = cfg.vocab_size * cfg.d_model if cfg.task == "lm" and not cfg.tie_embeddings else 0
-    return cfg.n_layers * attn + dense * ffn_params(cfg) + cfg.n_moe_layers * (moe["gate"] + moe["shared"]) + head
+    return (cfg.n_layers * attn + dense * ffn_params(cfg) + cfg.n_moe_layers * (moe["gate"] + moe["shared"] + routed)
+            + head)
 
 
 def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_parallel: bool,
@@ -146,7 +148,7 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
     its weight that autocast made (torch autocast's weight cast cache), 2 bytes per matmul parameter,
     until its backward; FSDP2 and DeepSpeed compute with their own 16-bit parameters instead.
     ``cast_once`` (``train.weight_cast=step``): the copies of :func:`cast_once_params` are persistent
-    (counted with the weights by the caller), not saved per unit; a MoE block's routed experts still are.
+    (counted with the weights by the caller), not saved per unit; a capacity-dispatch MoE block's experts still are.
     """
     mixed = cfg.dtype != "fp32"
     res = a = cfg.dtype_bytes if mixed else 4  # 16-bit residual stream under mixed precision (see embed())
@@ -168,7 +170,7 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         # the largest single tensor: a stacked expert weight (E·d·i_moe) or one FFN matrix
         largest = max(max(attn.values()), moe["routed"] // 3 if is_moe else ffn // (3 if cfg.ffn in ("swiglu", "moe") else 2))
         gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
-        copied = (moe["routed"] if is_moe else 0) if cast_once else attn_matmul + ffn
+        copied = (moe["routed"] if is_moe and cfg.moe_dispatch != "dropless" else 0) if cast_once else attn_matmul + ffn
         full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled)
                 + copy * copied)
         ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)

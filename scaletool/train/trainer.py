@@ -186,8 +186,10 @@ class Trainer:
         self._float8_notes()
         casts = getattr(self.engine, "weight_casts", None)
         if casts is not None:
-            self.writer.log(f"weight_cast step: {len(casts.pairs)} linear weights keep a 16-bit copy for the whole "
-                            f"optimizer step ({casts.params / 1e6:,.1f} M parameters, {casts.bytes / 2**20:,.1f} MiB)")
+            experts = f" and {casts.experts} stacked expert weights" if casts.experts else ""
+            self.writer.log(f"weight_cast step: {len(casts.pairs) - casts.experts} linear weights{experts} keep a "
+                            f"16-bit copy for the whole optimizer step ({casts.params / 1e6:,.1f} M parameters, "
+                            f"{casts.bytes / 2**20:,.1f} MiB)")
         on = cuda and self.measure
         self.sampler = NvmlSampler(env.device.index if on else None, device_uuid(env.device) if on else None)
         if cuda and not self.measure:

@@ -115,11 +115,52 @@ def test_a_resumed_run_refreshes_the_copies_from_the_checkpoint(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_the_memory_estimate_keeps_the_copies_through_the_step():
-    base = load_recipe(TINY, [*BF16, "train.micro_batch_size=2"])
-    step = load_recipe(TINY, [*STEP, "train.micro_batch_size=2"])
+MOE = ["model.ffn=moe", "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_shared_experts=1",
+       "model.moe_intermediate_size=32", "model.first_k_dense_replace=1", "model.aux_loss_alpha=0.01"]
+
+
+def test_a_dropless_moe_layers_experts_keep_one_copy_and_train_to_autocasts_numbers(tmp_path):
+    """The stacked experts' copies (w1|w3 fused, w2) and their split gradient hooks: bit for bit with autocast's
+    per-micro-batch casts, accumulated over three micro-batches; the capacity dispatch keeps its own casts."""
+    sets = [*BF16, *MOE]
+    base = _train(tmp_path, "micro", sets)
+    step = _train(tmp_path, "step", [*sets, "train.weight_cast=step", "train.checkpoint_every=6"])
+    assert step.history.loss == base.history.loss and step.history.grad_norm == base.history.grad_norm
+    log = (tmp_path / "step" / "train.log").read_text()
+    assert "and 3 stacked expert weights keep a 16-bit copy" in log, log  # one MoE layer of two blocks
+    model = build_model(load_recipe(TINY, sets).model, "cpu", seed=0)
+    moe = next(m for m in model.modules() if type(m).__name__ == "MoE")
+    casts = weight_cast.attach(model, torch.bfloat16)
+    w13, w2 = moe.experts.weights16
+    assert casts.experts == 3 and w13.shape == (4, moe.cfg.d_model, 64) and w2.dtype == torch.bfloat16
+    assert torch.equal(w13, torch.cat([moe.experts.w1, moe.experts.w3], -1).to(torch.bfloat16))
+    with torch.no_grad():
+        moe.experts.w3.add_(1.0)
+    casts.refresh()  # the fp32 change reaches the copy's w3 half only
+    assert torch.equal(w13[..., 32:], moe.experts.w3.to(torch.bfloat16)) and torch.equal(
+        w13[..., :32], moe.experts.w1.to(torch.bfloat16))
+    x, counts = torch.randn(6, moe.cfg.d_model, dtype=torch.bfloat16), torch.tensor([2, 0, 3, 1])
+    ref = moe.experts.sorted_forward(x, counts, "loop")
+    moe.experts.weights16 = None  # cast now: the same numbers
+    assert torch.equal(moe.experts.sorted_forward(x, counts, "loop"), ref)
+    moe.experts.weights16 = (w13, w2)
+    ref.float().square().sum().backward()  # through the copies: the hooks fill the fp32 gradients, drop theirs
+    assert w13.grad is None and w2.grad is None
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.is_contiguous() and p.grad.any()
+               for p in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+    capacity = build_model(load_recipe(TINY, [*sets, "model.moe_dispatch=capacity"]).model, "cpu", seed=0)
+    assert weight_cast.attach(capacity, torch.bfloat16).experts == 0
+
+
+@pytest.mark.parametrize("extra", [[], MOE, [*MOE, "model.moe_dispatch=capacity"]])
+def test_the_memory_estimate_keeps_the_copies_through_the_step(extra):
+    base = load_recipe(TINY, [*BF16, "train.micro_batch_size=2", *extra])
+    step = load_recipe(TINY, [*STEP, "train.micro_batch_size=2", *extra])
     model = build_model(base.model, torch.device("cpu"), seed=0)
-    copies = 2 * sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
+    copies = 2 * weight_cast.attach(build_model(base.model, torch.device("cpu"), seed=0), torch.bfloat16).params
+    linear = 2 * sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear)
+    routed = 2 * sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert copies == linear + (routed if extra == MOE else 0)
     a, b = recipe_memory(base, 1), recipe_memory(step, 1)
     weights = {ph: b["phases"][ph]["weights"] - a["phases"][ph]["weights"] for ph in ("backward", "optimizer_step")}
     assert weights == {"backward": copies, "optimizer_step": copies}
