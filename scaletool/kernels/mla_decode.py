@@ -176,7 +176,7 @@ class KernelConfig:
     ``min_split`` positions and no more than ``max_splits`` of them (each split costs a query load
     and an (H, C) fp32 partial written and merged: 32 KB at H = 16, C = 512, against 73 KB of cache
     in a 64-position split, so short splits pay only where the batch is too small to fill the card
-    and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
+    and latency, not bytes, sets the time). Split lengths are whole tiles, the last split may be ragged.
     ``direct``: where a call ends up with one split, the kernel writes the output itself in the
     cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
     """
@@ -195,7 +195,14 @@ class KernelConfig:
         want = self.n_splits or int(self.programs_per_sm * sms) // (B * _cdiv(H, _BLOCK_H))
         n = max(1, min(want, self.max_splits, S // self.min_split))
         # split lengths are whole tiles so no split but the last is ragged and none is empty
-        split_len = _cdiv(_cdiv(S, n), self.block_s) * self.block_s
+        bs = self.block_s
+        split_len = _cdiv(_cdiv(S, n), bs) * bs
+        # where the programs fit, the remnant past n whole-tile splits is a split of its own (n + 1): a static
+        # cache a few rows over a tuned length (4,131 for 4,096) keeps the tuned n splits of one tile, not n/2 of two
+        shorter = S // (n * bs) * bs
+        if (n > 1 and shorter >= self.min_split and _cdiv(S, max(shorter, 1)) == n + 1
+                and B * (n + 1) * _cdiv(H, _BLOCK_H) <= self.programs_per_sm * sms):
+            split_len = shorter
         return _cdiv(S, split_len), split_len
 
 
@@ -317,22 +324,41 @@ if triton is not None:
     from scaletool.kernels.pdl import start as _pdl_start
 
     @triton.jit
+    def _attend(q, qp, kv, pe, s_ok, m_i, l_i, acc, qk_scale):
+        """One tile of positions into the running softmax (m_i, l_i) and output (acc), base 2."""
+        scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
+        scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
                               HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr):
-        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)
         h_ok = offs_h < H
+        start = sp * split_len
+        if USE_PDL:
+            # the split's first tile, loaded before the wait: under PDL the kernel before this one has passed its
+            # own wait, so every row but this step's (which the wait covers, reloaded below) is in memory
+            offs_s = start + tl.arange(0, BLOCK_S)
+            in_s = offs_s < S
+            kv0 = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=in_s[:, None], other=0.0)
+            pe0 = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=in_s[:, None], other=0.0)
+        _pdl_start(USE_PDL)
         if HAS_LENGTHS:
             length = tl.minimum(tl.load(lengths + b * s_len).to(tl.int32), S)
         else:
             length = S
-        start = sp * split_len
         end = tl.minimum(start + split_len, length)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -340,21 +366,24 @@ if triton is not None:
         q = tl.load(q_lat + b * s_qb + offs_h[:, None] * s_qh + offs_c[None, :], mask=h_ok[:, None], other=0.0)
         qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
         qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 is the hardware instruction
-        for s0 in range(start, end, BLOCK_S):  # empty for a split past the sequence's length
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            s_ok = offs_s < end
-            kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
+        first = start
+        if USE_PDL:
+            if start < end:
+                new = (offs_s == length - 1)[:, None]  # this step's row, written by a kernel the wait covers
+                kv = tl.where(new, tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=new,
+                                           other=0.0), kv0)
+                pe = tl.where(new, tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=new,
+                                           other=0.0), pe0)
+                m_i, l_i, acc = _attend(q, qp, kv, pe, offs_s < end, m_i, l_i, acc, qk_scale)
+            first = start + BLOCK_S
+        for s0 in range(first, end, BLOCK_S):  # empty for a split past the sequence's length
+            offs_t = s0 + tl.arange(0, BLOCK_S)
+            t_ok = offs_t < end
+            kv = tl.load(c_kv + b * s_cb + offs_t[:, None] * s_cs + offs_c[None, :], mask=t_ok[:, None],
                          other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
-            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
+            pe = tl.load(k_pe + b * s_kb + offs_t[:, None] * s_ks + offs_r[None, :], mask=t_ok[:, None],
                          other=0.0)
-            scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
-            scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-            m_i = m_new
+            m_i, l_i, acc = _attend(q, qp, kv, pe, t_ok, m_i, l_i, acc, qk_scale)
         filled = l_i > 0
         out_ptr = o_part + b * s_ob + sp * s_os + offs_h[:, None] * s_oh + offs_c[None, :]
         o = acc / tl.where(filled, l_i, 1.0)[:, None]  # the output itself (dtype) with one split and `direct`

@@ -162,6 +162,52 @@ def test_triton_kernel_with_w_uv_matches_the_reference(B, S, cfg):
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.skipif(not kernels.triton_available() or not torch.cuda.get_device_capability() >= (9, 0),
+                    reason="needs a Hopper GPU (programmatic dependent launch) and Triton")
+@pytest.mark.parametrize("B,S,length,cfg", [(1, 4131, 4100, None), (1, 4131, 4131, None), (3, 700, 65, None),
+                                            (2, 333, 200, kernels.KernelConfig(n_splits=3, block_s=32))])
+def test_under_pdl_the_first_tile_read_before_the_wait_still_sees_this_steps_row(B, S, length, cfg):
+    """Under PDL each split's first tile is loaded before the kernel waits; the row at length - 1 is reloaded
+    after it. Here that row is written by the two launches just before (Triton kernels under PDL that let the
+    next kernel start before they store), in a CUDA graph as the decode step runs: the result is the
+    reference's over the new row, not the stale one."""
+    import triton
+    import triton.language as tl
+
+    from scaletool.kernels import pdl
+
+    @triton.jit
+    def write_row(src, dst, row, s_b, s_s, N: tl.constexpr, USE_PDL: tl.constexpr):
+        pdl.start(USE_PDL)  # waits, then lets the attention kernel start before this one stores
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, N)
+        tl.store(dst + b * s_b + row * s_s + offs, tl.load(src + b * N + offs))
+
+    q_lat, q_pe, c_kv, k_pe = _inputs(B, 16, 512, 64, S, torch.bfloat16, device="cuda", seed=7)
+    lengths = torch.full((B,), length, device="cuda", dtype=torch.int32)
+    new_kv = torch.randn(B, 512, device="cuda", dtype=torch.bfloat16) * 20  # a row whose score dominates or
+    new_pe = torch.randn(B, 64, device="cuda", dtype=torch.bfloat16) * 20  # vanishes, head by head
+
+    def step():
+        for src, dst in ((new_kv, c_kv), (new_pe, k_pe)):
+            write_row[(B,)](src, dst, length - 1, dst.stride(0), dst.stride(1), N=src.shape[1], **pdl.launch(dst.device))
+        return kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg)
+
+    with pdl.enabled(True):
+        assert pdl.launch(c_kv.device)["USE_PDL"]
+        first = step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    new_kv.neg_()  # the row the replay writes differs from the one before
+    new_pe.neg_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(), k_pe.float(), 0.07, lengths)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(first.float(), want, atol=2e-2, rtol=2e-2)  # the new row changed the answer
+
+
 def test_the_absorbed_query_is_each_heads_product_and_an_operator_with_shapes():
     g = torch.Generator().manual_seed(4)
     w_uk = torch.randn(4 * 20, 32, generator=g).view(4, 20, 32)[:, :12]  # W_UK: key rows of wkv_b, a strided view
