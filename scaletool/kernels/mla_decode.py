@@ -176,7 +176,7 @@ class KernelConfig:
     ``min_split`` positions and no more than ``max_splits`` of them (each split costs a query load
     and an (H, C) fp32 partial written and merged: 32 KB at H = 16, C = 512, against 73 KB of cache
     in a 64-position split, so short splits pay only where the batch is too small to fill the card
-    and latency, not bytes, sets the time). Split lengths are whole tiles, the last split may be ragged.
+    and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
     ``direct``: where a call ends up with one split, the kernel writes the output itself in the
     cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
     """
@@ -195,14 +195,7 @@ class KernelConfig:
         want = self.n_splits or int(self.programs_per_sm * sms) // (B * _cdiv(H, _BLOCK_H))
         n = max(1, min(want, self.max_splits, S // self.min_split))
         # split lengths are whole tiles so no split but the last is ragged and none is empty
-        bs = self.block_s
-        split_len = _cdiv(_cdiv(S, n), bs) * bs
-        # where the programs fit, the remnant past n whole-tile splits is a split of its own (n + 1): a static
-        # cache a few rows over a tuned length (4,131 for 4,096) keeps the tuned n splits of one tile, not n/2 of two
-        shorter = S // (n * bs) * bs
-        if (n > 1 and shorter >= self.min_split and _cdiv(S, max(shorter, 1)) == n + 1
-                and B * (n + 1) * _cdiv(H, _BLOCK_H) <= self.programs_per_sm * sms):
-            split_len = shorter
+        split_len = _cdiv(_cdiv(S, n), self.block_s) * self.block_s
         return _cdiv(S, split_len), split_len
 
 
@@ -251,6 +244,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype) if direct else None
     o_part = out[:, None] if direct else torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
+    launch = pdl.launch(c_kv.device)
     if lengths is None:
         len_ptr, len_stride = lse_part, 0  # unused: HAS_LENGTHS is off
     else:
@@ -262,7 +256,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
+        PRELOAD=launch["USE_PDL"] and B <= PRELOAD_MAX_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if direct:
         return up_project(out, w_uv)
     if w_uv is not None and B <= MERGE_UP_MAX_ROWS:
@@ -270,6 +264,9 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
 
 
+#: under PDL, at up to this many sequences each split's first tile is loaded before the kernel waits (latency
+#: sets the time there); at 4K's largest batch (1,036) it cost 2.4% on an H100 (decode-preload-h100)
+PRELOAD_MAX_ROWS = 8
 #: the most sequences whose split merge also applies W_UV; each (sequence, head) program reads its head's
 #: W_UV slice, so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
 MERGE_UP_MAX_ROWS = 8
@@ -339,7 +336,7 @@ if triton is not None:
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr):
+                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -347,7 +344,7 @@ if triton is not None:
         offs_r = tl.arange(0, R)
         h_ok = offs_h < H
         start = sp * split_len
-        if USE_PDL:
+        if PRELOAD:
             # the split's first tile, loaded before the wait: under PDL the kernel before this one has passed its
             # own wait, so every row but this step's (which the wait covers, reloaded below) is in memory
             offs_s = start + tl.arange(0, BLOCK_S)
@@ -367,7 +364,7 @@ if triton is not None:
         qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
         qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 is the hardware instruction
         first = start
-        if USE_PDL:
+        if PRELOAD:
             if start < end:
                 new = (offs_s == length - 1)[:, None]  # this step's row, written by a kernel the wait covers
                 kv = tl.where(new, tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=new,
