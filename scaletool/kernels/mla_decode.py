@@ -244,7 +244,6 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype) if direct else None
     o_part = out[:, None] if direct else torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
-    launch = pdl.launch(c_kv.device)
     if lengths is None:
         len_ptr, len_stride = lse_part, 0  # unused: HAS_LENGTHS is off
     else:
@@ -256,7 +255,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
-        PRELOAD=launch["USE_PDL"] and B <= PRELOAD_MAX_ROWS, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
     if direct:
         return up_project(out, w_uv)
     if w_uv is not None and B <= MERGE_UP_MAX_ROWS:
@@ -264,9 +263,6 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
 
 
-#: under PDL, at up to this many sequences each split's first tile is loaded before the kernel waits (latency
-#: sets the time there); at 4K's largest batch (1,036) it cost 2.4% on an H100 (decode-preload-h100)
-PRELOAD_MAX_ROWS = 8
 #: the most sequences whose split merge also applies W_UV; each (sequence, head) program reads its head's
 #: W_UV slice, so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
 MERGE_UP_MAX_ROWS = 8
@@ -321,41 +317,22 @@ if triton is not None:
     from scaletool.kernels.pdl import start as _pdl_start
 
     @triton.jit
-    def _attend(q, qp, kv, pe, s_ok, m_i, l_i, acc, qk_scale):
-        """One tile of positions into the running softmax (m_i, l_i) and output (acc), base 2."""
-        scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
-        scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
                               s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr):
+        _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)
         h_ok = offs_h < H
-        start = sp * split_len
-        if PRELOAD:
-            # the split's first tile, loaded before the wait: under PDL the kernel before this one has passed its
-            # own wait, so every row but this step's (which the wait covers, reloaded below) is in memory
-            offs_s = start + tl.arange(0, BLOCK_S)
-            in_s = offs_s < S
-            kv0 = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=in_s[:, None], other=0.0)
-            pe0 = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=in_s[:, None], other=0.0)
-        _pdl_start(USE_PDL)
         if HAS_LENGTHS:
             length = tl.minimum(tl.load(lengths + b * s_len).to(tl.int32), S)
         else:
             length = S
+        start = sp * split_len
         end = tl.minimum(start + split_len, length)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -363,24 +340,21 @@ if triton is not None:
         q = tl.load(q_lat + b * s_qb + offs_h[:, None] * s_qh + offs_c[None, :], mask=h_ok[:, None], other=0.0)
         qp = tl.load(q_pe + b * s_pb + offs_h[:, None] * s_ph + offs_r[None, :], mask=h_ok[:, None], other=0.0)
         qk_scale = sm_scale * 1.4426950408889634  # log2(e): exp2 is the hardware instruction
-        first = start
-        if PRELOAD:
-            if start < end:
-                new = (offs_s == length - 1)[:, None]  # this step's row, written by a kernel the wait covers
-                kv = tl.where(new, tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=new,
-                                           other=0.0), kv0)
-                pe = tl.where(new, tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=new,
-                                           other=0.0), pe0)
-                m_i, l_i, acc = _attend(q, qp, kv, pe, offs_s < end, m_i, l_i, acc, qk_scale)
-            first = start + BLOCK_S
-        for s0 in range(first, end, BLOCK_S):  # empty for a split past the sequence's length
-            offs_t = s0 + tl.arange(0, BLOCK_S)
-            t_ok = offs_t < end
-            kv = tl.load(c_kv + b * s_cb + offs_t[:, None] * s_cs + offs_c[None, :], mask=t_ok[:, None],
+        for s0 in range(start, end, BLOCK_S):  # empty for a split past the sequence's length
+            offs_s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = offs_s < end
+            kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
                          other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
-            pe = tl.load(k_pe + b * s_kb + offs_t[:, None] * s_ks + offs_r[None, :], mask=t_ok[:, None],
+            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
                          other=0.0)
-            m_i, l_i, acc = _attend(q, qp, kv, pe, t_ok, m_i, l_i, acc, qk_scale)
+            scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
+            scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m_i = m_new
         filled = l_i > 0
         out_ptr = o_part + b * s_ob + sp * s_os + offs_h[:, None] * s_oh + offs_c[None, :]
         o = acc / tl.where(filled, l_i, 1.0)[:, None]  # the output itself (dtype) with one split and `direct`

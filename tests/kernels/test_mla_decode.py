@@ -166,11 +166,12 @@ def test_triton_kernel_with_w_uv_matches_the_reference(B, S, cfg):
                     reason="needs a Hopper GPU (programmatic dependent launch) and Triton")
 @pytest.mark.parametrize("B,S,length,cfg", [(1, 4131, 4100, None), (1, 4131, 4131, None), (3, 700, 65, None),
                                             (2, 333, 200, kernels.KernelConfig(n_splits=3, block_s=32))])
-def test_under_pdl_the_first_tile_read_before_the_wait_still_sees_this_steps_row(B, S, length, cfg):
-    """Under PDL each split's first tile is loaded before the kernel waits; the row at length - 1 is reloaded
-    after it. Here that row is written by the two launches just before (Triton kernels under PDL that let the
-    next kernel start before they store), in a CUDA graph as the decode step runs: the result is the
-    reference's over the new row, not the stale one."""
+def test_under_pdl_the_kernel_sees_the_row_the_launch_before_it_wrote(B, S, length, cfg):
+    """This step's cache row (at length - 1) written by the two launches just before the attention kernel:
+    Triton kernels under PDL that let the next kernel start before they store, in a CUDA graph as the decode
+    step runs. The result is the reference's over the new row, not the stale one. (A version of the kernel
+    that loaded each split's first tile before its wait and reloaded that row after it passed this and was
+    slower: decode-preload-h100.)"""
     import triton
     import triton.language as tl
 
