@@ -16,7 +16,8 @@ index_select both ways | ``indexed``: advanced indexing, scatter-add backward), 
 shared expert, and the whole layer eager and compiled (fullgraph) on both paths.
 
 ``train``: ``scaletool train --json`` runs of mla-1b dense, MoE e16k2 on the ``indexed`` path and on the
-``gather`` path, all compiled (``--compile-scope``): tokens/s and MFU on active FLOPs per measured step
+``gather`` path (``--points`` picks some), all compiled (``--compile-scope``), ``--accum`` micro-batches per
+step with ``--weight-cast`` (``train.weight_cast``): tokens/s and MFU on active FLOPs per measured step
 (median, p10/p90, n; warm-up and compilation excluded), peak memory against scaletool's estimate.
 
 ``--tiny`` runs either on CPU at toy sizes (eager training, loop GEMMs, wall-clock timing): a check of this
@@ -35,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from probe_args import positive_int  # noqa: E402
 
 from scaletool.stats import spread  # noqa: E402
 
@@ -313,7 +316,7 @@ def run_point(args, name: str, permute: str, sets: list[str]) -> dict:
     recipe = "recipes/tiny.yaml" if args.tiny else args.recipe
     sets = [*sets, f"train.steps={args.steps}", "train.log_every=100", f"train.measure_warmup_steps={args.warmup}",
             f"train.compile={'false' if args.tiny else 'true'}", f"train.compile_scope={args.compile_scope}",
-            *args.overrides]
+            f"train.grad_accum_steps={args.accum}", f"train.weight_cast={args.weight_cast}", *args.overrides]
     cmd = [sys.executable, str(Path(__file__).resolve()), "point", permute, "--", "train", recipe, "--json",
            "--out", str(args.out / "runs" / name)]
     for s in sets:
@@ -353,12 +356,15 @@ def train(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     points = {}
     for name, permute, sets in train_points(args.tiny):
+        if args.points and name not in args.points:
+            continue
         s = run_point(args, name, permute, sets)
         points[name] = point_figures(s)
         print(f"{name}: {points[name].get('status')} in {s['benchmark']['wall_s']:.0f} s", file=sys.stderr)
     result = {"benchmark": "moe-layer-train", **environment(), "tiny": args.tiny,
               "recipe": "recipes/tiny.yaml" if args.tiny else args.recipe,
-              "steps": args.steps, "warmup": args.warmup, "compile_scope": args.compile_scope, "points": points}
+              "steps": args.steps, "warmup": args.warmup, "compile_scope": args.compile_scope, "accum": args.accum,
+              "weight_cast": args.weight_cast, "points": points}
     (args.out / "train.json").write_text(json.dumps(result, indent=2) + "\n")
     text = train_table(result)
     (args.out / "table.md").write_text(text)
@@ -380,6 +386,7 @@ def _cells(p: dict, per: float = 1.0) -> list[str]:
 
 def train_table(result: dict) -> str:
     lines = [f"Training, {result['recipe']} dense against MoE e16k2, compiled ({result['compile_scope']}), "
+             f"{result.get('accum', 1)} micro-batch(es) a step, weight casts per {result.get('weight_cast', 'micro-batch')}, "
              f"on {result['card']}", "", "| point | expert GEMM | permute | tokens/s (p10-p90) | "
              "MFU active % (p10-p90) | peak GiB | estimate GiB | error |", "|---|---|---|---|---|---|---|---|"]
     for name, p in result["points"].items():
@@ -463,11 +470,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--steps", type=int, default=14, help="steps per point (default 14)")
     b.add_argument("--warmup", type=int, default=4, help="steps excluded (compilation lands here)")
     b.add_argument("--compile-scope", choices=["model", "block"], default="block")
+    b.add_argument("--accum", type=positive_int, default=1, help="micro-batches per optimizer step (default 1)")
+    b.add_argument("--weight-cast", choices=["micro-batch", "step"], default="micro-batch",
+                   help="train.weight_cast (step: the 16-bit copies once per optimizer step; needs bf16, not --tiny)")
+    b.add_argument("--points", type=lambda v: [p for p in v.split(",") if p], default=[],
+                   help="comma-separated points to run (dense, moe-indexed, moe-gather; default all)")
     b.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     b.add_argument("--tiny", action="store_true", help="CPU, tiny recipe, eager: checks the driver")
     args = p.parse_args(argv)
     if args.cmd in ("parts", "gemms") and (args.iters < 1 or args.warmup < 0):
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.cmd == "train":
+        unknown = sorted(set(args.points) - {name for name, _, _ in train_points(args.tiny)})
+        if unknown:
+            p.error(f"--points: unknown {','.join(unknown)[:200]!r} (dense, moe-indexed, moe-gather)")
+        if args.tiny and args.weight_cast == "step":
+            p.error("--weight-cast step needs the bf16 recipe (--tiny trains recipes/tiny.yaml in fp32)")
     return {"parts": parts, "gemms": gemms, "train": train}[args.cmd](args)
 
 
