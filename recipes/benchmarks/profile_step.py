@@ -7,21 +7,31 @@ optimizer, Inductor's fused kernels, other) and the N (default 25) most expensiv
 """
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 import torch
+from probe_args import positive_int
 from torch.profiler import ProfilerActivity, profile
 
 from scaletool.config import load_recipe
 from scaletool.engines import init_distributed, make_engine
+from scaletool.errors import RecipeError
 from scaletool.train.data import make_source
 from scaletool.train.schedule import lr_at
 
-args = sys.argv[1:]
-sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-top = int(args[args.index("--top") + 1]) if "--top" in args else 25
-r = load_recipe(args[0], sets)
+ap = argparse.ArgumentParser(description="Where a training step's GPU time goes (JSON on stdout).")
+ap.add_argument("recipe", help="a recipe name or YAML file")
+ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+ap.add_argument("--top", type=positive_int, default=25, help="kernels listed (default 25)")
+a = ap.parse_args()
+top = a.top
+try:
+    r = load_recipe(a.recipe, a.sets)
+except RecipeError as e:
+    ap.error(str(e).splitlines()[0][:300])
+if not torch.cuda.is_available():
+    ap.error("the profile needs a CUDA GPU")
 env = init_distributed(r.parallel.engine)
 engine = make_engine(r, env)
 src = make_source(r, 0, 1)
@@ -62,7 +72,7 @@ for e in prof.key_averages():
     cats[category(e.key)] = cats.get(category(e.key), 0.0) + e.device_time_total / 2e3  # ms per step
     rows.append((e.device_time_total / 2e3, e.count // 2, e.key[:140]))
 rows.sort(reverse=True)
-print(json.dumps({"recipe": args[0], "overrides": sets, "device": torch.cuda.get_device_name(),
+print(json.dumps({"recipe": a.recipe, "overrides": a.sets, "device": torch.cuda.get_device_name(),
                   "ms_per_step_by_category": cats, "ms_per_step_total": sum(cats.values()),
                   "top_kernels_ms_per_step": [{"ms": round(a, 3), "calls": b, "name": c} for a, b, c in rows[:top]]},
                  indent=1))

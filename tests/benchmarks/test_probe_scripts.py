@@ -43,3 +43,12 @@ def test_without_a_cuda_gpu_the_probe_says_so(tmp_path, script):
     r = _run(script, "--out", "r.json", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("error: the probe needs a CUDA GPU")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad, says", [(["--top", "0"], "--top"), (["--top", "1; touch x"], "--top"),
+                                       (["--set", "model.bogus=1"], "model.bogus")])
+def test_profile_step_refuses_bad_arguments_in_one_line(tmp_path, bad, says):
+    r = _run("profile_step.py", str(ROOT / "recipes" / "tiny.yaml"), *bad, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and r.stdout == "", r.stderr
+    assert says in r.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
