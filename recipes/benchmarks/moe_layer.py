@@ -481,9 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("parts", "gemms") and (args.iters < 1 or args.warmup < 0):
         p.error("--iters must be >= 1 and --warmup >= 0")
     if args.cmd == "train":
-        unknown = sorted(set(args.points) - {name for name, _, _ in train_points(args.tiny)})
+        names = [name for name, _, _ in train_points(args.tiny)]
+        unknown = sorted(set(args.points) - set(names))
         if unknown:
-            p.error(f"--points: unknown {','.join(unknown)[:200]!r} (dense, moe-indexed, moe-gather)")
+            p.error(f"--points: unknown {','.join(unknown)[:200]!r} ({', '.join(names)})")
         if args.tiny and args.weight_cast == "step":
             p.error("--weight-cast step needs the bf16 recipe (--tiny trains recipes/tiny.yaml in fp32)")
     return {"parts": parts, "gemms": gemms, "train": train}[args.cmd](args)

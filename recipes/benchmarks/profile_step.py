@@ -24,10 +24,9 @@ ap = argparse.ArgumentParser(description="Where a training step's GPU time goes 
 ap.add_argument("recipe", help="a recipe name or YAML file")
 ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
 ap.add_argument("--top", type=positive_int, default=25, help="kernels listed (default 25)")
-a = ap.parse_args()
-top = a.top
+opts = ap.parse_args()
 try:
-    r = load_recipe(a.recipe, a.sets)
+    r = load_recipe(opts.recipe, opts.sets)
 except RecipeError as e:
     ap.error(str(e).splitlines()[0][:300])
 if not torch.cuda.is_available():
@@ -72,7 +71,7 @@ for e in prof.key_averages():
     cats[category(e.key)] = cats.get(category(e.key), 0.0) + e.device_time_total / 2e3  # ms per step
     rows.append((e.device_time_total / 2e3, e.count // 2, e.key[:140]))
 rows.sort(reverse=True)
-print(json.dumps({"recipe": a.recipe, "overrides": a.sets, "device": torch.cuda.get_device_name(),
+print(json.dumps({"recipe": opts.recipe, "overrides": opts.sets, "device": torch.cuda.get_device_name(),
                   "ms_per_step_by_category": cats, "ms_per_step_total": sum(cats.values()),
-                  "top_kernels_ms_per_step": [{"ms": round(a, 3), "calls": b, "name": c} for a, b, c in rows[:top]]},
+                  "top_kernels_ms_per_step": [{"ms": round(a, 3), "calls": b, "name": c} for a, b, c in rows[:opts.top]]},
                  indent=1))
