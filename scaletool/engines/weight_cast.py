@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from scaletool.kernels import split_add
+
 
 class CastOnceLinear(nn.Linear):
     """``nn.Linear`` whose forward under autocast multiplies by ``weight16`` (set by :func:`attach`).
@@ -72,10 +74,16 @@ def _accumulate(param: nn.Parameter):
 
 
 def _accumulate_split(params: list[nn.Parameter], dim: int):
-    """The hook of a copy that concatenates ``params`` along ``dim``: each gets its slice of the gradient."""
+    """The hook of a copy that concatenates ``params`` along ``dim``: each gets its slice of the gradient
+    (two halves of the last dimension on CUDA in one pass: :mod:`scaletool.kernels.split_add`)."""
     def hook(w16: torch.Tensor) -> None:
-        for p, g in zip(params, w16.grad.split([p.shape[dim] for p in params], dim)):
-            _add_grad(p, g)
+        grads = [p.grad for p in params]
+        if dim in (-1, w16.dim() - 1) and split_add.supports(grads, w16.grad) is None:
+            for p, g in zip(params, split_add.split_add_(grads, w16.grad)):
+                p.grad = g  # the same tensor when it existed; set on the first micro-batch
+        else:
+            for p, g in zip(params, w16.grad.split([p.shape[dim] for p in params], dim)):
+                _add_grad(p, g)
         w16.grad = None
     return hook
 
