@@ -95,3 +95,47 @@ def test_a_chain_under_programmatic_dependent_launch_reads_each_input_after_it_i
     for w in ws:
         want = F.linear(want, w.float()).to(torch.bfloat16).float()
     torch.testing.assert_close(out.float(), want, atol=5e-2, rtol=5e-2)
+
+
+def test_the_fused_layer_is_its_plain_composition_where_the_kernel_cannot_run():
+    """fused_linear off the one-row kernel (a CPU, several rows) is silu(gate)·up or RMSNorm, F.linear, + residual;
+    the operator under torch.compile keeps the shapes, and says where the kernel declines."""
+    torch.manual_seed(0)
+    x, w, g, r = torch.randn(1, 1, 32), torch.randn(40, 32), torch.rand(32) + 0.5, torch.randn(1, 1, 40)
+    want = r + F.linear(F.rms_norm(x, (32,), g, 1e-5), w)
+    assert torch.equal(gemv.fused_linear(x, w, g, 1e-5, residual=r), want)
+    x2 = torch.randn(2, 1, 64)
+    gate, up = x2.chunk(2, -1)
+    assert torch.equal(gemv.fused_linear(x2, w, glu=True), F.linear(F.silu(gate) * up, w))
+    assert "rows" in gemv.supports_fused(x2, w, None, True, None)
+    assert gemv.supports_fused(x, w, g, False, r) is not None  # CPU (or no Triton)
+
+    def f(x, w, g, r):
+        return torch.ops.scaletool.gemv_fused(x, w, g, 1e-5, False, r) * 2
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, g, r)
+    torch.testing.assert_close(out, 2 * want)
+    torch.library.opcheck(torch.ops.scaletool.gemv_fused, (x, w, g, 1e-5, False, r))
+    torch.library.opcheck(torch.ops.scaletool.gemv_fused, (x2[:1], w, None, 0.0, True, None))
+
+
+@pytest.mark.skipif(not CUDA_TRITON, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("n, k, norm, glu, residual", [
+    (3648, 2048, True, False, False),  # mla-1b's joined query and latent projection after the block's RMSNorm
+    (11264, 2048, True, False, False),  # its joined SwiGLU gate and up
+    (2048, 2048, False, False, True),  # the attention's output projection adding the residual
+    (2048, 5632, False, True, True),  # w2 of silu(gate)·up, adding the residual
+    (40, 24, True, True, True), (100, 8192, True, False, True)])
+def test_the_fused_kernel_matches_its_plain_composition(n, k, norm, glu, residual):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 1, 2 * k if glu else k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+    g = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16) if norm else None
+    r = torch.randn(1, 1, n, device="cuda", generator=gen).to(torch.bfloat16) if residual else None
+    assert gemv.supports_fused(x, w, g, glu, r) is None
+    got = gemv.fused_linear(x, w, g, 1e-5, glu, r)
+    want = gemv.fused_reference(x.float(), w.float(), None if g is None else g.float(), 1e-5, glu,
+                                None if r is None else r.float())
+    assert got.shape == (1, 1, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=2e-2)
+    assert "rows" in gemv.supports_fused(x.expand(2, 1, -1).contiguous(), w, g, glu, r)
