@@ -243,8 +243,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
            cuda_graph: bool | None = None, memory_budget_gib: float | None = None, checkpoint: str | Path | None = None,
            trust_checkpoint: bool = False, seed: int = 0, prefill_chunk: int = 4096, warmup_steps: int = 3,
            prefill_repeats: int = 3, compile: bool = False, compile_tuning: bool = False, gemv: bool | None = None,
-           split_batch: int = 1, join_projections: bool = True, pdl: bool | None = None, fuse_gemv: bool = True,
-           progress=None):
+           split_batch: int = 1, join_projections: bool = True, pdl: bool | None = None, progress=None):
     """Prefill and decode ``recipe``'s model at each (context, batch); a :class:`~scaletool.results.decode.DecodeResult`.
 
     ``batch``: an int, 'max' (the largest batch whose weights + KV cache fit the memory budget, by
@@ -253,9 +252,9 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     default: absorbed, expand for ``mla_rope=per_head``). ``cuda_graph``: replay each decode step from a
     CUDA graph (default: on for CUDA). ``compile``: run the step through ``torch.compile`` (static shapes,
     one compile per point), captured in the CUDA graph when that is on; ``compile_tuning``, ``gemv``,
-    ``split_batch``, ``join_projections``, ``pdl`` and ``fuse_gemv``: ``scaletool decode``'s ``--compile-tuning``,
-    ``--gemv``, ``--split-batch``, ``--join-projections``, ``--pdl`` and ``--fuse-gemv`` (``pdl`` None: on where
-    the GPU has it; ``gemv`` None: on with PDL and ``compile``; ``fuse_gemv`` acts with the GEMV only).
+    ``split_batch``, ``join_projections`` and ``pdl``: ``scaletool decode``'s ``--compile-tuning``, ``--gemv``,
+    ``--split-batch``, ``--join-projections`` and ``--pdl`` (``pdl`` None: on where the GPU has it; ``gemv``
+    None: on with PDL and ``compile``).
     ``memory_budget_gib``: for 'max' and the fit table (default: the GPU's memory; none on CPU).
     ``checkpoint``: a ``scaletool train`` checkpoint directory (default: random weights from ``seed``).
     ``progress(done, total, description, detail=None)`` hears of building the model (``total`` None) and of
@@ -284,7 +283,7 @@ def decode(recipe: RecipeLike, *, overrides: Sequence[str] = (), contexts: Seque
     s = DecodeSettings(batches=_batches(batch), contexts=contexts, new_tokens=_positive("new_tokens", new_tokens),
                        mode=mode, cuda_graph=dev.type == "cuda" if cuda_graph is None else cuda_graph,
                        compile=bool(compile), compile_tuning=bool(compile_tuning), gemv=bool(gemv),
-                       join=bool(join_projections), pdl=bool(pdl), fuse=bool(gemv and fuse_gemv and join_projections),
+                       join=bool(join_projections), pdl=bool(pdl),
                        split=_positive("split_batch", split_batch),
                        prefill_chunk=_positive("prefill_chunk", prefill_chunk),
                        warmup_steps=_positive("warmup_steps", warmup_steps),

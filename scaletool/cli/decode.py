@@ -105,10 +105,6 @@ class _Contexts(click.ParamType):
                    "--compile) with programmatic dependent launch, so each is scheduled while the one before it "
                    "finishes and loads its weights before it waits for its input. Default: on for Hopper and "
                    "newer GPUs, which alone have it. Each point records whether it ran.")
-@click.option("--fuse-gemv/--no-fuse-gemv", default=True, show_default=True,
-              help="With the GEMV: put each pre-norm block's RMSNorms, SwiGLU's silu(gate)*up and the residual adds "
-                   "inside the one-row GEMV's launch (with --join-projections), three kernels a block fewer at "
-                   "batch 1; the norms' weights move into the projections that read them (docs/decode.md).")
 @click.option("--split-batch", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
               help="Decode each step's batch as N parts, each on its own CUDA stream inside the one graphed step, "
                    "so one part's projections can run beside another's attention. Not with --compile.")
@@ -130,7 +126,7 @@ class _Contexts(click.ParamType):
 def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tuple[int, ...] | None,
            new_tokens: int, device: str | None, dtype: str | None, mla_mode: str | None, mla_kernel: str,
            cuda_graph: bool | None, compile_step: bool, compile_tuning: bool, join_projections: bool,
-           gemv: bool | None, pdl: bool | None, fuse_gemv: bool, split_batch: int,
+           gemv: bool | None, pdl: bool | None, split_batch: int,
            memory_budget: float | None,
            checkpoint: str | None, trust_checkpoint: bool, seed: int, prefill_chunk: int, warmup_steps: int,
            prefill_repeats: int, as_json: bool):
@@ -169,7 +165,7 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          seed=seed, prefill_chunk=prefill_chunk, warmup_steps=warmup_steps,
                          prefill_repeats=prefill_repeats, compile=compile_step,
                          compile_tuning=compile_tuning, gemv=gemv, pdl=pdl, split_batch=split_batch,
-                         join_projections=join_projections, fuse_gemv=fuse_gemv, progress=progress)
+                         join_projections=join_projections, progress=progress)
     deliver(res, as_json)
     if not as_json:
         print_decode(res, console())
@@ -253,10 +249,6 @@ def print_decode(res, con: Console) -> None:
     gemv = max((p.gemv_linears or 0) for p in ok) if ok else 0
     if gemv:
         con.print(f"• projections: {gemv} linear layers through the Triton GEMV at the step's rows (scaletool.kernels.gemv)")
-        fused = max((p.gemv_fused_linears or 0) for p in ok)
-        if fused:
-            con.print(f"• {fused} of the blocks' linear layers with their RMSNorm, SwiGLU or residual add inside the "
-                      "GEMV's launch (--fuse-gemv)")
     if any(p.pdl for p in ok):
         con.print("• kernels under programmatic dependent launch (--pdl)")
     elif (res.settings or {}).get("pdl"):

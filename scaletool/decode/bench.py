@@ -61,7 +61,6 @@ class DecodeSettings:
     gemv: bool = False  # the graphed step's projections through the Triton GEMV where it can run (CUDA, 16-bit)
     split: int = 1  # the batch as this many parts on their own CUDA streams in the one graphed step
     pdl: bool = False  # the step's Triton kernels under programmatic dependent launch (Hopper and newer)
-    fuse: bool = False  # with gemv: norms, SwiGLU and residual adds inside the one-row GEMV (Transformer.fuse_for_decode)
     spin_up_s: float = 0.5  # CUDA: replay the first step this long, untimed, before the timed steps (clocks settle)
     prefill_chunk: int = 4096
     warmup_steps: int = 3
@@ -163,7 +162,7 @@ def _ready_steps(model, caches, s: DecodeSettings, first: torch.Tensor, context:
     """The point's stepper, built (compiled, captured), its kernels profiled over one step (with ``profile``;
     None where unknown) and spun up (:func:`spin_up`, the replays kept as ``spin_up_replays``)."""
     steps = make_steps(model, caches, s.mode, first, context, s.cuda_graph, compile=s.compile,
-                       tuning=s.compile_tuning, gemv=s.gemv, split=s.split, pdl=s.pdl, fuse=s.fuse)
+                       tuning=s.compile_tuning, gemv=s.gemv, split=s.split, pdl=s.pdl)
     found = step_kernels(steps) if profile else None
     steps.spin_up_replays = spin_up(steps, s.spin_up_s)
     return steps, found
@@ -173,8 +172,7 @@ def _stepper_fields(steps, cfg: ModelConfig, mode: DecodeMode, device: torch.dev
     """What ran a point's steps: the attention kernel, the CUDA graph, the compile and its graph breaks."""
     return {"attention_kernel": attention_kernel(cfg, mode, device, dtype, steps.cuda_graph),
             "cuda_graph": steps.cuda_graph, "compiled": steps.compiled, "compile_tuning": steps.tuning,
-            "gemv_linears": steps.gemv_linears, "gemv_fused_linears": steps.fused_linears,
-            "split_streams": steps.split, "pdl": steps.pdl,
+            "gemv_linears": steps.gemv_linears, "split_streams": steps.split, "pdl": steps.pdl,
             "compile_s": steps.compile_s,
             "compile_graph_breaks": steps.graph_breaks}
 
@@ -331,7 +329,7 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
                   "batch": ["max" if b is None else b for b in s.batches], "cuda_graph": s.cuda_graph,
                   "compile": s.compile, "compile_tuning": s.compile and s.compile_tuning,
                   "spin_up_s": s.spin_up_s, "join_projections": joined, "gemv": s.gemv, "split": s.split,
-                  "pdl": s.pdl, "fuse_gemv": s.fuse},
+                  "pdl": s.pdl},
         weights_bytes=weight_bytes(cfg), weights_bytes_read_per_step=weight_bytes_per_step(cfg),
         kv_cache=kv_cache(cfg), points=points, memory_fit=fit,
         timing={"clock": clock, "rule": WARMUP_RULE.format(w=s.warmup_steps, spin=s.spin_up_s), "contention": CONTENTION_RULE},

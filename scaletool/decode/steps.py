@@ -16,10 +16,8 @@ Both keep the current tokens on the device (greedy argmax, no host reads), so a 
   graphs that mutate non-static inputs (token and position). The MLA kernel is the custom operator
   ``scaletool::mla_decode`` there; ``tuning=True`` adds Inductor's coordinate-descent tuning.
 - ``gemv=True``: bias-free linear layers through :mod:`scaletool.kernels.gemv` at up to 8 rows;
-  ``fuse=True`` with it: the model's pre-norm blocks fused for decoding (``Transformer.fuse_for_decode``: norms,
-  SwiGLU and residual adds in the one-row GEMV's launch); ``split=N``: the batch as N parts on N CUDA streams in
-  the one captured step (not compiled); ``pdl=True``: its Triton kernels under programmatic dependent launch
-  (:mod:`scaletool.kernels.pdl`; Hopper and newer).
+  ``split=N``: the batch as N parts on N CUDA streams in the one captured step (not compiled); ``pdl=True``:
+  its Triton kernels under programmatic dependent launch (:mod:`scaletool.kernels.pdl`; Hopper and newer).
 """
 from __future__ import annotations
 
@@ -41,7 +39,6 @@ class EagerSteps:
 
     cuda_graph, compiled, tuning, compile_s, graph_breaks, gemv_linears, split, pdl = (False, False, None, None, None, 0,
                                                                                        1, False)
-    fused_linears = 0
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int):
         self.model, self.caches, self.mode = model, caches, mode
@@ -72,7 +69,7 @@ class GraphSteps:
 
     def __init__(self, model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                  *, capture: bool, compile: bool = False, backend: str = "inductor", tuning: bool = False,
-                 gemv: bool = False, split: int = 1, pdl: bool = False, fuse: bool = False):
+                 gemv: bool = False, split: int = 1, pdl: bool = False):
         self.model, self.caches, self.mode = model, caches, mode
         self.pdl = bool(pdl) and pdl_kernels.supported(token.device)  # programmatic dependent launch
         self.token = token.clone()  # (B,) static: the graph reads and writes this storage
@@ -81,10 +78,7 @@ class GraphSteps:
         self.compiled = compile
         self.tuning = tuning if compile else None  # Inductor's coordinate-descent tuning
         # bias-free linear layers routed through the Triton GEMV at decode's few rows (0: cuBLAS throughout)
-        # (with fuse, first the pre-norm blocks' norms, SwiGLU and residual adds inside the GEMV's launch)
-        usable = gemv and gemv_usable(model)
-        self.fused_linears = model.fuse_for_decode() if usable and fuse else 0
-        self.gemv_linears = gemv_kernel.install(model) + self.fused_linears if usable else 0
+        self.gemv_linears = gemv_kernel.install(model) if gemv and gemv_usable(model) else 0
         self.compile_s: float | None = None  # seconds of the first compiled call (tracing and code generation)
         self.graph_breaks: int | None = None
         # split > 1: the batch as that many parts, each decoded on its own CUDA stream inside the one step
@@ -190,11 +184,10 @@ def gemv_usable(model: nn.Module) -> bool:
 
 def make_steps(model: Transformer, caches: nn.ModuleList, mode: DecodeMode, token: torch.Tensor, pos: int,
                cuda_graph: bool, compile: bool = False, backend: str = "inductor",
-               tuning: bool = False, gemv: bool = False, split: int = 1, pdl: bool = False,
-               fuse: bool = False) -> EagerSteps | GraphSteps:
+               tuning: bool = False, gemv: bool = False, split: int = 1, pdl: bool = False) -> EagerSteps | GraphSteps:
     """The stepper a benchmark point runs: captured static steps with ``cuda_graph``, compiled with
     ``compile`` (captured too on CUDA with ``cuda_graph``), else the reference."""
     if cuda_graph or compile or split > 1:
         return GraphSteps(model, caches, mode, token, pos, capture=cuda_graph, compile=compile, backend=backend,
-                          tuning=tuning, gemv=gemv, split=split, pdl=pdl, fuse=fuse)
+                          tuning=tuning, gemv=gemv, split=split, pdl=pdl)
     return EagerSteps(model, caches, mode, token, pos)

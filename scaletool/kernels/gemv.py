@@ -15,10 +15,7 @@ for shapes), so a compiled decode step keeps it inside one graph.
 
 At one row, each program loads its ``BLOCK_N`` whole rows of W into registers first and only then reads x:
 under programmatic dependent launch (:mod:`.pdl`) the program is scheduled while the kernel before it (which
-writes x) still runs, so the weights stream during that kernel's tail instead of after it. Holding the whole
-row of x, the one-row kernel also takes what a pre-norm block does around its projections
-(:func:`fused_linear`): an RMSNorm of x or SwiGLU's silu(gate)·up before the product, the residual add after
-it, each a kernel of its own otherwise.
+writes x) still runs, so the weights stream during that kernel's tail instead of after it.
 """
 from __future__ import annotations
 
@@ -71,8 +68,8 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 - Triton's launch-grid idiom
     if M == 1 and K <= ROW_MAX_K:  # whole rows of W in registers, loaded before waiting on x (module docstring)
-        _gemv_row_kernel[grid](x2, weight, y, y, y, 0.0, N, K, weight.stride(0), K_P2=triton.next_power_of_2(K),
-                               NORM=False, GLU=False, RESIDUAL=False, **pdl.launch(x.device))
+        _gemv_row_kernel[grid](x2, weight, y, N, K, weight.stride(0), K_P2=triton.next_power_of_2(K),
+                               **pdl.launch(x.device))
     else:
         _gemv_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
                            BLOCK_M=max(1, triton.next_power_of_2(M)), **pdl.launch(x.device))
@@ -103,85 +100,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return torch.ops.scaletool.gemv(x, weight)
     return gemv_triton(x, weight)
-
-
-def fused_reference(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What :func:`fused_linear` computes, in plain torch: ``glu`` takes x as [gate | up] halves and reads
-    silu(gate)·up, ``norm_weight`` an RMSNorm of that (eps ``eps``), then ``F.linear`` by ``weight`` and
-    ``residual`` added. Traceable: a compiled step fuses its element-wise parts into its own kernels."""
-    if glu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    if norm_weight is not None:
-        x = F.rms_norm(x, (x.shape[-1],), norm_weight.to(x.dtype), eps)
-    y = F.linear(x, weight)
-    return y if residual is None else residual + y
-
-
-def supports_fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, glu: bool,
-                   residual: torch.Tensor | None) -> str | None:
-    """None when the one-row kernel can run :func:`fused_linear` for these operands, else why not."""
-    K = x.shape[-1] // 2 if glu else x.shape[-1]
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows != 1 or (glu and x.shape[-1] % 2):
-        return f"{rows} rows: the fused prologue and epilogue are written for one"
-    if K > ROW_MAX_K:
-        return f"K = {K} past the one-row kernel's {ROW_MAX_K}"
-    why = supports(x[..., :K], weight)
-    if why is not None:
-        return why
-    if not x.is_contiguous():
-        return "x must be contiguous"
-    if norm_weight is not None and (norm_weight.shape != (K,) or norm_weight.device != x.device):
-        return "the norm weight must be a (K,) vector on x's device"
-    if residual is not None and (residual.numel() != weight.shape[0] or residual.dtype != x.dtype
-                                 or residual.device != x.device or not residual.is_contiguous()):
-        return "the residual must be a contiguous row of N elements in x's dtype on x's device"
-    return None
-
-
-def fused_triton(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`fused_reference` in one launch of the one-row kernel (:func:`supports_fused` must say None)."""
-    K = x.shape[-1] // 2 if glu else x.shape[-1]
-    N = weight.shape[0]
-    y = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731 - Triton's launch-grid idiom
-    _gemv_row_kernel[grid](x, weight, y, y if norm_weight is None else norm_weight, y if residual is None else residual,
-                           float(eps), N, K, weight.stride(0), K_P2=triton.next_power_of_2(K),
-                           NORM=norm_weight is not None, GLU=bool(glu), RESIDUAL=residual is not None,
-                           **pdl.launch(x.device))
-    return y
-
-
-def _fused_op(x, weight, norm_weight, eps, glu, residual):
-    if supports_fused(x, weight, norm_weight, glu, residual) is None:
-        return fused_triton(x, weight, norm_weight, eps, glu, residual)
-    return fused_reference(x, weight, norm_weight, eps, glu, residual)
-
-
-fused_op = torch.library.custom_op(
-    "scaletool::gemv_fused", _fused_op, mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor? norm_weight, float eps, bool glu, Tensor? residual) -> Tensor")
-
-
-@fused_op.register_fake
-def _(x, weight, norm_weight, eps, glu, residual):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def fused_linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`fused_reference` (a SwiGLU or RMSNorm before the product, a residual added after it) through the
-    one-row kernel where :func:`supports_fused` says it can, in one launch instead of two or three; inside
-    ``torch.compile`` as the opaque operator ``scaletool::gemv_fused``. Elsewhere (CPUs, several rows) the
-    plain composition, which a compiled step fuses as it did before."""
-    if supports_fused(x, weight, norm_weight, glu, residual) is not None:
-        return fused_reference(x, weight, norm_weight, eps, glu, residual)
-    if torch.compiler.is_compiling():
-        return torch.ops.scaletool.gemv_fused(x, weight, norm_weight, float(eps), bool(glu), residual)
-    return fused_triton(x, weight, norm_weight, eps, glu, residual)
 
 
 def install(model: nn.Module) -> int:
@@ -227,30 +145,14 @@ if triton is not None:
     _ROW_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8),
                                                                                (8, 8))]
 
-    @triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "NORM", "GLU", "RESIDUAL"])
+    @triton.autotune(configs=_ROW_CONFIGS, key=["N", "K"])
     @triton.jit
-    def _gemv_row_kernel(x, w, y, g, res, eps, N, K, s_wn, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
-        """One row of x: BLOCK_N whole rows of W per program, loaded before the wait for x. ``GLU``: x is
-        [gate | up] (2K) and the kernel multiplies by silu(gate)·up; ``NORM``: by RMSNorm(x) with weight g;
-        ``RESIDUAL``: adds res to the product (each in fp32, the kernel's input rounded to x's dtype once)."""
+    def _gemv_row_kernel(x, w, y, N, K, s_wn, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+        """One row of x: BLOCK_N whole rows of W per program, loaded before the wait for x."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, K_P2)
-        k_ok = rk < K
-        wt = tl.load(w + rn[:, None] * s_wn + rk[None, :], mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
-        if NORM:
-            gw = tl.load(g + rk, mask=k_ok, other=0.0).to(tl.float32)  # a weight too: before the wait
-        pdl.start(USE_PDL)  # the weights are no kernel's output: only x (and res) wait for the kernel before
-        xt = tl.load(x + rk, mask=k_ok, other=0.0)
-        if GLU:
-            gate = xt.to(tl.float32)
-            up = tl.load(x + K + rk, mask=k_ok, other=0.0).to(tl.float32)
-            xt = (gate * tl.sigmoid(gate) * up).to(y.dtype.element_ty)
-        if NORM:
-            xf = xt.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
-            xt = (xf * rstd * gw).to(y.dtype.element_ty)
+        wt = tl.load(w + rn[:, None] * s_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+        pdl.start(USE_PDL)  # the weights are no kernel's output: only x waits for the kernel before
+        xt = tl.load(x + rk, mask=rk < K, other=0.0)
         acc = tl.sum(wt.to(tl.float32) * xt[None, :].to(tl.float32), axis=1)
-        if RESIDUAL:
-            acc += tl.load(res + rn, mask=rn < N, other=0.0).to(tl.float32)
         tl.store(y + rn, acc.to(y.dtype.element_ty), mask=rn < N)

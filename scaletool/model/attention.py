@@ -23,7 +23,7 @@ from torch.nn.attention.bias import causal_lower_right
 from scaletool.config import ModelConfig
 from scaletool.kernels.mla_decode import KERNELS, absorb_query, latent_attention
 from scaletool.kinds.attention import MLA_MODES, CacheLayout, attention_kind
-from scaletool.model.layers import RMSNorm, fuse_linear, join_linears, output_projection
+from scaletool.model.layers import RMSNorm, join_linears
 from scaletool.model.positions import Positions, apply_rope
 
 _BACKENDS = {
@@ -232,19 +232,9 @@ class Attention(nn.Module):
                     dropout=self.dropout if self.training else 0.0, backends=self.backends)  # (B, T, H, hd)
         return self.wo(y.reshape(B, T, -1))
 
-    def fuse_for_decode(self, norm: nn.Module) -> int:
-        """Take ``norm`` (the block's RMSNorm before attention) into the joined, bias-free ``wqkv`` and let ``wo``
-        add the residual (:class:`~scaletool.model.layers.FusedLinear`); 2, or 0 where not joined or biased."""
-        if self.wqkv is None or self.wqkv.bias is not None:
-            return 0
-        fuse_linear(self.wqkv, norm)
-        fuse_linear(self.wo)
-        return 2
-
     def decode(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
-               mode: DecodeMode = DecodeMode(), residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending its k, v; plus
-        ``residual`` when given (in the output projection's kernel once fused).
+               mode: DecodeMode = DecodeMode()) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending its k, v.
 
         One algorithm: a mode (an MLA choice) is refused."""
         mla = mode.resolved(self.cfg).mla
@@ -255,7 +245,7 @@ class Attention(nn.Module):
         y = _cached_sdpa(q.transpose(1, 2), k, v, scale=self.scale, enable_gqa=self.gqa,
                          backends=self.decode_backends if T == 1 else self.backends,
                          length=valid_length(pos), bias=positions.bias)  # (B, H, T, hd)
-        return output_projection(self.wo, y.transpose(1, 2).reshape(B, T, -1), residual)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()
     def probs(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:
@@ -364,19 +354,9 @@ class MLA(nn.Module):
                     dropout=self.dropout if self.training else 0.0, backends=self.backends)  # (B, T, H, v)
         return self.wo(y.reshape(B, T, -1))
 
-    def fuse_for_decode(self, norm: nn.Module) -> int:
-        """Take ``norm`` (the block's RMSNorm before attention) into the joined ``w_in`` and let ``wo`` add the
-        residual (:class:`~scaletool.model.layers.FusedLinear`); 2, or 0 where the projections are not joined."""
-        if self.w_in is None:
-            return 0
-        fuse_linear(self.w_in, norm)
-        fuse_linear(self.wo)
-        return 2
-
     def decode(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
-               mode: DecodeMode = DecodeMode(), residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending to it; plus
-        ``residual`` when given (in the output projection's kernel once fused).
+               mode: DecodeMode = DecodeMode()) -> torch.Tensor:
+        """Causal attention of x (B,T,d) at positions pos.. over the cache, after appending to it.
 
         ``naive``: the cache holds up-projected per-head k and v; plain cached SDPA.
         ``absorbed``: the cache holds c_kv and k_pe only. Decode steps (T = 1) then run as
@@ -400,16 +380,15 @@ class MLA(nn.Module):
         else:
             cached = cache.update(pos, *latent)  # (B,S,c)[, (B,S,rope)]
             if mla == "absorbed" and T == 1:
-                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], *cached, valid_length(pos), mode.kernel,
-                                           residual)
+                return self._absorbed_step(q_nope[:, 0], q_pe[:, 0], *cached, valid_length(pos), mode.kernel)
             S = cached[0].shape[1]
             k, v = (t.transpose(1, 2) for t in self.expand(cached, positions.key_rotation(S) if self.per_head else None))
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # (B,H,T,qk)
         y = _cached_sdpa(q, k, v, scale=self.scale, enable_gqa=False, length=valid_length(pos), bias=positions.bias,
                          backends=self.decode_backends if T == 1 else self.backends).transpose(1, 2)  # (B,T,H,v)
-        return output_projection(self.wo, y.reshape(B, T, -1), residual)
+        return self.wo(y.reshape(B, T, -1))
 
-    def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, kernel: str, residual=None) -> torch.Tensor:
+    def _absorbed_step(self, q_nope, q_pe, c_kv, k_pe, length, kernel: str) -> torch.Tensor:
         """One query per sequence, q_nope (B,H,nope), q_pe (B,H,rope), over the latent cache -> (B,1,d)."""
         B = q_nope.shape[0]
         w_uk, w_uv = self.wkv_b.weight.view(-1, self.nope + self.v_dim, self.kv_lora_rank).split(
@@ -417,7 +396,7 @@ class MLA(nn.Module):
         q_lat = absorb_query(q_nope, w_uk)  # (B,H,c): at a few sequences one Triton launch on CUDA
         # (B,H,v): the latent-weighted sum through W_UV (at a few sequences in the kernel's merge launch)
         y = latent_attention(q_lat, q_pe, c_kv, k_pe, self.scale, kernel=kernel, lengths=length, w_uv=w_uv)
-        return output_projection(self.wo, y.reshape(B, 1, -1), residual)
+        return self.wo(y.reshape(B, 1, -1))
 
     @torch.no_grad()
     def probs(self, x: torch.Tensor, positions: Positions, causal: bool = True) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scaletool.config import ModelConfig
-from scaletool.kernels import gemv
 
 #: The recipe's dtype names as torch dtypes (the one map; everything that needs one imports it).
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,44 +41,6 @@ def join_linears(parts: list[nn.Linear]) -> nn.Linear:
     if first.bias is not None:
         out.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=grad)
     return out
-
-
-class FusedLinear(nn.Linear):
-    """A bias-free ``nn.Linear`` of a pre-norm block with what the block does around it at decode time:
-    ``norm`` (an RMSNorm applied to the input first), ``glu`` (the input is SwiGLU's [gate | up] and the
-    layer reads silu(gate)·up), and ``forward(x, residual)`` adding the residual stream to the product. At
-    one row on CUDA that is one launch of :func:`scaletool.kernels.gemv.fused_linear` where a compiled step
-    ran two or three kernels; elsewhere the plain composition. Made by :func:`fuse_linear` (the class of an
-    existing module is swapped: its weight and name stay; a norm it takes moves into it)."""
-
-    norm: nn.Module | None  # set by fuse_linear (no class default: it would shadow a registered submodule)
-    glu: bool
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        norm = self.norm
-        eps = 0.0 if norm is None else (norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps)
-        return gemv.fused_linear(x, self.weight, None if norm is None else norm.weight, eps, self.glu, residual)
-
-
-def fuse_linear(linear: nn.Linear, norm: nn.Module | None = None, glu: bool = False) -> FusedLinear:
-    """``linear`` (bias-free) as a :class:`FusedLinear` reading ``norm``'s RMSNorm of its input (or silu(gate)·up
-    with ``glu``), in place."""
-    if linear.bias is not None or (norm is not None and not isinstance(norm, nn.RMSNorm)):
-        raise ValueError("fuse_linear: a bias-free linear layer, and an RMSNorm if any")
-    linear.__class__ = FusedLinear
-    linear.__dict__.pop("forward", None)  # a forward scaletool.kernels.gemv.install bound to the instance
-    linear.norm = norm
-    linear.glu = glu
-    return linear
-
-
-def output_projection(linear: nn.Module, y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """``residual + linear(y)`` (``linear(y)`` without a residual): in the product's kernel for a
-    :class:`FusedLinear`."""
-    if isinstance(linear, FusedLinear):
-        return linear(y, residual)
-    y = linear(y)
-    return y if residual is None else residual + y
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -114,24 +75,11 @@ class FeedForward(nn.Module):
         del self.w1, self.w3
         return 1
 
-    def fuse_for_decode(self, norm: nn.Module) -> int:
-        """Take ``norm`` (the block's RMSNorm before this FFN) into the joined w13 and SwiGLU into w2
-        (:class:`FusedLinear`); 2, or 0 where there is no joined bias-free w13."""
-        if self.w13 is None or self.w13.bias is not None or self.w2.bias is not None:
-            return 0
-        fuse_linear(self.w13, norm)
-        fuse_linear(self.w2, glu=True)
-        return 2
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The FFN of x, plus ``residual`` when given (added in w2's kernel once fused)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            h = self.w13(x)
-            if isinstance(self.w2, FusedLinear) and self.w2.glu:
-                return self.w2(h, residual)  # silu(gate)·up inside (fuse_for_decode)
-            gate, up = h.chunk(2, dim=-1)
-            return output_projection(self.w2, F.silu(gate) * up, residual)
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         if self.kind == "swiglu":
-            return output_projection(self.w2, F.silu(self.w1(x)) * self.w3(x), residual)
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
         act = F.gelu if self.kind == "gelu" else F.relu
-        return output_projection(self.w2, act(self.w1(x)), residual)
+        return self.w2(act(self.w1(x)))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from scaletool.config import ModelConfig
 from scaletool.kinds.attention import position_kind
 from scaletool.model.attention import DecodeMode, make_attention
-from scaletool.model.layers import FusedLinear, make_norm
+from scaletool.model.layers import make_norm
 from scaletool.model.moe import MoE, aux_loss, make_ffn
 from scaletool.model.positions import ALiBi, Positions, RotaryEmbedding, SinusoidalTable
 
@@ -56,31 +56,9 @@ class Block(nn.Module):
         x = self._residual(x, self.attn_norm, lambda h: self.attn(h, positions, causal), self.drop)
         return self._residual(x, self.ffn_norm, self.ffn, self.drop)
 
-    def fuse_for_decode(self) -> int:
-        """A pre-norm RMSNorm block's norms into the projections after them, SwiGLU into w2 and the residual
-        adds into the output projections (``scaletool.model.layers.FusedLinear``; at decode's one row each
-        is then one kernel with its product); the norms' weights move into the layers that read them.
-        Needs joined projections (``Transformer.join_projections``); an MoE FFN keeps its norm and add.
-        Returns the number of fused linear layers (idempotent)."""
-        if self.post or not isinstance(self.attn_norm, nn.RMSNorm | nn.Identity):
-            return 0
-        if isinstance(self.attn_norm, nn.RMSNorm):
-            if not self.attn.fuse_for_decode(self.attn_norm):
-                return 0
-            self.attn_norm = nn.Identity()
-        if isinstance(self.ffn_norm, nn.RMSNorm) and hasattr(self.ffn, "fuse_for_decode") and \
-                self.ffn.fuse_for_decode(self.ffn_norm):
-            self.ffn_norm = nn.Identity()
-        return sum(isinstance(m, FusedLinear) for m in self.modules())
-
     def step(self, x: torch.Tensor, positions: Positions, cache, pos: int | torch.Tensor,
              mode: DecodeMode) -> torch.Tensor:
         """Inference: causal attention over ``cache`` (appended to), no dropout."""
-        if isinstance(self.attn.wo, FusedLinear):  # fuse_for_decode: norms and adds inside the projections
-            x = self.attn.decode(x, positions, cache, pos, mode, residual=x)
-            if isinstance(self.ffn_norm, nn.Identity):
-                return self.ffn(x, residual=x)
-            return x + self.ffn(self.ffn_norm(x))
         x = self._residual(x, self.attn_norm, lambda h: self.attn.decode(h, positions, cache, pos, mode), _identity)
         return self._residual(x, self.ffn_norm, self.ffn, _identity)
 
@@ -157,11 +135,6 @@ class Transformer(nn.Module):
         the joined layers replace their parts, so a joined model's state dict has the joined names.
         Returns how many groups were joined (0 when already joined)."""
         return sum(m.join_projections() for m in self.modules() if m is not self and hasattr(m, "join_projections"))
-
-    def fuse_for_decode(self) -> int:
-        """Every block's :meth:`Block.fuse_for_decode` (after :meth:`join_projections`); the number of fused
-        linear layers. The norms' weights move into the layers that read them (state-dict names too)."""
-        return sum(layer.fuse_for_decode() for layer in self.layers)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -36,7 +36,6 @@ class DecodePoint(_Part):
     compile_tuning: bool | None = None  # compiled with Inductor's coordinate-descent tuning
     compile_s: float | None = None  # seconds of the first compiled call (trace + code generation)
     gemv_linears: int | None = None  # linear layers through the Triton GEMV at decode's few rows (0: cuBLAS)
-    gemv_fused_linears: int | None = None  # of the model's linears, those with a norm, SwiGLU or residual add inside
     decode_host_issue_s_per_step: float | None = None  # host seconds per step to issue the timed steps (CUDA: asynchronous)
     split_streams: int | None = None  # the batch's parts, each on its own CUDA stream in the step (1: one)
     pdl: bool | None = None  # the step's Triton kernels under programmatic dependent launch

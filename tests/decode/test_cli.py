@@ -288,17 +288,4 @@ def test_pdl_defaults_to_the_gpu_having_it_and_the_gemv_to_pdl_under_compile(mon
     res = api.decode(TINY, **kw)
     assert res.settings["pdl"] is True and res.settings["gemv"] is False  # no compile: ATen's kernels around it
     assert api.decode(TINY, **kw, pdl=False).settings["pdl"] is False
-    res = api.decode(TINY, **kw, gemv=True)
-    assert res.settings["gemv"] is True and res.settings["fuse_gemv"] is True  # fused with the GEMV by default
-    assert res.points[0].gemv_fused_linears == 0  # a CPU runs no GEMV, so nothing is fused
-    assert api.decode(TINY, **kw, gemv=True, fuse_gemv=False).settings["fuse_gemv"] is False
-    assert api.decode(TINY, **kw, gemv=True, join_projections=False).settings["fuse_gemv"] is False
-    assert api.decode(TINY, **kw).settings["fuse_gemv"] is False  # no GEMV: nothing to fuse into
-
-
-def test_fuse_gemv_flags_parse_and_are_recorded():
-    args = [TINY, *FAST, "--context", "8", "--new-tokens", "2", "--gemv", "--json"]
-    on, off = _decode(*args), _decode(*args, "--no-fuse-gemv")
-    assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
-    assert json.loads(on.stdout)["settings"]["fuse_gemv"] is True and json.loads(off.stdout)["settings"]["fuse_gemv"] is False
-    assert "--fuse-gemv" in _decode("--help").output
+    assert api.decode(TINY, **kw, gemv=True).settings["gemv"] is True

@@ -16,7 +16,6 @@ from scaletool.decode.generate import prefill
 from scaletool.decode.steps import EagerSteps, GraphSteps, make_steps
 from scaletool.model.attention import DecodeMode
 from scaletool.model.cache import make_caches, replicate_first_row
-from scaletool.model.layers import FusedLinear
 
 
 def _run(cls_or_factory, model, cfg, mode, B, T, steps, device="cpu", dtype=torch.float32, **kw):
@@ -234,69 +233,3 @@ def test_joined_projections_decode_the_same_tokens_and_caches(label):
     assert torch.equal(same, plain)
     for a, b in zip(c_plain.buffers(), c_same.buffers()):
         torch.testing.assert_close(a, b)
-
-
-_MOE = {"model.ffn": "moe", "model.n_routed_experts": 4, "model.num_experts_per_tok": 2, "model.n_shared_experts": 1,
-        "model.moe_intermediate_size": 32, "model.first_k_dense_replace": 1}
-
-
-@pytest.mark.parametrize("label, extra, per_layer", [
-    ("mha", {}, [4, 4]), ("gqa", {}, [4, 4]), ("mla", {}, [4, 4]), ("mla-naive", {}, [4, 4]),
-    ("mla-per_head", {}, [4, 4]), ("mla", _MOE, [4, 2]),  # the MoE block keeps its FFN norm and add
-    ("gqa", {"model.qkv_bias": True}, [0, 0]), ("mha-nope-post", {}, [0, 0]), ("mha", {"model.ffn": "gelu"}, [2, 2])])
-def test_fused_blocks_decode_the_same_tokens_and_caches(label, extra, per_layer):
-    """Transformer.fuse_for_decode (after join_projections): the norms inside the first projections, SwiGLU
-    inside w2, the residual adds inside the output projections. Decoding, prefill and the training forward
-    give what the unfused model gives; blocks it cannot fuse (biased qkv, post-norm) stay as they were."""
-    cfg, model, mla = tiny_model(label, **extra)
-    mode = DecodeMode(mla, "torch")
-    model.join_projections()
-    tokens = torch.randint(cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
-    logits = model(tokens)
-    plain, c_plain = _run(GraphSteps, model, cfg, mode, 3, 9, 12, capture=False)
-    n_params = model.num_params()
-    fused = model.fuse_for_decode()
-    assert [layer.fuse_for_decode() for layer in model.layers] == per_layer and fused == sum(per_layer)
-    assert model.num_params() == n_params
-    keys = set(model.state_dict())
-    assert ("layers.0.attn_norm.weight" in keys) == (per_layer[0] == 0)
-    torch.testing.assert_close(model(tokens), logits, rtol=1e-5, atol=1e-5)
-    for cls, kw in ((GraphSteps, {"capture": False}), (EagerSteps, {})):
-        same, c_same = _run(cls, model, cfg, mode, 3, 9, 12, **kw)
-        assert torch.equal(same, plain)
-        for a, b in zip(c_plain.buffers(), c_same.buffers()):
-            torch.testing.assert_close(a, b)
-
-
-def test_the_steppers_fuse_only_with_the_gemv_and_the_compiled_fused_step_keeps_the_tokens():
-    cfg, model, mla = tiny_model("mla")
-    model.join_projections()
-    caches = make_caches(cfg, 1, 8, dtype=torch.float32, device="cpu", mla_mode=mla)
-    st = make_steps(model, caches, DecodeMode(mla, "torch"), torch.zeros(1, dtype=torch.long), 2, False,
-                    compile=False, gemv=True, fuse=True)
-    assert st.fused_linears == 0 and st.gemv_linears == 0  # no GEMV on a CPU: nothing fused either
-    assert not any(isinstance(m, FusedLinear) for m in model.modules())
-    eager, _ = _run(EagerSteps, model, cfg, DecodeMode(mla, "torch"), 1, 7, 6)
-    model.fuse_for_decode()
-    backend = "inductor" if shutil.which("cc") or shutil.which("gcc") else "aot_eager"
-    compiled, _ = _run(make_steps, model, cfg, DecodeMode(mla, "triton"), 1, 7, 6, cuda_graph=False, compile=True,
-                       backend=backend)
-    assert torch.equal(compiled, eager)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("label", ["mha", "mla"])
-def test_the_fused_one_row_step_agrees_with_eager_decoding(label):
-    """Batch 1 (one row: the fused kernel runs), joined and fused, compiled, under PDL, captured: the tokens
-    eager decoding of the unfused model gives."""
-    cfg, model, mla = tiny_model(label, **{"model.dtype": "bf16", "model.kv_lora_rank": 64,
-                                           "model.qk_rope_head_dim": 16} if label == "mla" else {})
-    model = model.to("cuda", torch.bfloat16)
-    model.join_projections()
-    mode = DecodeMode(mla, "auto")
-    eager, _ = _run(EagerSteps, model, cfg, mode, 1, 40, 24, device="cuda", dtype=torch.bfloat16)
-    graph, _ = _run(make_steps, model, cfg, mode, 1, 40, 24, device="cuda", dtype=torch.bfloat16, cuda_graph=True,
-                    compile=True, gemv=True, pdl=True, fuse=True)
-    assert sum(isinstance(m, FusedLinear) for m in model.modules()) == 4 * cfg.n_layers
-    assert torch.equal(graph[:, :4], eager[:, :4])
-    assert (graph == eager).float().mean() > 0.9
