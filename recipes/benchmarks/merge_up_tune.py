@@ -3,10 +3,10 @@
 Usage (GPU machine, repo root; under a minute on one H100):
     python recipes/benchmarks/merge_up_tune.py --out merge_up.json
 
-mla-1b's heads (16, kv_lora_rank 512, 128 values per head) at batch 1 with the split counts the tuned
-latent kernel uses there (32 at 4K, 64 at 8K-32K). Each candidate (values per program, warps) runs 16 times
-in one CUDA graph (a step's 16 layers, each with its own W_UV so none is served from L2 by the one
-before); the reference is ``merge_splits_triton`` followed by the einsum, the two launches it replaces.
+mla-1b's heads (16, kv_lora_rank 512, 128 values per head) at batch 1 with the split counts its decode step's
+static caches get from the tuned latent kernel (33 at 4K, 57 at 32K) and 64. Each candidate (latent channels
+per program, warps) runs 16 times in one CUDA graph (a step's 16 layers, each with its own W_UV so none is
+served from L2 by the one before); the reference is ``merge_splits_triton`` followed by the einsum, the two launches it replaces.
 Median, p10, p90 over ``--reps`` replays (3 warm-up replays excluded), microseconds per layer.
 """
 from __future__ import annotations
@@ -55,19 +55,21 @@ def main(argv=None) -> int:
            "card": torch.cuda.get_device_name(),
            "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda},
            "shape": {"batch": 1, "heads": H, "kv_lora_rank": C, "v_head_dim": V, "layers": LAYERS}, "points": []}
-    for splits in (32, 64):
+    for splits in (33, 57, 64):  # mla-1b's static caches at 4K and 32K split into 33 and 57
         o_part = torch.randn(1, splits, H, C, device="cuda", generator=g)
         lse = torch.randn(1, splits, H, device="cuda", generator=g)
         ref = timed(lambda o=o_part, s=lse: [k.up_project(k.merge_splits_triton(o, s, torch.bfloat16), w) for w in w_uvs])
         out["points"].append({"splits": splits, "kernel": "merge + einsum", "time_s": ref})
         print(f"{splits:3d} splits  merge + einsum       {ref['median'] * 1e6:6.2f} us", flush=True)
-        for block_v in (16, 32, 64, 128):
+        counters = [torch.zeros(H, device="cuda", dtype=torch.int32) for _ in w_uvs]  # each call leaves them at 0
+        for block_c in (32, 64, 128):
             for warps in (4, 8):
-                t = timed(lambda o=o_part, s=lse, bv=block_v, nw=warps: [k.merge_up_triton(o, s, w, torch.bfloat16, bv, nw)
-                                                                     for w in w_uvs])
-                out["points"].append({"splits": splits, "kernel": "merge_up", "block_v": block_v, "num_warps": warps,
+                t = timed(lambda o=o_part, s=lse, cs=counters, bc=block_c, nw=warps: [
+                    k.merge_up_triton(o, s, w, torch.bfloat16, counters=c, block_c=bc, num_warps=nw)
+                    for w, c in zip(w_uvs, cs)])
+                out["points"].append({"splits": splits, "kernel": "merge_up", "block_c": block_c, "num_warps": warps,
                                       "time_s": t})
-                print(f"{splits:3d} splits  block_v {block_v:3d} warps {warps}  {t['median'] * 1e6:6.2f} us "
+                print(f"{splits:3d} splits  block_c {block_c:3d} warps {warps}  {t['median'] * 1e6:6.2f} us "
                       f"({t['p10'] * 1e6:.2f}-{t['p90'] * 1e6:.2f})", flush=True)
     a.out.write_text(json.dumps(out, indent=1))
     return 0

@@ -244,48 +244,62 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     out = torch.empty(B, H, C, device=c_kv.device, dtype=q_lat.dtype) if direct else None
     o_part = out[:, None] if direct else torch.empty(B, n_splits, H, C, device=c_kv.device, dtype=torch.float32)
     lse_part = torch.empty(B, n_splits, H, device=c_kv.device, dtype=torch.float32)
+    merge_up = w_uv is not None and B <= MERGE_UP_MAX_ROWS and not direct
+    # the merge-up's per-head arrival counters, zeroed by this kernel (no memset between the two launches)
+    counters = torch.empty(B * H, device=c_kv.device, dtype=torch.int32) if merge_up else lse_part
     if lengths is None:
         len_ptr, len_stride = lse_part, 0  # unused: HAS_LENGTHS is off
     else:
         len_ptr = lengths.reshape(-1)
         len_stride = 0 if len_ptr.numel() == 1 else 1
     _latent_decode_kernel[(B, n_splits, triton.cdiv(H, _BLOCK_H))](
-        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, len_ptr, len_stride, H, S, split_len, scale,
+        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, len_ptr, len_stride, H, S, split_len, scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None,
+        C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None, ZERO_COUNTERS=merge_up,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
     if direct:
         return up_project(out, w_uv)
-    if w_uv is not None and B <= MERGE_UP_MAX_ROWS:
-        return merge_up_triton(o_part, lse_part, w_uv, q_lat.dtype)
+    if merge_up:
+        return merge_up_triton(o_part, lse_part, w_uv, q_lat.dtype, counters=counters)
     return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
 
 
-#: the most sequences whose split merge also applies W_UV; each (sequence, head) program reads its head's
-#: W_UV slice, so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
+#: the most sequences whose split merge also applies W_UV; each (sequence, head, channel block) program reads its
+#: slice of W_UV[h], so larger batches read W_UV once per sequence and the merge plus one batched GEMM is cheaper
 MERGE_UP_MAX_ROWS = 8
-_MERGE_UP_BLOCK_V = 32  # value columns per program: B·H·V/32 programs (64 at batch 1, 16 heads of 128)
-_MERGE_UP_WARPS = 4  # merge_up_tune.py on an H100: 4.6 µs a layer at 32 splits against 6.2 with 8 warps
+_MERGE_UP_BLOCK_C = 64  # latent channels per program: B·H·C/64 programs (128 at batch 1, 16 heads of 512)
+_MERGE_UP_WARPS = 4
 
 
 def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Tensor, dtype: torch.dtype,
-                    block_v: int = _MERGE_UP_BLOCK_V, num_warps: int = _MERGE_UP_WARPS) -> torch.Tensor:
-    """:func:`up_project` of :func:`merge_splits` in one launch, written in ``dtype``: programs over
-    (B, H, V / block_v), each merging its head's splits in fp32 and multiplying by block_v rows of W_UV[h]
-    (``recipes/benchmarks/merge_up_tune.py`` times the choices)."""
+                    counters: torch.Tensor | None = None, block_c: int = _MERGE_UP_BLOCK_C,
+                    num_warps: int = _MERGE_UP_WARPS) -> torch.Tensor:
+    """:func:`up_project` of :func:`merge_splits` in one launch, written in ``dtype``. Programs over
+    (B, H, C / block_c): each loads every split's partial of its ``block_c`` channels at once (one round trip,
+    however many splits), merges them in fp32 and multiplies by W_UV[h]'s matching columns, a partial of the
+    head's V values; the last of a head's programs to arrive (an int32 counter per (sequence, head),
+    ``counters``: zeros, or None for fresh ones; left at zero again) sums the C / block_c partials in a fixed
+    order and writes the output, so the result does not depend on the arrival order. ``recipes/benchmarks/merge_up_tune.py`` times
+    the choices."""
     B, n_splits, H, C = o_part.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, C) or w_uv.stride(-1) != 1:
         raise ValueError(f"w_uv must be (H={H}, V, C={C}) with C contiguous, got {tuple(w_uv.shape)}")
+    block_c = min(block_c, C)
+    if C % block_c:
+        raise ValueError(f"block_c {block_c} must divide C={C}")
+    v_p2 = triton.next_power_of_2(V)
+    if counters is None:
+        counters = torch.zeros(B * H, device=o_part.device, dtype=torch.int32)
+    scratch = torch.empty(B * H, C // block_c, v_p2, device=o_part.device, dtype=torch.float32)
     out = torch.empty(B, H, V, device=o_part.device, dtype=dtype)
-    block_v = min(block_v, triton.next_power_of_2(V))
-    _merge_up_kernel[(B, H, triton.cdiv(V, block_v))](
-        o_part, lse_part, w_uv, out, n_splits, V, o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-        C=C, BLOCK_V=block_v, BLOCK_SPLITS=triton.next_power_of_2(n_splits), SPLIT_CHUNK=8, num_warps=num_warps,
-        **pdl.launch(o_part.device))
+    _merge_up_kernel[(B, H, C // block_c)](
+        o_part, lse_part, w_uv, out, scratch, counters, n_splits, H, V, o_part.stride(0), o_part.stride(1),
+        o_part.stride(2), lse_part.stride(0), lse_part.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0),
+        out.stride(1), C=C, V_P2=v_p2, BLOCK_C=block_c, BLOCK_SPLITS=triton.next_power_of_2(n_splits),
+        num_warps=num_warps, **pdl.launch(o_part.device))
     return out
 
 
@@ -317,10 +331,10 @@ if triton is not None:
     from scaletool.kernels.pdl import start as _pdl_start
 
     @triton.jit
-    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, lengths, s_len, H, S, split_len, sm_scale,
-                              s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
+    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, lengths, s_len, H, S, split_len,
+                              sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
                               C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr, USE_PDL: tl.constexpr):
+                              HAS_LENGTHS: tl.constexpr, ZERO_COUNTERS: tl.constexpr, USE_PDL: tl.constexpr):
         _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
@@ -328,6 +342,8 @@ if triton is not None:
         offs_c = tl.arange(0, C)
         offs_r = tl.arange(0, R)
         h_ok = offs_h < H
+        if ZERO_COUNTERS:  # the merge-up's arrival counters for these heads (it runs after this kernel ends)
+            tl.store(counters + b * H + offs_h, tl.zeros([BLOCK_H], tl.int32), mask=h_ok & (sp == 0))
         if HAS_LENGTHS:
             length = tl.minimum(tl.load(lengths + b * s_len).to(tl.int32), S)
         else:
@@ -394,21 +410,37 @@ if triton is not None:
         tl.store(out + b * s_yb + h * s_yh + offs_c, merged.to(out.dtype.element_ty))
 
     @triton.jit
-    def _merge_up_kernel(o_part, lse_part, w_uv, out, n_splits, V, s_ob, s_os, s_oh, s_lb, s_ls, s_wh, s_wv, s_yb,
-                         s_yh, C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                         SPLIT_CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _merge_up_kernel(o_part, lse_part, w_uv, out, scratch, counters, n_splits, H, V, s_ob, s_os, s_oh, s_lb, s_ls,
+                         s_wh, s_wv, s_yb, s_yh, C: tl.constexpr, V_P2: tl.constexpr, BLOCK_C: tl.constexpr,
+                         BLOCK_SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
+        """Head h of sequence b, channels cb·BLOCK_C..: every split's partial at once, merged, times W_UV[h]'s
+        columns; the head's last program to arrive sums the parts (merge_up_triton)."""
         b = tl.program_id(0).to(tl.int64)
-        h, vb = tl.program_id(1), tl.program_id(2)
-        offs_c = tl.arange(0, C)
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        h, cb = tl.program_id(1), tl.program_id(2)
+        NC: tl.constexpr = C // BLOCK_C
+        offs_v = tl.arange(0, V_P2)
         v_ok = offs_v < V
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         # a weight: loaded before the wait for the splits (under PDL, during the attention kernel's tail)
         wt = tl.load(w_uv + h * s_wh + offs_v[:, None] * s_wv + offs_c[None, :], mask=v_ok[:, None], other=0.0)
         _pdl_start(USE_PDL)
-        merged = _merged(o_part, lse_part, b, h, offs_c, n_splits, s_ob, s_os, s_oh, s_lb, s_ls,
-                         C, BLOCK_SPLITS, SPLIT_CHUNK)
-        y = tl.sum(wt.to(tl.float32) * merged[None, :], 1)  # (BLOCK_V,)
-        tl.store(out + b * s_yb + h * s_yh + offs_v, y.to(out.dtype.element_ty), mask=v_ok)
+        all_s = tl.arange(0, BLOCK_SPLITS)
+        s_ok = all_s < n_splits
+        lse = tl.load(lse_part + b * s_lb + all_s * s_ls + h, mask=s_ok, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))  # the max is finite: split 0 holds position 0
+        o = tl.load(o_part + b * s_ob + all_s[:, None] * s_os + h * s_oh + offs_c[None, :], mask=s_ok[:, None],
+                    other=0.0)
+        merged = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)  # (BLOCK_C,) fp32
+        part = tl.sum(wt.to(tl.float32) * merged[None, :], 1)  # (V_P2,): this block's share of the head's values
+        row = b * H + h
+        tl.store(scratch + (row * NC + cb) * V_P2 + offs_v, part)
+        tl.debug_barrier()  # every thread's store issued before the arrival (release) below
+        arrived = tl.atomic_add(counters + row, 1, sem="acq_rel", scope="gpu")
+        if arrived == NC - 1:  # the last of the head's NC programs: the parts in a fixed order
+            parts = tl.load(scratch + (row * NC + tl.arange(0, NC))[:, None] * V_P2 + offs_v[None, :],
+                            cache_modifier=".cg")
+            tl.store(out + b * s_yb + h * s_yh + offs_v, tl.sum(parts, 0).to(out.dtype.element_ty), mask=v_ok)
+            tl.store(counters + row, 0)  # ready for the next call that passes the same counters
 
     @triton.jit
     def _absorb_q_kernel(q, w, out, B, N, C, s_qb, s_qh, s_wh, s_wn, s_ob, s_oh, N_P2: tl.constexpr,

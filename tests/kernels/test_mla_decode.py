@@ -148,6 +148,26 @@ def test_merge_with_w_uv_equals_the_merge_then_the_up_projection(B, splits, V):
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("block_c", [32, 64, 128, 512])
+def test_the_merge_up_sums_its_channel_blocks_in_a_fixed_order_and_leaves_its_counters_at_zero(block_c):
+    """Each head's C / block_c programs arrive in any order; the last sums their parts in block order, so two
+    calls give the same bits, and the counters it was given are zero again after it (reusable)."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    o_part = torch.randn(2, 57, 16, 512, generator=g, device="cuda")
+    lse = torch.randn(2, 57, 16, generator=g, device="cuda") * 4
+    w_uv = _w_uv(16, 128, 512, nope=128, dtype=torch.bfloat16, device="cuda")
+    counters = torch.zeros(2 * 16, device="cuda", dtype=torch.int32)
+    outs = [kernels.merge_up_triton(o_part, lse, w_uv, torch.bfloat16, counters=counters, block_c=block_c)
+            for _ in range(3)]
+    assert not counters.any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    want = kernels.up_project(kernels.merge_splits(o_part, lse), w_uv.float())
+    torch.testing.assert_close(outs[0].float(), want, atol=0.1, rtol=2e-2)
+    with pytest.raises(ValueError, match="must divide"):
+        kernels.merge_up_triton(o_part, lse, w_uv, torch.bfloat16, block_c=96)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("B,S,cfg", [(1, 4096, None), (1, 100, kernels.KernelConfig(n_splits=1, direct=True)),
                                      (20, 2000, None), (4, 333, kernels.KernelConfig(n_splits=3))])
 def test_triton_kernel_with_w_uv_matches_the_reference(B, S, cfg):
