@@ -191,11 +191,19 @@ class KernelConfig:
     direct: bool = False
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
-        """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs."""
+        """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs.
+
+        Split lengths are whole tiles, so no split but the last is ragged and none is empty. Where the
+        merge applies W_UV (at most :data:`MERGE_UP_MAX_ROWS` sequences), whose cost hardly grows with the
+        split count, a sequence a few positions past n whole-tile splits (a static decode cache: 4,131
+        positions for a 4,096 context) keeps the n splits' length and adds one short split, instead of
+        rounding every split up by a tile (n = 64: 65 one-tile splits, not 33 of two tiles)."""
         want = self.n_splits or int(self.programs_per_sm * sms) // (B * _cdiv(H, _BLOCK_H))
         n = max(1, min(want, self.max_splits, S // self.min_split))
-        # split lengths are whole tiles so no split but the last is ragged and none is empty
         split_len = _cdiv(_cdiv(S, n), self.block_s) * self.block_s
+        tight = S // n // self.block_s * self.block_s
+        if 1 < n and B <= MERGE_UP_MAX_ROWS and tight and _cdiv(S, tight) <= n + 1:
+            split_len = tight
         return _cdiv(S, split_len), split_len
 
 

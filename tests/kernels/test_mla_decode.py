@@ -72,6 +72,15 @@ def test_splits_cover_the_sequence_in_whole_tiles_and_none_is_empty(B, H, S, cfg
     assert n == 1 or programs <= cfg.programs_per_sm * 132 + B * -(-H // 16)  # splits stop at the target
 
 
+def test_a_static_cache_a_few_rows_past_the_tuned_splits_gets_one_short_split_more_where_the_merge_applies_w_uv():
+    cfg = kernels.KernelConfig(n_splits=64)
+    assert cfg.splits(1, 16, 4096, 132) == (64, 64)
+    assert cfg.splits(1, 16, 4131, 132) == (65, 64)  # 4,096 + the decode's 35 extra positions
+    assert cfg.splits(8, 16, 32803, 132) == (65, 512)
+    assert cfg.splits(9, 16, 4131, 132) == (33, 128)  # past MERGE_UP_MAX_ROWS the serial merge: tiles rounded up
+    assert cfg.splits(1, 16, 4096 + 100, 132) == (33, 128)  # more than one short split: rounded up as before
+
+
 def test_merging_splits_equals_one_softmax_over_all_keys():
     q_lat, q_pe, c_kv, k_pe = _inputs(2, 3, 16, 8, 10, torch.float32)
     whole = kernels.latent_attention_reference(q_lat, q_pe, c_kv, k_pe, 0.5)
