@@ -1,4 +1,5 @@
-"""Argument checks the GPU probe scripts share (``sm_partition.py``, ``l2_prefetch.py``, ``merge_up_tune.py``):
+"""Argument checks the GPU probe scripts share (``sm_partition.py``, ``l2_prefetch.py``, ``merge_up_tune.py``,
+``read_ceiling.py``):
 a bad value is argparse's one ``error:`` line and exit 2 before anything runs or is written."""
 from __future__ import annotations
 

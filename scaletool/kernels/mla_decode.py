@@ -32,6 +32,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs: the torch reference serves
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
+except ImportError:  # no Triton, or one without host-side descriptors: ordinary loads only
+    _TensorDescriptor = None
 
 KERNELS = ("auto", "triton", "torch")
 _BLOCK_H = 16  # heads per program: tl.dot needs M >= 16; smaller head counts are padded (masked)
@@ -118,28 +122,31 @@ def _(q_lat, q_pe, c_kv, k_pe, scale, lengths, w_uv=None):
 def absorb_query(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """q_nope (B, H, nope) through each head's W_UK (H, nope, C) -> q_lat (B, H, C): the query absorbed into
     the latent space. At up to :data:`MERGE_UP_MAX_ROWS` sequences on CUDA one Triton launch (each program
-    loads its slice of W_UK before it waits for the query under :mod:`.pdl`), else the einsum; inside
-    ``torch.compile`` the operator ``scaletool::mla_absorb_q``."""
+    loads its slice of W_UK before it waits for the query under :mod:`.pdl`), else one batched GEMM over the
+    heads; inside ``torch.compile`` the operator ``scaletool::mla_absorb_q``. Either way the result is the
+    (B, H, C) view of an (H, B, C) tensor, the batched GEMM's own layout: the attention kernel reads it
+    through its strides, where a contiguous copy cost a read and a write of B·H·C values per layer."""
     if torch.compiler.is_compiling():
-        return torch.ops.scaletool.mla_absorb_q(q_nope, w_uk)
-    return _absorb_q_op(q_nope, w_uk)
+        return torch.ops.scaletool.mla_absorb_q(q_nope, w_uk).transpose(0, 1)
+    return _absorb_q_op(q_nope, w_uk).transpose(0, 1)
 
 
 def _absorb_q_op(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_lat as a contiguous (H, B, C) tensor."""
     B, H, N = q_nope.shape
     if (triton_available() and q_nope.is_cuda and B <= MERGE_UP_MAX_ROWS and q_nope.dtype == w_uk.dtype
             and q_nope.dtype in (torch.bfloat16, torch.float16) and w_uk.stride(-1) == 1 and q_nope.stride(-1) == 1):
-        return absorb_query_triton(q_nope, w_uk)
-    return torch.einsum("bhn,hnc->bhc", q_nope, w_uk).contiguous()
+        return absorb_query_triton(q_nope, w_uk).transpose(0, 1)
+    return torch.bmm(q_nope.transpose(0, 1), w_uk)  # (H, B, C)
 
 
 mla_absorb_q_op = torch.library.custom_op("scaletool::mla_absorb_q", _absorb_q_op, mutates_args=(),
-                                          schema="(Tensor q_nope, Tensor w_uk) -> Tensor")
+                                          schema="(Tensor q_nope, Tensor w_uk) -> Tensor")  # (H, B, C)
 
 
 @mla_absorb_q_op.register_fake
 def _(q_nope, w_uk):
-    return q_nope.new_empty((q_nope.shape[0], q_nope.shape[1], w_uk.shape[-1]))
+    return q_nope.new_empty((q_nope.shape[1], q_nope.shape[0], w_uk.shape[-1]))
 
 
 _ABSORB_BLOCK_C = 64  # latent channels per program: H·C/64 programs (128 for 16 heads of 512)
@@ -150,7 +157,7 @@ def absorb_query_triton(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tenso
     (nope, 64) slice of W_UK and looping over the sequences."""
     B, H, N = q_nope.shape
     C = w_uk.shape[-1]
-    out = torch.empty(B, H, C, device=q_nope.device, dtype=q_nope.dtype)
+    out = torch.empty(H, B, C, device=q_nope.device, dtype=q_nope.dtype).transpose(0, 1)  # absorb_query's layout
     block_c = min(_ABSORB_BLOCK_C, triton.next_power_of_2(C))
     _absorb_q_kernel[(H, triton.cdiv(C, block_c))](
         q_nope, w_uk, out, B, N, C, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
@@ -179,6 +186,9 @@ class KernelConfig:
     and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
     ``direct``: where a call ends up with one split, the kernel writes the output itself in the
     cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
+    ``tma``: the cache tiles come through the Tensor Memory Accelerator (descriptors over the (B, S, width)
+    caches; Hopper and newer), ``num_stages`` tiles in flight in shared memory, instead of loads through
+    registers (where the card or the cache's layout does not allow it, the ordinary loads).
     """
 
     block_s: int = 64
@@ -189,6 +199,7 @@ class KernelConfig:
     max_splits: int = 128
     n_splits: int | None = None
     direct: bool = False
+    tma: bool = False
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
         """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs.
@@ -245,7 +256,7 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
         raise RuntimeError("the Triton MLA decode kernel needs the triton package")
     B, H, C = q_lat.shape
     S, R = c_kv.shape[1], k_pe.shape[-1]
-    q_lat, q_pe = q_lat.contiguous(), q_pe.contiguous()
+    q_lat, q_pe = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_lat, q_pe))  # any (B, H) strides
     cfg = config or choose_config(B, H, S, c_kv.device, C, R, c_kv.dtype)
     n_splits, split_len = cfg.splits(B, H, S, _sm_count(c_kv.device))
     direct = cfg.direct and n_splits == 1
@@ -260,18 +271,37 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     else:
         len_ptr = lengths.reshape(-1)
         len_stride = 0 if len_ptr.numel() == 1 else 1
+    tma = cfg.tma and tma_supported(c_kv, k_pe)
+    kv_desc, pe_desc = (_descriptor(c_kv, cfg.block_s), _descriptor(k_pe, cfg.block_s)) if tma else (c_kv, k_pe)
     _latent_decode_kernel[(B, n_splits, triton.cdiv(H, _BLOCK_H))](
-        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, len_ptr, len_stride, H, S, split_len, scale,
+        q_lat, q_pe, c_kv, k_pe, kv_desc, pe_desc, o_part, lse_part, counters, len_ptr, len_stride, H, S, split_len,
+        scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None, ZERO_COUNTERS=merge_up,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
+        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
     if direct:
         return up_project(out, w_uv)
     if merge_up:
         return merge_up_triton(o_part, lse_part, w_uv, q_lat.dtype, counters=counters)
     return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
+
+
+def tma_supported(*caches: torch.Tensor) -> bool:
+    """Whether the kernel can read these (B, S, width) caches through TMA descriptors: a CUDA card of compute
+    capability 9.0 or newer, Triton's host-side descriptors, each cache's last dimension contiguous and its
+    base and other strides on 16-byte boundaries (what the hardware's tensor maps require)."""
+    if _TensorDescriptor is None or not caches[0].is_cuda or pdl._capability(caches[0].device.index or 0) < (9, 0):
+        return False
+    return all(t.dim() == 3 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in caches)
+
+
+def _descriptor(cache: torch.Tensor, block_s: int):
+    """A host-side descriptor of a (B, S, width) cache read as (1, block_s, width) tiles; positions past S
+    come back as zeros."""
+    return _TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, block_s, cache.shape[-1]])
 
 
 #: the most sequences whose split merge also applies W_UV; each (sequence, head, channel block) program reads its
@@ -339,10 +369,11 @@ if triton is not None:
     from scaletool.kernels.pdl import start as _pdl_start
 
     @triton.jit
-    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, lengths, s_len, H, S, split_len,
-                              sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
-                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
-                              HAS_LENGTHS: tl.constexpr, ZERO_COUNTERS: tl.constexpr, USE_PDL: tl.constexpr):
+    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, kv_desc, pe_desc, o_part, lse_part, counters, lengths, s_len,
+                              H, S, split_len, sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os,
+                              s_oh, s_lb, s_ls, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_S: tl.constexpr, HAS_LENGTHS: tl.constexpr, ZERO_COUNTERS: tl.constexpr,
+                              TMA: tl.constexpr, USE_PDL: tl.constexpr):
         _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
@@ -367,10 +398,14 @@ if triton is not None:
         for s0 in range(start, end, BLOCK_S):  # empty for a split past the sequence's length
             offs_s = s0 + tl.arange(0, BLOCK_S)
             s_ok = offs_s < end
-            kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
-                         other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
-            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
-                         other=0.0)
+            if TMA:  # into shared memory, num_stages tiles in flight; rows past S are zeros, past `end` masked below
+                kv = kv_desc.load([b.to(tl.int32), s0, 0]).reshape(BLOCK_S, C)
+                pe = pe_desc.load([b.to(tl.int32), s0, 0]).reshape(BLOCK_S, R)
+            else:
+                kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
+                             other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
+                pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
+                             other=0.0)
             scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
             scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))

@@ -1,4 +1,4 @@
-"""The GPU probe scripts (sm_partition.py, l2_prefetch.py, merge_up_tune.py) refuse bad arguments, a --out
+"""The GPU probe scripts (sm_partition.py, l2_prefetch.py, merge_up_tune.py, read_ceiling.py) refuse bad arguments, a --out
 outside an existing folder, and a machine without a CUDA GPU: one ``error:`` line, exit 2, nothing written."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT
 
 BENCH = ROOT / "recipes" / "benchmarks"
-SCRIPTS = ("sm_partition.py", "l2_prefetch.py", "merge_up_tune.py")
+SCRIPTS = ("sm_partition.py", "l2_prefetch.py", "merge_up_tune.py", "read_ceiling.py")
 
 
 def _run(script, *args, cwd):

@@ -120,6 +120,27 @@ def test_triton_kernel_reads_device_lengths(cfg):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.skipif(not kernels.triton_available() or not torch.cuda.get_device_capability() >= (9, 0),
+                    reason="needs Triton and a CUDA card with TMA (compute capability 9.0 or newer)")
+@pytest.mark.parametrize("cfg", [kernels.KernelConfig(tma=True), kernels.KernelConfig(tma=True, n_splits=1, direct=True),
+                                 kernels.KernelConfig(tma=True, block_s=32, num_stages=4, n_splits=3)])
+def test_the_tma_tiles_give_the_references_answer_with_ragged_lengths_and_a_cache_past_them(cfg, monkeypatch):
+    """Lengths that end inside a tile, a split past a sequence's end and the last sequence's tile past S
+    (the descriptor's zeros): the same answer as the reference, and the TMA launch really taken."""
+    B, H, S = 4, 16, 1000
+    q_lat, q_pe, c_kv, k_pe = _inputs(B, H, 512, 64, S, torch.bfloat16, device="cuda", seed=2)
+    assert kernels.tma_supported(c_kv, k_pe)
+    lengths = torch.tensor([1000, 1, 65, 999], device="cuda", dtype=torch.int32)
+    made = []
+    monkeypatch.setattr(kernels, "_descriptor", lambda t, bs, real=kernels._descriptor: made.append(t) or real(t, bs))
+    got = kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg)
+    assert len(made) == 2  # the launch took the descriptors of both caches
+    want = kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(), k_pe.float(), 0.07,
+                                              lengths=lengths)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("B,splits,C", [(1, 1, 512), (3, 37, 512), (2, 600, 64)])
 def test_fused_merge_equals_the_torch_merge(B, splits, C):
@@ -249,6 +270,28 @@ def test_the_absorbed_query_is_each_heads_product_and_an_operator_with_shapes():
     torch.library.opcheck(torch.ops.scaletool.mla_absorb_q, (q_nope, w_uk))
     f = torch.compile(kernels.absorb_query, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(q_nope, w_uk), out)
+
+
+def test_the_absorbed_query_keeps_the_batched_gemms_head_major_layout_and_the_kernel_reads_it_as_it_is():
+    """No contiguous copy of q_lat: (B, H, C) over an (H, B, C) tensor, which the attention accepts."""
+    g = torch.Generator().manual_seed(5)
+    w_uk, q_nope = torch.randn(4, 12, 32, generator=g), torch.randn(3, 4, 12, generator=g)
+    out = kernels.absorb_query(q_nope, w_uk)
+    assert out.shape == (3, 4, 32) and not out.is_contiguous() and out.transpose(0, 1).is_contiguous()
+    assert torch.ops.scaletool.mla_absorb_q(q_nope, w_uk).shape == (4, 3, 32)
+    _, q_pe, c_kv, k_pe = _inputs(3, 4, 32, 16, 9, torch.float32)
+    got = kernels.latent_attention(out, q_pe, c_kv, k_pe, 0.3, kernel="auto")
+    torch.testing.assert_close(got, kernels.latent_attention_reference(out.contiguous(), q_pe, c_kv, k_pe, 0.3))
+
+
+def test_tma_is_refused_where_the_hardware_cannot_read_the_cache_through_descriptors():
+    cpu = torch.zeros(2, 8, 32)
+    assert not kernels.tma_supported(cpu, cpu[..., :16])
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
+        c = torch.zeros(2, 64, 512, device="cuda", dtype=torch.bfloat16)
+        assert kernels.tma_supported(c, c[..., :64].contiguous())
+        assert not kernels.tma_supported(c[:, :, 1:], c)  # a base off a 16-byte boundary
+        assert not kernels.tma_supported(c.transpose(1, 2), c)  # the width not contiguous
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
