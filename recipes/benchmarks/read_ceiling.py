@@ -9,21 +9,25 @@ what the card can read at all. Three measurements over one buffer the size of on
 cache at ``--batch`` × ``--context`` (16 heads, kv_lora_rank 512, rope 64, bf16; 4.9 GB at 1,036 × 4K):
 
 1. ``copy``: a device-to-device copy of 1 GiB (bytes read + written), the rate scaletool's reports divide by.
-2. ``read``: pure reads, no writes: a Triton kernel that sums the buffer (each program a tile, or a persistent
-   grid of k programs per SM looping over tiles; tile sizes, warps, pipelining depth), and ``torch.sum``.
+2. ``read``: pure reads, no writes: a Triton kernel that sums the buffer, each program a tile, or a grid of k
+   programs per SM, interleaved (program p reads tiles p, p + programs, ...: together they sweep the buffer
+   in order) or each over its own contiguous chunk (as the latent kernel's programs read one sequence
+   each); tile sizes, warps, pipelining depth; and ``torch.sum``.
 3. ``latent``: the latent kernel over that cache (every sequence ``--context`` long in a static cache of
    ``--context`` + 35 positions, as ``scaletool decode`` allocates), in the configuration the card's tuned table
-   gives and with its tiles through TMA (``KernelConfig.tma``) at several depths; each checked against the
-   table's output first.
+   gives and with registers capped (``KernelConfig.max_registers``: three or four 4-warp programs per SM
+   instead of two); each checked against the table's output first.
 
-Timing: CUDA events around each call, ``--warmup`` calls excluded, median with p10/p90 over ``--reps``; the
-buffers are far larger than L2, so no flush is needed. Rates are bytes over the median; fractions are of the
+Timing: each call captured in a CUDA graph, CUDA events around each replay (no host launch time inside),
+``--warmup`` replays excluded, median with p10/p90 over ``--reps``; the buffers are far larger than L2, so no
+flush is needed. Rates are bytes over the median; fractions are of the
 datasheet peak (scaletool's hardware profiles) and of the copy. Comparable only within one run.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 from pathlib import Path
@@ -47,26 +51,36 @@ def read_kernel():
     import triton.language as tl
 
     @triton.jit
-    def _read_sum(x, out, n_tiles, BLOCK: tl.constexpr):
-        """Program p sums tiles p, p + programs, ...: a grid of n_tiles programs reads one tile each."""
+    def _read_sum(x, out, n_tiles, per_program, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+        """Interleaved: program p sums tiles p, p + programs, ... (a grid of n_tiles programs reads one tile
+        each); chunked: program p sums tiles p·per_program .. (p + 1)·per_program - 1."""
         pid = tl.program_id(0)
         acc = tl.zeros([BLOCK], tl.float32)
-        for t in range(pid, n_tiles, tl.num_programs(0)):
-            acc += tl.load(x + t.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+        if CHUNKED:
+            lo = pid * per_program
+            for t in range(lo, tl.minimum(lo + per_program, n_tiles)):
+                acc += tl.load(x + t.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
+        else:
+            for t in range(pid, n_tiles, tl.num_programs(0)):
+                acc += tl.load(x + t.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.float32)
         tl.store(out + pid, tl.sum(acc, 0))
     return _read_sum
 
 
 def timed(fn, reps: int, warmup: int) -> dict:
+    """``fn`` (run once before) captured in a CUDA graph; each replay between two events."""
     import torch
 
     from scaletool.stats import spread
 
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
     times = []
     for i in range(warmup + reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
         if i >= warmup:
@@ -117,34 +131,41 @@ def main(argv=None) -> int:
     log("copy")
     src = torch.empty(2**30, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
+    dst.copy_(src)
     t = timed(lambda: dst.copy_(src), a.reps, a.warmup)
     copy = 2 * 2**30 / t["median"]
     rows.append(row("copy 1 GiB (read + written)", 2 * 2**30, t, peak, None, kind="copy"))
     out["card"]["copy_bandwidth_bytes_per_s"] = copy
-    del src, dst
+    src = dst = None  # freed before the next buffer
 
     log("read")
     elems = B * S * (C + R)
     x = torch.ones(elems, dtype=torch.bfloat16, device=dev)
     k = read_kernel()
-    for block, warps, stages in ((4096, 4, 2), (8192, 8, 2), (8192, 8, 3), (16384, 8, 2), (16384, 16, 2)):
+    grids = [(None, False)] + [(n, chunked) for n in (2, 4) for chunked in (False, True)]
+    for block, warps, stages in ((4096, 4, 2), (8192, 8, 2), (16384, 8, 2), (32768, 8, 2)):
         tiles = elems // block
-        for per_sm in (None, 2, 4, 8):
+        for per_sm, chunked in grids:
             programs = tiles if per_sm is None else per_sm * sms
+            per_program = -(-tiles // programs)
             res = torch.empty(programs, dtype=torch.float32, device=dev)
-            fn = lambda: k[(programs,)](x, res, tiles, BLOCK=block, num_warps=warps, num_stages=stages)  # noqa: E731
+            fn = functools.partial(k[(programs,)], x, res, tiles, per_program, BLOCK=block, CHUNKED=chunked,
+                                   num_warps=warps, num_stages=stages)
             fn()
             torch.cuda.synchronize()
             want = float(tiles * block)
             if abs(res.double().sum().item() - want) > 1e-3 * want:
                 raise SystemExit(f"error: the read kernel summed {res.double().sum().item()}, not {want}")
-            grid = "a tile per program" if per_sm is None else f"{per_sm} programs per SM"
+            grid = "a tile per program" if per_sm is None else \
+                f"{per_sm} programs per SM, {'a contiguous chunk each' if chunked else 'interleaved'}"
             rows.append(row(f"triton read {block * 2 // 1024} KB tiles, {warps} warps, {stages} stages, {grid}",
                             tiles * block * 2, timed(fn, a.reps, a.warmup), peak, copy, kind="read",
-                            block=block, num_warps=warps, num_stages=stages, programs_per_sm=per_sm))
+                            block=block, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                            chunked=chunked))
+    x.sum(dtype=torch.float32)
     rows.append(row("torch.sum (fp32 accumulation)", elems * 2,
                     timed(lambda: x.sum(dtype=torch.float32), a.reps, a.warmup), peak, copy, kind="read"))
-    del x
+    x = None
 
     log(f"latent kernel, batch {B}, context {a.context} (static cache {S})")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -156,13 +177,9 @@ def main(argv=None) -> int:
     want = K.latent_attention_triton(q, qp, ckv, kpe, SCALE, lengths, config=tuned)
     out["tuned_config"] = vars(tuned)
     candidates = [("tuned", tuned)]
-    if K.tma_supported(ckv, kpe):
-        for bs, w, st in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (32, 4, 4), (64, 8, 3), (32, 8, 4)):
-            candidates.append((f"tuned, TMA tiles {bs}, {w} warps, {st} stages",
-                               K.KernelConfig(**{**vars(tuned), "block_s": bs, "num_warps": w, "num_stages": st,
-                                                 "tma": True})))
-    else:
-        out["tma"] = "not supported on this card or cache layout"
+    for bs, regs in ((16, 168), (32, 168), (64, 168), (16, 128), (32, 128)):
+        candidates.append((f"tuned, {bs}-position tiles, registers capped at {regs}",
+                           K.KernelConfig(**{**vars(tuned), "block_s": bs, "num_warps": 4, "max_registers": regs})))
     for label, cfg in candidates:
         fn = lambda cfg=cfg: K.latent_attention_triton(q, qp, ckv, kpe, SCALE, lengths, config=cfg)  # noqa: E731
         try:

@@ -32,10 +32,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU installs: the torch reference serves
     triton = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
-except ImportError:  # no Triton, or one without host-side descriptors: ordinary loads only
-    _TensorDescriptor = None
 
 KERNELS = ("auto", "triton", "torch")
 _BLOCK_H = 16  # heads per program: tl.dot needs M >= 16; smaller head counts are padded (masked)
@@ -186,9 +182,8 @@ class KernelConfig:
     and latency, not bytes, sets the time). Split lengths are rounded up to whole tiles.
     ``direct``: where a call ends up with one split, the kernel writes the output itself in the
     cache's dtype, with no fp32 partial and no merge launch (large batches at short contexts).
-    ``tma``: the cache tiles come through the Tensor Memory Accelerator (descriptors over the (B, S, width)
-    caches; Hopper and newer), ``num_stages`` tiles in flight in shared memory, instead of loads through
-    registers (where the card or the cache's layout does not allow it, the ordinary loads).
+    ``max_registers``: a cap on each thread's registers (Triton's ``maxnreg``), so more programs fit an SM
+    (the kernel otherwise takes 255, two 4-warp programs per SM) at the cost of spills.
     """
 
     block_s: int = 64
@@ -199,7 +194,7 @@ class KernelConfig:
     max_splits: int = 128
     n_splits: int | None = None
     direct: bool = False
-    tma: bool = False
+    max_registers: int | None = None
 
     def splits(self, B: int, H: int, S: int, sms: int) -> tuple[int, int]:
         """(number of splits, positions per split) for a (B, H, S) call on a card with ``sms`` SMs.
@@ -271,37 +266,19 @@ def latent_attention_triton(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch
     else:
         len_ptr = lengths.reshape(-1)
         len_stride = 0 if len_ptr.numel() == 1 else 1
-    tma = cfg.tma and tma_supported(c_kv, k_pe)
-    kv_desc, pe_desc = (_descriptor(c_kv, cfg.block_s), _descriptor(k_pe, cfg.block_s)) if tma else (c_kv, k_pe)
+    regs = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
     _latent_decode_kernel[(B, n_splits, triton.cdiv(H, _BLOCK_H))](
-        q_lat, q_pe, c_kv, k_pe, kv_desc, pe_desc, o_part, lse_part, counters, len_ptr, len_stride, H, S, split_len,
-        scale,
+        q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, len_ptr, len_stride, H, S, split_len, scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), c_kv.stride(1), k_pe.stride(0), k_pe.stride(1),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         C=C, R=R, BLOCK_H=_BLOCK_H, BLOCK_S=cfg.block_s, HAS_LENGTHS=lengths is not None, ZERO_COUNTERS=merge_up,
-        TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch(c_kv.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **regs, **pdl.launch(c_kv.device))
     if direct:
         return up_project(out, w_uv)
     if merge_up:
         return merge_up_triton(o_part, lse_part, w_uv, q_lat.dtype, counters=counters)
     return up_project(merge_splits_triton(o_part, lse_part, q_lat.dtype), w_uv)
-
-
-def tma_supported(*caches: torch.Tensor) -> bool:
-    """Whether the kernel can read these (B, S, width) caches through TMA descriptors: a CUDA card of compute
-    capability 9.0 or newer, Triton's host-side descriptors, each cache's last dimension contiguous and its
-    base and other strides on 16-byte boundaries (what the hardware's tensor maps require)."""
-    if _TensorDescriptor is None or not caches[0].is_cuda or pdl._capability(caches[0].device.index or 0) < (9, 0):
-        return False
-    return all(t.dim() == 3 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-               and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in caches)
-
-
-def _descriptor(cache: torch.Tensor, block_s: int):
-    """A host-side descriptor of a (B, S, width) cache read as (1, block_s, width) tiles; positions past S
-    come back as zeros."""
-    return _TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, block_s, cache.shape[-1]])
 
 
 #: the most sequences whose split merge also applies W_UV; each (sequence, head, channel block) program reads its
@@ -369,11 +346,10 @@ if triton is not None:
     from scaletool.kernels.pdl import start as _pdl_start
 
     @triton.jit
-    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, kv_desc, pe_desc, o_part, lse_part, counters, lengths, s_len,
-                              H, S, split_len, sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os,
-                              s_oh, s_lb, s_ls, C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                              BLOCK_S: tl.constexpr, HAS_LENGTHS: tl.constexpr, ZERO_COUNTERS: tl.constexpr,
-                              TMA: tl.constexpr, USE_PDL: tl.constexpr):
+    def _latent_decode_kernel(q_lat, q_pe, c_kv, k_pe, o_part, lse_part, counters, lengths, s_len, H, S, split_len,
+                              sm_scale, s_qb, s_qh, s_pb, s_ph, s_cb, s_cs, s_kb, s_ks, s_ob, s_os, s_oh, s_lb, s_ls,
+                              C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                              HAS_LENGTHS: tl.constexpr, ZERO_COUNTERS: tl.constexpr, USE_PDL: tl.constexpr):
         _pdl_start(USE_PDL)
         b = tl.program_id(0).to(tl.int64)  # batch offsets pass 2^31 elements in large caches
         sp, hb = tl.program_id(1), tl.program_id(2)
@@ -398,14 +374,10 @@ if triton is not None:
         for s0 in range(start, end, BLOCK_S):  # empty for a split past the sequence's length
             offs_s = s0 + tl.arange(0, BLOCK_S)
             s_ok = offs_s < end
-            if TMA:  # into shared memory, num_stages tiles in flight; rows past S are zeros, past `end` masked below
-                kv = kv_desc.load([b.to(tl.int32), s0, 0]).reshape(BLOCK_S, C)
-                pe = pe_desc.load([b.to(tl.int32), s0, 0]).reshape(BLOCK_S, R)
-            else:
-                kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
-                             other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
-                pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
-                             other=0.0)
+            kv = tl.load(c_kv + b * s_cb + offs_s[:, None] * s_cs + offs_c[None, :], mask=s_ok[:, None],
+                         other=0.0)  # (BLOCK_S, C): read once, used for scores and for the output
+            pe = tl.load(k_pe + b * s_kb + offs_s[:, None] * s_ks + offs_r[None, :], mask=s_ok[:, None],
+                         other=0.0)
             scores = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(pe))  # (BLOCK_H, BLOCK_S) fp32
             scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))

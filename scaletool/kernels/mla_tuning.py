@@ -16,7 +16,7 @@ from pathlib import Path
 
 TABLE = Path(__file__).with_name("mla_decode_tuned.json")
 CONFIG_KEYS = ("block_s", "num_warps", "num_stages", "programs_per_sm", "min_split", "max_splits", "n_splits",
-               "direct", "tma")
+               "direct", "max_registers")
 TABLE_VERSION = 1
 
 

@@ -120,24 +120,16 @@ def test_triton_kernel_reads_device_lengths(cfg):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.skipif(not kernels.triton_available() or not torch.cuda.get_device_capability() >= (9, 0),
-                    reason="needs Triton and a CUDA card with TMA (compute capability 9.0 or newer)")
-@pytest.mark.parametrize("cfg", [kernels.KernelConfig(tma=True), kernels.KernelConfig(tma=True, n_splits=1, direct=True),
-                                 kernels.KernelConfig(tma=True, block_s=32, num_stages=4, n_splits=3)])
-def test_the_tma_tiles_give_the_references_answer_with_ragged_lengths_and_a_cache_past_them(cfg, monkeypatch):
-    """Lengths that end inside a tile, a split past a sequence's end and the last sequence's tile past S
-    (the descriptor's zeros): the same answer as the reference, and the TMA launch really taken."""
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("cfg", [kernels.KernelConfig(block_s=16, max_registers=168),
+                                 kernels.KernelConfig(block_s=32, max_registers=128, n_splits=1, direct=True)])
+def test_a_register_cap_spills_but_gives_the_references_answer(cfg):
     B, H, S = 4, 16, 1000
     q_lat, q_pe, c_kv, k_pe = _inputs(B, H, 512, 64, S, torch.bfloat16, device="cuda", seed=2)
-    assert kernels.tma_supported(c_kv, k_pe)
     lengths = torch.tensor([1000, 1, 65, 999], device="cuda", dtype=torch.int32)
-    made = []
-    monkeypatch.setattr(kernels, "_descriptor", lambda t, bs, real=kernels._descriptor: made.append(t) or real(t, bs))
     got = kernels.latent_attention_triton(q_lat, q_pe, c_kv, k_pe, 0.07, lengths=lengths, config=cfg)
-    assert len(made) == 2  # the launch took the descriptors of both caches
     want = kernels.latent_attention_reference(q_lat.float(), q_pe.float(), c_kv.float(), k_pe.float(), 0.07,
                                               lengths=lengths)
-    assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -282,16 +274,6 @@ def test_the_absorbed_query_keeps_the_batched_gemms_head_major_layout_and_the_ke
     _, q_pe, c_kv, k_pe = _inputs(3, 4, 32, 16, 9, torch.float32)
     got = kernels.latent_attention(out, q_pe, c_kv, k_pe, 0.3, kernel="auto")
     torch.testing.assert_close(got, kernels.latent_attention_reference(out.contiguous(), q_pe, c_kv, k_pe, 0.3))
-
-
-def test_tma_is_refused_where_the_hardware_cannot_read_the_cache_through_descriptors():
-    cpu = torch.zeros(2, 8, 32)
-    assert not kernels.tma_supported(cpu, cpu[..., :16])
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0):
-        c = torch.zeros(2, 64, 512, device="cuda", dtype=torch.bfloat16)
-        assert kernels.tma_supported(c, c[..., :64].contiguous())
-        assert not kernels.tma_supported(c[:, :, 1:], c)  # a base off a 16-byte boundary
-        assert not kernels.tma_supported(c.transpose(1, 2), c)  # the width not contiguous
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs CUDA and Triton")
