@@ -268,6 +268,10 @@ def print_decode(res, con: Console) -> None:
         con.print(f"• bound: the largest of the floors (bytes at the copy's {si(dev.copy_bandwidth_bytes_per_s, 'B')}/s"
                   f", FLOPs at the datasheet peak, kernels per step){kern}; ×: the step over that floor")
     con.print(f"• timing: {res.timing.clock}; warm-up excluded: {res.timing.rule}")
+    if dev.versions:
+        v = dev.versions
+        con.print(f"• ran with torch {v.get('torch')}" + (f" (CUDA {v['cuda']})" if v.get("cuda") else "")
+                  + (f", Triton {v['triton']}" if v.get("triton") else ""))
     if res.threads is not None:
         con.print(f"• CPU threads: {res.threads}")
     if not peak:

@@ -72,6 +72,16 @@ class DecodeSettings:
         return cache_positions(0, self.warmup_steps, self.new_tokens)
 
 
+def versions() -> dict[str, str | None]:
+    """What ran: torch, the CUDA it was built for (None on a CPU build), Triton (None where absent)."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version}
+
+
 def peak_bandwidth(device: torch.device) -> tuple[float | None, str]:
     """Peak HBM bytes/s of this device and where the figure comes from (None on CPU or unknown GPUs)."""
     if device.type != "cuda":
@@ -322,7 +332,8 @@ def run_decode(cfg: ModelConfig, model, s: DecodeSettings, *, budget_bytes: int 
     return DecodeResult(
         attention=label, mla_mode=s.mode.mla,
         device={"type": device.type, "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                "peak_bandwidth_bytes_per_s": peak, "peak_bandwidth_source": peak_source, **floors.as_dict()},
+                "peak_bandwidth_bytes_per_s": peak, "peak_bandwidth_source": peak_source, **floors.as_dict(),
+                "versions": versions()},
         dtype=cfg.dtype,
         settings={"new_tokens": s.new_tokens, "prefill_chunk": s.prefill_chunk, "warmup_steps": s.warmup_steps,
                   "prefill_repeats": s.prefill_repeats, "seed": s.seed, "kernel": s.mode.kernel,

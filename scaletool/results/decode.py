@@ -106,6 +106,7 @@ class DecodeDevice(_Part):
     graph_kernel_s: float | None = None
     peak_flops: float | None = None
     peak_flops_source: str | None = None
+    versions: dict[str, str | None] = {}  # torch, its CUDA, Triton: what ran (empty in results from before)
 
 
 class DecodeTiming(_Part):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import RECIPES, run_cli
 
@@ -121,7 +122,6 @@ def test_mha_recipe_decodes_and_naive_mode_is_refused_for_it():
     (["--device", "cpu", "--set", "model.d_model=1048576", "--set", "model.n_layers=1000"], "decode needs about"),
 ])
 def test_bad_input_gets_one_clear_line(args, expected):
-    import torch
 
     if args[:2] == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -234,6 +234,8 @@ def test_compile_is_recorded_with_each_point_and_every_point_names_its_bound():
     assert p["spin_up_replays"] == 0  # CUDA only: a CPU's clock needs no spin-up
     assert "first replayed untimed for 0.5 s" in out["timing"]["rule"]
     assert out["device"]["copy_bandwidth_bytes_per_s"] > 0
+    assert out["device"]["versions"]["torch"] == torch.__version__  # what ran, with the result
+    assert out["device"]["versions"]["cuda"] == torch.version.cuda
     # on a CPU only the memory floor is known: the bound is memory, its fraction the bytes over the median step
     assert p["decode_bound"] == "memory" and p["decode_floor_launch_s"] is None
     assert p["decode_hbm_fraction_of_copy"] == pytest.approx(
