@@ -70,9 +70,12 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if M == 1 and K <= ROW_MAX_K:  # whole rows of W in registers, loaded before waiting on x (module docstring)
         _gemv_row_kernel[grid](x2, weight, y, N, K, weight.stride(0), K_P2=triton.next_power_of_2(K),
                                **pdl.launch(x.device))
-    else:
+    elif M == 1:
         _gemv_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-                           BLOCK_M=max(1, triton.next_power_of_2(M)), **pdl.launch(x.device))
+                           BLOCK_M=1, **pdl.launch(x.device))
+    else:  # 2-8 rows: the rows padded to the tensor cores' 16, W's tiles pipelined through shared memory
+        _gemv_dot_kernel[grid](x2, weight, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+                               **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -141,6 +144,28 @@ if triton is not None:
             acc += tl.sum(xt[:, None, :].to(tl.float32) * wt[None, :, :].to(tl.float32), axis=2)
         out = y + rm[:, None] * s_ym + rn[None, :]
         tl.store(out, acc.to(y.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    _DOT_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+                    for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 6),
+                                          (64, 128, 4, 4), (16, 128, 2, 6), (32, 512, 8, 3))]
+
+    @triton.autotune(configs=_DOT_CONFIGS, key=["M", "N", "K"])
+    @triton.jit
+    def _gemv_dot_kernel(x, w, y, M, N, K, s_xm, s_wn, s_ym, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        """2-8 rows of x: BLOCK_N rows of W per program, (16 × BLOCK_K)·(BLOCK_K × BLOCK_N) on the tensor
+        cores per step along K (rows past M masked to zero), fp32 accumulation."""
+        pdl.start(USE_PDL)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, 16)
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(w + rn[:, None] * s_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            xt = tl.load(x + rm[:, None] * s_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            acc = tl.dot(xt, tl.trans(wt), acc)
+        tl.store(y + rm[:, None] * s_ym + rn[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     _ROW_CONFIGS = [triton.Config({"BLOCK_N": bn}, num_warps=w) for bn, w in ((1, 4), (2, 4), (4, 4), (2, 8), (4, 8),
                                                                                (8, 8))]
