@@ -4,9 +4,10 @@ At batch 1 a decode step's projections are matrix-vector products: each weight i
 row, so the step is bound by how fast the weights stream from HBM. cuBLAS runs them as GEMMs with
 tall thin tiles; the profile of mla-1b at batch 1 on an H100 has them reading the weights at about
 1.6 TB/s, about half the card's copy rate. :func:`gemv_triton` gives each program ``BLOCK_N`` rows of W
-(contiguous along K: coalesced 16-byte loads), multiplies them by all M rows of x in registers and
-reduces along K in fp32; the launch grid is N / BLOCK_N programs, with the block and warp counts
-autotuned per (M, N, K) the first time a shape runs (before any CUDA-graph capture).
+(contiguous along K: coalesced 16-byte loads) and reduces along K in fp32: at one row in registers, at 2-8
+rows on the tensor cores (the rows padded to 16; a broadcast product there ran at a third of cuBLAS's speed).
+The launch grid is N / BLOCK_N programs, with the block and warp counts autotuned per (M, N, K) the first time
+a shape runs (before any CUDA-graph capture).
 
 :func:`install` swaps the ``forward`` of a model's bias-free ``nn.Linear`` modules for one that takes
 this kernel where the input has at most :data:`MAX_ROWS` rows (decode steps) and ``F.linear`` above
