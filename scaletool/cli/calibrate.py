@@ -24,12 +24,21 @@ def _print_validation(res: dict) -> None:
                   f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                   f"{r['rel_error']:+.1%}", r["bound"])
     con.print(t)
-    for key, s in [("all runs", res["summary"]["all"]), *res["summary"]["by_engine"].items()]:
+    from scaletool.measure.validation import OUTSIDE
+
+    summary = res["summary"]
+    for key, s in [("runs the model claims", summary["modelled"]), *summary["by_engine"].items()]:
         if s["n"]:
             con.print(f"{key}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
                       f"n={s['n']}", highlight=False)
+    for key, s in summary.get("outside", {}).items():
+        con.print(f"outside the model ({OUTSIDE[key]}): median |error| {s['median_abs_error']:.1%}, "
+                  f"worst {s['worst_abs_error']:.1%}, n={s['n']}", highlight=False)
     for line in res["skipped"]:
         con.print(f"skipped: {escape(line)}", highlight=False)
+    if res.get("duplicates"):
+        con.print(f"counted once: {len(res['duplicates'])} runs found twice (a study's copy and the run's "
+                  "summary.json)", highlight=False)
 
 
 def _print_calibration(cal: dict, out: Path) -> None:

@@ -3,7 +3,9 @@
 Reads ``train`` result files (``result.json``) and sweep record files (``*.results.jsonl``); a run counts
 when it completed on a GPU and recorded ``throughput/tokens_per_s_per_gpu``. The card comes from the
 result's environment (its GPU name matched to a hardware profile, then to the shipped calibration of
-that profile), the world size from the environment, the layout from the recorded recipe.
+that profile), the world size from the environment, the layout from the recorded recipe. A run found twice
+(a study's copy of a result beside the run directory's ``summary.json``) counts once; a run recorded with an
+option this version no longer has is skipped, and the reason given.
 """
 from __future__ import annotations
 
@@ -20,8 +22,7 @@ from scaletool.measure.hardware import load_profiles, profile_for
 from scaletool.resources import data_dir
 
 #: the committed GPU training results, relative to the repository root
-COMMITTED = ("recipes/benchmarks/results/*.json", "recipes/benchmarks/results/*/*.json",
-             "recipes/benchmarks/sweep-results/*.results.jsonl")
+COMMITTED = ("recipes/benchmarks/results/**/*.json", "recipes/benchmarks/sweep-results/*.results.jsonl")
 
 
 def committed_paths() -> list[Path]:
@@ -41,7 +42,9 @@ def _runs_in(path: Path) -> list[tuple[str, dict]]:
                 out.append((f"{path.name}: {rec.get('label', '?')}", res))
         return [(label, r) for label, r in out if _usable(r)]
     data = json.loads(text)
-    label = path.name if path.parent.name == "results" else f"{path.parent.name}/{path.name}"
+    parts = path.parts
+    label = "/".join(parts[parts.index("results") + 1:]) if "results" in parts[:-1] else \
+        (path.name if path.parent.name == "results" else f"{path.parent.name}/{path.name}")
     return [(label, data)] if isinstance(data, dict) and _usable(data) else []
 
 
@@ -64,7 +67,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
     """Every run's predicted and measured tokens/s per GPU, the relative error, and its distribution
     overall and by engine (median and worst |error|, n)."""
     paths = committed_paths() if paths is None else paths
-    profiles, cache, rows, skipped = load_profiles(), {}, [], []
+    profiles, cache, rows, skipped, seen, duplicates = load_profiles(), {}, [], [], {}, []
     forced = load_calibration(calibration) if calibration else None
     for path in paths:
         try:
@@ -72,16 +75,29 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RecipeError(f"{path}: cannot read a result: {e}") from None
         for label, r in runs:
+            key = json.dumps([r["metrics"], r["environment"]], sort_keys=True, default=str)
+            if key in seen:
+                duplicates.append(f"{label}: the run of {seen[key]}")
+                continue
+            seen[key] = label
             env = r["environment"]
             card = env["gpu_names"][0]
             cal = forced or calibration_of(card, profiles, cache)
             if cal is None:
                 skipped.append(f"{label}: no calibration for {card!r}")
                 continue
-            recipe = recipe_from_dict(_as_ran(r), label)
+            try:
+                recipe = recipe_from_dict(_as_ran(r), label)
+            except RecipeError as e:  # an option since removed: this version cannot say what ran
+                why = str(e).removeprefix(f"{label}: ")
+                skipped.append(f"{label}: recorded with an option this version does not have ({why})")
+                continue
             pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
             measured = measured_tokens_per_s_per_gpu(r)
-            rows.append({"run": label, "moe": bool(recipe.model.n_moe_layers), "async_tp": recipe.parallel.async_tp,
+            moe = bool(recipe.model.n_moe_layers)
+            rows.append({"run": label, "outside": None, "moe": moe,
+                         "moe_dispatch": recipe.model.moe_dispatch if moe else None,
+                         "async_tp": recipe.parallel.async_tp,
                          "tp_local_ops": recipe.parallel.tp_local_ops,
                          "float8": recipe.train.float8,
                          "card": card,
@@ -91,14 +107,40 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                          "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
                          "predicted_step_s": pred["step_s"]})
-    return {"runs": rows, "skipped": skipped, "summary": summarize(rows)}
+            rows[-1]["outside"] = outside(rows[-1])
+    return {"runs": rows, "skipped": skipped, "duplicates": duplicates, "summary": summarize(rows)}
+
+
+#: below this predicted step an eager step is the host's kernel launches, which the model does not charge
+HOST_BOUND_S = 0.02
+
+#: why a run is outside what the model claims (docs/prediction.md's failure list), in the order checked
+OUTSIDE = {
+    "host": f"a step predicted under {HOST_BOUND_S * 1e3:.0f} ms: the host's kernel launches, not charged, set it",
+    "float8": "FP8: no calibration has an FP8 GEMM rate",
+    "capacity": "MoE's capacity dispatch: its gathers and scatters are not modelled",
+    "async_tp": "async tensor parallelism: not modelled (predicted as plain TP)",
+    "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
+}
+
+
+def outside(row: dict) -> str | None:
+    """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
+    checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
+              ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
+              ("tp_local_ops", row["tp_local_ops"]))
+    return next((key for key, hit in checks if hit), None)
 
 
 def _as_ran(r: dict) -> dict:
     """The recorded recipe with the settings the run had: the ZeRO settings (:func:`deepspeed_as_ran` for a
     run recorded before scaletool derived them); FSDP2 under pure tensor parallelism for a run recorded before
-    the engine dropped it there (its recipe has no ``parallel.fsdp_on_one_rank``)."""
+    the engine dropped it there (its recipe has no ``parallel.fsdp_on_one_rank``); the capacity dispatch for a
+    MoE run recorded before ``model.moe_dispatch`` existed (capacity was the only dispatch then)."""
     recipe = r["recipe"]
+    model = recipe.get("model") or {}
+    if (model.get("ffn") == "moe" or model.get("n_routed_experts")) and "moe_dispatch" not in model:
+        recipe = {**recipe, "model": {**model, "moe_dispatch": "capacity"}}
     par = recipe.get("parallel") or {}
     if (par.get("tensor_parallel") or 1) > 1 and "fsdp_on_one_rank" not in par:
         return {**recipe, "parallel": {**par, "fsdp_on_one_rank": True}}
@@ -124,12 +166,21 @@ def _engine(recipe) -> str:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Median and worst |relative error| with n, overall and by engine (compiled runs apart)."""
+    """Median and worst |relative error| with n: over every run (``all``), over those the model claims
+    (``modelled``: no :func:`outside` reason) and by engine among them (compiled runs apart), and per reason
+    for the others (``outside``)."""
     def stats(rs):
         errs = [abs(r["rel_error"]) for r in rs]
         return {"n": len(errs), "median_abs_error": statistics.median(errs) if errs else None,
                 "worst_abs_error": max(errs) if errs else None}
+    modelled = [r for r in rows if not r.get("outside")]
     groups: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in modelled:
         groups.setdefault(r["engine"] + (" compiled" if r["compiled"] else ""), []).append(r)
-    return {"all": stats(rows), "by_engine": {k: stats(v) for k, v in sorted(groups.items())}}
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("outside"):
+            out.setdefault(r["outside"], []).append(r)
+    return {"all": stats(rows), "modelled": stats(modelled),
+            "by_engine": {k: stats(v) for k, v in sorted(groups.items())},
+            "outside": {k: stats(v) for k, v in out.items()}}

@@ -6,26 +6,31 @@ from __future__ import annotations
 
 import pytest
 
-from scaletool.measure.validation import summarize, validate
+from scaletool.measure.validation import HOST_BOUND_S, summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (115 runs: 3.9%, 37.7%)
-    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (98 runs: 3.8%, 24.5%)
+    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (131 runs: 3.7%, 37.7%)
+    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (114 runs: 3.4%, 24.5%)
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
-    "H100": (0.035, 0.19),   # the card the model was fitted on (60 runs: 2.6%, 17.7%)
-    # compiled single, FSDP2 and TP (36 runs: 5.0%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
+    "H100": (0.035, 0.19),   # the card the model was fitted on (76 runs: 2.7%, 17.7%)
+    # compiled single, FSDP2 and TP (52 runs: 3.3%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
     # varies by +-20% from call to call on the same machine; Llama-3-8B's layers at 4 and 8 layers over-predicted
     # by 6.5-15.7%, most at 4 layers)
     "compiled": (0.055, 0.21),
     "TP": (0.06, 0.21),  # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (11 runs: 5.9%, 20.5%)
+    "MoE dropless": (0.05, 0.11),  # 16 experts top-2, grouped GEMMs, compiled, one H100 (15 runs: 4.4%, 9.9%)
 }
+
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
     out = validate()
-    assert not out["skipped"]
+    # the four runs of the removed train.join_projections option, each said; nothing else left out
+    assert len(out["skipped"]) == 4 and all("train.join_projections" in s for s in out["skipped"]), out["skipped"]
+    # a study's copy of a result and the run directory's summary.json are one run, counted once
+    assert out["duplicates"] and all("summary.json: the run of " in d for d in out["duplicates"])
     return out["runs"]
 
 
@@ -36,6 +41,15 @@ def _check(rows, key):
     return s
 
 
+def test_the_runs_outside_the_model_are_those_its_failure_list_names(runs):
+    """Each run the model does not claim carries its reason, and the summary's ``modelled`` is the rest."""
+    reasons = {r["outside"] for r in runs}
+    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops"}
+    out = validate()["summary"]
+    assert out["modelled"]["n"] == sum(1 for r in runs if r["outside"] is None)
+    assert sum(s["n"] for s in out["outside"].values()) == sum(1 for r in runs if r["outside"])
+
+
 def test_every_committed_gpu_run_is_predicted(runs):
     assert len(runs) >= 80
     cards = {r["calibration"] for r in runs}
@@ -44,8 +58,13 @@ def test_every_committed_gpu_run_is_predicted(runs):
     assert {"ddp", "fsdp", "single", "deepspeed ZeRO-1", "deepspeed ZeRO-2", "deepspeed ZeRO-3"} <= {r["engine"] for r in runs}
 
 
+def _host_bound(r) -> bool:
+    return r["predicted_step_s"] < HOST_BOUND_S
+
+
 def test_error_distribution_within_the_stated_tolerance(runs):
-    dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]]
+    dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]
+             and not _host_bound(r)]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
     _check([r for r in dense if "ZeRO-3" in r["engine"]], "ZeRO-3")
@@ -54,12 +73,24 @@ def test_error_distribution_within_the_stated_tolerance(runs):
     _check([r for r in dense if r["compiled"]], "compiled")
 
 
-def test_the_known_failure_stays_visible(runs):
-    """The one MoE run (16 experts, top-2, dropless) runs at less than half the predicted rate: its
-    dispatch (routing, gathers, one small GEMM per expert) is not modelled. Should the model learn it,
-    this test says so and docs/prediction.md's failure list needs updating."""
-    (moe,) = [r for r in runs if r["moe"]]
-    assert moe["rel_error"] > 0.5
+def test_dropless_moe_is_predicted_and_the_capacity_dispatch_stays_a_visible_failure(runs):
+    """Dropless MoE (tokens sorted by expert, grouped GEMMs) is predicted within the MoE tolerance. The
+    capacity dispatch (a fixed [E, C, d] buffer: the first MoE run and the expert-parallel pair) runs at about
+    half the predicted rate: its gathers and scatters are not modelled. Should the model learn them, this test
+    says so and docs/prediction.md's failure list needs updating."""
+    dropless = [r for r in runs if r["moe"] and r["moe_dispatch"] == "dropless"]
+    assert len(dropless) >= 10
+    _check(dropless, "MoE dropless")
+    capacity = [r for r in runs if r["moe"] and r["moe_dispatch"] == "capacity"]
+    assert len(capacity) == 3 and all(r["rel_error"] > 0.5 for r in capacity), [(r["run"], r["rel_error"]) for r in capacity]
+
+
+def test_tiny_host_bound_runs_stay_visible(runs):
+    """The two loss-curve runs (an 8-layer, 512-wide model, eager, steps of 25 ms and more) are predicted at
+    7 ms of device work: their steps are the host's kernel launches, which the model does not charge. Kept
+    out of the tolerances and visible here; a model that learns the launch rate should bring them in."""
+    tiny = [r for r in runs if _host_bound(r)]
+    assert len(tiny) == 2 and all(r["rel_error"] > 1.0 for r in tiny), [(r["run"], r["rel_error"]) for r in tiny]
 
 
 def test_async_tensor_parallelism_is_not_modelled_and_says_so(runs):
@@ -74,7 +105,7 @@ def test_fp8_runs_are_over_predicted_while_the_fp8_gemm_rate_is_not_calibrated(r
     """FP8 runs are predicted with the swapped GEMMs at twice the bf16 curve (no calibration has an FP8
     rate yet): on one H100 tensorwise gained 1.11x at Llama-3-8B layer shapes, not the ~1.3x predicted, so
     they are over-predicted and kept out of the tolerances. A calibrated FP8 rate should bring them in."""
-    fp8 = [r for r in runs if r["float8"] != "none"]
+    fp8 = [r for r in runs if r["float8"] != "none" and not _host_bound(r)]
     assert len(fp8) == 7 and all(0.03 < r["rel_error"] < 0.25 for r in fp8), [(r["run"], r["rel_error"]) for r in fp8]
 
 
