@@ -37,21 +37,25 @@ def _runs_in(path: Path) -> list[tuple[str, dict]]:
         out = []
         for line in text.splitlines():
             rec = json.loads(line) if line.strip() else {}
+            if not isinstance(rec, dict):
+                continue
             res = rec.get("result")
             if rec.get("mode") == "train" and rec.get("status") == "ok" and isinstance(res, dict):
                 out.append((f"{path.name}: {rec.get('label', '?')}", res))
         return [(label, r) for label, r in out if _usable(r)]
     data = json.loads(text)
-    parts = path.parts
-    label = "/".join(parts[parts.index("results") + 1:]) if "results" in parts[:-1] else \
-        (path.name if path.parent.name == "results" else f"{path.parent.name}/{path.name}")
+    parts = path.parts  # committed results by their path under results/, any other file as given
+    label = "/".join(parts[len(parts) - 1 - parts[::-1].index("results") + 1:]) if "results" in parts[:-1] else str(path)
     return [(label, data)] if isinstance(data, dict) and _usable(data) else []
 
 
 def _usable(r: dict) -> bool:
-    env, m = r.get("environment") or {}, r.get("metrics") or {}
-    return (env.get("device_type") == "cuda" and bool(env.get("gpu_names")) and "recipe" in r
-            and bool(m.get("throughput/tokens_per_s_per_gpu")) and r.get("status", "completed") == "completed")
+    env, m = r.get("environment"), r.get("metrics")
+    if not (isinstance(env, dict) and isinstance(m, dict) and isinstance(r.get("recipe"), dict)):
+        return False
+    names, rate = env.get("gpu_names"), m.get("throughput/tokens_per_s_per_gpu")
+    return (env.get("device_type") == "cuda" and isinstance(names, list) and bool(names) and isinstance(names[0], str)
+            and isinstance(rate, (int, float)) and rate > 0 and r.get("status", "completed") == "completed")
 
 
 def calibration_of(gpu_name: str, profiles=None, cache: dict | None = None) -> Calibration | None:
@@ -72,8 +76,8 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
     for path in paths:
         try:
             runs = _runs_in(Path(path))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RecipeError(f"{path}: cannot read a result: {e}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past the parser's depth
+            raise RecipeError(f"{path}: cannot read a result: {str(e)[:200]}") from None
         for label, r in runs:
             key = json.dumps([r["metrics"], r["environment"]], sort_keys=True, default=str)
             if key in seen:
@@ -92,7 +96,11 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                 why = str(e).removeprefix(f"{label}: ")
                 skipped.append(f"{label}: recorded with an option this version does not have ({why})")
                 continue
-            pred = predict_step(recipe, cal, world_size=int(env.get("world_size") or 1))
+            world = 1 if env.get("world_size") is None else env["world_size"]  # absent: one process
+            if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+                skipped.append(f"{label}: its environment's world_size is not a positive integer")
+                continue
+            pred = predict_step(recipe, cal, world_size=world)
             measured = measured_tokens_per_s_per_gpu(r)
             moe = bool(recipe.model.n_moe_layers)
             rows.append({"run": label, "outside": None, "moe": moe,
@@ -138,10 +146,10 @@ def _as_ran(r: dict) -> dict:
     the engine dropped it there (its recipe has no ``parallel.fsdp_on_one_rank``); the capacity dispatch for a
     MoE run recorded before ``model.moe_dispatch`` existed (capacity was the only dispatch then)."""
     recipe = r["recipe"]
-    model = recipe.get("model") or {}
+    model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
     if (model.get("ffn") == "moe" or model.get("n_routed_experts")) and "moe_dispatch" not in model:
         recipe = {**recipe, "model": {**model, "moe_dispatch": "capacity"}}
-    par = recipe.get("parallel") or {}
+    par = recipe.get("parallel") if isinstance(recipe.get("parallel"), dict) else {}
     if (par.get("tensor_parallel") or 1) > 1 and "fsdp_on_one_rank" not in par:
         return {**recipe, "parallel": {**par, "fsdp_on_one_rank": True}}
     if par.get("engine") != "deepspeed" or "deepspeed_config" in r["environment"]:
@@ -153,9 +161,9 @@ def measured_tokens_per_s_per_gpu(r: dict) -> float:
     """Tokens/s per GPU at the median step time (warm-up excluded) where the result records it: ZeRO-3's
     host-bound steps have long tails that the mean carries; else the result's own throughput."""
     m, median = r["metrics"], r["metrics"].get("time/step_s_median")
-    world = int(r["environment"].get("world_size") or 1)
-    if median and r.get("tokens_per_step"):
-        return r["tokens_per_step"] / world / median
+    world, tokens = int(r["environment"].get("world_size") or 1), r.get("tokens_per_step")
+    if isinstance(median, (int, float)) and median > 0 and isinstance(tokens, (int, float)) and tokens > 0:
+        return tokens / world / median
     return float(m["throughput/tokens_per_s_per_gpu"])
 
 
