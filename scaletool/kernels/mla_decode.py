@@ -77,8 +77,15 @@ def triton_supports(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
 
 
 def up_project(y_lat: torch.Tensor, w_uv: torch.Tensor | None) -> torch.Tensor:
-    """y_lat (B, H, C) -> (B, H, V) through w_uv (H, V, C); y_lat itself without w_uv."""
-    return y_lat if w_uv is None else torch.einsum("bhc,hvc->bhv", y_lat, w_uv).contiguous()
+    """y_lat (B, H, C) -> (B, H, V) through w_uv (H, V, C); y_lat itself without w_uv. One batched GEMM over
+    the heads writing the (B, H, V) result in place (its output strides; no transposed copy after it)."""
+    if w_uv is None:
+        return y_lat
+    if torch.compiler.is_compiling() or y_lat.dtype != w_uv.dtype:  # the tracer's functional form
+        return torch.einsum("bhc,hvc->bhv", y_lat, w_uv).contiguous()
+    out = y_lat.new_empty(y_lat.shape[0], y_lat.shape[1], w_uv.shape[1])
+    torch.bmm(y_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+    return out
 
 
 def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

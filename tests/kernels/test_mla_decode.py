@@ -264,6 +264,16 @@ def test_the_absorbed_query_is_each_heads_product_and_an_operator_with_shapes():
     torch.testing.assert_close(f(q_nope, w_uk), out)
 
 
+def test_the_up_projection_writes_batch_major_values_with_one_batched_gemm():
+    g = torch.Generator().manual_seed(7)
+    y, w = torch.randn(5, 4, 32, generator=g), torch.randn(4, 12, 32, generator=g)
+    out = kernels.up_project(y, w)
+    assert out.shape == (5, 4, 12) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.einsum("bhc,hvc->bhv", y, w))
+    f = torch.compile(kernels.up_project, fullgraph=True, backend="aot_eager")  # the tracer's form
+    torch.testing.assert_close(f(y, w), out)
+
+
 def test_the_absorbed_query_keeps_the_batched_gemms_head_major_layout_and_the_kernel_reads_it_as_it_is():
     """No contiguous copy of q_lat: (B, H, C) over an (H, B, C) tensor, which the attention accepts."""
     g = torch.Generator().manual_seed(5)
