@@ -71,26 +71,19 @@ def read_kernel():
 def timed(fn, reps: int, warmup: int, graph: bool = True) -> dict:
     """``fn`` (run once before) captured in a CUDA graph, each replay between two events; or, with
     ``graph=False``, each call of ``fn`` between two events."""
+    import types
+
     import torch
 
+    from scaletool.measure.timing import graph_replay_seconds
     from scaletool.stats import spread
 
-    run = fn
+    runner = types.SimpleNamespace(replay=fn)  # graph_replay_seconds times anything with a replay()
     if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        runner = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(runner):
             fn()
-        run = g.replay
-    times = []
-    for i in range(warmup + reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        if i >= warmup:
-            times.append(a.elapsed_time(b) / 1e3)
-    return spread(times).model_dump()
+    return spread(graph_replay_seconds(runner, reps, warmup)).model_dump()
 
 
 def row(name: str, nbytes: int, t: dict, peak: float | None, copy: float | None, **extra) -> dict:
