@@ -26,8 +26,10 @@ COMMITTED = ("recipes/benchmarks/results/**/*.json", "recipes/benchmarks/sweep-r
 
 
 def committed_paths() -> list[Path]:
+    """The committed results: not the ``runs/`` folders a study's runs leave beside them (git ignores them; the
+    study's own copy of each result is what is committed)."""
     root = data_dir("recipes").parent
-    return sorted(p for pat in COMMITTED for p in root.glob(pat))
+    return sorted(p for pat in COMMITTED for p in root.glob(pat) if "runs" not in p.relative_to(root).parts[:-1])
 
 
 def _runs_in(path: Path) -> list[tuple[str, dict]]:
