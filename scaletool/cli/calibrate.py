@@ -37,8 +37,7 @@ def _print_validation(res: dict) -> None:
     for line in res["skipped"]:
         con.print(f"skipped: {escape(line)}", highlight=False)
     if res.get("duplicates"):
-        con.print(f"counted once: {len(res['duplicates'])} runs found twice (a study's copy and the run's "
-                  "summary.json)", highlight=False)
+        con.print(f"counted once: {len(res['duplicates'])} runs given twice", highlight=False)
 
 
 def _print_calibration(cal: dict, out: Path) -> None:

@@ -81,7 +81,7 @@ def up_project(y_lat: torch.Tensor, w_uv: torch.Tensor | None) -> torch.Tensor:
     the heads writing the (B, H, V) result in place (its output strides; no transposed copy after it)."""
     if w_uv is None:
         return y_lat
-    if torch.compiler.is_compiling() or y_lat.dtype != w_uv.dtype:  # the tracer's functional form
+    if torch.compiler.is_compiling():  # the tracer's functional form
         return torch.einsum("bhc,hvc->bhv", y_lat, w_uv).contiguous()
     out = y_lat.new_empty(y_lat.shape[0], y_lat.shape[1], w_uv.shape[1])
     torch.bmm(y_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))

@@ -3,9 +3,8 @@
 Reads ``train`` result files (``result.json``) and sweep record files (``*.results.jsonl``); a run counts
 when it completed on a GPU and recorded ``throughput/tokens_per_s_per_gpu``. The card comes from the
 result's environment (its GPU name matched to a hardware profile, then to the shipped calibration of
-that profile), the world size from the environment, the layout from the recorded recipe. A run found twice
-(a study's copy of a result beside the run directory's ``summary.json``) counts once; a run recorded with an
-option this version no longer has is skipped, and the reason given.
+that profile), the world size from the environment, the layout from the recorded recipe. A run given twice
+counts once; a run recorded with an option this version no longer has is skipped, and the reason given.
 """
 from __future__ import annotations
 
@@ -46,8 +45,9 @@ def _runs_in(path: Path) -> list[tuple[str, dict]]:
                 out.append((f"{path.name}: {rec.get('label', '?')}", res))
         return [(label, r) for label, r in out if _usable(r)]
     data = json.loads(text)
-    parts = path.parts  # committed results by their path under results/, any other file as given
-    label = "/".join(parts[len(parts) - 1 - parts[::-1].index("results") + 1:]) if "results" in parts[:-1] else str(path)
+    # committed results by their path under results/, any other file as given
+    under = [i for i, part in enumerate(path.parts[:-1]) if part == "results"]
+    label = "/".join(path.parts[under[-1] + 1:]) if under else str(path)
     return [(label, data)] if isinstance(data, dict) and _usable(data) else []
 
 
@@ -103,7 +103,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                 skipped.append(f"{label}: its environment's world_size is not a positive integer")
                 continue
             pred = predict_step(recipe, cal, world_size=world)
-            measured = measured_tokens_per_s_per_gpu(r)
+            measured = measured_tokens_per_s_per_gpu(r, world)
             moe = bool(recipe.model.n_moe_layers)
             rows.append({"run": label, "outside": None, "moe": moe,
                          "moe_dispatch": recipe.model.moe_dispatch if moe else None,
@@ -159,11 +159,11 @@ def _as_ran(r: dict) -> dict:
     return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(par.get("deepspeed"), par.get("zero_stage"))}}
 
 
-def measured_tokens_per_s_per_gpu(r: dict) -> float:
+def measured_tokens_per_s_per_gpu(r: dict, world: int) -> float:
     """Tokens/s per GPU at the median step time (warm-up excluded) where the result records it: ZeRO-3's
     host-bound steps have long tails that the mean carries; else the result's own throughput."""
     m, median = r["metrics"], r["metrics"].get("time/step_s_median")
-    world, tokens = int(r["environment"].get("world_size") or 1), r.get("tokens_per_step")
+    tokens = r.get("tokens_per_step")
     if isinstance(median, (int, float)) and median > 0 and isinstance(tokens, (int, float)) and tokens > 0:
         return tokens / world / median
     return float(m["throughput/tokens_per_s_per_gpu"])
