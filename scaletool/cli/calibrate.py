@@ -34,6 +34,9 @@ def _print_validation(res: dict) -> None:
     for key, s in summary.get("outside", {}).items():
         con.print(f"outside the model ({OUTSIDE[key]}): median |error| {s['median_abs_error']:.1%}, "
                   f"worst {s['worst_abs_error']:.1%}, n={s['n']}", highlight=False)
+    if not res["runs"] and not res["skipped"]:
+        con.print("no GPU training run to re-predict: the committed results come with a checkout of the repository "
+                  "(not with an installed package); pass result files as PATHS", highlight=False)
     for line in res["skipped"]:
         con.print(f"skipped: {escape(line)}", highlight=False)
     if res.get("duplicates"):

@@ -75,3 +75,11 @@ def test_validate_prints_predicted_against_measured_for_given_results(tmp_path):
     assert out["summary"]["all"]["n"] == 1
     text = run_cli("calibrate", "--validate", str(path))
     assert "mha-1b-single.json" in text.stdout and "median |error|" in text.stdout
+
+
+def test_validate_with_no_training_run_says_where_runs_come_from(tmp_path):
+    other = tmp_path / "decode.json"
+    other.write_text(json.dumps({"kind": "decode", "points": []}))
+    text = run_cli("calibrate", "--validate", str(other))
+    assert text.returncode == 0, text.stderr
+    assert "no GPU training run to re-predict" in text.stdout and "PATHS" in text.stdout
