@@ -32,6 +32,9 @@ class NvmlSampler:
         self.contention_every = max(1, contention_every)
         self.read_s: list[float] = []  # seconds each sample's NVML reads took (the sampler's own cost)
         self._parents: dict[int, int | None] = {}
+        # who the other processes were (pid, command, parent), the first few seen: a run flagged for them says
+        # which process it shared the card with, so a false flag (a job's own process) can be told apart
+        self.others_seen: dict[int, str] = {}
         self.samples: list[tuple[float, float, float, float]] = []  # (t, util %, mem bytes, power W)
         # (t, other processes on the card, throttled by power/thermal/slowdown, SM clock below base), None: unseen
         self.contention: list[tuple[float, int | None, bool | None, bool | None]] = []
@@ -80,6 +83,11 @@ class NvmlSampler:
         procs = self._query("nvmlDeviceGetComputeRunningProcesses")
         # in a container NVML reports host PIDs: where this process is not among them, it is one of them
         others = None if procs is None else foreign_processes([p.pid for p in procs], parents=self._parents)
+        if others and len(self.others_seen) < 8:
+            me = os.getpid()
+            for p in procs:
+                if p.pid != me and p.pid not in self.others_seen and len(self.others_seen) < 8:
+                    self.others_seen[p.pid] = f"{p.pid}:{_command(p.pid)}(parent {_parent(p.pid)})"
         reasons = self._query("nvmlDeviceGetCurrentClocksThrottleReasons")
         throttled = None if reasons is None else bool(reasons & _THROTTLE_MASK)
         if self._base_mhz is None:
@@ -128,7 +136,20 @@ class NvmlSampler:
             out[f"{key}_mean"] = sum(vals) / len(vals)
             out[f"{key}_max"] = max(vals)
         out.update(contention_summary([c for c in self.contention if since is None or c[0] >= since]))
+        if self.others_seen:
+            me = os.getpid()
+            seen = ", ".join(self.others_seen.values())
+            out["other_processes_seen"] = f"from {me}:{_command(me)}(parent {_parent(me)}): {seen}"
         return out
+
+
+def _command(pid: int) -> str:
+    """The process's command name (``/proc/PID/comm``), or ``?`` where this namespace cannot see it."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read(64).strip().encode("ascii", "backslashreplace").decode() or "?"
+    except OSError:
+        return "?"
 
 
 def _parent(pid: int) -> int | None:

@@ -162,3 +162,29 @@ def test_the_sampler_reads_the_slow_contention_queries_at_a_tenth_of_its_rate():
     summary = s.summary()
     assert summary["samples"] == n and 0 <= summary["read_ms_mean"] <= summary["read_ms_max"]
     assert summary["contention/gpu_other_processes_max"] == 0 and summary["contention/gpu_throttled_share"] == 0
+
+
+def test_the_sampler_names_the_other_processes_it_saw_on_the_card():
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace as NS
+
+    from scaletool.measure.nvml import NvmlSampler
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        s = NvmlSampler(None)
+        fake = _FakeNvml()
+        procs = [NS(pid=os.getpid()), NS(pid=stranger.pid)]
+        fake.nvmlDeviceGetComputeRunningProcesses = lambda h: procs
+        s._nvml, s._handle, s.note = fake, object(), None
+        s.contention.append(s._read_contention())
+        s.samples.append(s._read())
+        summary = s.summary()
+        assert summary["contention/gpu_other_processes_max"] == 1
+        seen = summary["other_processes_seen"]
+        assert seen.startswith(f"from {os.getpid()}:") and f"{stranger.pid}:python" in seen
+        assert f"(parent {os.getpid()})" in seen  # the stranger is our child here: its parent is named
+    finally:
+        stranger.kill()
+        stranger.wait()
