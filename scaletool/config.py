@@ -170,7 +170,7 @@ class ModelConfig(_Section):
     bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
     moe_dispatch: Literal["dropless", "capacity"] = Field(
         "dropless", description="moe: dropless (tokens sorted by expert, one grouped GEMM per projection, as DeepSeek-V3 "
-        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity; what expert parallelism moves)")
+        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity); expert parallelism moves either")
     capacity_factor: float = Field(
         1.25, gt=0, description="moe_dispatch=capacity: expert capacity = ceil(factor·tokens·top-k / experts); "
         ">= experts/top-k never drops")
