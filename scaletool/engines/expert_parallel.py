@@ -1,31 +1,19 @@
 """Expert parallelism: each rank of an expert-parallel group keeps E/P routed experts; tokens travel by all-to-all.
 
-Both dispatches of :class:`scaletool.model.moe.MoE` go over the group of P ranks:
+Capacity dispatch: the [E, C, d] buffer goes out and back by ``all_to_all_single`` in equal pieces (GShard
+§3.2). Dropless: the rank's rows arrive sorted by expert with their counts; an all-to-all of the E counts
+gives the split sizes (one host read per MoE layer), the rows go out and back in uneven pieces (the
+backward swaps the sizes), and the received rows are regrouped by local expert with a gather for one
+grouped GEMM per projection (the token dispatch of torchtitan's ``ExpertParallel`` and Megatron-Core's
+``MoEAlltoAllTokenDispatcher``, over scaletool's sorted dispatch).
 
-- ``capacity``: every rank fills the [E, C, d] buffer (:meth:`~scaletool.model.moe.MoE.dispatch_capacity`); an
-  autograd-aware ``all_to_all_single`` sends each expert's C slots to its rank and a second one brings the
-  outputs back (GShard §3.2). Equal pieces: no sizes to exchange.
-- ``dropless``: the rank's assignments arrive sorted by expert with their counts per expert
-  (:meth:`~scaletool.model.moe.MoE.dispatch_dropless`). An ``all_to_all_single`` of the E counts tells each
-  rank how many rows it will receive for each of its experts from each source; with those as split sizes
-  (one host sync per MoE layer) the rows go out and come back by ``all_to_all_single`` with uneven
-  pieces, whose backward is the same exchange with the sizes swapped. Received rows, ordered by source
-  rank, are regrouped by local expert with a gather (no atomics) for one grouped GEMM per projection.
-  This is the token dispatch of torchtitan's ``ExpertParallel`` and Megatron-Core's
-  ``MoEAlltoAllTokenDispatcher``, written here over scaletool's sorted dispatch.
-
-Expert weights are DTensors sharded on the expert dimension over the group (``Shard(0)``), left alone by
-FSDP2 (``ignored_params``), so the optimizer, clipping and checkpoints treat them like other sharded
-parameters. With P equal to the D data-parallel ranks the group is FSDP2's own mesh; with P < D the
-ranks form a (D/P, P) mesh ``("ep_replicate", "ep")``: experts sharded within each group of P consecutive
-ranks and replicated across the D/P groups (``[Replicate(), Shard(0)]``), their gradients summed across
-the groups by :func:`sync_replicated_expert_grads`. Every rank's tokens reach the shard, so a hook
-divides its gradient by D: the gradient of the mean loss over all data-parallel ranks, as FSDP2's
-reduce-scatter averages the rest.
-
-Model code keeps no distributed import: this module swaps each MoE layer's ``experts``. It works on
-whatever module holds MoE layers, the whole model or one pipeline stage's part of it
-(:func:`apply_expert_parallel` with ``require_moe=False``), so pipeline stages compose with it.
+Expert weights are DTensors sharded on the expert dimension (``Shard(0)``), left out of FSDP2
+(``ignored_params``). P equal to the D data-parallel ranks: FSDP2's own mesh. P < D: a (D/P, P) mesh
+``("ep_replicate", "ep")``, experts replicated across the groups (``[Replicate(), Shard(0)]``) and their
+gradients summed over the replicas (:func:`sync_replicated_expert_grads`). A hook divides each expert
+gradient by D: the mean loss's gradient, as FSDP2's reduce-scatter averages the rest. Model code keeps no
+distributed import: this module swaps each MoE layer's ``experts``, in the whole model or in one pipeline
+stage's module (:func:`apply_expert_parallel` with ``require_moe=False``).
 """
 from __future__ import annotations
 
