@@ -170,7 +170,7 @@ class ModelConfig(_Section):
     bias_update_speed: float = Field(0.0, ge=0, description="moe, sigmoid: aux-loss-free bias step per optimizer step")
     moe_dispatch: Literal["dropless", "capacity"] = Field(
         "dropless", description="moe: dropless (tokens sorted by expert, one grouped GEMM per projection, as DeepSeek-V3 "
-        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity; what expert parallelism moves)")
+        "trains) or capacity (a fixed [E, C, d] buffer, drops past capacity); expert parallelism moves either")
     capacity_factor: float = Field(
         1.25, gt=0, description="moe_dispatch=capacity: expert capacity = ceil(factor·tokens·top-k / experts); "
         ">= experts/top-k never drops")
@@ -420,8 +420,12 @@ class ParallelConfig(_Section):
     deepspeed: dict[str, Any] = Field(default_factory=dict, description="passed through as DeepSpeed config")
     collective_timeout_s: int = Field(600, gt=0, description="process-group init and every collective: a rank "
                                       "that waits longer for its peers fails with an error naming it")
-    expert_parallel: bool = Field(False, description="fsdp, ffn=moe: each rank keeps n_routed_experts / world_size "
-                                  "experts; tokens move by all-to-all")
+    expert_parallel: bool = Field(False, description="fsdp, ffn=moe: split the routed experts over the data-parallel "
+                                  "ranks (each keeps n_routed_experts / expert_parallel_degree of them); tokens move "
+                                  "by all-to-all, a variable number per expert with moe_dispatch=dropless")
+    expert_parallel_degree: int = Field(0, ge=0, description="expert_parallel: ranks in each expert-parallel group "
+                                        "(consecutive ranks; it divides the data-parallel ranks and n_routed_experts), "
+                                        "experts replicated across the groups; 0 = every data-parallel rank")
     tensor_parallel: int = Field(1, gt=0, le=MAX_HEADS, description="fsdp: ranks that split every layer's heads and FFN "
                                  "width (Megatron-style, with sequence parallelism); FSDP2 shards over the "
                                  "world_size / tensor_parallel data-parallel ranks")

@@ -129,7 +129,7 @@ def test_expert_parallel_dispatch_goes_by_all_to_all():
     cfg = recipe_from_dict({"model": {"attention": "mha", "d_model": 32, "n_layers": 2, "n_heads": 4,
                                       "intermediate_size": 64, "vocab_size": 64, "max_seq_len": 16, "ffn": "moe",
                                       "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                      "first_k_dense_replace": 1, "dtype": "bf16"}}).model
+                                      "first_k_dense_replace": 1, "dtype": "bf16", "moe_dispatch": "capacity"}}).model
     inputs = MemoryInputs(2, 16)
     got = rows(analytic.data_parallel_communication(cfg, "fsdp", 2, expert_parallel=True, inputs=inputs))
     # one MoE layer; capacity ceil(1.25 · 32 tokens · top-2 / 4 experts) = 20 slots per expert, d 32, bf16;

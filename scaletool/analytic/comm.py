@@ -1,9 +1,10 @@
 """Communication: bytes per optimizer step of each engine's collectives, per rank and process group."""
 from __future__ import annotations
 
+from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.params import _norm_params, attention_params, ffn_params, moe_params, param_counts
 from scaletool.analytic.timeline import MemoryInputs
-from scaletool.config import ModelConfig, Recipe, expert_capacity
+from scaletool.config import ModelConfig, Recipe
 from scaletool.kinds.attention import attention_kind
 from scaletool.kinds.engines import ENGINES, engine_kind
 
@@ -108,7 +109,7 @@ def _layer_params(cfg: ModelConfig, expert_parallel: bool = False) -> list[int]:
 
 def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, zero_stage: int = 1,
                                 grad_accum_steps: int = 1, reshard_after_forward: bool = True,
-                                expert_parallel: bool = False, inputs: MemoryInputs | None = None,
+                                expert_parallel: bool | int = False, inputs: MemoryInputs | None = None,
                                 reduce_scatter_every: str = "step") -> list[dict]:
     """The data-parallel engine's collectives per optimizer step, per rank of ``ranks`` (``cfg`` is what
     one rank of a tensor-parallel group holds, :func:`tensor_parallel_config`, when there is one).
@@ -119,9 +120,9 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
       root is not resharded); per step one reduce-scatter of the gradients per block and root, in fp32
       (the reduce dtype), or per micro-batch with ``reduce_scatter_every="micro-batch"``. Without FSDP2's
       padding of each tensor's first dimension to a multiple of ``ranks``. Expert parallelism (``inputs``
-      needed): the routed experts stay out of FSDP2, and each MoE layer's dispatch buffer
-      (n_routed_experts × capacity × d_model) goes by all-to-all twice in the forward and twice in the
-      backward.
+      needed; ``expert_parallel`` True over every rank, or the group's size): the routed experts stay out of
+      FSDP2, and each MoE layer's routed rows go by all-to-all twice in the forward and twice in the backward
+      (:func:`scaletool.analytic.expert_parallel.all_to_all_rows`).
     - ZeRO (Rajbhandari et al. 2020, §7): stage 0 all-reduces the 16-bit gradients once per step;
       stages 1 and 2 reduce-scatter them (stage 1 once per step, stage 2 every micro-batch: its gradients
       are partitioned as the backward produces them) and all-gather the updated 16-bit parameters after
@@ -163,7 +164,7 @@ def zero_communication(cfg: ModelConfig, ranks: int, *, zero_stage: int = 1, gra
 
 
 def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 1, reshard_after_forward: bool = True,
-                       expert_parallel: bool = False, inputs: MemoryInputs | None = None,
+                       expert_parallel: bool | int = False, inputs: MemoryInputs | None = None,
                        reduce_scatter_every: str = "step", **_) -> list[dict]:
     """FSDP2's all-gathers and reduce-scatters, and expert parallelism's all-to-alls (see
     :func:`data_parallel_communication`)."""
@@ -177,12 +178,21 @@ def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 
     rows = [_row("dp", "all_gather", "parameters (blocks and root)", gathers, gathered * p16, ranks),
             _row("dp", "reduce_scatter", "gradients (fp32)", reductions * (len(blocks) + 1),
                  reductions * 4 * (sum(blocks) + root), ranks)]
-    if expert_parallel and cfg.n_moe_layers:
-        slots = cfg.n_routed_experts * expert_capacity(cfg, inputs.micro_batch_size * inputs.seq_len)
-        count = 4 * cfg.n_moe_layers * gas
-        rows.append(_row("dp", "all_to_all", "expert dispatch and return", count,
-                         count * slots * cfg.d_model * p16, ranks))
+    if expert_parallel and cfg.n_moe_layers:  # expert parallelism's all-to-alls: scaletool.analytic.expert_parallel
+        P = ranks if expert_parallel is True else int(expert_parallel)
+        rows += ep_analytic.all_to_all_rows(cfg, inputs.micro_batch_size * inputs.seq_len, gas, P,
+                                            _recomputed_moe_layers(cfg, inputs))
     return rows
+
+
+def _recomputed_moe_layers(cfg: ModelConfig, inputs: MemoryInputs) -> int:
+    """MoE blocks whose forward (and its all-to-alls) runs again in the backward under checkpointing."""
+    ac, L = inputs.activation_checkpointing, cfg.n_layers
+    if ac == "full":
+        return cfg.n_moe_layers
+    if ac != "selective":
+        return 0
+    return sum(1 for i in range(L - cfg.n_moe_layers, L) if (i + 1) % inputs.selective_every == 0)
 
 
 def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel: int | None = None) -> dict:
@@ -200,8 +210,9 @@ def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel
                                          pure=p.pure_tensor_parallel(N, tp))
     rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
                                         reshard_after_forward=p.reshard_after_forward,
-                                        expert_parallel=p.expert_parallel, inputs=inputs,
-                                        reduce_scatter_every=p.reduce_scatter_every)
+                                        expert_parallel=ep_analytic.degree(p.expert_parallel, p.expert_parallel_degree,
+                                                                           dp) if p.expert_parallel else False,
+                                        inputs=inputs, reduce_scatter_every=p.reduce_scatter_every)
     by_group = {g: sum(r["wire_bytes"] for r in rows if r["group"] == g) for g in ("tp", "dp")}
     return {"engine": p.engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "collectives": rows,
             "tp_wire_bytes": by_group["tp"], "dp_wire_bytes": by_group["dp"],

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.comm import tensor_parallel_config
 from scaletool.analytic.float8 import float8_memory
 from scaletool.analytic.params import param_counts
@@ -59,6 +60,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     copies = 2 * cast_once_params(cfg) if cast_once else 0  # train.weight_cast=step: held the whole step
     for name in PHASES:
         phases[name]["weights"] += copies
+    ep_saved = _expert_parallel_memory(cfg, N, inputs, units, s, phases) if s.expert_parallel else 0
     totals = {name: sum(comp.values()) for name, comp in phases.items()}
     phase = max(PHASES, key=lambda name: totals[name])
     peak = phases[phase]
@@ -69,13 +71,36 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
         "weights_bytes": int(out["weights_bytes"]) + copies, "gradients_bytes": int(out["gradients_bytes"]),
         "optimizer_bytes": int(out["optimizer_bytes"]),
         # what autograd keeps at the end of the forward (the loss gradient not included)
-        "activations_bytes": int(sum(u.saved for u in units)),
+        "activations_bytes": int(sum(u.saved for u in units) + ep_saved),
         "activations_per_token_per_layer_bytes": int(sum(u.live for u in blocks) / len(blocks) / tokens) if blocks else 0,
         # the engine's buffers and the temporaries at the peak: what the model states and activations leave out
         "transient_bytes": peak["buffers"] + peak["temporaries"],
         "phases": phases, "phase": phase, "backward_peak_at": out["backward_peak_at"],
         "total_bytes": totals[phase],
     }
+
+
+def _expert_parallel_memory(cfg: ModelConfig, N: int, inputs: MemoryInputs, units, s: EngineSettings,
+                            phases: dict) -> int:
+    """Expert parallelism's bytes (:mod:`scaletool.analytic.expert_parallel`) added to ``phases`` in place: the
+    busiest rank's extra routed rows saved by every MoE block that keeps its activations (and by the one
+    being recomputed), the all-to-all buffers of one layer as backward temporaries, and the routed experts'
+    states replicated across groups smaller than the data-parallel ranks. Returns the saved bytes."""
+    if not cfg.n_moe_layers:
+        return 0
+    P = s.expert_parallel_degree or N
+    tokens = inputs.micro_batch_size * inputs.seq_len
+    moe_units = units[1:1 + cfg.n_moe_layers]  # the backward visits the last (MoE) blocks first
+    keeping = sum(1 for u in moe_units if not u.checkpointed) + any(u.checkpointed for u in moe_units)
+    saved = int(keeping * ep_analytic.activation_extra_bytes(cfg, tokens, P, inputs.compiled))
+    states = ep_analytic.replicated_state_bytes(cfg, N, P)
+    phases["backward"]["activations"] += saved
+    phases["backward"]["temporaries"] += int(ep_analytic.transient_bytes(cfg, tokens, P))
+    for name in PHASES:  # of the 16 B per parameter: fp32 weight 4, gradient 4, AdamW m and v 8
+        phases[name]["weights"] += int(states / 4)
+        phases[name]["gradients"] += int(states / 4)
+        phases[name]["optimizer"] += int(states / 2)
+    return saved
 
 
 def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSettings:
@@ -96,6 +121,7 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
 
     return EngineSettings(
         zero_stage=stage, reshard_after_forward=p.reshard_after_forward, expert_parallel=p.expert_parallel,
+        expert_parallel_degree=p.expert_parallel_degree,
         # the estimate is per GPU, where make_adamw picks the fused AdamW unless told otherwise
         fused_optimizer=t.fused_optimizer is not False, weight_cast_step=t.weight_cast == "step",
         grad_accum_steps=t.grad_accum_steps,

@@ -10,6 +10,7 @@ exposure model per engine, and the host overheads. Torch-free, IO-free (the cali
 """
 from __future__ import annotations
 
+from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import (  # noqa: F401  (the interface lives here too)
     FP8_OVER_BF16,
     Calibration,
@@ -143,7 +144,7 @@ def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
     rows = communication(recipe, N, tp)["collectives"] if N > 1 else []
     times, totals, notes = [], {}, []
     for r in rows:
-        ranks = tp if r["group"] == "tp" else dp
+        ranks = tp if r["group"] == "tp" else r.get("ranks", dp)  # expert parallelism: its group's ranks
         inter = (tp > G) if r["group"] == "tp" else (N > G)
         times.append(r["wire_bytes"] / calib.bus_bandwidth(r["op"], ranks, inter))
         key = f"comm/{r['group']}.{r['op']}_total_s"
@@ -275,11 +276,16 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     memory_terms = {"elementwise_s": gas * c["elementwise"] + per_step_casts, "optimizer_s": optimizer,
                     "grad_accumulation_s": accumulate}
     exposed = tp_exposed + dp_exposed
+    # --- expert parallelism (scaletool.analytic.expert_parallel): the busiest rank's extra expert GEMMs and
+    # the dropless split sizes' host reads; its all-to-alls are among the data-parallel rows above
+    ep_terms, ep_notes = ep_analytic.predicted_terms(recipe, dp, tokens, c["recompute_fraction"], calib)
+    exposed += sum(ep_terms.values())
+    # --- end expert parallelism
     device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
     dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=p.pure_tensor_parallel(N, tp))
     step = max(device, dispatch + host)
     terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
-             **totals, "host_overhead_s": host, "tp_dispatch_s": dispatch}
+             **totals, **ep_terms, "host_overhead_s": host, "tp_dispatch_s": dispatch}
     bounds = {"compute": sum(compute_terms.values()), "memory bandwidth": sum(memory_terms.values()),
               "exposed communication": exposed, "host dispatch (tensor parallelism)": dispatch}
     global_tokens = tokens * gas * dp
@@ -295,7 +301,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
-    assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib)
+    assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib) + ep_notes
     return {
         "engine": engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "gpus_per_node": G,
         "compiled": bool(compiled), "micro_batch_size": B, "grad_accum_steps": gas, "seq_len": T,

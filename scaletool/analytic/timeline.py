@@ -62,6 +62,7 @@ class EngineSettings:
     zero_stage: int = 1
     reshard_after_forward: bool = True
     expert_parallel: bool = False
+    expert_parallel_degree: int = 0  # ranks per expert-parallel group; 0: every data-parallel rank
     fused_optimizer: bool = True  # torch's fused AdamW (the CUDA default) or foreach
     reduce_bucket: float = ZERO_REDUCE_BUCKET
     overlap_comm: bool = True  # DeepSpeed ZeRO-1/2: two IPG buckets instead of one

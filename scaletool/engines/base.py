@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
 from scaletool.kinds.engines import engine_kind, launch_problems, resolve
@@ -23,6 +24,10 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
         problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
                         f"{local_world_size} processes per node; make them agree (or drop the key)")
     problems += recipe.engine_problems(world_size)
+    if p.expert_parallel and recipe.model.ffn == "moe" and world_size % p.tensor_parallel == 0:
+        dp = world_size // p.tensor_parallel
+        problems += ep_analytic.problems(recipe.model.n_routed_experts, dp,
+                                         ep_analytic.degree(True, p.expert_parallel_degree, dp))
     if problems:
         raise RecipeError(problems)
 

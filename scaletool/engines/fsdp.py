@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletool.config import RecipeError
 from scaletool.engines.dist import device_mesh
-from scaletool.engines.expert_parallel import apply_expert_parallel
+from scaletool.engines.expert_parallel import apply_expert_parallel, sync_replicated_expert_grads
 from scaletool.engines.single import SingleEngine
 from scaletool.engines.tp import apply_tensor_parallel, enable_async_tp
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
@@ -75,7 +75,7 @@ class FSDPEngine(SingleEngine):
               if dtype != "fp32" else MixedPrecisionPolicy())
         offload = CPUOffloadPolicy() if p.cpu_offload else OffloadPolicy()
         # expert parallelism shards the routed experts itself (DTensors on the same mesh): FSDP leaves them alone
-        ignored = apply_expert_parallel(model, mesh) if p.expert_parallel else None
+        ignored = apply_expert_parallel(model, mesh, p.expert_parallel_degree) if p.expert_parallel else None
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=ignored)
         for block in model.layers:
             fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kw)
@@ -99,7 +99,10 @@ class FSDPEngine(SingleEngine):
         """Pure TP: every gradient in its parameter's placement, as FSDP2's post-backward leaves them. The
         replicated parameters' gradients come out of the backward as per-rank partial sums (``Partial``): one
         flat all-reduce over the group sums them; any other mismatch (a vocabulary-sharded weight whose
-        gradient came out whole) is a local redistribute."""
+        gradient came out whole) is a local redistribute. Expert parallelism over groups smaller than the
+        data-parallel ranks: the expert shards' gradients summed over their replicas."""
+        if self.recipe.parallel.expert_parallel:
+            sync_replicated_expert_grads(self.model)
         if not self.pure_tp:
             return
         partial, other = [], []

@@ -100,13 +100,15 @@ class SingleEngine(Engine):
         norm = None
         if self.grad_clip > 0:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            groups = _by_mesh(params)
+            norm = _total_norm(groups)
             if self.clip_in_optimizer:
                 # fused AdamW divides every gradient by ``grad_scale`` inside its kernel (the hook
                 # GradScaler uses): clipping by norm/max_norm there saves a read and write of all grads
                 self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.grad_clip, min=1.0)
             else:
-                nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+                for group in groups:
+                    nn.utils.clip_grads_with_norm_(group, self.grad_clip, norm, foreach=True)
             norm = _plain(norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -143,6 +145,25 @@ class SingleEngine(Engine):
             self.weight_casts.refresh()
         if self.scaler:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _by_mesh(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by the DeviceMesh of their DTensor (None for plain tensors), in first-seen order:
+    foreach kernels and ``torch.stack`` take DTensors of one mesh at a time (expert parallelism over groups
+    smaller than the data-parallel ranks puts the experts on a mesh of their own)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def _total_norm(groups: list[list[nn.Parameter]]) -> torch.Tensor:
+    """The 2-norm of every group's gradients together: one foreach norm per group, a group's DTensor norm made
+    whole over its mesh before they are combined (one group: the norm as ``get_total_norm`` returns it)."""
+    norms = [nn.utils.get_total_norm([p.grad for p in g], foreach=True) for g in groups]
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([_plain(n) for n in norms]))
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

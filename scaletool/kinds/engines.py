@@ -286,9 +286,11 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
             return problems
     if p.expert_parallel and m.ffn != "moe":
         return ["parallel.expert_parallel: needs model.ffn=moe (there are no experts to distribute)"]
-    if p.expert_parallel and m.moe_dispatch != "capacity":
-        return ["parallel.expert_parallel: needs model.moe_dispatch=capacity (the all-to-all moves the "
-                "fixed [E, C, d] buffer)"]
+    if p.expert_parallel_degree and not p.expert_parallel:
+        return ["parallel.expert_parallel_degree: needs parallel.expert_parallel=true"]
+    if p.expert_parallel_degree and m.n_routed_experts % p.expert_parallel_degree:
+        return [f"parallel.expert_parallel_degree: {m.n_routed_experts} routed experts do not split over "
+                f"{p.expert_parallel_degree} ranks"]
     if recipe.train.weight_cast == "step":
         problems = weight_cast_problems(recipe)
         if problems:

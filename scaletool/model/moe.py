@@ -7,7 +7,8 @@ group-limited selection, weights renormalised and scaled. Dispatch (:meth:`MoE.d
 ``moe_dispatch``): ``dropless`` sorts assignments by expert (:func:`sort_by_expert`, moved by a gather
 both ways) and runs gate/up as one grouped GEMM, the down projection as another (:func:`segment_matmul`):
 nothing dropped, no host sync; ``capacity`` fills an [E, C, d] buffer (static shapes,
-assignments past capacity dropped and counted), which expert parallelism moves.
+assignments past capacity dropped and counted). Expert parallelism (``scaletool.engines.expert_parallel``)
+moves either: the capacity buffer as it is, the dropless sorted tokens in variable-sized pieces.
 :meth:`MoE.reference` is the plain per-expert loop the tests check both against. After each forward
 the module keeps ``aux_loss`` (sequence-wise balance loss) and the load statistics
 (``tokens_per_expert``, ``dropped``, ``assignments``) for :func:`expert_load_metrics`.
@@ -96,6 +97,14 @@ def segment_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, impl:
     return torch.cat([seg @ w[e] for e, seg in enumerate(segments)])
 
 
+def sorted_swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, impl: str) -> torch.Tensor:
+    """SwiGLU experts on tokens x (M, d) sorted by expert in segments of ``counts`` (E,) rows: gate and up
+    as one grouped GEMM on w13 = w1|w3 (E, d, 2i), the down projection on w2 (E, i, d), both already in
+    x's dtype -> (M, d). Shared by the local experts and expert parallelism's shard of them."""
+    gate, up = segment_matmul(x, w13, counts, impl).chunk(2, -1)
+    return segment_matmul(F.silu(gate) * up, w2, counts, impl)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: w1, w3 (E, d, i) and w2 (E, i, d).
 
@@ -135,11 +144,9 @@ class GroupedExperts(nn.Module):
         impl = impl or self.impl_for(x)
         if fuse_gate_up:
             w13, w2 = self.fused_weights(x.dtype)
-            gate, up = segment_matmul(x, w13, counts, impl).chunk(2, -1)
-        else:
-            gate, up = (segment_matmul(x, w.to(x.dtype), counts, impl) for w in (self.w1, self.w3))
-            w2 = self.w2.to(x.dtype)
-        return segment_matmul(F.silu(gate) * up, w2, counts, impl)  # (M, d)
+            return sorted_swiglu(x, w13, w2, counts, impl)
+        gate, up = (segment_matmul(x, w.to(x.dtype), counts, impl) for w in (self.w1, self.w3))
+        return segment_matmul(F.silu(gate) * up, self.w2.to(x.dtype), counts, impl)  # (M, d)
 
     def impl_for(self, x: torch.Tensor) -> str:
         """The segment-matmul implementation :meth:`sorted_forward` uses for activations like ``x``."""

@@ -75,7 +75,8 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
     if req.max_tensor_parallel:
         degrees = [d for d in degrees if d <= req.max_tensor_parallel]
     m = recipe.model
-    ep = m.ffn == "moe" and m.moe_dispatch == "capacity" and req.gpus > 1 and m.n_routed_experts % req.gpus == 0
+    # expert parallelism over every GPU, for either dispatch (scaletool.engines.expert_parallel)
+    ep = m.ffn == "moe" and req.gpus > 1 and m.n_routed_experts % req.gpus == 0
     out = []
     for label, engine, stage in engines_for(req.gpus):
         if req.labels is not None and label not in req.labels:

@@ -9,6 +9,7 @@ import torch
 from conftest import assert_counted_exactly
 
 from scaletool import analytic
+from scaletool.analytic import expert_parallel
 from scaletool.config import RecipeError, expert_capacity, recipe_from_dict
 from scaletool.measure.count import count
 from scaletool.model import build_model
@@ -368,8 +369,10 @@ def test_validation_lines(extra, message):
 def test_expert_parallel_recipe_checks_and_memory():
     base = {"model": {**BASE, "moe_dispatch": "capacity"}, "parallel": {"engine": "fsdp"}}
     for raw, message in [({**base, "parallel": {"engine": "ddp", "expert_parallel": True}}, "supported with engine=fsdp"),
-                         ({"model": BASE, "parallel": {"engine": "fsdp", "expert_parallel": True}},
-                          "parallel.expert_parallel: needs model.moe_dispatch=capacity")]:
+                         ({**base, "parallel": {"engine": "fsdp", "expert_parallel": True, "expert_parallel_degree": 3}},
+                          "parallel.expert_parallel_degree: 8 routed experts do not split over 3 ranks"),
+                         ({**base, "parallel": {"engine": "fsdp", "expert_parallel_degree": 2}},
+                          "parallel.expert_parallel_degree: needs parallel.expert_parallel=true")]:
         with pytest.raises(RecipeError) as e:
             recipe_from_dict(raw)
         assert any(message in p for p in e.value.problems), e.value.problems
@@ -383,5 +386,8 @@ def test_expert_parallel_recipe_checks_and_memory():
     plain = recipe_from_dict(base)
     a, b = analytic.recipe_memory(ep, 4), analytic.recipe_memory(plain, 4)
     routed = analytic.moe_params(ep.model)["routed"]
-    assert b["transient_bytes"] - a["transient_bytes"] == routed * (2 * 4 + 4 + 4)  # fp32: 2 gathered + grads
+    # ... and the all-to-all's receive and return buffers of one layer come in (analytic.expert_parallel)
+    buffers = expert_parallel.transient_bytes(ep.model, ep.train.micro_batch_size * ep.seq_len, 4)
+    assert buffers > 0
+    assert b["transient_bytes"] - a["transient_bytes"] == routed * (2 * 4 + 4 + 4) - buffers  # fp32: 2 gathered + grads
     assert a["optimizer_bytes"] == b["optimizer_bytes"]
