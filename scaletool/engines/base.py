@@ -10,6 +10,7 @@ import torch.nn as nn
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
 from scaletool.kinds.engines import engine_kind, launch_problems, resolve
+from scaletool.kinds.pipeline import pipeline_world_problems
 
 
 def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) -> None:
@@ -23,6 +24,7 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
         problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
                         f"{local_world_size} processes per node; make them agree (or drop the key)")
     problems += recipe.engine_problems(world_size)
+    problems += pipeline_world_problems(recipe, world_size)  # parallel.pipeline_parallel (kinds.pipeline)
     if problems:
         raise RecipeError(problems)
 
@@ -66,4 +68,6 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
     cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for
+    if recipe.parallel.pipeline_parallel > 1:  # pipeline stages over FSDP2 (engines.pipeline)
+        from scaletool.engines.pipeline import PipelineEngine as cls
     return cls(model, recipe, env)
