@@ -243,7 +243,8 @@ def _head_seconds(cfg: ModelConfig, tokens: int, compiled: bool, calib: Calibrat
 def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
                   gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
     """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named."""
-    from scaletool.analytic.step import _compute  # the per-micro-batch device model, shared with predict_step
+    # the per-micro-batch device model and the FLOP counts, shared with predict_step
+    from scaletool.analytic.step import _compute, _flops
 
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
@@ -292,9 +293,10 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     p2p = gas * 2 * (P * v - 1) * send
     step = bound["busy_s"] + bubble + p2p
     global_tokens = t.micro_batch_size * T * gas * dp
-    from scaletool.analytic.flops import flops_per_token
-
-    model_flops = flops_per_token(cfg, T, tokens=tokens)["train"] * global_tokens
+    ac = t.activation_checkpointing
+    frac = 1.0 if ac == "full" else (cfg.n_layers // t.selective_every / cfg.n_layers if ac == "selective" else 0.0)
+    model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, frac)
+    peak = calib.peak_tflops * 1e12
     return {
         "engine": p.engine, "world_size": N, "pipeline_parallel": P, "virtual_stages": v, "schedule": sched,
         "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "gpus_per_node": G, "compiled": bool(compiled),
@@ -307,7 +309,7 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
         "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),
         "step_s": step, "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step,
         "tokens_per_s_per_gpu": global_tokens / step / N,
-        "mfu": model_flops / (step * N * calib.peak_tflops * 1e12),
+        "mfu": model_flops / (step * N * peak), "hfu": hw_flops / (step * N * peak),
         "bound": f"pipeline rank {bound['rank']}", "calibration": calib.source, "calibration_name": calib.name,
         "assumptions": [
             f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
