@@ -8,19 +8,15 @@ Torch-free and IO-free, like the rest of :mod:`scaletool.analytic`. With p pipel
   the largest chunk's work (forward FLOPs per token: the blocks' matmuls and attention scores, the
   output layer's 2·d·V), then the largest chunk's memory (16 B per parameter of FSDP2's fp32 states plus the
   saved activations of the micro-batches in flight), by dynamic programming over the cut points. A
-  MoE model's dense first layers and a large vocabulary therefore move the cuts, where an equal split
-  by layer count (what Megatron-Bridge's estimate assumed, 31.8% under on uneven stages) does not.
+  MoE model's dense first layers and a large vocabulary move the cuts (an equal split by layer count does not).
 - **Memory per stage** (:func:`stage_memory`): FSDP2's sharded states of the stage's parameters over the
   data-parallel ranks, the gathered 16-bit blocks, and the saved activations of the micro-batches the
   schedule keeps in flight on that rank (:func:`in_flight`, sources in :mod:`scaletool.kinds.pipeline`),
   the first stage's embedding output and the last stage's logits and loss.
-- **Step time** (:func:`pipeline_step`): each rank's compute for its chunks at the calibrated rates
-  (:mod:`scaletool.analytic.step`'s per-micro-batch model at B/m sequences, the output layer only on the last
-  rank), the bubble (the schedule's idle slots, ``(p - 1)/v`` of the bounding rank's micro-batch time times the
-  schedule's idle share of a slot), the point-to-point sends of the pipeline's fill and drain (each boundary's
-  activation, d 16-bit numbers per token, forward and back, at the calibrated two-rank bus bandwidth; those
-  of the steady state overlap compute), FSDP2's collectives per stage, the optimizer and host time. The rank
-  whose work is largest bounds the step and is named.
+- **Step time** (:func:`pipeline_step`): each rank's compute at the calibrated rates (the output layer on the
+  last rank only), the bubble (``(p - 1)/v`` of the slowest rank's micro-batch times the schedule's idle
+  share of a slot), the fill's and drain's point-to-point sends, FSDP2 per stage, optimizer and host; the
+  rank with the most work bounds the step and is named.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Pipeline schedules as data: one object per ``parallel.pipeline_schedule``, torch-free.
 
-Each schedule names the ``torch.distributed.pipelining`` class that runs it (looked up by name on the
-installed torch when training starts: a torch without it is one error line), how many model chunks
-(virtual stages) each pipeline rank holds, how chunks are placed on ranks (looped: rank r holds chunks
-r, r + p, ...; ``v``: rank r holds chunks r and 2p - 1 - r), and the two closed forms the analytic
-model (:mod:`scaletool.analytic.pipeline`) needs: the idle time of a step in units of one micro-batch's
-work on a rank, and the micro-batches whose activations a stage holds at its peak.
+Each schedule names its ``torch.distributed.pipelining`` class (looked up on the installed torch when
+training starts), its chunks per rank and their placement (looped: r, r + p, ...; ``v``: r and 2p - 1 - r),
+and its idle share of a slot for :mod:`scaletool.analytic.pipeline`.
 
 Sources of the closed forms, with p pipeline ranks, v chunks per rank, m micro-batches:
 
