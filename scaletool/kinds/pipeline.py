@@ -17,8 +17,7 @@ Sources of the closed forms, with p pipeline ranks, v chunks per rank, m micro-b
   gradient B and the weight gradient W, and W fills the bubble: ZB-H1's idle time is (p - 1)(T_F + T_B - T_W)
   against 1F1B's (p - 1)(T_F + T_B + T_W), a third of it with T_F = T_B = T_W, at 1F1B's memory.
   torch's interleaved zero bubble is that schedule over v chunks per rank (bubble divided by v).
-- ZB-V (Qi et al. 2024 "Pipeline Parallelism with Controllable Memory", §4): two chunks per rank in a V;
-  (p - 1)(T_F + T_B - 2·T_W) idle, zero at equal times; every rank holds p micro-batches (1F1B's first stage).
+- ZB-V (Qi et al. 2024, §4): two chunks per rank in a V; (p - 1)(T_F + T_B - 2·T_W) idle; p micro-batches held.
 """
 from __future__ import annotations
 
