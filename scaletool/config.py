@@ -45,6 +45,7 @@ from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
 from scaletool.kinds.engines import ENGINE_NAMES, engine_problems, layout_problems
 from scaletool.kinds.float8 import float8_problems
+from scaletool.kinds.pipeline import SCHEDULE_NAMES, pipeline_problems
 from scaletool.resources import RECIPE, find_recipe
 from scaletool.yaml_input import check_tree, parse_override, read_yaml, set_dotted
 from scaletool.yaml_input import key_text as _key_text
@@ -437,6 +438,15 @@ class ParallelConfig(_Section):
     fsdp_on_one_rank: bool = Field(False, description="fsdp with tensor_parallel = world size (pure tensor parallelism): "
                                    "wrap FSDP2 anyway, over its one-rank data mesh, where it shards nothing and costs "
                                    "host time per block; off, the split model trains directly under autocast")
+    pipeline_parallel: int = Field(1, gt=0, le=MAX_LAYERS, description="fsdp: pipeline ranks (torch.distributed."
+                                   "pipelining); FSDP2 shards each stage over world_size / pipeline_parallel ranks")
+    pipeline_schedule: Literal[SCHEDULE_NAMES] = Field(
+        "1f1b", description="pipeline_parallel > 1: gpipe, 1f1b, interleaved-1f1b (pipeline_virtual_stages >= 2), "
+        "interleaved-zb or zbv (zero bubble; where the installed torch has them)")
+    pipeline_virtual_stages: int = Field(1, gt=0, le=MAX_LAYERS, description="model chunks per pipeline rank "
+                                         "(interleaved schedules: >= 2; zbv: 2)")
+    pipeline_microbatches: int | None = Field(None, gt=0, description="pipeline micro-batches that "
+                                              "train.micro_batch_size splits into; default one sequence each")
 
     @field_validator("deepspeed")
     @classmethod
@@ -533,6 +543,7 @@ class Recipe(_Section):
             problems.append(f"profile.ranks: 'all' or a non-empty list of ranks >= 0, got {echo(pr.ranks)}")
         problems += layout_problems(self, self.seq_len)
         problems += float8_problems(self)
+        problems += pipeline_problems(self)  # parallel.pipeline_* (scaletool.kinds.pipeline)
         if problems:
             raise RecipeError(problems)
         return self

@@ -73,9 +73,47 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
         if r.parallel.tensor_parallel > 1:
             print_tensor_parallel(est, console())
         print_prediction(r, est, console())
+    if not as_json and r.parallel.pipeline_parallel > 1:
+        print_pipeline(r, world_size or r.parallel.world_size, console())
     if not as_json:
         print_gpus_needed(r, est, hardware, console())
     return est
+
+
+def print_pipeline(r, world: int, console: Console) -> None:
+    """Which blocks each pipeline rank holds (the split analytic.pipeline chooses and train builds), its
+    micro-batches in flight and its peak memory, and the schedule's bubble."""
+    from scaletool.analytic.pipeline import bubble_fraction, stage_memory, stage_split
+    from scaletool.kinds.pipeline import pipeline_microbatches
+
+    p = r.parallel
+    if world % p.pipeline_parallel:
+        console.print(f"pipeline: {p.pipeline_parallel} stages do not divide world size {world}; set --world-size")
+        return
+    split = stage_split(r, world)
+    m = pipeline_microbatches(r)
+    t = Table(title=f"Pipeline: {p.pipeline_parallel} ranks × {p.pipeline_virtual_stages} chunks, {p.pipeline_schedule}, "
+              f"{m} micro-batches; FSDP2 over {world // p.pipeline_parallel} per stage", title_justify="left")
+    for c in ("rank", "blocks", "holds", "in flight", "memory"):
+        t.add_column(c, justify="left" if c in ("blocks", "holds") else "right", no_wrap=c != "blocks")
+    for row in stage_memory(r, world, split):
+        parts = (["embedding"] if row["first"] else []) + (["norm, output, loss"] if row["last"] else [])
+        t.add_row(str(row["rank"]), _ranges(row["layers"]), ", ".join(parts) or "-",
+                  f"{row['in_flight_micro_batches']:.3g}", gib(row["total_bytes"]))
+    console.print(t)
+    console.print(f"bubble {100 * bubble_fraction(p.pipeline_schedule, p.pipeline_parallel, p.pipeline_virtual_stages, m):.1f}% "
+                  "of a balanced step; the split balances each chunk's FLOPs, then its memory", highlight=False)
+
+
+def _ranges(layers: list[int]) -> str:
+    """Block indices as runs: 0-7, 16-23."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def gpus_needed_lines(r, est, hardware: str) -> list[str]:

@@ -11,6 +11,7 @@ from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
 from scaletool.kinds.engines import engine_kind, launch_problems, resolve
+from scaletool.kinds.pipeline import pipeline_world_problems
 
 
 def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) -> None:
@@ -28,6 +29,7 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
         dp = world_size // p.tensor_parallel
         problems += ep_analytic.problems(recipe.model.n_routed_experts, dp,
                                          ep_analytic.degree(True, p.expert_parallel_degree, dp))
+    problems += pipeline_world_problems(recipe, world_size)  # parallel.pipeline_parallel (kinds.pipeline)
     if problems:
         raise RecipeError(problems)
 
@@ -71,4 +73,6 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
     cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for
+    if recipe.parallel.pipeline_parallel > 1:  # pipeline stages over FSDP2 (engines.pipeline)
+        from scaletool.engines.pipeline import PipelineEngine as cls
     return cls(model, recipe, env)

@@ -160,7 +160,9 @@ def device_mesh(env: DistEnv, tensor_parallel: int = 1) -> DeviceMesh:
     return mesh
 
 
-def data_parallel(env: DistEnv, tensor_parallel: int = 1) -> tuple[int, int]:
-    """(data-parallel rank, data-parallel size) in :func:`device_mesh`'s layout: the ranks of one
-    tensor-parallel group read the same batch."""
-    return env.rank // tensor_parallel, env.world_size // tensor_parallel
+def data_parallel(env: DistEnv, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) in :func:`device_mesh`'s layout, pipeline ranks outermost
+    (engines.pipeline's ``("pp", "dp")`` mesh): the ranks of one tensor-parallel group, and the stages of one
+    pipeline, read the same batch."""
+    size = env.world_size // (tensor_parallel * pipeline_parallel)
+    return (env.rank // tensor_parallel) % size, size

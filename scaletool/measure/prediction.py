@@ -47,6 +47,10 @@ def calibration_for_device(device_type: str, profile=None) -> Calibration:
 
 def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_node: int | None = None) -> dict:
     """The step-time model's prediction for the recipe as configured (its compile setting included)."""
+    if recipe.parallel.pipeline_parallel > 1:  # pipeline stages: analytic.pipeline's per-rank model
+        from scaletool.analytic.pipeline import pipeline_step
+        return pipeline_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,
+                             compiled=recipe.train.compile)
     return predict_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,
                         compiled=recipe.train.compile)
 
@@ -62,7 +66,9 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
     prof = profile_named(hardware)
     calib = calibration_for_device(prof.device, prof)
     p = recipe.parallel
-    if p.tensor_parallel > 1:
+    if p.pipeline_parallel > 1:
+        layouts = [(f"fsdp pp{p.pipeline_parallel} {p.pipeline_schedule}", "fsdp", p.zero_stage)]
+    elif p.tensor_parallel > 1:
         layouts = [(f"fsdp tp{p.tensor_parallel}", "fsdp", p.zero_stage)]
     else:
         layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]

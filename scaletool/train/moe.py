@@ -25,9 +25,9 @@ from scaletool.results.train import TrainResult
 from scaletool.train.callbacks import Callback, StepState, TrainInfo
 
 
-def _all_reduce_sum(t: torch.Tensor) -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
+def _all_reduce_sum(t: torch.Tensor, group=None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
 
 
 class MoECallback(Callback):
@@ -42,6 +42,10 @@ class MoECallback(Callback):
     def on_train_start(self, info: TrainInfo) -> None:
         self.model = info.engine.model
         self.layers = moe_layers(self.model)
+        # pipeline stages (engines.pipeline): each rank holds some MoE layers; sum each over its data-parallel
+        # ranks only (rank 0 reports the layers of the first stage)
+        mesh = getattr(info.engine, "mesh", None)
+        self.group = mesh["dp"].get_group() if getattr(info.engine, "pp_group", None) is not None else None
         experts = self.layers[0].experts
         self.experts_per_rank = self.layers[0].n_experts // (
             experts.world if isinstance(experts, ExpertParallelExperts) else 1)
@@ -49,7 +53,7 @@ class MoECallback(Callback):
     def on_step_end(self, step: int, state: StepState) -> dict[str, float] | None:
         if self.speed:
             load = torch.stack([m.tokens_per_expert.float() for m in self.layers])  # (L, E)
-            _all_reduce_sum(load)
+            _all_reduce_sum(load, self.group)
             for m, row in zip(self.layers, load):
                 m.update_bias(row, self.speed)
         if (step + 1) % self.log_every and step + 1 != self.steps:
@@ -57,7 +61,7 @@ class MoECallback(Callback):
         loads: list[torch.Tensor] = []
 
         def reduce(stacked: torch.Tensor) -> None:
-            _all_reduce_sum(stacked)
+            _all_reduce_sum(stacked, self.group)
             loads.append(stacked[:, :-2])
 
         self.last = expert_load_metrics(self.model, reduce=reduce)

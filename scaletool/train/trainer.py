@@ -163,7 +163,7 @@ class Trainer:
                         "resumed_from": str(self.start.checkpoint) if self.start.checkpoint else None,
                         "world_size": env.world_size, "threads": self.threads}
         # a tensor-parallel group computes one data-parallel rank's batch together
-        dp_rank, dp_size = data_parallel(env, r.parallel.tensor_parallel)
+        dp_rank, dp_size = data_parallel(env, r.parallel.tensor_parallel, r.parallel.pipeline_parallel)
         self.source = make_source(r, dp_rank, dp_size)
         for note in startup_notes(r, env):
             self.writer.log(note)
@@ -392,6 +392,10 @@ class Trainer:
         threads = f", {self.threads} CPU thread{'s' if self.threads != 1 else ''} per rank" if self.threads else ""
         tp = self.recipe.parallel.tensor_parallel
         layout = f" ({self.env.world_size // tp} data × {tp} tensor parallel)" if tp > 1 else ""
+        pp = self.recipe.parallel.pipeline_parallel
+        if pp > 1:  # engines.pipeline
+            layout = (f" ({pp} pipeline × {self.env.world_size // pp} data parallel, "
+                      f"{self.recipe.parallel.pipeline_schedule})")
         return (f"{self.recipe.parallel.engine}{layout} on {self.env.world_size}× {self.device_name}{threads}: steps "
                 f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")
 

@@ -1,0 +1,318 @@
+"""Pipeline stages: which layers go where, each stage's memory under its schedule, and the step time.
+
+Torch-free and IO-free, like the rest of :mod:`scaletool.analytic`. With p pipeline ranks, v chunks
+(virtual stages) per rank and m pipeline micro-batches of B/m sequences each (``train.micro_batch_size`` B):
+
+- **Split** (:func:`stage_split`): the p·v chunks are contiguous runs of blocks, the first chunk also
+  holding the embedding and the last the final norm, the output layer and the loss. The split minimises
+  the largest chunk's work (forward FLOPs per token: the blocks' matmuls and attention scores, the
+  output layer's 2·d·V), then the largest chunk's memory (16 B per parameter of FSDP2's fp32 states plus the
+  saved activations of the micro-batches in flight), by dynamic programming over the cut points. A
+  MoE model's dense first layers and a large vocabulary move the cuts (an equal split by layer count does not).
+- **Memory per stage** (:func:`stage_memory`): FSDP2's sharded states of the stage's parameters over the
+  data-parallel ranks, the gathered 16-bit blocks, and the saved activations of the micro-batches the
+  schedule keeps in flight on that rank (:func:`in_flight`, sources in :mod:`scaletool.kinds.pipeline`),
+  the first stage's embedding output and the last stage's logits and loss.
+- **Step time** (:func:`pipeline_step`): each rank's compute at the calibrated rates (the output layer on the
+  last rank only), the bubble (``(p - 1)/v`` of the slowest rank's micro-batch times the schedule's idle
+  share of a slot), the fill's and drain's point-to-point sends, FSDP2 per stage, optimizer and host; the
+  rank with the most work bounds the step and is named.
+"""
+from __future__ import annotations
+
+from scaletool.analytic.calibration import Calibration
+from scaletool.analytic.flops import attention_flops_per_token
+from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
+from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
+from scaletool.config import ModelConfig, Recipe
+from scaletool.kinds.attention import matmul_params as matmul_params_of
+from scaletool.kinds.pipeline import chunk_ranks, pipeline_microbatches, schedule_kind
+
+OPTIMIZER_BYTES_PER_PARAM = 40  # as analytic.step: fused AdamW + clipping, per fp32 parameter on the rank
+STATE_BYTES_PER_PARAM = 16  # FSDP2: fp32 parameter, gradient, AdamW m and v
+
+
+def _is_moe(cfg: ModelConfig, i: int) -> bool:
+    return cfg.ffn == "moe" and i >= cfg.first_k_dense_replace
+
+
+def layer_params(cfg: ModelConfig, i: int) -> int:
+    """Parameters of block ``i`` (a MoE block past ``first_k_dense_replace`` holds every expert)."""
+    per = param_counts(cfg)["per_layer"]
+    ffn = sum(moe_params(cfg)[k] for k in ("gate", "routed", "shared")) if _is_moe(cfg, i) else ffn_params(cfg)
+    return per["attention"] + per["norms"] + ffn
+
+
+def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> float:
+    """Forward FLOPs per token of block ``i``: 2 × its active matmul weights plus the causal attention scores."""
+    attn = matmul_params_of(attention_params(cfg))
+    if _is_moe(cfg, i):
+        moe = moe_params(cfg)
+        ffn = moe["gate"] + moe["shared"] + moe["routed_active"]
+    else:
+        ffn = ffn_params(cfg)
+    return 2 * (attn + ffn) + attention_flops_per_token(cfg, seq_len, causal=True) / cfg.n_layers
+
+
+def layer_activation_bytes(cfg: ModelConfig, i: int, activation_checkpointing: str = "none",
+                           selective_every: int = 2) -> float:
+    """Bytes block ``i`` saves per token for its backward: eager autograd's count with the 16-bit residual
+    stream of FSDP2's mixed precision (:func:`~scaletool.analytic.timeline._activation_bytes_per_token_per_layer`);
+    a checkpointed block keeps only its input."""
+    res = 2 if cfg.dtype != "fp32" else 4
+    if activation_checkpointing == "full" or (activation_checkpointing == "selective" and (i + 1) % selective_every == 0):
+        return res * cfg.d_model
+    return _activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=res)
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at its peak, in units of the rank's whole
+    stage (all of its v chunks); sources in :mod:`scaletool.kinds.pipeline`."""
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b":
+        return float(min(p - rank, m))
+    if schedule == "zbv":
+        return float(min(p, m))
+    # interleaved 1F1B and interleaved zero bubble: Megatron-LM's warm-up chunks plus one, at most all m·v
+    chunks = min((p - rank - 1) * 2 + (v - 1) * p + 1, m * v)
+    return chunks / v
+
+
+def _chunk_costs(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int,
+                 flight: list[float], dp: int):
+    """Per block (time, memory) and the extras of the first and last chunk, for :func:`stage_split`."""
+    L, V, d = cfg.n_layers, cfg.vocab_size, cfg.d_model
+    t = [layer_flops(cfg, i, seq_len) for i in range(L)]
+    mem_state = [STATE_BYTES_PER_PARAM * layer_params(cfg, i) / dp for i in range(L)]
+    mem_act = [layer_activation_bytes(cfg, i, act, every) * tokens for i in range(L)]
+    pc = param_counts(cfg)
+    first = (0.0, STATE_BYTES_PER_PARAM * (pc["embedding"] + pc["position_embedding"]) / dp)
+    last = (2.0 * d * V, STATE_BYTES_PER_PARAM * (pc["head"] + pc["final_norm"]) / dp + 10.0 * tokens * V)
+    return t, mem_state, mem_act, first, last
+
+
+_SPLITS: dict[tuple, tuple[tuple[int, int], ...]] = {}  # memo: plan asks for the same split many times
+
+
+def _split(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int, flight: tuple[float, ...],
+           dp: int) -> tuple[tuple[int, int], ...]:
+    key = (cfg.model_dump_json(), seq_len, S, tokens, act, every, flight, dp)
+    if key not in _SPLITS:
+        _SPLITS[key] = _solve(cfg, seq_len, S, tokens, act, every, flight, dp)
+    return _SPLITS[key]
+
+
+def _solve(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int, flight: tuple[float, ...],
+           dp: int) -> tuple[tuple[int, int], ...]:
+    L = cfg.n_layers
+    t, ms, ma, first, last = _chunk_costs(cfg, seq_len, S, tokens, act, every, list(flight), dp)
+    pt, ps, pa = [0.0], [0.0], [0.0]
+    for i in range(L):
+        pt.append(pt[-1] + t[i])
+        ps.append(ps[-1] + ms[i])
+        pa.append(pa[-1] + ma[i])
+
+    def cost(c: int, i: int, j: int) -> tuple[float, float]:
+        time = pt[j] - pt[i] + (first[0] if c == 0 else 0.0) + (last[0] if c == S - 1 else 0.0)
+        mem = ps[j] - ps[i] + flight[c] * (pa[j] - pa[i]) + (first[1] if c == 0 else 0.0) + (last[1] if c == S - 1 else 0.0)
+        return (time, mem)
+
+    INF = (float("inf"), float("inf"))
+    # best[c][j]: the best bottleneck of chunks 0..c covering blocks [0, j)
+    best = [[INF] * (L + 1) for _ in range(S)]
+    cut = [[0] * (L + 1) for _ in range(S)]
+    for j in range(1, L - S + 2):
+        best[0][j] = cost(0, 0, j)
+    for c in range(1, S):
+        for j in range(c + 1, L - (S - 1 - c) + 1):
+            b, at = INF, c
+            for i in range(c, j):
+                here = max(best[c - 1][i], cost(c, i, j))
+                if here < b:
+                    b, at = here, i
+            best[c][j], cut[c][j] = b, at
+    bounds, j = [], L
+    for c in range(S - 1, -1, -1):
+        i = cut[c][j] if c else 0
+        bounds.append((i, j))
+        j = i
+    return tuple(reversed(bounds))
+
+
+def stage_split(recipe: Recipe, world_size: int | None = None) -> list[tuple[int, int]]:
+    """Block ranges ``[start, end)`` of the p·v chunks in model order (chunk c runs on rank
+    :func:`~scaletool.kinds.pipeline.chunk_ranks`\\ [c]); the first chunk also holds the embedding, the last
+    the final norm, output layer and loss. What ``train`` builds and ``estimate`` prints."""
+    p = recipe.parallel
+    P, v = p.pipeline_parallel, p.pipeline_virtual_stages
+    S = P * v
+    m = pipeline_microbatches(recipe)
+    tokens = recipe.train.micro_batch_size // m * recipe.seq_len
+    ranks = chunk_ranks(p.pipeline_schedule, P, v)
+    flight = tuple(in_flight(p.pipeline_schedule, P, v, m, ranks[c]) for c in range(S))
+    dp = max(1, (world_size or p.world_size) // (P * p.tensor_parallel))
+    t = recipe.train
+    return list(_split(recipe.model, recipe.seq_len, S, tokens, t.activation_checkpointing, t.selective_every,
+                       flight, dp))
+
+
+def rank_layers(recipe: Recipe, split: list[tuple[int, int]]) -> list[list[int]]:
+    """The blocks each pipeline rank holds, in model order."""
+    p = recipe.parallel
+    ranks = chunk_ranks(p.pipeline_schedule, p.pipeline_parallel, p.pipeline_virtual_stages)
+    out: list[list[int]] = [[] for _ in range(p.pipeline_parallel)]
+    for c, (i, j) in enumerate(split):
+        out[ranks[c]].extend(range(i, j))
+    return [sorted(x) for x in out]
+
+
+def bubble_fraction(schedule: str, p: int, v: int, m: int) -> float:
+    """Share of a balanced pipeline's step that ranks sit idle: idle slots (p - 1)/v · w over the step's
+    m + (p - 1)/v · w (w the schedule's idle share of a slot: 1 for GPipe and 1F1B, Narayanan et al.
+    2021's (p - 1)/(v·m) of the ideal time for interleaving; less for the zero-bubble schedules)."""
+    idle = (p - 1) / v * schedule_kind(schedule).bubble_work
+    return idle / (m + idle) if p > 1 else 0.0
+
+
+def _stage_cfg(cfg: ModelConfig, layers: list[int]) -> ModelConfig:
+    """The model a rank's blocks form (their count; a MoE model's dense blocks among them first)."""
+    dense = sum(1 for i in layers if not _is_moe(cfg, i))
+    update = {"n_layers": max(1, len(layers))}
+    if cfg.ffn == "moe":
+        update["first_k_dense_replace"] = dense
+    return cfg.model_copy(update=update)
+
+
+def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] | None = None) -> list[dict]:
+    """Peak bytes of each pipeline rank (FSDP2 over ``world_size / p`` data-parallel ranks): its states,
+    gathered blocks, the activations of its micro-batches in flight, and the first and last stages' extras."""
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    P, v = p.pipeline_parallel, p.pipeline_virtual_stages
+    split = split or stage_split(recipe, world_size)
+    m = pipeline_microbatches(recipe)
+    dp = max(1, world_size // P)
+    tokens = t.micro_batch_size // m * recipe.seq_len
+    pc = param_counts(cfg)
+    a = 2 if cfg.dtype != "fp32" else 4
+    rows = []
+    owners = chunk_ranks(p.pipeline_schedule, P, v)
+    for r, layers in enumerate(rank_layers(recipe, split)):
+        first, last = owners[0] == r, owners[-1] == r
+        params = sum(layer_params(cfg, i) for i in layers)
+        params += (pc["embedding"] + pc["position_embedding"]) if first else 0
+        params += (pc["head"] + pc["final_norm"]) if last else 0
+        states = STATE_BYTES_PER_PARAM * params / dp
+        block = max((layer_params(cfg, i) for i in layers), default=0)
+        # the 16-bit copies FSDP2 gathers: current and prefetched block, or (no reshard after the forward)
+        # every block of the stage from its forward to its backward
+        gathered = a * (2 * block if p.reshard_after_forward else sum(layer_params(cfg, i) for i in layers))
+        flight = in_flight(p.pipeline_schedule, P, v, m, r)
+        per_mb = tokens * sum(layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
+                              for i in layers)
+        recompute = 0.0
+        if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
+            recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a)
+                                     for i in layers)
+        embed_out = a * tokens * cfg.d_model * flight if first else 0.0
+        # the logits (16-bit), their fp32 copy for the loss and its gradient: one micro-batch at a time under
+        # 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe keeps m
+        logits = (a + 8) * tokens * cfg.vocab_size * (m if p.pipeline_schedule == "gpipe" else 1) if last else 0.0
+        p2p = 4 * a * tokens * cfg.d_model * v  # receive and send buffers, activations and gradients, per chunk
+        activations = flight * per_mb + recompute + embed_out + logits
+        total = states + gathered + activations + p2p
+        rows.append({"rank": r, "layers": layers, "params": params, "first": first, "last": last,
+                     "in_flight_micro_batches": flight, "states_bytes": int(states), "gathered_bytes": int(gathered),
+                     "activations_bytes": int(activations), "p2p_buffers_bytes": int(p2p), "total_bytes": int(total)})
+    return rows
+
+
+def _head_seconds(cfg: ModelConfig, tokens: int, compiled: bool, calib: Calibration) -> float:
+    """One micro-batch's output layer on the last rank: its GEMM forward and backward (3 × forward) and the
+    logits' element-wise traffic, as :func:`scaletool.analytic.step._compute` counts them."""
+    V, d = cfg.vocab_size, cfg.d_model
+    gemm = 3 * 2 * tokens * V * d / calib.gemm_rate(tokens, V, d)
+    factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
+    return gemm + factor * tokens * 4 * V / (calib.hbm_gb_s * 1e9)
+
+
+def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
+                  gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
+    """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named."""
+    # the per-micro-batch device model and the FLOP counts, shared with predict_step
+    from scaletool.analytic.step import _compute, _flops
+
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
+    N = world_size or p.world_size
+    if N % P:
+        raise ValueError(f"pipeline_parallel={P} does not divide world_size={N}")
+    dp, G = N // P, gpus_per_node or min(N, 8)
+    compiled = t.compile if compiled is None else compiled
+    m, T, gas = pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
+    tokens = t.micro_batch_size // m * T
+    split = stage_split(recipe, N)
+    owners = chunk_ranks(sched, P, v)
+    hbm = calib.hbm_gb_s * 1e9
+    ov = calib.overheads
+    ranks = []
+    for r, layers in enumerate(rank_layers(recipe, split)):
+        local = _stage_cfg(cfg, layers)
+        c = _compute(local, cfg, "fsdp", tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
+        per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
+        if owners[-1] != r:
+            per_mb -= _head_seconds(cfg, tokens, compiled, calib)
+        params = stage_memory(recipe, N, split)[r]["params"]
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * params / dp / hbm
+        # FSDP2 over the stage's data-parallel ranks: 16-bit all-gather per forward and backward, fp32
+        # reduce-scatter once per schedule step; hidden under the stage's compute but the first gather
+        fsdp_s = 0.0
+        if dp > 1:
+            bw = calib.bus_bandwidth("all_gather", dp, N > G)
+            gathers = (2 if p.reshard_after_forward else 1) * m
+            ag = gathers * 2 * params * (dp - 1) / dp / bw
+            rs = 4 * params * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, N > G)
+            block = max(1, len(layers))
+            fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
+        host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
+                                                  + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
+        ranks.append({"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": gas * m * per_mb,
+                      "optimizer_s": optimizer, "fsdp_exposed_s": fsdp_s, "host_s": host,
+                      "busy_s": gas * m * per_mb + optimizer + fsdp_s + host})
+    bound = max(ranks, key=lambda x: x["busy_s"])
+    slot = max(x["micro_batch_s"] for x in ranks)
+    bubble = gas * (P - 1) / v * schedule_kind(sched).bubble_work * slot
+    # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
+    # activation (forward) or its gradient (backward), d 16-bit numbers per token
+    a = 2 if cfg.dtype != "fp32" else 4
+    send = a * tokens * cfg.d_model / calib.bus_bandwidth("all_reduce", 2, P * dp > G and dp < G)
+    p2p = gas * 2 * (P * v - 1) * send
+    step = bound["busy_s"] + bubble + p2p
+    global_tokens = t.micro_batch_size * T * gas * dp
+    ac = t.activation_checkpointing
+    frac = 1.0 if ac == "full" else (cfg.n_layers // t.selective_every / cfg.n_layers if ac == "selective" else 0.0)
+    model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, frac)
+    peak = calib.peak_tflops * 1e12
+    return {
+        "engine": p.engine, "world_size": N, "pipeline_parallel": P, "virtual_stages": v, "schedule": sched,
+        "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "gpus_per_node": G, "compiled": bool(compiled),
+        "micro_batch_size": t.micro_batch_size, "grad_accum_steps": gas, "seq_len": T,
+        "activation_checkpointing": t.activation_checkpointing, "split": [list(s) for s in split],
+        "ranks": ranks, "bounding_rank": bound["rank"],
+        "terms": {"pipeline/busy_s": bound["busy_s"], "pipeline/bubble_s": bubble, "pipeline/p2p_exposed_s": p2p,
+                  "compute_s": bound["compute_s"], "optimizer_s": bound["optimizer_s"],
+                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "host_overhead_s": bound["host_s"]},
+        "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),
+        "step_s": step, "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step,
+        "tokens_per_s_per_gpu": global_tokens / step / N,
+        "mfu": model_flops / (step * N * peak), "hfu": hw_flops / (step * N * peak),
+        "bound": f"pipeline rank {bound['rank']}", "calibration": calib.source, "calibration_name": calib.name,
+        "assumptions": [
+            f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
+            f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v * schedule_kind(sched).bubble_work:.2g} "
+            "micro-batch slots of the slowest rank per schedule step",
+            "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped",
+            f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
+            "per micro-batch",
+        ],
+    }
