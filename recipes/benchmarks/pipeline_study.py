@@ -45,11 +45,10 @@ def runs(models: list[str]):
 def predicted(model: str, sets: list[str]) -> dict:
     from scaletool.analytic.pipeline import pipeline_step, stage_memory
     from scaletool.config import load_recipe
-    from scaletool.measure.hardware import profile_named
     from scaletool.measure.prediction import calibration_for_device, predict
 
     r = load_recipe(f"recipes/{model}.yaml", sets)
-    prof = profile_named("H100 SXM")
+    prof = card_profile()
     calib = calibration_for_device(prof.device, prof)
     if r.parallel.pipeline_parallel == 1:
         p = predict(r, calib, 4)
@@ -60,14 +59,30 @@ def predicted(model: str, sets: list[str]) -> dict:
             "peak_bytes_per_rank": [row["total_bytes"] for row in stage_memory(r, 4)]}
 
 
+def card_profile():
+    """The hardware profile of the card this study runs on (GPU 0), or the H100 SXM's where no card or no profile
+    matches (a dry run on a CPU)."""
+    import torch
+
+    from scaletool.measure.hardware import profile_for, profile_named
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return (profile_for("cuda", name) if name else None) or profile_named("H100 SXM")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, p10, p90 (statistics.quantiles, exclusive method) and n."""
+    q = statistics.quantiles(values, n=10) if len(values) >= 2 else [values[0]] * 9
+    return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "n": len(values)}
+
+
 def measured(summary: dict) -> dict:
     h = summary["history"]
     start = summary["measure_warmup_steps"]
-    times = sorted(h["step_time_s"][start:])
-    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    times = h["step_time_s"][start:]
     tps = [summary["tokens_per_step"] / t / 4 for t in times]
-    return {"step_s": {"median": statistics.median(times), "p10": q[0], "p90": q[-1], "n": len(times)},
-            "tokens_per_s_per_gpu": {"median": statistics.median(tps), "p10": min(tps), "p90": max(tps), "n": len(tps)},
+    return {"step_s": spread(times), "tokens_per_s_per_gpu": spread(tps),
+            "card": (summary.get("hardware") or {}).get("profile"),
+            "contended": summary.get("contention", {}).get("contended"),
             "peak_memory_bytes": summary.get("peak_memory_bytes"), "memory": summary.get("memory", {}).get("measured")}
 
 
