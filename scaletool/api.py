@@ -42,11 +42,11 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
     """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
     on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
     Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
-    from scaletool import analytic
+    from scaletool.analytic.estimate import estimate
     from scaletool.results.estimate import EstimateResult
 
     r = resolve(recipe, overrides)
-    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    est = estimate(r, tokens=tokens, world_size=world_size)
     if hardware is not None:
         from scaletool.measure.prediction import engine_predictions
 
@@ -336,12 +336,12 @@ def _check_decode_paths(cfg, mode, dev, *, cuda_graph: bool | None, compile: boo
 
 def _announce_build(progress, cfg, dev, checkpoint) -> None:
     """Tell ``progress`` that the model is being built, and that random CPU weights take a while."""
-    from scaletool import analytic
+    from scaletool.analytic.params import param_counts
     from scaletool.decode.sizing import weight_bytes
     from scaletool.fmt import gib
 
     slow = dev.type == "cpu" and checkpoint is None and weight_bytes(cfg) > 2**29
-    progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
+    progress(0, None, f"decode: building the model on {dev.type} ({param_counts(cfg)['total']:,} "
                       f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
                       + ("; drawing random weights on a CPU takes a while" if slow else ""))
 

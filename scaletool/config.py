@@ -43,7 +43,7 @@ from pydantic import (
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
-from scaletool.kinds.engines import ENGINE_NAMES, engine_problems, layout_problems
+from scaletool.kinds.engines import DEFAULT_ENGINE, engine_names, engine_problems, layout_problems
 from scaletool.kinds.float8 import float8_problems
 from scaletool.resources import RECIPE, find_recipe
 from scaletool.yaml_input import check_tree, parse_override, read_yaml, set_dotted
@@ -403,8 +403,18 @@ class TrainConfig(_Section):
     fused_optimizer: bool | None = Field(None, description="default: fused AdamW on CUDA")
 
 
+def _engine_enum(schema: dict) -> None:
+    schema["enum"] = list(engine_names())  # the registry as it is when the schema is written
+
+
+def _quoted_or(names: tuple[str, ...]) -> str:
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 class ParallelConfig(_Section):
-    engine: Literal[ENGINE_NAMES] = "single"
+    engine: str = Field(DEFAULT_ENGINE, json_schema_extra=_engine_enum,
+                        description="the training engine (scaletool.kinds.engines)")
     zero_stage: int = Field(1, ge=0, le=3, description="deepspeed ZeRO stage")
     reshard_after_forward: bool = True
     cpu_offload: bool = Field(False, description="fsdp: CPUOffloadPolicy for params, grads and optimizer")
@@ -433,6 +443,15 @@ class ParallelConfig(_Section):
     fsdp_on_one_rank: bool = Field(False, description="fsdp with tensor_parallel = world size (pure tensor parallelism): "
                                    "wrap FSDP2 anyway, over its one-rank data mesh, where it shards nothing and costs "
                                    "host time per block; off, the split model trains directly under autocast")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        """One of the registered engines (a registry, not a Literal: an engine registered later is accepted)."""
+        names = engine_names()
+        if value not in names:
+            raise ValueError(f"Input should be {_quoted_or(names)}")
+        return value
 
     @field_validator("deepspeed")
     @classmethod

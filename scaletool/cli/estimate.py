@@ -10,7 +10,7 @@ from scaletool import api
 from scaletool.cli.estimate_summary import print_summary
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
 
 #: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
 MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
@@ -60,7 +60,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
     """
     if tensor_parallel is not None:
-        overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
+        overrides = (*overrides, f"parallel.engine={tensor_parallel_engine()}", f"parallel.tensor_parallel={tensor_parallel}")
     shape = {"train.seq_len": seq_len, "train.micro_batch_size": micro_batch}
     overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
     r = api.resolve(recipe, overrides)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scaletool import analytic
+from scaletool.analytic.kv import kv_cache
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
 from scaletool.kinds.engines import engine_kind
 from scaletool.results import Result, load_result
@@ -151,7 +151,7 @@ class Row:
         if est is not None:
             return est.result.kv_cache.model_dump()
         self.recomputed("KV cache figures (no estimate of the point recorded)")
-        return analytic.kv_cache(self.recipe.model)
+        return kv_cache(self.recipe.model)
 
     def recomputed(self, what: str) -> None:
         """Note that ``what`` of this point was computed by this scaletool's closed forms, not read from

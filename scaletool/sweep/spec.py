@@ -277,7 +277,7 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
 
 
 def _resolve_target(mp: MatchParams, path: Path, base_raw: dict) -> tuple[int, str]:
-    from scaletool.analytic import param_counts
+    from scaletool.analytic.params import param_counts
 
     t = mp.target
     if isinstance(t, bool):

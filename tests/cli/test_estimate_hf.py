@@ -9,7 +9,7 @@ import shutil
 from click.testing import CliRunner
 from conftest import ROOT
 
-from scaletool.analytic import recipe_memory
+from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.step import fits
 from scaletool.cli import main
 from scaletool.config import load_recipe
