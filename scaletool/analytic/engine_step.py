@@ -147,8 +147,8 @@ def zero_step(ctx: StepContext) -> EngineStepTerms:
     updated fp32 partition copied to the 16-bit one (16 bytes per partitioned element in bf16; AdamW and the
     clipping are the shared optimizer term). The gradients' copies into the bucket and their split per
     rank run on the reduction side stream, under the backward. Host work: per hooked module and micro-batch
-    (``zero3_per_module_s``, the coordinator's fetch and release, forward and backward), per further parameter tensor (:data:`ZERO3_PER_PARAM_S`) and per
-    optimizer sub-group (:data:`ZERO3_PER_SUB_GROUP_S`).
+    (``zero3_per_module_s``, the coordinator's fetch and release, forward and backward), per further
+    parameter tensor (:data:`ZERO3_PER_PARAM_S`) and per optimizer sub-group (:data:`ZERO3_PER_SUB_GROUP_S`).
     """
     p = ctx.recipe.parallel
     if p.zero_stage < 3:
