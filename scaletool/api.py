@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from scaletool.config import Recipe, RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
+from scaletool.hf import load_recipe
 from scaletool.kinds.engines import engine_kind
 
 RecipeLike = str | Path | Recipe

@@ -660,19 +660,13 @@ def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
-                extra: dict | None = None) -> Recipe:
-    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`; or a Hugging
-    Face config.json or the folder holding one, see :func:`scaletool.hf.imported_recipe`), apply
-    ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    from scaletool import hf  # a Hugging Face config.json (or its model folder) is imported on the fly
-
-    config_json = hf.hf_config_path(path)
-    raw = hf.imported_recipe(config_json) if config_json else read_yaml(find_recipe(path, RECIPE), SECTIONS)
+                extra: dict | None = None, raw: dict | None = None) -> Recipe:
+    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
+    ``--set`` style overrides (and an ``extra`` {dotted: value}), validate. ``raw``: the recipe's mapping
+    already read (a Hugging Face import: :func:`scaletool.hf.load_recipe` takes config.json files too)."""
+    raw = read_yaml(find_recipe(path, RECIPE), SECTIONS) if raw is None else raw
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
-    recipe = recipe_from_dict(raw, shorten(path))
-    if config_json:
-        hf.announce_import(config_json, recipe)
-    return recipe
+    return recipe_from_dict(raw, shorten(path))
 
 
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.estimate_summary import print_summary
+from scaletool.cli.estimate_summary import UNITS, print_summary
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
@@ -16,7 +16,6 @@ from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
 MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
                   ("buffers", "buffers"), ("temps", "temporaries")]
 PHASE_LABELS = {"backward": "bwd", "optimizer_step": "step"}
-UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 
 
 @click.command()

@@ -64,7 +64,7 @@ def measured_forward_by_module(model, x, y) -> tuple[dict[str, float], float]:
     """FlopCounterMode's forward FLOPs by module name ('' the model) and its fwd+bwd total, one batch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from scaletool.measure.count import _flop_counter_mapping
+    from scaletool.measure.sdpa_flops import _flop_counter_mapping
 
     counter = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
     with counter:
