@@ -19,6 +19,7 @@ from pathlib import Path
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.hf import load_recipe
 from scaletool.kinds.engines import engine_kind
+from scaletool.measure.hardware import DEFAULT_HARDWARE
 
 RecipeLike = str | Path | Recipe
 
@@ -39,7 +40,7 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None, hardware: str | None = "H100 SXM"):
+             world_size: int | None = None, hardware: str | None = DEFAULT_HARDWARE):
     """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
     on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
     Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
@@ -106,7 +107,7 @@ def hardware(device_name: str | None = None):
 
 
 def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_per_node: int | None = None,
-         hardware: str = "H100 SXM", global_batch_tokens: int | None = None, seq_len: int | None = None,
+         hardware: str = DEFAULT_HARDWARE, global_batch_tokens: int | None = None, seq_len: int | None = None,
          price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5, verify: int = 0,
          progress=None, verify_progress=None):
     """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,

@@ -19,7 +19,6 @@ no later stage overflows or hangs; floats are finite; echoed values are cut (:fu
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import json
 import math
@@ -40,7 +39,7 @@ from pydantic import (
     model_validator,
 )
 
-from scaletool.errors import RecipeError, echo, shorten
+from scaletool.errors import RecipeError, echo, shorten, validation_lines
 from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
 from scaletool.kinds.engines import DEFAULT_ENGINE, engine_names, engine_problems, layout_problems
@@ -612,35 +611,11 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
-def _describe(err: dict, source: str) -> str:
-    loc = tuple(err["loc"])
-    where = ".".join(_key_text(p) for p in loc) or "recipe"
-    if err["type"] == "extra_forbidden":
-        key = str(loc[-1])[:200]
-        known = _fields_of(Recipe, loc[:-1])
-        hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        if hint:
-            tip = f"; did you mean '{hint[0]}'?"
-        elif 0 < len(known) <= 12:
-            tip = f"; known keys: {', '.join(known)}"
-        else:  # a long list would bury the line: point at where the keys are listed
-            tip = f"; `scaletool recipe show` lists the keys of {'.'.join(map(str, loc[:-1])) or 'a recipe'}"
-        return f"{source}: {where}: unknown key{tip}"
-    got = err.get("input")
-    got_s = "" if isinstance(got, dict) else f" (got {echo(got)})"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{source}: {where}: {msg}{got_s}"
-
-
 def _problems_from(exc: ValidationError, source: str) -> list[str]:
-    lines: list[str] = []
-    for err in exc.errors():
-        inner = err.get("ctx", {}).get("error")
-        if isinstance(inner, RecipeError):
-            lines.extend(f"{source}: {p}" for p in inner.problems)
-        else:
-            lines.append(_describe(err, source))
-    return lines
+    return validation_lines(exc, source, root="recipe", known=lambda parent: _fields_of(Recipe, parent),
+                            many_keys=lambda parent: f"`scaletool recipe show` lists the keys of "
+                                                     f"{'.'.join(map(str, parent)) or 'a recipe'}",
+                            key_text=_key_text, show_input=lambda err: not isinstance(err.get("input"), dict))
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:

@@ -11,6 +11,7 @@ from scaletool.cli.estimate_summary import UNITS, print_summary
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
+from scaletool.measure.hardware import DEFAULT_HARDWARE
 
 #: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
 MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
@@ -31,7 +32,7 @@ PHASE_LABELS = {"backward": "bwd", "optimizer_step": "step"}
               help="GPUs (ranks) for the memory table (default parallel.world_size).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), help="Ranks per tensor-parallel group: the recipe under "
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
-@click.option("--hardware", default="H100 SXM", show_default=True, help="Card for the predicted step time per "
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Card for the predicted step time per "
               "engine (a profile of `scaletool hardware`).")
 @click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
               "tables, memory per engine and phase by component, tensor parallelism's collectives.")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from scaletool.analytic.kv import kv_cache
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
+from scaletool.errors import validation_lines
 from scaletool.kinds.engines import engine_kind
 from scaletool.results import Result, load_result
 from scaletool.results.count import CountResult
@@ -364,8 +365,7 @@ def _failed_runs(d: Path, rec: Record, warnings: list[str]) -> list[Result]:
 
 
 def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    return f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg']}"
+    return validation_lines(e, "", root="record", show_input=lambda err: False, limit=1)[0].removeprefix(": ")
 
 
 def _run_dir(d: Path, rec: Record) -> Path | None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, validation_lines
 
 
 class ResultLoadError(RecipeError):
@@ -92,5 +92,4 @@ def load_among(kinds: dict[str, type[Result]], data: Any, source: str = "result"
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        lines = [f"{source}: {'.'.join(str(p) for p in err['loc']) or kind}: {err['msg']}" for err in e.errors()[:5]]
-        raise ResultLoadError(lines) from None
+        raise ResultLoadError(validation_lines(e, source, root=kind, show_input=lambda err: False, limit=5)) from None
