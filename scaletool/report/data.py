@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from scaletool.analytic.kv import kv_cache
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
 from scaletool.errors import validation_lines
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.results import Result, load_result
 from scaletool.results.count import CountResult
 from scaletool.results.decode import DecodeResult
@@ -191,7 +191,7 @@ class Row:
             words.append(f"tp{p.tensor_parallel}")
         if self.recipe.train.compile:
             words.append("compiled")
-        if p.deepspeed and "deepspeed" in engine_kind(p.engine).keys:  # the DeepSpeed passthrough
+        if p.deepspeed and ENGINE_KEYS.get("deepspeed") == p.engine:  # the engine that reads parallel.deepspeed
             words.append("+config")
         return " ".join(words)
 
