@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from scaletool.config import Recipe, RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
+from scaletool.hf import load_recipe
 from scaletool.kinds.engines import engine_kind
+from scaletool.measure.hardware import DEFAULT_HARDWARE
 
 RecipeLike = str | Path | Recipe
 
@@ -38,15 +40,15 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None, hardware: str | None = "H100 SXM"):
+             world_size: int | None = None, hardware: str | None = DEFAULT_HARDWARE):
     """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
     on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
     Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
-    from scaletool import analytic
+    from scaletool.analytic.estimate import estimate
     from scaletool.results.estimate import EstimateResult
 
     r = resolve(recipe, overrides)
-    est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    est = estimate(r, tokens=tokens, world_size=world_size)
     if hardware is not None:
         from scaletool.measure.prediction import engine_predictions
 
@@ -105,7 +107,7 @@ def hardware(device_name: str | None = None):
 
 
 def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_per_node: int | None = None,
-         hardware: str = "H100 SXM", global_batch_tokens: int | None = None, seq_len: int | None = None,
+         hardware: str = DEFAULT_HARDWARE, global_batch_tokens: int | None = None, seq_len: int | None = None,
          price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5, verify: int = 0,
          progress=None, verify_progress=None):
     """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,
@@ -336,12 +338,12 @@ def _check_decode_paths(cfg, mode, dev, *, cuda_graph: bool | None, compile: boo
 
 def _announce_build(progress, cfg, dev, checkpoint) -> None:
     """Tell ``progress`` that the model is being built, and that random CPU weights take a while."""
-    from scaletool import analytic
+    from scaletool.analytic.params import param_counts
     from scaletool.decode.sizing import weight_bytes
     from scaletool.fmt import gib
 
     slow = dev.type == "cpu" and checkpoint is None and weight_bytes(cfg) > 2**29
-    progress(0, None, f"decode: building the model on {dev.type} ({analytic.param_counts(cfg)['total']:,} "
+    progress(0, None, f"decode: building the model on {dev.type} ({param_counts(cfg)['total']:,} "
                       f"parameters, {gib(weight_bytes(cfg))} at {cfg.dtype})"
                       + ("; drawing random weights on a CPU takes a while" if slow else ""))
 

@@ -19,7 +19,6 @@ no later stage overflows or hangs; floats are finite; echoed values are cut (:fu
 from __future__ import annotations
 
 import copy
-import difflib
 import hashlib
 import json
 import math
@@ -40,10 +39,10 @@ from pydantic import (
     model_validator,
 )
 
-from scaletool.errors import RecipeError, echo, shorten
+from scaletool.errors import RecipeError, echo, shorten, validation_lines
 from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
-from scaletool.kinds.engines import ENGINE_NAMES, engine_problems, layout_problems
+from scaletool.kinds.engines import DEFAULT_ENGINE, engine_names, engine_problems, layout_problems
 from scaletool.kinds.float8 import float8_problems
 from scaletool.kinds.pipeline import SCHEDULE_NAMES, pipeline_problems
 from scaletool.resources import RECIPE, find_recipe
@@ -404,8 +403,18 @@ class TrainConfig(_Section):
     fused_optimizer: bool | None = Field(None, description="default: fused AdamW on CUDA")
 
 
+def _engine_enum(schema: dict) -> None:
+    schema["enum"] = list(engine_names())  # the registry as it is when the schema is written
+
+
+def _quoted_or(names: tuple[str, ...]) -> str:
+    quoted = [f"'{n}'" for n in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
 class ParallelConfig(_Section):
-    engine: Literal[ENGINE_NAMES] = "single"
+    engine: str = Field(DEFAULT_ENGINE, json_schema_extra=_engine_enum,
+                        description="the training engine (scaletool.kinds.engines)")
     zero_stage: int = Field(1, ge=0, le=3, description="deepspeed ZeRO stage")
     reshard_after_forward: bool = True
     cpu_offload: bool = Field(False, description="fsdp: CPUOffloadPolicy for params, grads and optimizer")
@@ -447,6 +456,15 @@ class ParallelConfig(_Section):
                                          "(interleaved schedules: >= 2; zbv: 2)")
     pipeline_microbatches: int | None = Field(None, gt=0, description="pipeline micro-batches that "
                                               "train.micro_batch_size splits into; default one sequence each")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        """One of the registered engines (a registry, not a Literal: an engine registered later is accepted)."""
+        names = engine_names()
+        if value not in names:
+            raise ValueError(f"Input should be {_quoted_or(names)}")
+        return value
 
     @field_validator("deepspeed")
     @classmethod
@@ -608,35 +626,11 @@ def _fields_of(model_cls: type[BaseModel], loc: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
-def _describe(err: dict, source: str) -> str:
-    loc = tuple(err["loc"])
-    where = ".".join(_key_text(p) for p in loc) or "recipe"
-    if err["type"] == "extra_forbidden":
-        key = str(loc[-1])[:200]
-        known = _fields_of(Recipe, loc[:-1])
-        hint = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        if hint:
-            tip = f"; did you mean '{hint[0]}'?"
-        elif 0 < len(known) <= 12:
-            tip = f"; known keys: {', '.join(known)}"
-        else:  # a long list would bury the line: point at where the keys are listed
-            tip = f"; `scaletool recipe show` lists the keys of {'.'.join(map(str, loc[:-1])) or 'a recipe'}"
-        return f"{source}: {where}: unknown key{tip}"
-    got = err.get("input")
-    got_s = "" if isinstance(got, dict) else f" (got {echo(got)})"
-    msg = err["msg"].removeprefix("Value error, ")
-    return f"{source}: {where}: {msg}{got_s}"
-
-
 def _problems_from(exc: ValidationError, source: str) -> list[str]:
-    lines: list[str] = []
-    for err in exc.errors():
-        inner = err.get("ctx", {}).get("error")
-        if isinstance(inner, RecipeError):
-            lines.extend(f"{source}: {p}" for p in inner.problems)
-        else:
-            lines.append(_describe(err, source))
-    return lines
+    return validation_lines(exc, source, root="recipe", known=lambda parent: _fields_of(Recipe, parent),
+                            many_keys=lambda parent: f"`scaletool recipe show` lists the keys of "
+                                                     f"{'.'.join(map(str, parent)) or 'a recipe'}",
+                            key_text=_key_text, show_input=lambda err: not isinstance(err.get("input"), dict))
 
 
 def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
@@ -656,19 +650,13 @@ def recipe_from_dict(raw: dict, source: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
-                extra: dict | None = None) -> Recipe:
-    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`; or a Hugging
-    Face config.json or the folder holding one, see :func:`scaletool.hf.imported_recipe`), apply
-    ``--set`` style overrides (and an ``extra`` {dotted: value}), validate."""
-    from scaletool import hf  # a Hugging Face config.json (or its model folder) is imported on the fly
-
-    config_json = hf.hf_config_path(path)
-    raw = hf.imported_recipe(config_json) if config_json else read_yaml(find_recipe(path, RECIPE), SECTIONS)
+                extra: dict | None = None, raw: dict | None = None) -> Recipe:
+    """Load a recipe file (or a shipped recipe by name, see :func:`scaletool.resources.find_recipe`), apply
+    ``--set`` style overrides (and an ``extra`` {dotted: value}), validate. ``raw``: the recipe's mapping
+    already read (a Hugging Face import: :func:`scaletool.hf.load_recipe` takes config.json files too)."""
+    raw = read_yaml(find_recipe(path, RECIPE), SECTIONS) if raw is None else raw
     raw = apply_overrides(raw, [parse_override(o) for o in overrides] + list((extra or {}).items()))
-    recipe = recipe_from_dict(raw, shorten(path))
-    if config_json:
-        hf.announce_import(config_json, recipe)
-    return recipe
+    return recipe_from_dict(raw, shorten(path))
 
 
 def apply_overrides(raw: dict, pairs: list[tuple[str, Any]]) -> dict:

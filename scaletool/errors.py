@@ -8,13 +8,16 @@
   GPU, communication errors and timeouts), and :func:`rank_label`, the rank it happened on.
 - :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
 - :func:`cannot_write`: a write that fails (full or read-only disk, a path under a file) as one line.
+- :func:`validation_lines`: a pydantic ``ValidationError`` as one line per problem.
 """
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import reprlib
 import socket
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -129,3 +132,39 @@ def describe(exc: BaseException, environ=None) -> str:
         backend = "NCCL" if "nccl" in low else "gloo" if "gloo" in low else "torch.distributed"
         return f"communication error ({backend}): {detail} (a peer rank failed or was killed: see its line)"
     return f"{type(exc).__name__}: {detail}"
+
+
+def validation_lines(exc: Any, source: str, *, root: str = "", known: Callable[[tuple], Sequence[str]] | None = None,
+                     many_keys: Callable[[tuple], str] | None = None, key_text: Callable[[Any], str] = str,
+                     show_input: Callable[[dict], bool] | None = None, limit: int | None = None) -> list[str]:
+    """A pydantic ``ValidationError`` (``exc.errors()``; duck-typed, pydantic not imported here) as one line
+    per problem: ``source: where: message (got value)``.
+
+    A :class:`RecipeError` raised inside a validator gives its own lines. An unknown key names the closest
+    known one, ``known(parent location)`` (else lists them, up to 12; past that ``many_keys(parent)`` says
+    where they are listed). ``root``: the location's name when it is empty; ``key_text`` writes one part of
+    a location; ``show_input(error)`` whether to echo the value (default: not mappings or lists);
+    ``limit``: at most that many errors."""
+    lines: list[str] = []
+    for err in exc.errors()[:limit]:
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, RecipeError):
+            lines += [f"{source}: {p}" for p in inner.problems]
+            continue
+        loc = tuple(err["loc"])
+        where = ".".join(key_text(p) for p in loc) or root
+        if err["type"] == "extra_forbidden":
+            keys = list(known(loc[:-1])) if known else []
+            hint = difflib.get_close_matches(str(loc[-1])[:200], keys, n=1, cutoff=0.6)
+            if hint:
+                tip = f"; did you mean '{hint[0]}'?"
+            elif 0 < len(keys) <= 12 or (keys and many_keys is None):
+                tip = f"; known keys: {', '.join(keys)}"
+            else:  # a long list would bury the line
+                tip = f"; {many_keys(loc[:-1])}" if many_keys and keys else ""
+            lines.append(f"{source}: {where}: unknown key{tip}")
+            continue
+        got = err.get("input")
+        shown = show_input(err) if show_input else not isinstance(got, (dict, list))
+        lines.append(f"{source}: {where}: {err['msg'].removeprefix('Value error, ')}{f' (got {echo(got)})' if shown else ''}")
+    return lines

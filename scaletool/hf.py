@@ -24,7 +24,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scaletool.config import RecipeError, recipe_from_dict
+from scaletool.config import Recipe, RecipeError, recipe_from_dict
+from scaletool.config import load_recipe as load_yaml_recipe
 from scaletool.errors import echo, shorten
 from scaletool.resources import read_bounded
 from scaletool.yaml_input import check_tree
@@ -413,3 +414,16 @@ def announce_import(path: Path, recipe) -> None:
         lines.append(f"note: sequence length {recipe.seq_len:,} (the model takes up to {m.max_seq_len:,}); "
                      "estimate --seq-len N, or --set train.seq_len=N, sets it")
     print("\n".join(lines), file=sys.stderr)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *,
+                extra: dict | None = None) -> Recipe:
+    """A recipe from any input the commands take: a recipe file or shipped name
+    (:func:`scaletool.config.load_recipe`), or a Hugging Face config.json or the folder holding one, imported
+    on the fly (:func:`imported_recipe`, announced once); then ``--set`` overrides, validated."""
+    config_json = hf_config_path(path)
+    if not config_json:
+        return load_yaml_recipe(path, overrides, extra=extra)
+    recipe = load_yaml_recipe(path, overrides, extra=extra, raw=imported_recipe(config_json))
+    announce_import(config_json, recipe)
+    return recipe

@@ -8,7 +8,12 @@ import pytest
 import yaml
 from conftest import RECIPES, ROOT
 
-from scaletool import analytic
+from scaletool.analytic.estimate import estimate
+from scaletool.analytic.flops import decode_flops_per_token, flops_per_token
+from scaletool.analytic.kv import cache_bytes_per_token, kv_cache
+from scaletool.analytic.memory import engine_settings, memory_table, recipe_memory, training_memory
+from scaletool.analytic.params import attention_params, matmul_params, param_counts
+from scaletool.analytic.timeline import COMPONENTS, PHASES, ZERO_REDUCE_BUCKET, MemoryInputs, _group_sizes, _units
 from scaletool.analytic.zero3 import DEEPSPEED_DEFAULTS, block_params
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.kinds.attention import attention_kind
@@ -50,7 +55,7 @@ def random_model(rng: random.Random) -> dict:
 def test_param_count_equals_closed_form(seed):
     cfg = recipe_from_dict({"model": random_model(random.Random(seed))}).model
     model = build_model(cfg, "meta")
-    counts = analytic.param_counts(cfg)
+    counts = param_counts(cfg)
     assert model.num_params() == counts["total"]
     attn = model.layers[0].attn
     by_proj = counts["per_layer"]["attention_by_projection"]
@@ -82,7 +87,7 @@ def test_decode_flops_and_cache_equal_what_the_model_does(seed):
     kind = attention_kind(cfg)
     for mode in kind.decode_modes(cfg) or (None,):
         caches = make_caches(cfg, 2, 5, dtype=torch.bfloat16, device="meta", mla_mode=mode)
-        assert cache_bytes(caches) == analytic.cache_bytes_per_token(cfg, mode) // cfg.dtype_bytes * 2 * 2 * 5
+        assert cache_bytes(caches) == cache_bytes_per_token(cfg, mode) // cfg.dtype_bytes * 2 * 2 * 5
 
 
 def test_per_head_rope_mla_against_the_shared_key_in_closed_form():
@@ -94,14 +99,14 @@ def test_per_head_rope_mla_against_the_shared_key_in_closed_form():
                                          "v_head_dim": 128}}).model
     per_head = shared.model_copy(update={"mla_rope": "per_head"})
     d, L, H, c, r = 2048, 16, 16, 512, 64
-    diff = analytic.param_counts(per_head)["total"] - analytic.param_counts(shared)["total"]
+    diff = param_counts(per_head)["total"] - param_counts(shared)["total"]
     assert diff == L * (c * H * r - d * r)
-    assert analytic.kv_cache(shared)["bytes_per_token"] == (c + r) * 2 * L
-    assert analytic.kv_cache(per_head)["bytes_per_token"] == c * 2 * L
-    assert analytic.kv_cache(per_head)["by_mode"] == {"expand": c * 2 * L, "naive": H * (192 + 128) * 2 * L}
+    assert kv_cache(shared)["bytes_per_token"] == (c + r) * 2 * L
+    assert kv_cache(per_head)["bytes_per_token"] == c * 2 * L
+    assert kv_cache(per_head)["by_mode"] == {"expand": c * 2 * L, "naive": H * (192 + 128) * 2 * L}
     for ctx in (1024, 4096):
-        absorbed = analytic.decode_flops_per_token(shared, ctx)["attention"]
-        expand = analytic.decode_flops_per_token(per_head, ctx)["attention"]
+        absorbed = decode_flops_per_token(shared, ctx)["attention"]
+        expand = decode_flops_per_token(per_head, ctx)["attention"]
         # absorbed: scores over kv_lora + rope and the weighted latents, 2·H·ctx·(2c + r) per layer
         assert absorbed == L * (2 * (d * H * 192 + d * (c + r) + H * 128 * d) + 2 * H * (128 * c + ctx * (2 * c + r)
                                                                                        + c * 128))
@@ -109,20 +114,20 @@ def test_per_head_rope_mla_against_the_shared_key_in_closed_form():
         assert expand == L * (2 * (d * H * 192 + d * c + H * 128 * d) + 2 * ctx * c * H * (128 + r + 128)
                               + 2 * H * ctx * (192 + 128))
     with pytest.raises(ValueError, match="mla_rope=per_head cannot absorb"):
-        analytic.decode_flops_per_token(per_head, 1024, "absorbed")
+        decode_flops_per_token(per_head, 1024, "absorbed")
 
 
 def test_position_encodings_and_post_norm_in_the_parameter_count():
     """Only a learned table has parameters (max_seq_len·d, left out of the non-embedding count as Kaplan
     et al. do); post-norm has no final norm."""
     base = {"d_model": 128, "n_heads": 4, "n_layers": 2, "max_seq_len": 256, "norm": "layernorm"}
-    rope = analytic.param_counts(recipe_from_dict({"model": base}).model)
+    rope = param_counts(recipe_from_dict({"model": base}).model)
     for enc in ("sinusoidal", "alibi", "none"):
-        assert analytic.param_counts(recipe_from_dict({"model": {**base, "position_encoding": enc}}).model) == rope
-    learned = analytic.param_counts(recipe_from_dict({"model": {**base, "position_encoding": "learned"}}).model)
+        assert param_counts(recipe_from_dict({"model": {**base, "position_encoding": enc}}).model) == rope
+    learned = param_counts(recipe_from_dict({"model": {**base, "position_encoding": "learned"}}).model)
     assert learned["total"] - rope["total"] == learned["position_embedding"] == 256 * 128
     assert learned["non_embedding"] == rope["non_embedding"]
-    post = analytic.param_counts(recipe_from_dict({"model": {**base, "norm_placement": "post"}}).model)
+    post = param_counts(recipe_from_dict({"model": {**base, "norm_placement": "post"}}).model)
     assert rope["total"] - post["total"] == rope["final_norm"] == 2 * 128 and post["final_norm"] == 0
 
 
@@ -132,7 +137,7 @@ def test_deepseek_v3_attention_layout():
     cfg = recipe_from_dict({"model": {"attention": "mla", "d_model": 7168, "n_heads": 128, "q_lora_rank": 1536,
                                       "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                                       "v_head_dim": 128, "n_layers": 1}}).model
-    p = analytic.attention_params(cfg)
+    p = attention_params(cfg)
     assert p == {"wq_a": 7168 * 1536, "q_norm": 1536, "wq_b": 1536 * 128 * 192, "wkv_a": 7168 * 576,
                  "kv_norm": 512, "wkv_b": 512 * 128 * 256, "wo": 128 * 128 * 7168}
     assert sum(p.values()) == 187_107_328
@@ -144,14 +149,14 @@ def test_deepseek_v3_attention_layout():
 def test_llama3_8b_total():
     cfg = recipe_from_dict({"model": {"attention": "gqa", "d_model": 4096, "n_layers": 32, "n_heads": 32,
                                       "n_kv_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}}).model
-    assert analytic.param_counts(cfg)["total"] == 8_030_261_248  # Meta's published count
+    assert param_counts(cfg)["total"] == 8_030_261_248  # Meta's published count
 
 
 def test_rule_of_thumb_is_exact_for_the_classic_block():
     """12·d²·L is exact for MHA with a 4d two-matrix FFN and no norms; norms make it slightly low."""
     cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "ffn": "gelu", "intermediate_size": 1024,
                                       "n_layers": 3}}).model
-    p = analytic.param_counts(cfg)
+    p = param_counts(cfg)
     assert p["rule_of_thumb_12d2L"] == 12 * 256 * 256 * 3
     assert p["non_embedding"] - p["rule_of_thumb_12d2L"] == p["norms"]
     assert build_model(cfg, "meta").num_params(non_embedding=True) == p["non_embedding"]
@@ -166,7 +171,7 @@ def test_rule_of_thumb_is_exact_for_the_classic_block():
 def test_kv_cache_bytes(model, per_layer_elems):
     for dtype, b in (("bf16", 2), ("fp32", 4)):
         cfg = recipe_from_dict({"model": {**model, "n_layers": 8, "dtype": dtype}}).model
-        kv = analytic.kv_cache(cfg)
+        kv = kv_cache(cfg)
         assert kv["bytes_per_token"] == per_layer_elems * 8 * b
         assert isinstance(kv["bytes_per_token"], int)
 
@@ -174,7 +179,7 @@ def test_kv_cache_bytes(model, per_layer_elems):
 def test_mla_compression_against_the_same_heads():
     cfg = recipe_from_dict({"model": {"attention": "mla", "d_model": 2048, "n_heads": 16, "kv_lora_rank": 512,
                                       "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}}).model
-    kv = analytic.kv_cache(cfg)
+    kv = kv_cache(cfg)
     assert kv["naive_bytes_per_token"] == 16 * (192 + 128) * 2 * cfg.n_layers
     assert kv["compression_ratio"] == pytest.approx(16 * 320 / 576)
 
@@ -182,8 +187,8 @@ def test_mla_compression_against_the_same_heads():
 def test_flops_conventions():
     cfg = recipe_from_dict({"model": {"d_model": 128, "n_heads": 4, "n_layers": 2, "vocab_size": 1000}}).model
     T = 256
-    f = analytic.flops_per_token(cfg, T)
-    n = analytic.matmul_params(cfg)
+    f = flops_per_token(cfg, T)
+    n = matmul_params(cfg)
     att_full = 2 * 2 * 4 * T * (32 + 32)
     assert f["forward_full"] == 2 * n + att_full
     assert f["train_causal"] == 6 * n + 3 * att_full / 2
@@ -192,7 +197,7 @@ def test_flops_conventions():
 
 def test_estimate_json_contract():
     r = recipe_from_dict({"model": {"attention": "mla", "kv_lora_rank": 64}})
-    est = analytic.estimate(r)
+    est = estimate(r)
     assert isinstance(est["params"]["total"], int)
     assert isinstance(est["flops"]["per_token"]["train"], float | int)
     assert isinstance(est["kv_cache"]["bytes_per_token"], int)
@@ -210,7 +215,7 @@ ENGINES = [("single", 0), ("ddp", 0), ("fsdp", 0), ("deepspeed", 0), ("deepspeed
 
 
 def mem(cfg, engine, N, mb=2, ac="none", T=64, **settings):
-    return analytic.training_memory(cfg, engine, N, analytic.MemoryInputs(mb, T, ac), **settings)
+    return training_memory(cfg, engine, N, MemoryInputs(mb, T, ac), **settings)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -222,10 +227,10 @@ def test_every_phase_is_its_components_and_the_total_is_the_larger(seed):
         for N in ([1] if engine == "single" else [1, 2, 8]):
             m = mem(cfg, engine, N, mb=rng.randint(1, 4), ac=rng.choice(["none", "full", "selective"]), zero_stage=stage,
                     fused_optimizer=rng.random() < 0.5, reduce_bucket=rng.choice([1e3, 5e8]))
-            assert set(m["phases"]) == set(analytic.PHASES)
+            assert set(m["phases"]) == set(PHASES)
             totals = {}
             for name, comp in m["phases"].items():
-                assert tuple(comp) == analytic.COMPONENTS and all(v >= 0 for v in comp.values()), (engine, comp)
+                assert tuple(comp) == COMPONENTS and all(v >= 0 for v in comp.values()), (engine, comp)
                 totals[name] = sum(comp.values())
             assert m["total_bytes"] == max(totals.values()) == totals[m["phase"]]
             assert m["phases"]["optimizer_step"]["activations"] == 0
@@ -236,7 +241,7 @@ def test_model_states_as_each_engine_stores_them():
     """ZeRO-1 with overlap_comm keeps only its gradient partition, as ZeRO-2 does; without it, the ZeRO
     paper's 4Ψ + 12Ψ/N (Rajbhandari et al. 2020, K = 12)."""
     cfg = recipe_from_dict({"model": {"d_model": 512, "n_heads": 8, "n_layers": 4}}).model
-    psi = analytic.param_counts(cfg)["total"]
+    psi = param_counts(cfg)["total"]
 
     def states(engine, stage=1, N=8, **kw):
         m = mem(cfg, engine, N, zero_stage=stage, **kw)
@@ -246,7 +251,7 @@ def test_model_states_as_each_engine_stores_them():
     assert states("deepspeed", 1, overlap_comm=False) == pytest.approx(4 * psi + 12 * psi / 8, rel=1e-6)
     assert states("deepspeed", 1) == states("deepspeed", 2) == pytest.approx(2 * psi + 14 * psi / 8, rel=1e-6)
     # ZeRO-3: the norm weights (at most stage3_param_persistence_threshold elements) stay whole on every rank
-    norms = analytic.param_counts(cfg)["norms"]
+    norms = param_counts(cfg)["norms"]
     assert states("deepspeed", 3) == 16 * psi / 8 + 2 * norms * 7 / 8
     assert states("deepspeed", 3, persistence_threshold=0) == pytest.approx(16 * psi / 8, rel=1e-6)
     assert states("fsdp") == pytest.approx(16 * psi / 8, rel=1e-6)
@@ -260,8 +265,8 @@ def test_zero12_step_is_deepspeeds_own_estimate_plus_the_flat_copy():
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "n_layers": 2, "vocab_size": 1000}}).model
-    psi = analytic.param_counts(cfg)["total"]
-    big, small = analytic._group_sizes(cfg)
+    psi = param_counts(cfg)["total"]
+    big, small = _group_sizes(cfg)
     assert big + small == psi
     for N in (1, 2, 4):
         step = mem(cfg, "deepspeed", N, zero_stage=2)["phases"]["optimizer_step"]
@@ -277,7 +282,7 @@ def test_the_optimizer_step_sets_deepspeeds_peak_when_activations_are_small():
         m = mem(r.model, "deepspeed", 1, mb=1, ac="full", T=2048, zero_stage=stage)
         assert m["phase"] == "optimizer_step"
         step = m["phases"]["optimizer_step"]
-        assert step["temporaries"] == pytest.approx(6 * max(analytic._group_sizes(r.model)), abs=8)  # 2P + 4P
+        assert step["temporaries"] == pytest.approx(6 * max(_group_sizes(r.model)), abs=8)  # 2P + 4P
     assert mem(r.model, "deepspeed", 1, mb=8, T=2048, zero_stage=1)["phase"] == "backward"
     assert mem(r.model, "single", 1, mb=1, ac="full", T=2048)["phase"] == "backward"
 
@@ -287,7 +292,7 @@ def test_backward_peak_moves_from_the_loss_to_the_end_as_activations_shrink():
     r = recipe_from_dict(yaml_recipe("mha-1b.yaml"))
     big = mem(r.model, "single", 1, mb=8, T=2048)
     small = mem(r.model, "single", 1, mb=1, ac="full", T=2048)
-    psi = analytic.param_counts(r.model)["total"]
+    psi = param_counts(r.model)["total"]
     assert big["backward_peak_at"] == "loss" and big["phases"]["backward"]["gradients"] == 0
     assert small["backward_peak_at"] in ("block 0", "embedding")
     assert small["phases"]["backward"]["gradients"] >= 4 * (psi - r.model.vocab_size * r.model.d_model)
@@ -295,8 +300,8 @@ def test_backward_peak_moves_from_the_loss_to_the_end_as_activations_shrink():
 
 def test_engine_buffers_follow_their_sources():
     cfg = recipe_from_dict({"model": {"d_model": 256, "n_heads": 4, "n_layers": 4, "vocab_size": 1000}}).model
-    psi = analytic.param_counts(cfg)["total"]
-    big, _ = analytic._group_sizes(cfg)
+    psi = param_counts(cfg)["total"]
+    big, _ = _group_sizes(cfg)
     # fused AdamW steps in place; foreach allocates one fp32 sqrt per parameter of the larger group
     assert mem(cfg, "single", 1)["phases"]["optimizer_step"]["temporaries"] == 0
     assert mem(cfg, "single", 1, fused_optimizer=False)["phases"]["optimizer_step"]["temporaries"] == 4 * big
@@ -315,7 +320,7 @@ def test_engine_buffers_follow_their_sources():
     none_kept = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0, prefetch_bucket=0)
     assert none_kept["phases"]["backward"]["buffers"] < two["phases"]["backward"]["buffers"]
     # the prefetch gathers the next stops' parameters up to prefetch_bucket elements: more than one stop
-    blocks = [u.gathered for u in analytic._units(cfg, analytic.MemoryInputs(2, 64), autocast=False,
+    blocks = [u.gathered for u in _units(cfg, MemoryInputs(2, 64), autocast=False,
                                                  expert_parallel=False)[0][1:-1]]
     one_block = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0, prefetch_bucket=blocks[0])
     two_blocks = mem(cfg, "deepspeed", 2, zero_stage=3, reduce_bucket=1e3, max_reuse_distance=0,
@@ -326,25 +331,25 @@ def test_engine_buffers_follow_their_sources():
 def test_recipe_settings_reach_the_estimate():
     base = {"model": {"d_model": 256, "n_heads": 4, "n_layers": 4, "vocab_size": 1000, "dtype": "bf16"},
             "parallel": {"engine": "deepspeed", "zero_stage": 3}}
-    default = analytic.recipe_memory(recipe_from_dict(base), 2)
+    default = recipe_memory(recipe_from_dict(base), 2)
     tuned = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
         "reduce_bucket_size": "5e6", "stage3_max_reuse_distance": 0}}}})
-    s = analytic.engine_settings(tuned)
+    s = engine_settings(tuned)
     assert (s.reduce_bucket, s.max_reuse_distance, s.zero_stage) == (5e6, 0, 3)
-    assert analytic.recipe_memory(tuned, 2)["phases"]["optimizer_step"]["buffers"] == 2 * 5_000_000
+    assert recipe_memory(tuned, 2)["phases"]["optimizer_step"]["buffers"] == 2 * 5_000_000
     # ZeRO-3's own defaults are sized by the block: a reduce bucket and a prefetch of two blocks
     block = block_params(recipe_from_dict(base).model)
     assert default["phases"]["optimizer_step"]["buffers"] == 2 * 2 * block
-    assert analytic.engine_settings(recipe_from_dict(base)).prefetch_bucket == 2 * block
+    assert engine_settings(recipe_from_dict(base)).prefetch_bucket == 2 * block
     # ZeRO-1/2 keep scaletool's 5e8-element bucket, also in the table rows of a ZeRO-3 recipe
-    assert analytic.engine_settings(recipe_from_dict(base), 2).reduce_bucket == analytic.ZERO_REDUCE_BUCKET
-    rows = {r["label"]: r for r in analytic.memory_table(recipe_from_dict(base), 2) if r["activation_checkpointing"] == "none"}
+    assert engine_settings(recipe_from_dict(base), 2).reduce_bucket == ZERO_REDUCE_BUCKET
+    rows = {r["label"]: r for r in memory_table(recipe_from_dict(base), 2) if r["activation_checkpointing"] == "none"}
     assert rows["zero3"]["phases"]["optimizer_step"]["buffers"] == 2 * 2 * block
     foreach = recipe_from_dict({**base, "parallel": {"engine": "fsdp"}, "train": {"fused_optimizer": False}})
-    assert not analytic.engine_settings(foreach).fused_optimizer
+    assert not engine_settings(foreach).fused_optimizer
     bad = recipe_from_dict({**base, "parallel": {**base["parallel"], "deepspeed": {"zero_optimization": {
         "reduce_bucket_size": "auto"}}}})
-    assert analytic.engine_settings(bad).reduce_bucket == 2 * block
+    assert engine_settings(bad).reduce_bucket == 2 * block
 
 
 def test_estimate_matches_the_gpu_validation():
@@ -365,7 +370,7 @@ def test_estimate_matches_the_gpu_validation():
                         # measured under DeepSpeed's fixed ZeRO-3 defaults, before scaletool sized them by the block
                         extra={"parallel.deepspeed": {"zero_optimization": DEEPSPEED_DEFAULTS}}
                         if c["label"] == "zero3" else None)
-        est = analytic.recipe_memory(r, c["world_size"])["total_bytes"]
+        est = recipe_memory(r, c["world_size"])["total_bytes"]
         measured = max(p["peak_bytes"] for p in rec["per_rank"])
         err = (est - measured) / measured
         assert (err > 0) if rec["name"] in known else abs(err) <= 0.10, (rec["name"], err)

@@ -259,12 +259,11 @@ def test_sizes_are_bounded_with_the_figure_named(sets, expected):
 
 
 def test_the_weights_bound_is_an_upper_bound_within_a_small_factor():
-    from scaletool import analytic
-
+    from scaletool.analytic.params import param_counts
     for path in MODEL_RECIPES:
         for sets in ((), ("model.attention=mha",), ("model.attention=mqa",)):
             m = load_recipe(path, list(sets)).model
-            exact = analytic.param_counts(m)["total"]
+            exact = param_counts(m)["total"]
             assert exact <= weights_bound(m) <= 3 * exact, (path.name, sets)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from scaletool import analytic
+from scaletool.analytic.params import param_counts
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.hf import FREE_ROPE_SCALINGS, recipe_from_hf
@@ -57,7 +57,7 @@ def test_published_configs_import_with_exact_counts(tmp_path, name, drop, attent
     assert res.exit_code == 0, res.output
     r = load_recipe(out)
     assert (r.model.attention, r.model.n_kv_heads) == (attention, kv_heads)
-    assert analytic.param_counts(r.model)["total"] == total
+    assert param_counts(r.model)["total"] == total
     assert len(r.model.notes) == len(notes) and all(n.startswith(s) for n, s in zip(r.model.notes, notes))
     # the notes survive `recipe show`, in YAML and JSON, and do not change the result key
     shown = CliRunner().invoke(main, ["recipe", "show", str(out), "--json"])
@@ -84,7 +84,7 @@ def test_gpt2_is_learned_positions_layernorm_gelu_and_a_tied_head(tmp_path):
     assert (m.position_encoding, m.norm, m.norm_placement, m.ffn, m.tie_embeddings, m.qkv_bias) == (
         "learned", "layernorm", "pre", "gelu", True, True)
     assert (m.max_seq_len, m.intermediate_size, m.norm_eps) == (1024, 4 * 768, 1e-5)
-    assert analytic.param_counts(m)["position_embedding"] == 1024 * 768
+    assert param_counts(m)["position_embedding"] == 1024 * 768
     cfg = {**real("gpt2.json"), "n_inner": 1000, "scale_attn_by_inverse_layer_idx": True}
     raw, _ = recipe_from_hf(write(tmp_path, cfg), drops)
     assert raw["model"]["intermediate_size"] == 1000
@@ -127,7 +127,7 @@ def test_first_k_dense_replace_equal_to_layers_is_a_dense_model(tmp_path):
     assert any(n.startswith("first_k_dense_replace 4 >= num_hidden_layers 4: every layer is dense") for n in m.notes)
     dense_twin, _ = recipe_from_hf(write(tmp_path, {**cfg, "first_k_dense_replace": 0}, "twin.json"),
                                    ("quantization", "moe"))
-    assert analytic.param_counts(m) == analytic.param_counts(recipe_from_dict(dense_twin).model)
+    assert param_counts(m) == param_counts(recipe_from_dict(dense_twin).model)
 
 
 def test_qwen2_has_qkv_bias_and_tied_head(tmp_path):
@@ -135,8 +135,8 @@ def test_qwen2_has_qkv_bias_and_tied_head(tmp_path):
     m = raw["model"]
     assert m["qkv_bias"] is True and m["tie_embeddings"] is True and dropped == [] and "notes" not in m
     # Qwen2-0.5B: 494,032,768 parameters (tied embeddings), as its model card states
-    assert analytic.param_counts(recipe_from_dict(raw).model)["total"] == 494_032_768
-    assert analytic.param_counts(recipe_from_dict(recipe_from_hf(CONFIGS / "qwen2-7b.json")[0]).model)["attention"] \
+    assert param_counts(recipe_from_dict(raw).model)["total"] == 494_032_768
+    assert param_counts(recipe_from_dict(recipe_from_hf(CONFIGS / "qwen2-7b.json")[0]).model)["attention"] \
         == 28 * (3584 * 3584 * 2 + 2 * 3584 * 512 + 3584 + 2 * 512)  # q, o; k, v (4 heads × 128); q/k/v biases
 
 

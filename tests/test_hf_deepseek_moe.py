@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import RECIPES
 
-from scaletool import analytic
+from scaletool.analytic.params import matmul_params, param_counts
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 from scaletool.hf import recipe_from_hf
@@ -64,7 +64,7 @@ def test_v2_lite(tmp_path):
             m.scoring_func, m.n_group, m.aux_loss_alpha) == ("moe", 64, 2, 6, 1, "softmax", 1, 0.001)
     shipped = load_recipe(RECIPES / "deepseek-v2-lite.yaml").model
     assert m.model_copy(update={"max_seq_len": shipped.max_seq_len, "notes": []}) == shipped
-    p = analytic.param_counts(m)
+    p = param_counts(m)
     attn = mla_attention(2048, 16, 0, 512, 128, 64, 128)
     assert p["total"] == deepseek_total(2048, 27, 1, 102400, 10944, 64, 2, 1408, attn) == 15_706_484_224
     assert round(p["total"] / 1e8) == 157  # "15.7B total parameters"
@@ -78,7 +78,7 @@ def test_v2_lite(tmp_path):
 def test_v2_group_limited_routing(tmp_path):
     m, _ = imported(tmp_path, V2)
     assert (m.n_group, m.topk_group, m.scoring_func, m.routed_scaling_factor, m.q_lora_rank) == (8, 3, "softmax", 16.0, 1536)
-    p = analytic.param_counts(m)
+    p = param_counts(m)
     assert round(p["total"] / 1e9) == 236 and round(p["moe"]["active_excl_embedding"] / 1e9) == 21  # 236B, 21B
 
 
@@ -92,7 +92,7 @@ def test_v3(tmp_path):
         "sigmoid", True, 8, 4, 2.5)
     shipped = load_recipe(RECIPES / "deepseek-v3.yaml").model
     assert m.model_copy(update={"max_seq_len": shipped.max_seq_len, "notes": []}) == shipped
-    p = analytic.param_counts(m)
+    p = param_counts(m)
     attn = mla_attention(7168, 128, 1536, 512, 128, 64, 128)
     assert p["total"] == deepseek_total(7168, 61, 3, 129280, 18432, 256, 1, 2048, attn) == 671_026_404_352
     assert round(p["total"] / 1e9) == 671  # "671B total parameters" (without the MTP module)
@@ -106,7 +106,7 @@ def test_v3_recipe_estimate_cli():
     est = json.loads(res.output)
     assert est["params"]["total"] == 671_026_404_352 and est["params"]["active"] < est["params"]["total"] / 15
     pt = est["flops"]["per_token"]
-    assert pt["train"] == pytest.approx(6 * analytic.matmul_params(load_recipe(RECIPES / "deepseek-v3.yaml").model)
+    assert pt["train"] == pytest.approx(6 * matmul_params(load_recipe(RECIPES / "deepseek-v3.yaml").model)
                                         + 3 * pt["attention_forward_causal"])
 
 

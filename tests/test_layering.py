@@ -66,8 +66,12 @@ def _modules():
 
 
 def _imports(name: str, path: Path):
+    """(module imported, line) for every import statement, in functions too; ``from a import b`` names the
+    module ``a.b`` where ``b`` is a module of the package (``from scaletool import analytic`` imports
+    scaletool.analytic), else ``a``."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
+    known = _module_names()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
@@ -80,7 +84,10 @@ def _imports(name: str, path: Path):
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            yield target, node.lineno
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            yield from ((sub, node.lineno) for sub in subs)
+            if len(subs) < len(node.names):
+                yield target, node.lineno
 
 
 def violations() -> list[str]:
@@ -173,6 +180,41 @@ def _module_names() -> set[str]:
     return {name for name, _ in _modules()}
 
 
+def full_import_graph() -> dict[str, set[str]]:
+    """Every scaletool module -> the scaletool modules it imports anywhere (module level or inside functions,
+    a lazy import is still a dependency), with the packages above each (importing ``a.b`` runs ``a``); an
+    edge to one's own package is left out (the package runs before its modules: no cycle)."""
+    known = _module_names()
+    graph = {}
+    for name, path in _modules():
+        out = set()
+        for target, _ in _imports(name, path):
+            parts = target.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in known)
+        graph[name] = {t for t in out if t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def any_import_cycles(graph: dict[str, set[str]] | None = None) -> list[str]:
+    """Import cycles anywhere in the package (one per strongly connected group found, as a path)."""
+    graph = full_import_graph() if graph is None else graph
+    cycles, state = [], {}
+
+    def dfs(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                dfs(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node, [node])
+    return cycles
+
+
 def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Modules ``name`` imports when it is imported: statements at module level (not in functions, not
     under ``if TYPE_CHECKING``), ``from a import b`` naming the submodule ``a.b`` where there is one, and
@@ -256,6 +298,29 @@ def torch_imports(roots: tuple[str, ...] = TORCH_FREE) -> list[str]:
 
 def test_no_import_cycle_inside_a_room():
     assert import_cycles() == []
+
+
+def test_no_import_cycle_anywhere():
+    """No module reaches itself through imports, lazy ones included (a cycle hides an order of import
+    that works only by luck, and a room that two others each need)."""
+    assert any_import_cycles() == []
+
+
+def test_from_package_import_module_counts_as_importing_the_module(tmp_path, monkeypatch):
+    """``from scaletool import cli`` in the model is an upward import, and two modules importing each other
+    inside functions are a cycle."""
+    fake = tmp_path / "scaletool"
+    for room in ("model", "cli", "analytic"):
+        (fake / room).mkdir(parents=True)
+        (fake / room / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "model" / "bad.py").write_text("from scaletool import cli\n")
+    (fake / "analytic" / "a.py").write_text("def f():\n    from scaletool.analytic import b\n")
+    (fake / "analytic" / "b.py").write_text("def g():\n    from scaletool.analytic.a import f\n")
+    monkeypatch.setattr(__import__(__name__), "PKG", fake)
+    found = violations()
+    assert len(found) == 1 and "model/bad.py:1" in found[0] and "scaletool.cli" in found[0]
+    assert any_import_cycles() == ["scaletool.analytic.a -> scaletool.analytic.b -> scaletool.analytic.a"]
 
 
 def test_torch_free_rooms_never_import_torch():

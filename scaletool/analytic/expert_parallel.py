@@ -24,6 +24,7 @@ from __future__ import annotations
 from scaletool.analytic.flops import routed_experts_computed
 from scaletool.analytic.params import moe_params
 from scaletool.config import ModelConfig, expert_capacity
+from scaletool.kinds.engines import engine_kind
 
 #: The busiest expert's assignments over the mean, measured on dropless mla-1b + 16 experts top-2 (the
 #: moe-speed study, recipes/benchmarks/results/moe-speed-h100/call1/moe-a1.json: moe/imbalance_ratio_mean
@@ -157,7 +158,7 @@ def predicted_terms(recipe, data_parallel: int, tokens: int, recompute_fraction:
     """The step model's hook (:func:`scaletool.analytic.step.predict_step`): :func:`step_terms` of the recipe's
     layout at the calibration's GEMM rate, and the assumption lines; nothing without expert parallelism."""
     p, cfg = recipe.parallel, recipe.model
-    P = degree(p.expert_parallel, p.expert_parallel_degree, data_parallel) if p.engine != "single" else 1
+    P = degree(p.expert_parallel, p.expert_parallel_degree, data_parallel) if engine_kind(p.engine).distributed else 1
     if P == 1 or not cfg.n_moe_layers:
         return {}, []
     terms = step_terms(cfg, tokens, recipe.train.grad_accum_steps, P, recompute_fraction, calib.gemm_rate)

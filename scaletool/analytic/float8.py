@@ -13,11 +13,13 @@ transient, one GEMM's worth at a time. So, per layout (eager):
 - FSDP2 with tensorwise scaling: the swapped weights are all-gathered in FP8, 1 byte instead of 2 for
   them in the gathered-parameter buffers (and on the wire).
 
-Torch-free; the GEMM names are :func:`scaletool.analytic.step.gemm_shapes`'.
+Torch-free; the GEMM names are :func:`scaletool.analytic.flops.gemm_shapes`'.
 """
 from __future__ import annotations
 
+from scaletool.analytic.flops import gemm_shapes
 from scaletool.config import Recipe
+from scaletool.kinds.engines import engine_kind
 from scaletool.kinds.float8 import swapped
 
 #: bytes of FP8 cast traffic per element of a swapped GEMM's operand: amax read (2 B), cast read (2 B)
@@ -26,7 +28,7 @@ CAST_BYTES_PER_ELEMENT = 5
 
 
 def fp8_gemm(name: str, n: int, k: int) -> bool:
-    """Whether :func:`~scaletool.analytic.step.gemm_shapes`' GEMM ``name`` (output width n, inner k) runs in
+    """Whether :func:`~scaletool.analytic.flops.gemm_shapes`' GEMM ``name`` (output width n, inner k) runs in
     FP8: the blocks' nn.Linear layers (attention projections, dense and shared-expert FFNs) with both
     dimensions divisible by 16; not the heads, the router or the routed experts (grouped weights, no Linear)."""
     if name in ("lm_head", "head", "moe.router", "moe.experts"):
@@ -55,9 +57,6 @@ def float8_memory(recipe: Recipe, row: dict) -> dict:
     """``row`` (a :func:`~scaletool.analytic.memory.recipe_memory` result) with FP8's components: the
     backward phase's activations, temporaries and buffers adjusted as the module docstring says, the peak
     phase chosen again, and ``float8`` = the components in bytes."""
-    from scaletool.analytic.step import gemm_shapes
-    from scaletool.kinds.engines import engine_kind
-
     t, cfg = recipe.train, recipe.model
     if t.float8 == "none":
         return row
@@ -65,12 +64,12 @@ def float8_memory(recipe: Recipe, row: dict) -> dict:
     fp8 = swapped_shapes(gemm_shapes(cfg, tokens))
     params = sum(n * k * c for _, _, n, k, c in fp8)
     per_layer = params / cfg.n_layers
-    engine = recipe.parallel.engine
+    kind = engine_kind(recipe.parallel.engine)
     rowwise = t.float8 == "rowwise"
     largest = max(((m * k + n * k + m * n) * (2 if rowwise else 1) for _, m, n, k, _ in fp8), default=0)
-    autocast_copies = 2 * params if engine_kind(engine).autocast else 0
+    autocast_copies = 2 * params if kind.autocast else 0
     # FSDP2 holds two blocks gathered around the backward (this one and the prefetched next)
-    gathered = (cfg.dtype_bytes - 1) * per_layer * 2 if engine == "fsdp" and t.float8 == "tensorwise" else 0
+    gathered = (cfg.dtype_bytes - 1) * per_layer * 2 if kind.float8_all_gather and t.float8 == "tensorwise" else 0
     comp = {"fp8_params": int(params), "fp8_cast_temporaries_bytes": int(largest),
             "autocast_weight_copies_saved_bytes": int(autocast_copies),
             "fp8_all_gather_saved_bytes": int(gathered)}

@@ -95,3 +95,31 @@ def decode_flops_by_mode(cfg: ModelConfig, context: int) -> dict[str, float]:
     kind = attention_kind(cfg)
     return {r["label"]: r["total"] for r in (decode_flops_per_token(cfg, context, m)
                                              for m in kind.decode_modes(cfg) or (None,))}
+
+
+def gemm_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int, int]]:
+    """Every GEMM of one forward over ``tokens`` tokens: (name, m, n, k, count). Backward runs each
+    shape twice more (input and weight gradients)."""
+    d, L = cfg.d_model, cfg.n_layers
+    out = []
+    for name, p in attention_params(cfg).items():
+        if name.endswith(("norm", "bias")) or p == 0:
+            continue
+        k = {"wo": p // d, "wkv_b": cfg.kv_lora_rank, "wq_b": cfg.q_lora_rank}.get(name, d)
+        out.append((f"attn.{name}", tokens, p // k, k, L))
+    dense = L - cfg.n_moe_layers
+    mats = 3 if cfg.ffn in ("swiglu", "moe") else 2
+    if dense and cfg.intermediate_size:
+        out.append(("ffn", tokens, cfg.intermediate_size, d, dense * mats))
+    if cfg.n_moe_layers:
+        E, i = cfg.n_routed_experts, cfg.moe_intermediate_size
+        per_expert = max(1, round(tokens * routed_experts_computed(cfg, tokens) / E))
+        out.append(("moe.router", tokens, E, d, cfg.n_moe_layers))
+        out.append(("moe.experts", per_expert, i, d, cfg.n_moe_layers * E * 3))
+        if cfg.n_shared_experts:
+            out.append(("moe.shared", tokens, cfg.n_shared_experts * i, d, cfg.n_moe_layers * 3))
+    if cfg.task == "lm":
+        out.append(("lm_head", tokens, cfg.vocab_size, d, 1))
+    else:
+        out.append(("head", max(1, tokens // max(1, cfg.max_seq_len)), cfg.horizon, d, 1))
+    return out

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.comm import tensor_parallel_config
+from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import float8_memory
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import (
@@ -23,7 +24,7 @@ from scaletool.analytic.timeline import (
 from scaletool.analytic.zero3 import PERSISTENCE_FLOOR, zero3_defaults, zero_options
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
-from scaletool.kinds.engines import ENGINES, casts_once, engine_kind, engines_with
+from scaletool.kinds.engines import ENGINES, SINGLE, casts_once, engine_kind, table_engines, tensor_parallel_engine
 
 
 def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: MemoryInputs,
@@ -51,11 +52,11 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     N = world_size
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}")
-    kind = engine_kind(engine)
+    kind = kind_with_forms(engine)
     cast_once = s.weight_cast_step and casts_once(engine, cfg.dtype, "none")  # FP8 is refused with it
     units, loss_temp = _units(cfg, inputs, autocast=kind.autocast, expert_parallel=s.expert_parallel,
                               cast_once=cast_once)
-    out = kind.memory_form()(cfg, N, units, loss_temp, s)
+    out = kind.part("memory")(cfg, N, units, loss_temp, s)
     phases = {name: {c: int(out["phases"][name][c]) for c in COMPONENTS} for name in PHASES}
     copies = 2 * cast_once_params(cfg) if cast_once else 0  # train.weight_cast=step: held the whole step
     for name in PHASES:
@@ -134,17 +135,13 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
         sub_group_size=number("sub_group_size", ZERO3_SUB_GROUP_SIZE))
 
 
-#: the rows of :func:`memory_table`: (label, engine, ZeRO stage)
-TABLE_ENGINES = [(label, e.name, stage) for e in ENGINES.values() for label, stage in e.table_rows()]
-
-
 def table_layouts(recipe: Recipe):
     """The memory table's layouts under the recipe's engine settings: ``(label, engine, kind,
     activation_checkpointing, inputs, settings)`` for every engine row, without and with full checkpointing."""
     t = recipe.train
     for ac in ("none", "full"):
         inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
-        for label, engine, stage in TABLE_ENGINES:
+        for label, engine, stage in table_engines():
             kind = engine_kind(engine)
             base = engine_settings(recipe, stage or None)  # each ZeRO stage with its own defaults
             settings = replace(base, zero_stage=stage or base.zero_stage,
@@ -153,25 +150,34 @@ def table_layouts(recipe: Recipe):
 
 
 def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
-    """Training memory for single, DDP, FSDP and ZeRO-1/2/3, with and without checkpointing, under the
-    recipe's engine settings (single only at world size 1)."""
+    """Training memory for every engine row (:func:`scaletool.kinds.engines.table_engines`: single, DDP, FSDP
+    and ZeRO-1/2/3), with and without checkpointing, under the recipe's engine settings (each where it runs:
+    single only at world size 1)."""
     N = world_size or recipe.parallel.world_size
     rows = []
     for label, engine, kind, ac, inp, settings in table_layouts(recipe):
-        if not kind.distributed and N > 1:
+        if not kind.runs_on(N):
             continue
-        row = training_memory(recipe.model, engine, N if kind.distributed else 1, inp, settings)
+        row = training_memory(recipe.model, engine, N, inp, settings)
         rows.append({**row, "activation_checkpointing": ac, "label": label})
     return rows
 
 
 def compiled_memory(recipe: Recipe) -> bool:
-    """Whether the recipe compiles the whole model (``compile_scope`` model, or auto on ``single``), the case
+    """Whether the recipe compiles the whole model (``compile_scope`` model, or auto on an engine that compiles
+    the model whole, :func:`compiles_whole_model`), the case
     the compiled activation model describes (mha-1b and mla-1b on one H100: within 0.2% of the measured
     peak). Per-block compilation (auto on the sharded engines) saves less (FSDP2, 2 GPUs: 8% below the
     eager estimate, against 25% predicted), so it keeps the eager estimate: an overestimate, never an OOM."""
     t = recipe.train
-    return bool(t.compile) and (t.compile_scope == "model" or (t.compile_scope == "auto" and recipe.parallel.engine == "single"))
+    return compiles_whole_model(t.compile, t.compile_scope, recipe.parallel.engine)
+
+
+def compiles_whole_model(compiled: bool, compile_scope: str, engine: str) -> bool:
+    """Whether training compiles the whole model: ``compile_scope`` model, or auto on an engine whose
+    ``auto_compile_scope`` is the model (single)."""
+    scope = engine_kind(engine).auto_compile_scope if compile_scope == "auto" else compile_scope
+    return bool(compiled) and scope == "model"
 
 
 def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) -> dict:
@@ -229,7 +235,7 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     # tensor parallelism is a layout of FSDP2; over every rank (one data-parallel rank) the engine trains the split
     # model without FSDP2, as the single engine does (fp32 parameters under autocast)
     pure = recipe.parallel.pure_tensor_parallel(world_size, tp)
-    engine = "single" if pure else engines_with("tensor_parallel")[0]
+    engine = SINGLE.name if pure else tensor_parallel_engine()
     row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward,
                           grad_accum_steps=t.grad_accum_steps,
                           reduce_scatter_every_micro_batch=recipe.parallel.reduce_scatter_every == "micro-batch")

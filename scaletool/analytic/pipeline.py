@@ -26,6 +26,7 @@ from scaletool.analytic.params import attention_params, ffn_params, moe_params, 
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
 from scaletool.config import ModelConfig, Recipe
 from scaletool.kinds.attention import matmul_params as matmul_params_of
+from scaletool.kinds.engines import engine_kind
 from scaletool.kinds.pipeline import chunk_ranks, pipeline_microbatches, schedule_kind
 
 OPTIMIZER_BYTES_PER_PARAM = 40  # as analytic.step: fused AdamW + clipping, per fp32 parameter on the rank
@@ -258,7 +259,7 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     ranks = []
     for r, layers in enumerate(rank_layers(recipe, split)):
         local = _stage_cfg(cfg, layers)
-        c = _compute(local, cfg, "fsdp", tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
+        c = _compute(local, cfg, engine_kind(p.engine), tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
         per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
         if owners[-1] != r:
             per_mb -= _head_seconds(cfg, tokens, compiled, calib)

@@ -11,98 +11,24 @@ exposure model per engine, and the host overheads. Torch-free, IO-free (the cali
 from __future__ import annotations
 
 from scaletool.analytic import expert_parallel as ep_analytic
-from scaletool.analytic.calibration import (  # noqa: F401  (the interface lives here too)
-    FP8_OVER_BF16,
-    Calibration,
-    default_calibration,
-    load_calibration,
-)
+from scaletool.analytic.calibration import FP8_OVER_BF16, Calibration
 from scaletool.analytic.comm import communication, tensor_parallel_config
+from scaletool.analytic.engine_step import EngineStepTerms, StepContext
+from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
-from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
-from scaletool.analytic.params import attention_params, param_counts
+from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
+from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
-from scaletool.analytic.zero3 import leaf_blocks as zero3_leaf_blocks
 from scaletool.config import ModelConfig, Recipe
-from scaletool.kinds.engines import casts_once
+from scaletool.kinds.engines import EngineKind, casts_once
 
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p, m, v) + clipping (norm, scale)
 ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the fp32 gradient
 CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-batch (autocast, FSDP2's cast)
 
 
-def gemm_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, int, int, int, int]]:
-    """Every GEMM of one forward over ``tokens`` tokens: (name, m, n, k, count). Backward runs each
-    shape twice more (input and weight gradients)."""
-    d, L = cfg.d_model, cfg.n_layers
-    out = []
-    for name, p in attention_params(cfg).items():
-        if name.endswith(("norm", "bias")) or p == 0:
-            continue
-        k = {"wo": p // d, "wkv_b": cfg.kv_lora_rank, "wq_b": cfg.q_lora_rank}.get(name, d)
-        out.append((f"attn.{name}", tokens, p // k, k, L))
-    dense = L - cfg.n_moe_layers
-    mats = 3 if cfg.ffn in ("swiglu", "moe") else 2
-    if dense and cfg.intermediate_size:
-        out.append(("ffn", tokens, cfg.intermediate_size, d, dense * mats))
-    if cfg.n_moe_layers:
-        E, i = cfg.n_routed_experts, cfg.moe_intermediate_size
-        per_expert = max(1, round(tokens * routed_experts_computed(cfg, tokens) / E))
-        out.append(("moe.router", tokens, E, d, cfg.n_moe_layers))
-        out.append(("moe.experts", per_expert, i, d, cfg.n_moe_layers * E * 3))
-        if cfg.n_shared_experts:
-            out.append(("moe.shared", tokens, cfg.n_shared_experts * i, d, cfg.n_moe_layers * 3))
-    if cfg.task == "lm":
-        out.append(("lm_head", tokens, cfg.vocab_size, d, 1))
-    else:
-        out.append(("head", max(1, tokens // max(1, cfg.max_seq_len)), cfg.horizon, d, 1))
-    return out
-
-
-def _n_modules(cfg: ModelConfig, leaf_blocks: bool = False) -> int:
-    """Modules whose parameters ZeRO-3 fetches through hooks: per block its projections and norms, or the
-    block itself where it is a leaf module (scaletool's default, :mod:`scaletool.analytic.zero3`); plus
-    the embedding, final norm and head."""
-    if leaf_blocks:
-        return cfg.n_layers + 3
-    attn = sum(1 for k, v in attention_params(cfg).items() if v and not k.endswith("bias"))
-    ffn = (3 if cfg.ffn in ("swiglu", "moe") else 2) if not cfg.n_moe_layers else 4
-    return cfg.n_layers * (attn + ffn + 2) + 3
-
-
-def _exposure(engine: str, zero_stage: int, rows: list[dict], times: list[float], fwd: float, bwd: float,
-              gas: int, calib: Calibration) -> tuple[float, list[str]]:
-    """Exposed seconds of the data-parallel collectives per step (TP rows are handled by the caller)."""
-    ov = calib.overheads
-    hide = {"ddp": ov.get("ddp_overlap", 1.0), "fsdp": ov.get("fsdp_overlap", 1.0),
-            "deepspeed": ov.get("zero_overlap", 1.0)}[engine] if engine in ("ddp", "fsdp", "deepspeed") else 0.0
-    by = {}
-    for r, t in zip(rows, times):
-        by.setdefault(r["op"], []).append((r, t))
-    total = sum(times)
-    if engine == "ddp":  # one bucketed all-reduce overlapping the last micro-batch's backward
-        t = total
-        exposed = max(0.0, t - hide * bwd) + (1 - hide) * min(t, hide * bwd)
-        return exposed, ["ddp: gradient all-reduce overlaps the last backward; "
-                         f"{hide:.0%} of the overlapped part hidden (calibrated)"]
-    if engine == "fsdp" or (engine == "deepspeed" and zero_stage == 3):
-        ag = sum(t for r, t in by.get("all_gather", []))
-        rs = sum(t for r, t in by.get("reduce_scatter", []))
-        a2a = sum(t for r, t in by.get("all_to_all", []))
-        gathers = sum((r["count"] or 1) for r, _ in by.get("all_gather", [])) or 1
-        first = ag / gathers * gas  # each micro-batch's first gather waits
-        ag_f, ag_b = ag / 2, ag / 2
-        over = max(0.0, ag_f - gas * fwd) + max(0.0, ag_b + rs - gas * bwd)
-        hidden = ag + rs - over - first
-        exposed = over + first + (1 - hide) * max(0.0, hidden) + a2a
-        return exposed, [f"{engine}: parameter gathers prefetched under compute, first gather of each micro-batch "
-                         f"exposed; {hide:.0%} of the overlapped part hidden"]
-    # ZeRO-1/2: gradient reduce-scatter after the backward, parameter all-gather after the step
-    return total, ["deepspeed ZeRO-1/2: gradient reduce-scatter and parameter all-gather on the critical path"]
-
-
-def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: int, ac: str, every: int,
+def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int, T: int, ac: str, every: int,
              compiled: bool, calib: Calibration, float8: str = "none", cast_once: int = 0) -> dict:
     """Seconds of one micro-batch on one rank: GEMMs (train.float8: the swapped ones at the FP8 rate, plus
     their casts' traffic), attention, element-wise traffic, recomputation. ``cast_once``: matmul parameters
@@ -126,7 +52,7 @@ def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: 
     factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
     V = local.vocab_size if cfg.task == "lm" else 0
     weights = sum(n * k * c for _, m, n, k, c in shapes)  # this rank's matmul weights (every routed expert)
-    casts = 0.0 if engine == "deepspeed" else CAST_BYTES_PER_PARAM * (weights - cast_once)
+    casts = CAST_BYTES_PER_PARAM * (weights - cast_once) if kind.casts_weights else 0.0
     if float8 != "none":
         casts += fp8_cast_bytes(shapes, rowwise=float8 == "rowwise")
     elementwise = (factor * tokens * (L * act + 4 * V) + casts) / hbm
@@ -137,9 +63,10 @@ def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: 
             "recompute_fraction": frac, "att_rate": att_rate, "factor": factor}
 
 
-def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
-                   calib: Calibration) -> tuple[dict, float, float, list[str]]:
-    """Each collective's total seconds, the exposed TP and data-parallel seconds, and the assumptions."""
+def _communication(recipe: Recipe, local: ModelConfig, N: int, tp: int, G: int, c: dict, gas: int,
+                   calib: Calibration) -> tuple[dict, float, EngineStepTerms, list[str]]:
+    """Each collective's total seconds, the exposed TP seconds, the engine's own step terms (its exposed
+    data-parallel seconds, host and device work: :mod:`scaletool.analytic.engine_step`) and the assumptions."""
     dp = N // tp
     rows = communication(recipe, N, tp)["collectives"] if N > 1 else []
     times, totals, notes = [], {}, []
@@ -153,31 +80,12 @@ def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
     if tp_exposed:
         notes.append("tensor parallelism: every collective on the critical path (no overlap)")
     dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] == "dp"]
-    dp_exposed = 0.0
-    if dp_rows:
-        p = recipe.parallel
-        fwd = c["gemm_forward"] + c["attention"] / 3 + c["elementwise"] / 3
-        bwd = c["gemm_backward"] + 2 * c["attention"] / 3 + c["recompute"]
-        dp_exposed, more = _exposure(p.engine, p.zero_stage, [r for r, _ in dp_rows], [x for _, x in dp_rows],
-                                     fwd, bwd, gas, calib)
-        notes += more
-    return totals, tp_exposed, dp_exposed, notes
-
-
-def _host(engine: str, zero_stage: int, local: ModelConfig, gas: int, calib: Calibration,
-          leaf_blocks: bool = False) -> float:
-    """Host seconds per step that no device work hides: Python, hooks, launches (ZeRO-3: per hooked
-    module, ``leaf_blocks`` one per block)."""
-    ov = calib.overheads
-    host = ov.get("step_s", 0.0) + gas * ov.get("micro_batch_s", 0.0)
-    if engine == "ddp":
-        host += gas * ov.get("ddp_micro_batch_s", 0.0)
-    elif engine == "fsdp":
-        host += gas * ov.get("fsdp_per_block_s", 0.0) * (local.n_layers + 1)
-    elif engine == "deepspeed":
-        per_module = ov.get("zero3_per_module_s", 0.0)
-        host += ov.get("zero12_step_s", 0.0) if zero_stage < 3 else gas * per_module * _n_modules(local, leaf_blocks)
-    return host
+    fwd = c["gemm_forward"] + c["attention"] / 3 + c["elementwise"] / 3
+    bwd = c["gemm_backward"] + 2 * c["attention"] / 3 + c["recompute"]
+    ctx = StepContext(recipe, local, dp, gas, [r for r, _ in dp_rows], [x for _, x in dp_rows], fwd, bwd, calib)
+    own = kind_with_forms(recipe.parallel.engine).part("step")(ctx)
+    notes += own.notes if dp_rows or own.host_s or own.device_s else []
+    return totals, tp_exposed, own, notes
 
 
 def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp: bool, calib: Calibration,
@@ -213,8 +121,8 @@ def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: in
                   N: int, G: int, calib: Calibration) -> list[str]:
     """The assumptions that only some recipes' options add: FP8, casts once per step, tensor parallelism's
     host dispatch, several nodes."""
-    t, p, engine = recipe.train, recipe.parallel, recipe.parallel.engine
-    gas, tp = t.grad_accum_steps, p.tensor_parallel if engine != "single" else 1
+    t, p, kind = recipe.train, recipe.parallel, kind_with_forms(recipe.parallel.engine)
+    gas, tp = t.grad_accum_steps, p.tensor_parallel if kind.distributed else 1
     assumptions: list[str] = []
     if t.float8 != "none":
         n8 = len(swapped_shapes(gemm_shapes(local, tokens)))
@@ -225,7 +133,7 @@ def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: in
                f"not calibrated: {FP8_OVER_BF16:g} x the bf16 curve, the datasheet FP8/bf16 ratio")
             + f"), their FP8 casts' traffic ({CAST_BYTES_PER_ELEMENT} B per operand element) at HBM bandwidth; "
             "heads and router in bf16" + ("; FSDP2's FP8 all-gather (half the gathered bytes) not modelled in the "
-                                          "collectives" if engine == "fsdp" and t.float8 == "tensorwise" else ""))
+                                          "collectives" if kind.float8_all_gather and t.float8 == "tensorwise" else ""))
     if cast_once:
         assumptions.append(f"train.weight_cast=step: {cast_once / 1e6:,.0f} M linear parameters cast to 16 bits once "
                            f"per optimizer step ({CAST_BYTES_PER_PARAM} B each), not at each of the {gas} micro-batches")
@@ -250,9 +158,9 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     ``train.compile``. Returns terms (seconds per optimizer step), step_s, tokens/s, MFU, HFU, the
     bound and the assumptions, JSON-ready."""
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
-    engine = p.engine
-    N = 1 if engine == "single" else (world_size or p.world_size)
-    tp = p.tensor_parallel if engine != "single" else 1
+    engine, kind = p.engine, kind_with_forms(p.engine)
+    N = kind.ranks(world_size or p.world_size)
+    tp = p.tensor_parallel if kind.distributed else 1
     if N % tp:
         raise ValueError(f"tensor_parallel={tp} does not divide world_size={N}")
     dp, G = N // tp, gpus_per_node or min(N, 8)
@@ -261,20 +169,21 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
     cast_once = cast_once_params(local) if t.weight_cast == "step" and casts_once(engine, cfg.dtype, t.float8) else 0
-    c = _compute(local, cfg, engine, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once)
+    c = _compute(local, cfg, kind, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once)
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]
-    sharded_states = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 1)
-    sharded_grads = engine == "fsdp" or (engine == "deepspeed" and p.zero_stage >= 2)
+    sharded_states, sharded_grads = kind.shards_optimizer(p.zero_stage), kind.shards_gradients(p.zero_stage)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * (psi / dp if sharded_states else psi) / hbm
     accumulate = ACCUMULATE_BYTES_PER_PARAM * (psi / dp if sharded_grads else psi) * (gas - 1) / hbm
-    totals, tp_exposed, dp_exposed, notes = _communication(recipe, N, tp, G, c, gas, calib)
-    host = _host(engine, p.zero_stage, local, gas, calib, leaf_blocks=engine == "deepspeed" and zero3_leaf_blocks(recipe))
+    totals, tp_exposed, own, notes = _communication(recipe, local, N, tp, G, c, gas, calib)
+    ov = calib.overheads
+    host = ov.get("step_s", 0.0) + gas * ov.get("micro_batch_s", 0.0) + own.host_s
+    dp_exposed = own.exposed_s
     compute_terms = {"gemm_forward_s": gas * c["gemm_forward"], "gemm_backward_s": gas * c["gemm_backward"],
                      "attention_s": gas * c["attention"], "recompute_s": gas * c["recompute"]}
     per_step_casts = CAST_BYTES_PER_PARAM * cast_once / hbm  # train.weight_cast=step: once per optimizer step
     memory_terms = {"elementwise_s": gas * c["elementwise"] + per_step_casts, "optimizer_s": optimizer,
-                    "grad_accumulation_s": accumulate}
+                    "grad_accumulation_s": accumulate, "engine_copies_s": own.device_s}
     exposed = tp_exposed + dp_exposed
     # --- expert parallelism (scaletool.analytic.expert_parallel): the busiest rank's extra expert GEMMs and
     # the dropless split sizes' host reads; its all-to-alls are among the data-parallel rows above

@@ -7,16 +7,16 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.estimate_summary import print_summary
+from scaletool.cli.estimate_summary import UNITS, print_summary
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
+from scaletool.measure.hardware import DEFAULT_HARDWARE
 
 #: the memory table's columns: (heading, component of scaletool.analytic.COMPONENTS)
 MEMORY_COLUMNS = [("weights", "weights"), ("grads", "gradients"), ("optim", "optimizer"), ("activ", "activations"),
                   ("buffers", "buffers"), ("temps", "temporaries")]
 PHASE_LABELS = {"backward": "bwd", "optimizer_step": "step"}
-UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
 
 
 @click.command()
@@ -32,7 +32,7 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
               help="GPUs (ranks) for the memory table (default parallel.world_size).")
 @click.option("--tensor-parallel", type=click.IntRange(min=1), help="Ranks per tensor-parallel group: the recipe under "
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
-@click.option("--hardware", default="H100 SXM", show_default=True, help="Card for the predicted step time per "
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Card for the predicted step time per "
               "engine (a profile of `scaletool hardware`).")
 @click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
               "tables, memory per engine and phase by component, tensor parallelism's collectives.")
@@ -60,7 +60,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
     """
     if tensor_parallel is not None:
-        overrides = (*overrides, "parallel.engine=fsdp", f"parallel.tensor_parallel={tensor_parallel}")
+        overrides = (*overrides, f"parallel.engine={tensor_parallel_engine()}", f"parallel.tensor_parallel={tensor_parallel}")
     shape = {"train.seq_len": seq_len, "train.micro_batch_size": micro_batch}
     overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
     r = api.resolve(recipe, overrides)

@@ -33,10 +33,12 @@ _FP8_SAVINGS = (("autocast_weight_copies_saved_bytes", "autocast weight copies")
                 ("fp8_all_gather_saved_bytes", "FP8 all-gather"))
 
 
+#: binary units, largest first (the memory table and the summary share them)
+UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
+
+
 def size(x: float) -> str:
     """Bytes in the largest binary unit that reads at least 1 (TiB included), three significant figures."""
-    from scaletool.cli.estimate import UNITS
-
     name, unit = next(((n, u) for n, u in UNITS if abs(x) >= u), UNITS[-1])
     v = x / unit
     return f"{v:.2f} {name}" if v < 10 else f"{v:.1f} {name}" if v < 100 else f"{v:.0f} {name}"

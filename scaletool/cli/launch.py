@@ -16,9 +16,9 @@ from pathlib import Path
 import click
 
 from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
-from scaletool.config import load_recipe
 from scaletool.errors import RecipeError, cannot_write, shorten
 from scaletool.fmt import write_atomic
+from scaletool.hf import load_recipe
 from scaletool.launch.commands import (
     LaunchSpec,
     check_spec,

@@ -8,6 +8,7 @@ import click
 
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
+from scaletool.measure.hardware import DEFAULT_HARDWARE
 
 CKPT = {"none": "none", "selective": "sel", "full": "full"}
 BOUND = {"compute": "compute", "memory_bandwidth": "memory", "memory bandwidth": "memory",
@@ -41,7 +42,7 @@ class Progress:
 @recipe_argument
 @click.option("--gpus", type=int, required=True, help="GPUs to plan for (all nodes).")
 @click.option("--gpus-per-node", type=int, help="GPUs per node [default: 8, or --gpus if fewer].")
-@click.option("--hardware", default="H100 SXM", show_default=True,
+@click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True,
               help="The card: a profile name of `scaletool hardware` (or its file name, e.g. h200).")
 @click.option("--global-batch-tokens", type=int, help="Tokens per optimizer step; accumulation reaches it "
               "[default: not fixed, accumulation 1].")

@@ -7,8 +7,9 @@ import click
 import yaml
 
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
-from scaletool.config import SWITCHES, Recipe, RecipeError, load_recipe
+from scaletool.config import SWITCHES, Recipe, RecipeError
 from scaletool.errors import echo, shorten
+from scaletool.hf import load_recipe
 from scaletool.results.recipe import RecipeResult
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from scaletool.analytic import kv_cache
 from scaletool.analytic.flops import decode_flops_per_token
+from scaletool.analytic.kv import kv_cache
 from scaletool.config import ModelConfig
 from scaletool.decode.bounds import Floors, kernel_breakdown, measure_floors, point_bound, step_kernels
 from scaletool.decode.generate import prefill, require_lm

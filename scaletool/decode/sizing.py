@@ -6,7 +6,8 @@ the KV cache from its bytes per token (DeepSeek-V2, Table 1), at the decode dtyp
 """
 from __future__ import annotations
 
-from scaletool.analytic import cache_bytes_per_token, matmul_params, param_counts
+from scaletool.analytic.kv import cache_bytes_per_token
+from scaletool.analytic.params import matmul_params, param_counts
 from scaletool.config import ModelConfig
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib

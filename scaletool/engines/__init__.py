@@ -14,15 +14,18 @@ trainer (:mod:`scaletool.train.trainer`) sees only this interface.
 Modules: :mod:`.dist` (rank layout and process group), :mod:`.apply` (activation checkpointing,
 compile), :mod:`.optim` (AdamW), :mod:`.base` (the interface, the factory, launch-time checks),
 :mod:`.serialization` (checkpoint reads that run no code from the file, shape checks), :mod:`.float8`
-(``train.float8``: torchao's Float8Linear swap).
-
-Model code stays single-device; what makes it distributed, checkpointed or compiled is applied
-here, to the built model, as torchtitan's ``parallelize`` does.
+(``train.float8``: torchao's Float8Linear swap). Each engine module provides its class to its kind
+(:mod:`scaletool.kinds.engines`); this package imports them. Model code stays single-device; what makes
+it distributed, checkpointed or compiled is applied here, as torchtitan's ``parallelize`` does.
 """
 from __future__ import annotations
 
 from scaletool.engines.base import Engine, check_recipe, make_engine, startup_notes
 from scaletool.engines.dist import DistEnv, agree, data_parallel, init_distributed, launcher_env
+
+# each engine's module provides its kind's constructor (scaletool.kinds.engines) when imported; DeepSpeed's
+# module imports DeepSpeed itself only when an engine is built
+from scaletool.engines import ddp, deepspeed, fsdp, pipeline, single  # noqa: E402, F401  isort: skip
 
 __all__ = ["DistEnv", "Engine", "agree", "check_recipe", "data_parallel", "init_distributed", "launcher_env",
            "make_engine", "startup_notes"]

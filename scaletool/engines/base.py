@@ -10,7 +10,7 @@ import torch.nn as nn
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
-from scaletool.kinds.engines import engine_kind, launch_problems, resolve
+from scaletool.kinds.engines import engine_kind, launch_problems
 from scaletool.kinds.pipeline import pipeline_world_problems
 
 
@@ -61,8 +61,8 @@ class Engine(ABC):
 
 def startup_notes(recipe: Recipe, env: DistEnv) -> list[str]:
     """Lines worth saying before the engine is built: slow one-time work it is about to do."""
-    notes = engine_kind(recipe.parallel.engine).startup_notes
-    return resolve(notes)(recipe, env.device.type) if notes else []
+    kind = engine_kind(recipe.parallel.engine)
+    return kind.part("startup_notes")(recipe, env.device.type) if kind.has("startup_notes") else []
 
 
 def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
@@ -72,7 +72,7 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     check_runtime(recipe, env.device)  # no FP8 on this device, or no torchao: one line each, before building
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
-    cls = engine_kind(recipe.parallel.engine).engine_class()  # imported on use: DeepSpeed only when asked for
-    if recipe.parallel.pipeline_parallel > 1:  # pipeline stages over FSDP2 (engines.pipeline)
-        from scaletool.engines.pipeline import PipelineEngine as cls
-    return cls(model, recipe, env)
+    # provided by the engine's module, which the package imports (scaletool/engines/__init__.py); pipeline
+    # stages by scaletool.engines.pipeline for the engines they compose with (kinds.pipeline)
+    part = "pipeline_constructor" if recipe.parallel.pipeline_parallel > 1 else "constructor"
+    return engine_kind(recipe.parallel.engine).part(part)(model, recipe, env)

@@ -8,11 +8,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scaletool.engines.single import SingleEngine
+from scaletool.kinds.engines import DDP as DDP_KIND
 
 
 class DDPEngine(SingleEngine):
     name = "ddp"
-    auto_compile_scope = "block"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         cuda = self.env.device.type == "cuda"
@@ -20,3 +20,6 @@ class DDPEngine(SingleEngine):
 
     def grad_sync(self, enabled: bool):
         return super().grad_sync(enabled) if enabled else self.model.no_sync()
+
+
+DDP_KIND.provide(constructor=DDPEngine)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from scaletool.analytic import ZERO_REDUCE_BUCKET
+from scaletool.analytic.timeline import ZERO_REDUCE_BUCKET
 from scaletool.analytic.zero3 import zero3_defaults
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import apply_activation_checkpointing, compile_kwargs
@@ -33,7 +33,7 @@ from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw, param_groups
 from scaletool.engines.serialization import load_model_states, load_pt, shape_problem
-from scaletool.kinds.engines import deepspeed_problems, deepspeed_settings
+from scaletool.kinds.engines import DEEPSPEED, deepspeed_problems, deepspeed_settings
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 from scaletool.yaml_input import flatten_dotted
 
@@ -182,3 +182,6 @@ class DeepSpeedEngine(Engine):
                               f"{(str(e).strip().splitlines() or [''])[0][:150]})") from None
         if loaded is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {path}")
+
+
+DEEPSPEED.provide(constructor=DeepSpeedEngine, startup_notes=build_notes, config_record=config_record)

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from scaletool.config import Recipe, RecipeError
+from scaletool.kinds.engines import engine_kind
 from scaletool.kinds.float8 import INSTALL_HINT, MIN_CAPABILITY, swapped
 
 
@@ -60,8 +61,9 @@ def check_runtime(recipe: Recipe, device: torch.device | None = None) -> None:
 
 
 def fsdp_float8_all_gather(recipe: Recipe) -> bool:
-    """Whether FSDP2 gathers the swapped weights in FP8 (tensorwise scaling under engine=fsdp)."""
-    return recipe.train.float8 == "tensorwise" and recipe.parallel.engine == "fsdp"
+    """Whether FSDP2 gathers the swapped weights in FP8 (tensorwise scaling under an engine that does:
+    the kind's ``float8_all_gather``)."""
+    return recipe.train.float8 == "tensorwise" and engine_kind(recipe.parallel.engine).float8_all_gather
 
 
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:

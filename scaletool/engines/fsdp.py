@@ -33,12 +33,12 @@ from scaletool.engines.dist import device_mesh
 from scaletool.engines.expert_parallel import apply_expert_parallel, sync_replicated_expert_grads
 from scaletool.engines.single import SingleEngine
 from scaletool.engines.tp import apply_tensor_parallel, enable_async_tp
+from scaletool.kinds.engines import FSDP
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
 class FSDPEngine(SingleEngine):
     name = "fsdp"
-    auto_compile_scope = "block"
     casts_params = True
 
     def __init__(self, model: nn.Module, recipe, env):
@@ -119,3 +119,6 @@ class FSDPEngine(SingleEngine):
                 p.grad = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False)
         for p in other:
             p.grad = p.grad.redistribute(placements=p.placements)
+
+
+FSDP.provide(constructor=FSDPEngine)

@@ -36,6 +36,7 @@ from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
 from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
+from scaletool.kinds.engines import FSDP
 from scaletool.kinds.pipeline import chunk_ranks, pipeline_microbatches, schedule_kind
 from scaletool.model.layers import TORCH_DTYPES
 from scaletool.model.transformer import Transformer
@@ -196,3 +197,5 @@ class PipelineEngine(Engine):
             set_state_dict(part, opt, model_state_dict={k: state["model"][k] for k in m_sd},
                            optim_state_dict={k: state["optim"][k] for k in o_sd}, options=_FLAT)
 
+
+FSDP.provide(pipeline_constructor=PipelineEngine)  # stages compose with FSDP2 (kinds.pipeline)

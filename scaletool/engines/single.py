@@ -23,6 +23,7 @@ from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
 from scaletool.engines.optim import make_adamw
 from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
+from scaletool.kinds.engines import SINGLE, engine_kind
 from scaletool.model.layers import TORCH_DTYPES as DTYPES
 
 
@@ -30,9 +31,6 @@ class SingleEngine(Engine):
     name = "single"
     #: True where the wrapper casts parameters itself (FSDP's MixedPrecisionPolicy), so no autocast
     casts_params = False
-    #: train.compile_scope=auto: the whole model on one device; per block where communication hooks sit
-    #: between blocks (DDP, FSDP), so that they stay between compiled regions
-    auto_compile_scope = "model"
 
     def __init__(self, model: nn.Module, recipe: Recipe, env: DistEnv):
         self.recipe, self.env = recipe, env
@@ -45,7 +43,7 @@ class SingleEngine(Engine):
         self.weight_casts = weight_cast.attach(model, DTYPES[recipe.model.dtype]) if t.weight_cast == "step" else None
         apply_activation_checkpointing(model, t)
         if t.compile:
-            scope = t.compile_scope if t.compile_scope != "auto" else self.auto_compile_scope
+            scope = t.compile_scope if t.compile_scope != "auto" else engine_kind(recipe.parallel.engine).auto_compile_scope
             if scope == "model":
                 model.compile(**compile_kwargs(t))  # in place: parameter names unchanged
             else:
@@ -169,3 +167,6 @@ def _total_norm(groups: list[list[nn.Parameter]]) -> torch.Tensor:
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor of the whole value: FSDP2's gradient norm and a tensor-parallel loss are DTensors."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+SINGLE.provide(constructor=SingleEngine)

@@ -1,32 +1,46 @@
 """Engines as data: one object per ``parallel.engine``, torch-free.
 
 Each engine kind holds in one place the ``parallel.*`` keys only it uses, the rules a recipe must meet
-under it, how results and tables label it, and where its parts live: the memory closed form
-(:mod:`scaletool.analytic.engine_memory`), the data-parallel collectives (:mod:`scaletool.analytic.comm`)
-and the torch engine class (:mod:`scaletool.engines`). Parts are named as ``"module:attribute"`` and
-imported on first use, so this module (and ``scaletool.config``, which builds ``parallel.engine`` and
-its checks from :data:`ENGINES`) stays torch-free. Tensor and expert parallelism are layouts of an
-engine (:attr:`EngineKind.layouts`), not engines of their own.
+under it, how results and tables label it, which ranks it shards its states over, and its parts: the
+memory closed form, the collectives per step and the step-time terms (registered by
+:mod:`scaletool.analytic.engines`) and the torch engine class (registered by :mod:`scaletool.engines`).
+The floors above hand their callables to the kind with :meth:`EngineKind.provide`, so this module (and
+``scaletool.config``, which builds ``parallel.engine`` and its checks from :data:`ENGINES`) stays
+torch-free and imports nothing above it. Tensor and expert parallelism are layouts of an engine
+(:attr:`EngineKind.layouts`), not engines of their own.
 
-Adding an engine: a new object in :data:`ENGINES`, its torch class in ``scaletool/engines/`` and its
-memory closed form (and collectives) in ``scaletool/analytic/``.
+Adding an engine (docs/extending.md has a worked example): :func:`register_engine` of a new kind (here, in
+:data:`ENGINES`, or from any module), its analytic parts provided in :mod:`scaletool.analytic.engines`
+and its torch class in ``scaletool/engines/``.
 """
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from scaletool.errors import echo
 from scaletool.kinds.attention import attention_kind
 from scaletool.yaml_input import flatten_dotted
 
-
-def resolve(ref: str) -> Any:
-    """``"package.module:attribute"`` -> the attribute, its module imported now."""
-    module, _, name = ref.partition(":")
-    return getattr(importlib.import_module(module), name)
+#: the parts a kind is given by the floors above it: name -> what the callable is
+PARTS = {
+    "memory": "analytic: form(cfg, world_size, units, loss_temp, settings) -> phases and states",
+    "communication": "analytic: form(cfg, ranks, *, zero_stage, grad_accum_steps, reshard_after_forward, "
+                     "expert_parallel, inputs, reduce_scatter_every) -> collectives per optimizer step",
+    "step": "analytic: form(ctx: scaletool.analytic.engine_step.StepContext) -> EngineStepTerms",
+    "constructor": "torch: cls(model, recipe, env) -> scaletool.engines.base.Engine",
+    "pipeline_constructor": "torch: cls(model, recipe, env) -> the Engine running pipeline stages over this engine "
+                            "(parallel.pipeline_parallel > 1; scaletool.engines.pipeline)",
+    "startup_notes": "torch: notes(recipe, device_type) -> lines said before the engine is built",
+    "config_record": "torch: record(recipe, world_size) -> what a training result records of the engine's "
+                     "library configuration",
+}
+#: where each part is registered for the shipped engines (for the message when one is missing)
+_PROVIDED_BY = {"memory": "scaletool.analytic.engines", "communication": "scaletool.analytic.engines",
+                "step": "scaletool.analytic.engines", "constructor": "scaletool.engines",
+                "pipeline_constructor": "scaletool.engines",
+                "startup_notes": "scaletool.engines", "config_record": "scaletool.engines"}
 
 
 def _or_list(names: list[str]) -> str:
@@ -38,37 +52,42 @@ class EngineKind:
     """One value of ``parallel.engine``.
 
     ``keys``: ``parallel.*`` keys only this engine reads (set under another engine, they are errors).
-    ``distributed``: runs in a process group (False: one process). ``autocast``: computes in 16 bits by
-    autocast over fp32 weights (else the engine holds or gathers 16-bit weights itself). ``layouts``:
-    the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``). ``zero_stages``:
-    the ZeRO stages it takes (``parallel.zero_stage``), ``table_stages`` those the engine table shows.
-    ``memory``/``communication``/``engine``: the closed forms and the torch class, as references.
-    ``float8``: composes with ``train.float8`` (torchao's Float8Linear under this engine's wrapping).
-    ``weight_cast_step``: takes ``train.weight_cast=step`` (one process, gradients accumulated by the
-    engine itself, no hooks of a wrapper on the parameters).
-    ``package``: the library whose version a training result records, ``config_record`` what it records of
-    the library's configuration. ``rules``: the engine's own
-    recipe rules, ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet).
+    ``distributed``: runs in a process group (False: one process, only at world size 1: :meth:`runs_on`).
+    ``autocast``: computes by autocast over fp32 weights. ``casts_weights``: each micro-batch makes 16-bit
+    copies of fp32 weights (autocast, FSDP2's mixed precision; not DeepSpeed's 16-bit weights).
+    ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model`` or ``block``).
+    ``layouts``: the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``).
+    ``zero_stages``: the ZeRO stages it takes (``parallel.zero_stage``),
+    ``table_stages`` those the engine table and the plan show. ``optimizer_sharded_from`` /
+    ``gradients_sharded_from``: the least stage at which the optimizer states (fp32 master, m, v) and the
+    gradients are sharded over the data-parallel ranks (None: never; 0: always, for an engine without
+    stages). ``float8``: composes with ``train.float8``; ``float8_all_gather``:
+    gathers Float8Linear weights in FP8 under ``train.float8=tensorwise`` (FSDP2). ``weight_cast_step``: takes
+    ``train.weight_cast=step`` (one process, gradients accumulated by the engine itself). ``package``: the
+    library whose version a training result records. ``quick_on_cpu``: starts in seconds on the CPU over
+    gloo, so ``plan --verify`` tries it there (DeepSpeed's start-up takes minutes). ``rules``: the engine's own recipe rules,
+    ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet). ``parts``: the
+    callables of :data:`PARTS` the floors above provide (:meth:`provide`, :meth:`part`).
     """
 
     name: str
-    memory: str
-    communication: str
-    engine: str
     keys: tuple[str, ...] = ()
     distributed: bool = True
     autocast: bool = False
+    casts_weights: bool = True
+    auto_compile_scope: str = "block"
     layouts: tuple[str, ...] = ()
     zero_stages: tuple[int, ...] = ()
     table_stages: tuple[int, ...] = ()
+    optimizer_sharded_from: int | None = None
+    gradients_sharded_from: int | None = None
     float8: bool = False
+    float8_all_gather: bool = False
     weight_cast_step: bool = False
     package: str | None = None
-    startup_notes: str | None = None
-    #: ``"module:function"``, ``function(recipe, world_size)`` -> what a training result records of the
-    #: engine's own configuration (merged into its ``environment``)
-    config_record: str | None = None
+    quick_on_cpu: bool = True
     rules: Callable[[Any, int | None], list[str]] | None = None
+    parts: dict[str, Callable] = field(default_factory=dict, compare=False, repr=False)
 
     def label(self, zero_stage: int | None = None) -> str:
         """Short name in results and tables: ``zero2`` for a ZeRO engine at stage 2, else the name."""
@@ -82,18 +101,46 @@ class EngineKind:
         """(label, ZeRO stage) of each row this engine has in the memory table."""
         return [(self.label(s), s) for s in self.table_stages] or [(self.name, 0)]
 
-    def memory_form(self) -> Callable:
-        """``form(cfg, world_size, units, loss_temp, settings)`` -> phases and states (analytic.engine_memory)."""
-        return resolve(self.memory)
+    def runs_on(self, world_size: int) -> bool:
+        """Whether it can run on ``world_size`` ranks: a one-process engine only on one (the one place
+        this rule is written)."""
+        return self.distributed or world_size == 1
 
-    def communication_form(self) -> Callable:
-        """``form(cfg, ranks, *, zero_stage, grad_accum_steps, reshard_after_forward, expert_parallel, inputs)``
-        -> the collectives per optimizer step (analytic.comm)."""
-        return resolve(self.communication)
+    def ranks(self, world_size: int) -> int:
+        """The ranks it runs on when ``world_size`` are asked for: one for a one-process engine."""
+        return world_size if self.distributed else 1
 
-    def engine_class(self) -> type:
-        """The torch engine (imports torch)."""
-        return resolve(self.engine)
+    def stage(self, zero_stage: int) -> int | None:
+        """The ZeRO stage it runs at under ``parallel.zero_stage`` (None: it has no stages)."""
+        return zero_stage if self.zero_stages else None
+
+    def shards_optimizer(self, zero_stage: int = 0) -> bool:
+        """Whether the optimizer states are sharded over the data-parallel ranks at ``zero_stage``."""
+        return self.optimizer_sharded_from is not None and (self.stage(zero_stage) or 0) >= self.optimizer_sharded_from
+
+    def shards_gradients(self, zero_stage: int = 0) -> bool:
+        """Whether the gradients are sharded over the data-parallel ranks at ``zero_stage``."""
+        return self.gradients_sharded_from is not None and (self.stage(zero_stage) or 0) >= self.gradients_sharded_from
+
+    def provide(self, **parts: Callable) -> None:
+        """Give the kind its parts (:data:`PARTS`), once each: the floors above call this when imported."""
+        for name, value in parts.items():
+            if name not in PARTS:
+                raise ValueError(f"engine {self.name}: no part named {name!r} (parts: {', '.join(PARTS)})")
+            if name in self.parts and self.parts[name] is not value:
+                raise ValueError(f"engine {self.name}: its {name} part is already provided")
+            self.parts[name] = value
+
+    def part(self, name: str) -> Callable:
+        """The provided part ``name``; LookupError naming what provides it when nothing has."""
+        if name not in self.parts:
+            raise LookupError(f"engine {self.name}: no {name} part provided ({PARTS[name]}); importing "
+                              f"{_PROVIDED_BY[name]} provides the shipped engines' parts")
+        return self.parts[name]
+
+    def has(self, name: str) -> bool:
+        """Whether the part ``name`` is provided (optional parts: startup_notes, config_record)."""
+        return name in self.parts
 
     def problems(self, recipe: Any, world_size: int | None = None) -> list[str]:
         return self.rules(recipe, world_size) if self.rules else []
@@ -197,36 +244,71 @@ def deepspeed_problems(recipe: Any, world_size: int | None = None) -> list[str]:
     return problems
 
 
-_MEMORY = "scaletool.analytic.engine_memory"
-_COMM = "scaletool.analytic.comm"
-
-#: parallel.engine -> its kind
-ENGINES: dict[str, EngineKind] = {
-    k.name: k for k in (
-        EngineKind("single", f"{_MEMORY}:single_memory", f"{_COMM}:no_communication",
-                   "scaletool.engines.single:SingleEngine", distributed=False, autocast=True, float8=True,
-                   weight_cast_step=True),
-        EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
-                   "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
-        EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
-                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload", "reduce_scatter_every"),
-                   layouts=("tensor_parallel", "expert_parallel"), float8=True),
-        EngineKind("deepspeed", f"{_MEMORY}:zero_memory", f"{_COMM}:zero_communication",
-                   "scaletool.engines.deepspeed:DeepSpeedEngine",
-                   keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
-                   zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3), package="deepspeed",
-                   startup_notes="scaletool.engines.deepspeed:build_notes",
-                   config_record="scaletool.engines.deepspeed:config_record", rules=deepspeed_problems),
-    )
-}
-ENGINE_NAMES = tuple(ENGINES)
+#: parallel.engine -> its kind (:func:`register_engine` adds one)
+ENGINES: dict[str, EngineKind] = {}
 #: parallel.* keys only one engine uses -> that engine
-ENGINE_KEYS = {key: e.name for e in ENGINES.values() for key in e.keys}
+ENGINE_KEYS: dict[str, str] = {}
+
+
+def register_engine(kind: EngineKind) -> EngineKind:
+    """Add ``kind`` to :data:`ENGINES`: ``parallel.engine`` accepts its name from now on (a name taken is a
+    ValueError). Its parts come through :meth:`EngineKind.provide`."""
+    if kind.name in ENGINES:
+        raise ValueError(f"engine {kind.name!r} is already registered")
+    taken = [k for k in kind.keys if k in ENGINE_KEYS]
+    if taken:
+        raise ValueError(f"engine {kind.name}: parallel.{taken[0]} is already the key of engine {ENGINE_KEYS[taken[0]]}")
+    ENGINES[kind.name] = kind
+    ENGINE_KEYS.update({key: kind.name for key in kind.keys})
+    return kind
+
+
+def unregister_engine(name: str) -> None:
+    """Take an engine registered by :func:`register_engine` out again (tests of a toy engine)."""
+    kind = ENGINES.pop(name)
+    for key in kind.keys:
+        ENGINE_KEYS.pop(key, None)
+
+
+SINGLE = register_engine(EngineKind("single", distributed=False, autocast=True, auto_compile_scope="model", float8=True,
+                                    weight_cast_step=True))
+DDP = register_engine(EngineKind("ddp", autocast=True, float8=True))
+FSDP = register_engine(EngineKind("fsdp", keys=("cpu_offload", "reduce_scatter_every"),
+                                  layouts=("tensor_parallel", "expert_parallel"), float8=True, float8_all_gather=True,
+                                  optimizer_sharded_from=0, gradients_sharded_from=0))
+DEEPSPEED = register_engine(EngineKind("deepspeed", keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
+                                       casts_weights=False, zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3),
+                                       optimizer_sharded_from=1, gradients_sharded_from=2, package="deepspeed",
+                                       quick_on_cpu=False,
+                                       rules=deepspeed_problems))
+#: the engine a recipe runs when it names none
+DEFAULT_ENGINE = SINGLE.name
+
+
+def engine_names() -> tuple[str, ...]:
+    """The names ``parallel.engine`` accepts now."""
+    return tuple(ENGINES)
 
 
 def engine_kind(engine: str) -> EngineKind:
     """The kind of ``parallel.engine`` (a recipe's engine or a result's); KeyError for an unknown name."""
     return ENGINES[engine]
+
+
+def table_engines() -> list[tuple[str, str, int]]:
+    """(label, engine, ZeRO stage) of every row of the engine table and the plan: one per engine, one per
+    shown stage of an engine with stages."""
+    return [(label, e.name, stage) for e in ENGINES.values() for label, stage in e.table_rows()]
+
+
+def engines_for(world_size: int) -> list[tuple[str, str, int]]:
+    """The rows of :func:`table_engines` that run on ``world_size`` ranks (:meth:`EngineKind.runs_on`)."""
+    return [row for row in table_engines() if ENGINES[row[1]].runs_on(world_size)]
+
+
+def tensor_parallel_engine() -> str:
+    """The engine tensor parallelism is a layout of (the first that composes with it)."""
+    return engines_with("tensor_parallel")[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,7 +425,7 @@ def engine_problems(recipe: Any, world_size: int | None = None) -> list[str]:
 def launch_problems(recipe: Any, world_size: int) -> list[str]:
     """The engine's rule on the job itself: a one-process engine on more than one rank."""
     p = recipe.parallel
-    if not engine_kind(p.engine).distributed and world_size > 1:
+    if not engine_kind(p.engine).runs_on(world_size):
         others = [e.name for e in ENGINES.values() if e.distributed]
         return [f"parallel.engine: {p.engine} runs one process, but this job has {world_size} ranks; "
                 f"use {_or_list(others)}"]

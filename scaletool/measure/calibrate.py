@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, load_calibration
-from scaletool.analytic.step import gemm_shapes
+from scaletool.analytic.flops import gemm_shapes
 from scaletool.stats import spread
 
 WARMUP, REPS = 3, 10

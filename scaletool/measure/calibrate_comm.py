@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletool.analytic.comm import wire_bytes
+from scaletool.analytic.collectives import wire_bytes
 from scaletool.errors import RecipeError
 from scaletool.stats import spread
 

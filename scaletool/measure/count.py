@@ -15,48 +15,19 @@ from typing import Any
 
 import torch
 
-from scaletool import analytic
+from scaletool.analytic.estimate import model_summary
+from scaletool.analytic.flops import decode_flops_per_token, flops_per_token
+from scaletool.analytic.memory import count_memory, recipe_memory
+from scaletool.analytic.params import param_counts
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
 from scaletool.kinds.attention import attention_kind
 from scaletool.measure.available import available_memory
+from scaletool.measure.sdpa_flops import _flop_counter_mapping, _sdpa_fwd_flops
 from scaletool.model import build_model
 from scaletool.stats import rel_error
 from scaletool.threads import pin_threads
-
-
-def _sdpa_fwd_flops(q_shape, k_shape, v_shape) -> int:
-    """2·B·H·T·S·(d_qk + d_v): QKᵀ plus AV, H from q so GQA/MQA count every query head."""
-    B, H, T, dqk = q_shape
-    S, dv = k_shape[-2], v_shape[-1]
-    return 2 * B * H * T * S * (dqk + dv)
-
-
-def _sdpa_formula(backward: bool):
-    def formula(query, key, value, *args, out_shape=None, **kwargs) -> int:
-        f = _sdpa_fwd_flops(query, key, value)
-        return 2 * f if backward else f  # backward: dQ, dK, dV and dP, two matmuls per forward one
-    return formula
-
-
-def _flop_counter_mapping() -> dict:
-    aten = torch.ops.aten
-    mapping = {}
-    fwd = ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"]
-    for name in fwd:
-        op = getattr(aten, name, None)
-        if op is not None:
-            mapping[op] = _sdpa_formula(False)
-        bwd = getattr(aten, name + "_backward", None)
-        if bwd is not None:
-            mapping[bwd] = _bwd_formula
-    return mapping
-
-
-def _bwd_formula(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
-    return 2 * _sdpa_fwd_flops(query, key, value)
 
 
 def _example_inputs(recipe: Recipe, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +110,7 @@ def memory_check(recipe: Recipe, device: str, batch: int) -> dict | None:
     figures when it (with :data:`COUNT_MEMORY_HEADROOM`) exceeds what is available; None on meta."""
     if device == "meta":
         return None
-    need = analytic.count_memory(recipe.model, batch, recipe.seq_len)
+    need = count_memory(recipe.model, batch, recipe.seq_len)
     avail, source = available_memory(device)
     parts = {k: v for k, v in need.items() if k != "total_bytes"}
     if avail is not None and need["total_bytes"] * COUNT_MEMORY_HEADROOM > avail:
@@ -175,12 +146,12 @@ def count(recipe: Recipe, *, device: str = "meta", batch: int = 1, fvcore: bool 
     # meta tensors carry no data, but dropout would still draw masks on a real device
     model.train(device == "meta")
     n_measured = model.num_params()
-    exact = analytic.param_counts(cfg)
+    exact = param_counts(cfg)
     tokens = batch * T
-    per_tok = analytic.flops_per_token(cfg, T, tokens=tokens)  # one MoE dispatch per forward: batch·T tokens
+    per_tok = flops_per_token(cfg, T, tokens=tokens)  # one MoE dispatch per forward: batch·T tokens
 
     out: dict[str, Any] = {
-        "device": device, "batch": batch, "seq_len": T, "model": analytic.model_summary(cfg), "memory": memory,
+        "device": device, "batch": batch, "seq_len": T, "model": model_summary(cfg), "memory": memory,
         # estimate's parameter breakdown under its own keys, and what the built module holds
         "params": {**exact, "measured": n_measured, "rel_error": rel_error(n_measured, exact["total"]),
                    "by_module": _params_by_module(model)},
@@ -290,7 +261,7 @@ def decode_flops(model, cfg: ModelConfig, context: int, device="meta") -> dict[s
             counter = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
             with counter:
                 model.step(token, context - 1, caches, DecodeMode(mode, "torch"))
-            want = analytic.decode_flops_per_token(cfg, context, mode)
+            want = decode_flops_per_token(cfg, context, mode)
             got = counter.get_total_flops()
             out[want["label"]] = {"mode": mode, "context": context, "analytic": want["total"], "flop_counter": got,
                                   "rel_error": rel_error(got, want["total"])}
@@ -313,7 +284,7 @@ def _params_by_module(model) -> dict[str, int]:
 def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
     """Refuse, with the estimate and the budget, a training run of ``nproc`` local ranks that cannot fit.
 
-    The estimate is the analytic peak per rank of the recipe's engine (:func:`analytic.recipe_memory`,
+    The estimate is the analytic peak per rank of the recipe's engine (:func:`recipe_memory`,
     weights, gradients, optimizer state, activations, buffers), with the activations a compiled model
     saves where ``train.compile`` is on (fewer than eager's: a compiled mha-1b step at micro-batch 24 fits
     an 80 GB card that the eager estimate would refuse it). On CPU all ranks share this machine's
@@ -322,7 +293,7 @@ def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        per_rank = int(analytic.recipe_memory(recipe, nproc, compiled=recipe.train.compile)["total_bytes"])
+        per_rank = int(recipe_memory(recipe, nproc, compiled=recipe.train.compile)["total_bytes"])
     except (RecipeError, ValueError, ZeroDivisionError, OverflowError):
         return None  # the run's own checks say what is wrong with the recipe
     if device == "cpu":

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from scaletool import analytic
+from scaletool.analytic.flops import attention_flops_per_token, flops_per_token
+from scaletool.analytic.params import ffn_params, moe_params, param_counts
 from scaletool.config import Recipe
 from scaletool.kinds.attention import matmul_params
 
@@ -25,13 +26,13 @@ from scaletool.kinds.attention import matmul_params
 def _analytic(recipe: Recipe, tokens: int) -> dict[str, dict[str, float]]:
     """Closed-form ``params`` and ``forward_flops`` (full attention, as counted) by module name."""
     cfg, T = recipe.model, recipe.seq_len
-    p = analytic.param_counts(cfg)
-    per_tok = analytic.flops_per_token(cfg, T, tokens=tokens)
+    p = param_counts(cfg)
+    per_tok = flops_per_token(cfg, T, tokens=tokens)
     out: dict[str, dict[str, float]] = {"": {"params": p["total"], "forward_flops": per_tok["forward_full_computed"] * tokens}}
     if cfg.task != "lm":
         return out
     attn = p["per_layer"]["attention_by_projection"]
-    attn_fwd = (2 * matmul_params(attn) + analytic.attention_flops_per_token(cfg, T, causal=False) / cfg.n_layers) * tokens
+    attn_fwd = (2 * matmul_params(attn) + attention_flops_per_token(cfg, T, causal=False) / cfg.n_layers) * tokens
     head_fwd = 2 * cfg.vocab_size * cfg.d_model * tokens
     # the head's matmul runs in the model's own forward (F.linear on the head's or the embedding's weight)
     out[""]["own_forward_flops"] = head_fwd
@@ -42,8 +43,8 @@ def _analytic(recipe: Recipe, tokens: int) -> dict[str, dict[str, float]]:
         out["norm"] = {"params": p["final_norm"]}
     out["layers"] = {"params": p["total"] - p["embedding"] - p["position_embedding"] - p["final_norm"] - p["head"],
                      "forward_flops": per_tok["forward_full_computed"] * tokens - head_fwd}
-    dense_ffn = analytic.ffn_params(cfg)
-    moe = analytic.moe_params(cfg) if cfg.n_moe_layers else None
+    dense_ffn = ffn_params(cfg)
+    moe = moe_params(cfg) if cfg.n_moe_layers else None
     for i in range(cfg.n_layers):
         out[f"layers.{i}.attn"] = {"params": sum(attn.values()), "forward_flops": attn_fwd}
         for name, n in attn.items():
@@ -63,7 +64,7 @@ def measured_forward_by_module(model, x, y) -> tuple[dict[str, float], float]:
     """FlopCounterMode's forward FLOPs by module name ('' the model) and its fwd+bwd total, one batch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from scaletool.measure.count import _flop_counter_mapping
+    from scaletool.measure.sdpa_flops import _flop_counter_mapping
 
     counter = FlopCounterMode(display=False, custom_mapping=_flop_counter_mapping())
     with counter:

@@ -27,9 +27,12 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, validation_lines
 from scaletool.resources import data_dir
 from scaletool.results.hardware import HardwareProfile
+
+#: the card ``estimate`` and ``plan`` predict for when none is named (a shipped profile's name)
+DEFAULT_HARDWARE = "H100 SXM"
 
 PROFILES_ENV = "SCALETOOL_PROFILES"
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -66,21 +69,8 @@ def user_dirs(environ=None) -> list[Path]:
 
 
 def _problems(exc: ValidationError, source: str) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        inner = err.get("ctx", {}).get("error")
-        if isinstance(inner, RecipeError):
-            lines += [f"{source}: {p}" for p in inner.problems]
-            continue
-        where = ".".join(str(p) for p in err["loc"]) or "profile"
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(err["loc"][-1]), list(ProfileFile.model_fields), n=1)
-            tip = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(ProfileFile.model_fields)}"
-            lines.append(f"{source}: {where}: unknown key; {tip}")
-        else:
-            got = repr(err.get("input"))
-            lines.append(f"{source}: {where}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})")
-    return lines
+    return validation_lines(exc, source, root="profile", known=lambda parent: list(ProfileFile.model_fields),
+                            show_input=lambda err: True)
 
 
 def read_profile(path: Path, source: str) -> HardwareProfile:

@@ -59,19 +59,19 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
     recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
-    from scaletool.analytic.memory import TABLE_ENGINES
-    from scaletool.kinds.engines import engine_kind
+    from scaletool.kinds.engines import engine_kind, engines_for, tensor_parallel_engine
     from scaletool.measure.hardware import profile_named
 
     prof = profile_named(hardware)
     calib = calibration_for_device(prof.device, prof)
     p = recipe.parallel
-    if p.pipeline_parallel > 1:
-        layouts = [(f"fsdp pp{p.pipeline_parallel} {p.pipeline_schedule}", "fsdp", p.zero_stage)]
+    if p.pipeline_parallel > 1:  # stages over the engine that composes with them (kinds.pipeline)
+        layouts = [(f"{p.engine} pp{p.pipeline_parallel} {p.pipeline_schedule}", p.engine, p.zero_stage)]
     elif p.tensor_parallel > 1:
-        layouts = [(f"fsdp tp{p.tensor_parallel}", "fsdp", p.zero_stage)]
+        engine = tensor_parallel_engine()
+        layouts = [(f"{engine} tp{p.tensor_parallel}", engine, p.zero_stage)]
     else:
-        layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]
+        layouts = engines_for(world_size)
     rows = []
     for label, engine, stage in layouts:
         par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})

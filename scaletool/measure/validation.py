@@ -17,6 +17,7 @@ from scaletool.analytic.step import predict_step
 from scaletool.analytic.zero3 import deepspeed_as_ran
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError
+from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
 from scaletool.resources import data_dir
 
@@ -154,7 +155,8 @@ def _as_ran(r: dict) -> dict:
     par = recipe.get("parallel") if isinstance(recipe.get("parallel"), dict) else {}
     if (par.get("tensor_parallel") or 1) > 1 and "fsdp_on_one_rank" not in par:
         return {**recipe, "parallel": {**par, "fsdp_on_one_rank": True}}
-    if par.get("engine") != "deepspeed" or "deepspeed_config" in r["environment"]:
+    # runs of the engine with the DeepSpeed passthrough that did not record the config they were given
+    if ENGINE_KEYS.get("deepspeed") != par.get("engine") or "deepspeed_config" in r["environment"]:
         return recipe
     return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(par.get("deepspeed"), par.get("zero_stage"))}}
 
@@ -171,7 +173,8 @@ def measured_tokens_per_s_per_gpu(r: dict, world: int) -> float:
 
 def _engine(recipe) -> str:
     p = recipe.parallel
-    name = f"deepspeed ZeRO-{p.zero_stage}" if p.engine == "deepspeed" else p.engine
+    kind = engine_kind(p.engine)
+    name = f"{p.engine} {kind.title(p.zero_stage)}" if kind.zero_stages else p.engine
     return name + (f" TP{p.tensor_parallel}" if p.tensor_parallel > 1 else "")
 
 

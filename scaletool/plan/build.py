@@ -10,7 +10,6 @@ from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.commands import command_line, command_problems, launch_argv
 from scaletool.plan.search import Request, search
 
-DEFAULT_HARDWARE = "H100 SXM"
 #: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
 DEFAULT_GPUS_PER_NODE = 8
 

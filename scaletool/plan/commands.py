@@ -5,6 +5,7 @@ import shlex
 from pathlib import Path
 
 from scaletool.config import Recipe, RecipeError
+from scaletool.kinds.engines import engine_kind
 from scaletool.plan.space import variant
 
 #: where the nodes of a multi-node layout meet, and the run directory they share: placeholders to edit
@@ -17,7 +18,7 @@ def layout_sets(base: Recipe, row: dict) -> dict[str, object]:
     engine and batch keys, which are always stated)."""
     p, t = base.parallel, base.train
     sets: dict[str, object] = {"parallel.engine": row["engine"]}
-    if row["engine"] == "deepspeed":
+    if engine_kind(row["engine"]).zero_stages:
         sets["parallel.zero_stage"] = row["zero_stage"]
     if row["tensor_parallel"] != p.tensor_parallel:
         sets["parallel.tensor_parallel"] = row["tensor_parallel"]

@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass
 
 from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
+from scaletool.kinds.engines import engine_kind, engines_for
 from scaletool.plan.space import (
     CHECKPOINTING,
     MAX_MICRO_BATCH,
     Family,
     Layout,
     MemoryModel,
-    engines_for,
     largest_fitting,
     micro_batches,
     planned_weight_cast,
@@ -81,8 +81,9 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
     for label, engine, stage in engines_for(req.gpus):
         if req.labels is not None and label not in req.labels:
             continue
-        for tp in degrees if engine == "fsdp" else [1]:
-            for ep_on in (False, True) if engine == "fsdp" and tp == 1 and ep else (False,):
+        layouts = engine_kind(engine).layouts
+        for tp in degrees if "tensor_parallel" in layouts else [1]:
+            for ep_on in (False, True) if "expert_parallel" in layouts and tp == 1 and ep else (False,):
                 out += [Family(kind, label, engine, stage, tp, ac, c, ep_on) for ac in CHECKPOINTING for c in req.compiled]
     return out
 
@@ -116,7 +117,8 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
         "reduce_scatter_every": lay.reduce_scatter_every,
-        "expert_parallel": lay.expert_parallel, **({"zero_stage": lay.zero_stage} if lay.engine == "deepspeed" else {})})
+        "expert_parallel": lay.expert_parallel,
+        **({"zero_stage": lay.zero_stage} if engine_kind(lay.engine).zero_stages else {})})
     return recipe.model_copy(update={"train": t, "parallel": p})
 
 

@@ -1,6 +1,7 @@
 """The layouts a plan considers, and which of them fit the card.
 
-A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3), a tensor-parallel degree (FSDP2 only, a divisor
+A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3: scaletool.kinds.engines), a tensor-parallel degree
+(the engines that compose with it, FSDP2; a divisor
 of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that reaches
 the global batch, activation checkpointing and eager or compiled training. Memory grows with the
 micro-batch, so the largest micro-batch that fits is found by doubling and bisection (a few estimates
@@ -11,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cache
 
-from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, tensor_parallel_memory, training_memory
+from scaletool.analytic.memory import compiles_whole_model, engine_settings, tensor_parallel_memory, training_memory
 from scaletool.analytic.step import fits
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
-from scaletool.kinds.engines import casts_once, engine_kind
+from scaletool.kinds.engines import casts_once, engine_kind, tensor_parallel_engine
 
 CHECKPOINTING = ("none", "selective", "full")
 #: the largest micro-batch searched when no global batch bounds it
@@ -72,11 +73,6 @@ def stated_reduce_scatter(recipe: Recipe) -> str | None:
     return p.reduce_scatter_every if "reduce_scatter_every" in p.model_fields_set else None
 
 
-def engines_for(gpus: int) -> list[tuple[str, str, int]]:
-    """(label, engine, ZeRO stage) worth planning at ``gpus`` ranks: single runs one process only."""
-    return [row for row in TABLE_ENGINES if row[1] != "single" or gpus == 1]
-
-
 def variant(recipe: Recipe, overrides: dict) -> Recipe:
     """``recipe`` with dotted ``overrides`` applied and validated again (a RecipeError when they conflict)."""
     return recipe_from_dict(apply_overrides(recipe.given(), list(overrides.items())), "recipe")
@@ -91,7 +87,7 @@ def tensor_parallel_degrees(recipe: Recipe, gpus: int, gpus_per_node: int) -> tu
             ok.append(1)
             continue
         try:
-            variant(recipe, {"parallel.engine": "fsdp", "parallel.tensor_parallel": tp})
+            variant(recipe, {"parallel.engine": tensor_parallel_engine(), "parallel.tensor_parallel": tp})
         except RecipeError as e:
             why[tp] = e.problems[0]
             continue
@@ -123,9 +119,9 @@ class MemoryModel:
                            expert_parallel=fam.expert_parallel, grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
-        whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
-        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
-        return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
+        whole = compiles_whole_model(fam.compiled, t.compile_scope, fam.engine)
+        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, whole)
+        return training_memory(r.model, fam.engine, engine_kind(fam.engine).ranks(self.gpus), inputs, settings)
 
     def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
         return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]

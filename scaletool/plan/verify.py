@@ -18,6 +18,7 @@ from pathlib import Path
 
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
+from scaletool.kinds.engines import engine_kind, table_engines
 from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.build import make_plan, make_request
 from scaletool.plan.commands import command_line, layout_sets
@@ -61,7 +62,8 @@ def local_plan(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, ma
     """The plan for this machine: its ranks, its memory, its calibration, and the asked plan's global batch
     per GPU and attention variants (``asked``, its request); on the CPU narrowed as above."""
     cpu = machine["device"] == "cpu"
-    narrow = {"labels": ("single", "ddp", "fsdp"), "compiled": (False,),
+    narrow = {"labels": tuple(label for label, engine, _ in table_engines() if engine_kind(engine).quick_on_cpu),
+              "compiled": (False,),
               "max_micro_batch": recipe.train.micro_batch_size} if cpu else {}
     batch, _ = carried_batch(asked, machine["ranks"])
     req = make_request(machine["ranks"], machine["ranks"], machine["name"], top=k, card_bytes=machine["memory_bytes"],
@@ -75,7 +77,7 @@ def train_argv(name: str, overrides: tuple[str, ...], recipe: Recipe, row: dict,
     sets = {**layout_sets(recipe, row), "train.steps": VERIFY_STEPS, "train.measure_warmup_steps": VERIFY_WARMUP,
             "train.checkpoint_every": 0}
     argv = [sys.executable, "-m", "scaletool", "train", name, "--out", str(out), "--json"]
-    if ranks > 1 or row["engine"] != "single":
+    if ranks > 1 or engine_kind(row["engine"]).distributed:
         argv += ["--nproc-per-node", str(ranks)]
     for item in overrides:
         argv += ["--set", item]

@@ -78,17 +78,15 @@ def full_weights(engine, rank: int) -> dict[str, torch.Tensor] | None:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    model, rank0 = engine.model, rank == 0
-    if engine.name == "deepspeed":
-        module = model.module
-        if any(hasattr(p, "ds_id") for p in module.parameters()):  # ZeRO-3: parameters are partitioned
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                sd = get_model_state_dict(module)
-                return {k: v.detach().clone() for k, v in sd.items()} if rank0 else None
-        return get_model_state_dict(module) if rank0 else None
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))
+    rank0 = rank == 0
+    module = getattr(engine.model, "module", engine.model)  # DeepSpeed's and DDP's wrapped module
+    if any(hasattr(p, "ds_id") for p in module.parameters()):  # ZeRO-3: parameters are partitioned
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            sd = get_model_state_dict(module)
+            return {k: v.detach().clone() for k, v in sd.items()} if rank0 else None
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=sharded))
     return sd if rank0 else None
 
 

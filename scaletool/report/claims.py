@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletool import analytic
+from scaletool.analytic.kv import kv_cache
 from scaletool.fmt import gib
 from scaletool.report.data import ResultsSet, Row
 from scaletool.report.tables import Column, Table
@@ -57,7 +57,7 @@ def claim_rows(rs: ResultsSet) -> list[Row]:
 
 def claim_figures(r: Row) -> ClaimFigures:
     m, T = r.recipe.model, r.recipe.seq_len
-    kv = analytic.kv_cache(m)
+    kv = kv_cache(m)
     cfg = {"n_heads": m.n_heads, "seq_len": T, "head_dim": m.head_dim, "kv_lora_rank": m.kv_lora_rank}
     return ClaimFigures(claim_traditional=m.n_heads * T * T * m.head_dim,
                         claim_mla=m.kv_lora_rank * T + m.n_heads * m.head_dim,

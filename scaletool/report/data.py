@@ -22,9 +22,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scaletool import analytic
+from scaletool.analytic.kv import kv_cache
 from scaletool.config import Recipe, RecipeError, recipe_from_dict
-from scaletool.kinds.engines import engine_kind
+from scaletool.errors import validation_lines
+from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.results import Result, load_result
 from scaletool.results.count import CountResult
 from scaletool.results.decode import DecodeResult
@@ -151,7 +152,7 @@ class Row:
         if est is not None:
             return est.result.kv_cache.model_dump()
         self.recomputed("KV cache figures (no estimate of the point recorded)")
-        return analytic.kv_cache(self.recipe.model)
+        return kv_cache(self.recipe.model)
 
     def recomputed(self, what: str) -> None:
         """Note that ``what`` of this point was computed by this scaletool's closed forms, not read from
@@ -190,7 +191,7 @@ class Row:
             words.append(f"tp{p.tensor_parallel}")
         if self.recipe.train.compile:
             words.append("compiled")
-        if p.deepspeed and "deepspeed" in engine_kind(p.engine).keys:  # the DeepSpeed passthrough
+        if p.deepspeed and ENGINE_KEYS.get("deepspeed") == p.engine:  # the engine that reads parallel.deepspeed
             words.append("+config")
         return " ".join(words)
 
@@ -364,8 +365,7 @@ def _failed_runs(d: Path, rec: Record, warnings: list[str]) -> list[Result]:
 
 
 def _first_error(e: ValidationError) -> str:
-    err = e.errors()[0]
-    return f"{'.'.join(str(p) for p in err['loc']) or 'record'}: {err['msg']}"
+    return validation_lines(e, "", root="record", show_input=lambda err: False, limit=1)[0].removeprefix(": ")
 
 
 def _run_dir(d: Path, rec: Record) -> Path | None:

@@ -11,7 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from scaletool import analytic
+from scaletool.analytic.flops import flops_per_token
+from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.params import param_counts
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind
 from scaletool.report.data import ResultsSet, Row
@@ -177,7 +179,7 @@ def _moe_figures(r: Row, t: Row | None) -> tuple[dict, dict]:
         f = t.result.flops_per_token
     if p is None or f is None or "train_causal_computed" not in f:
         r.recomputed("MoE parameters and FLOPs/token (no estimate of the point recorded)")
-        p, f = analytic.param_counts(r.recipe.model), analytic.flops_per_token(r.recipe.model, r.recipe.seq_len)
+        p, f = param_counts(r.recipe.model), flops_per_token(r.recipe.model, r.recipe.seq_len)
     return p, f
 
 
@@ -187,7 +189,7 @@ def train_analytic_memory(r: Row) -> int | None:
     if m is not None:
         return int(m)
     r.recomputed("analytic memory of train runs (the run recorded none)")
-    return analytic.recipe_memory(r.recipe, r.world_size or r.recipe.parallel.world_size)["total_bytes"]
+    return recipe_memory(r.recipe, r.world_size or r.recipe.parallel.world_size)["total_bytes"]
 
 
 TIMING_NOTE = ("Timed figures are medians: over the measured steps of one run, or, where a point ran several "

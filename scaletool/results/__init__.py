@@ -8,6 +8,7 @@ with a line saying why): see :func:`scaletool.results.base.load_result`.
 One module per command: :mod:`.base` (the common base, the registry, loading), and the modules that
 define each command's result.
 """
-from scaletool.results.base import Result, ResultLoadError, load_result, register, registered
+from scaletool.results.all import load_result, registered
+from scaletool.results.base import Result, ResultLoadError, register
 
 __all__ = ["Result", "ResultLoadError", "load_result", "register", "registered"]

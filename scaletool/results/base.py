@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, validation_lines
 
 
 class ResultLoadError(RecipeError):
@@ -54,19 +54,17 @@ def register(cls: type[Result]) -> type[Result]:
     return cls
 
 
-def registered() -> dict[str, type[Result]]:
-    """Every registered result kind (importing the result modules registers them)."""
-    import scaletool.results.all  # noqa: F401 (registers every kind)
-
-    return dict(_KINDS)
+def kinds_of(*names: str) -> dict[str, type[Result]]:
+    """The registered result kinds named (those whose modules the caller imported)."""
+    return {n: _KINDS[n] for n in names if n in _KINDS}
 
 
-def load_result(data: Any, source: str = "result", kind: str | None = None) -> Result:
-    """Validate a parsed JSON document as the result its ``kind`` names, migrating older versions.
+def load_among(kinds: dict[str, type[Result]], data: Any, source: str = "result", kind: str | None = None) -> Result:
+    """Validate a parsed JSON document as the result its ``kind`` names among ``kinds``, migrating older
+    versions (:func:`scaletool.results.all.load_result` reads any kind).
 
     ``kind``: what the caller expects; a document without a ``kind`` of its own is then read as
     version 1 of it (through its model's ``migrate``), and one of another kind is refused."""
-    kinds = registered()
     if kind is not None:
         if kind not in kinds:
             raise ResultLoadError(f"{source}: unknown result kind {kind!r}")
@@ -94,5 +92,4 @@ def load_result(data: Any, source: str = "result", kind: str | None = None) -> R
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        lines = [f"{source}: {'.'.join(str(p) for p in err['loc']) or kind}: {err['msg']}" for err in e.errors()[:5]]
-        raise ResultLoadError(lines) from None
+        raise ResultLoadError(validation_lines(e, source, root=kind, show_input=lambda err: False, limit=5)) from None

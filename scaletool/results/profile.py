@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from scaletool.results.base import Result, ResultLoadError, load_result, register
+from scaletool.results.base import Result, ResultLoadError, load_among, register
 from scaletool.stats import Spread
 
 BREAKDOWN_SCHEMA = "scaletool.profile.breakdown"
@@ -44,7 +44,6 @@ def load_breakdown(data: Any, source: str = "breakdown.json") -> ProfileResult:
     """A profile result from a parsed ``breakdown.json`` (files without ``kind`` included)."""
     if isinstance(data, dict) and "kind" not in data and data.get("schema") == BREAKDOWN_SCHEMA:
         data = {**data, "kind": "profile"}
-    result = load_result(data, source)
-    if not isinstance(result, ProfileResult):
-        raise ResultLoadError(f"{source}: a {result.kind} result, not a profile breakdown")
-    return result
+    if isinstance(data, dict) and isinstance(data.get("kind"), str) and data["kind"] != "profile":
+        raise ResultLoadError(f"{source}: a {data['kind'][:40]} result, not a profile breakdown")
+    return load_among({"profile": ProfileResult}, data, source)

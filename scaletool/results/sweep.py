@@ -15,7 +15,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from scaletool.results.base import Result, ResultLoadError, load_result, register, registered
+from scaletool.results import count, decode, estimate, profile, train  # noqa: F401  (the kinds a sweep's modes produce)
+from scaletool.results.base import Result, ResultLoadError, kinds_of, load_among, register
 
 #: the commands a sweep runs, in the order a sweep file may list them
 MODES = ("estimate", "count", "train", "decode", "profile")
@@ -38,10 +39,11 @@ def check_result(mode: str, result: Any, source: str) -> None:
         return
     if not isinstance(result, dict):
         raise ResultLoadError(f"{source}: a result is a JSON object, got {type(result).__name__}")
+    kinds = kinds_of(*MODE_KIND.values())
     if "kind" in result:
-        load_result(result, source)
-    elif MODE_KIND.get(mode) in registered():
-        load_result({**result, "kind": MODE_KIND[mode]}, source)
+        load_among(kinds, result, source)
+    elif MODE_KIND.get(mode) in kinds:
+        load_among(kinds, {**result, "kind": MODE_KIND[mode]}, source)
 
 
 @register
@@ -96,10 +98,9 @@ def load_record(data: Any, source: str = "record") -> SweepRecord:
     """A results line (parsed JSON) as a :class:`SweepRecord`; old lines without ``kind`` included."""
     if isinstance(data, dict) and "kind" not in data:
         data = {**data, "kind": "sweep_record"}
-    rec = load_result(data, source)
-    if not isinstance(rec, SweepRecord):
-        raise ResultLoadError(f"{source}: a {rec.kind} result, not a sweep record")
-    return rec
+    if isinstance(data, dict) and isinstance(data["kind"], str) and data["kind"] != "sweep_record":
+        raise ResultLoadError(f"{source}: a {data['kind'][:40]} result, not a sweep record")
+    return load_among({"sweep_record": SweepRecord}, data, source)
 
 
 class _Row(BaseModel):

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scaletool.results.base import Result, load_result, register
+from scaletool.results.base import Result, load_among, register
 from scaletool.stats import Spread, settled_start, spread
 
 #: the warm-up rule's wording, shared by live runs and migrated documents
@@ -229,4 +229,4 @@ def load_train_summary(data: Any, source: str = "summary.json") -> TrainResult:
         data = {**data, "kind": "train"}
     if isinstance(data, dict) and isinstance(data.get("kind"), str) and data["kind"] != "train":
         raise ResultLoadError(f"{source}: a {data['kind'][:40]} result, not a train summary")
-    return load_result(data, source)
+    return load_among({"train": TrainResult}, data, source)

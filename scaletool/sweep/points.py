@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from scaletool.analytic import param_counts
+from scaletool.analytic.params import param_counts
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.sweep.spec import MatchParams, Sweep, slug
 

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, recipe_from_dict
+from scaletool.errors import validation_lines
 from scaletool.resources import SWEEP, find_recipe
 from scaletool.results.sweep import MODES, TIMED_MODES, Mode
 from scaletool.yaml_input import read_yaml
@@ -179,19 +180,12 @@ def check_key(key: str) -> str | None:
 
 
 def _pydantic_lines(exc: ValidationError, source: str) -> list[str]:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "sweep"
-        if err["type"] == "extra_forbidden":
-            known = list(SweepFile.model_fields) if len(err["loc"]) == 1 else list(MatchParams.model_fields)
-            hint = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
-            tip = f"; did you mean '{hint[0]}'?" if hint else f"; known keys: {', '.join(known)}"
-            lines.append(f"{source}: {loc}: unknown key{tip}")
-        else:
-            got = err.get("input")
-            got_s = "" if isinstance(got, (dict, list)) or err["type"] == "value_error" else f" (got {str(got)[:60]!r})"
-            lines.append(f"{source}: {loc}: {err['msg'].removeprefix('Value error, ')}{got_s}")
-    return lines
+    def known(parent: tuple) -> list[str]:
+        return list(SweepFile.model_fields) if not parent else list(MatchParams.model_fields)
+
+    return validation_lines(exc, source, root="sweep", known=known,
+                            show_input=lambda err: not isinstance(err.get("input"), (dict, list))
+                            and err["type"] != "value_error")
 
 
 def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep:
@@ -277,7 +271,7 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
 
 
 def _resolve_target(mp: MatchParams, path: Path, base_raw: dict) -> tuple[int, str]:
-    from scaletool.analytic import param_counts
+    from scaletool.analytic.params import param_counts
 
     t = mp.target
     if isinstance(t, bool):

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scaletool import analytic
+from scaletool.analytic.memory import compiled_memory, recipe_memory
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
-from scaletool.kinds.engines import engine_kind, resolve
+from scaletool.kinds.engines import engine_kind
 from scaletool.measure.contention import RULE, summarize
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler
@@ -136,7 +136,7 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
 
     peak_alloc, run_peak = most("peak_allocated_bytes"), most("run_peak_allocated_bytes")
     # a whole-model compile saves fewer activations: its estimate (per-block compiles keep the eager one)
-    est = analytic.recipe_memory(r.recipe, r.env.world_size, compiled=analytic.compiled_memory(r.recipe))
+    est = recipe_memory(r.recipe, r.env.world_size, compiled=compiled_memory(r.recipe))
 
     def rel(x):
         return rel_error(x or None, est["total_bytes"])
@@ -285,9 +285,9 @@ def environment(env: DistEnv, reports: list[dict], engine: str, recipe: Recipe |
     package = engine_kind(engine).package  # the engine's own library, when it has one
     if package:
         out[package] = importlib.import_module(package).__version__
-    record = engine_kind(engine).config_record  # the engine library's configuration (DeepSpeed's config)
-    if record and recipe is not None:
-        out.update(resolve(record)(recipe, env.world_size))
+    kind = engine_kind(engine)  # the engine library's configuration (DeepSpeed's config)
+    if kind.has("config_record") and recipe is not None:
+        out.update(kind.part("config_record")(recipe, env.world_size))
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
-from scaletool import analytic
+from scaletool.analytic.flops import flops_per_token
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines import DistEnv, agree, data_parallel, make_engine, startup_notes
 from scaletool.errors import cannot_write, describe
@@ -176,7 +176,7 @@ class Trainer:
             self.writer.log(f"resumed from {self.start.checkpoint} at step {self.start_step}")
         T = r.seq_len
         self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * dp_size * T
-        self.flops = analytic.flops_per_token(r.model, T, tokens=t.micro_batch_size * T)
+        self.flops = flops_per_token(r.model, T, tokens=t.micro_batch_size * T)
         self.device_name = torch.cuda.get_device_name(env.device) if cuda else "cpu"
         self.peak = peak_for(env.device.type, self.device_name, r.model.dtype, peak_tflops)
         if self.peak.warning:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from scaletool.analytic import compiled_memory, fits, load_calibration, recipe_memory
+from scaletool.analytic.calibration import load_calibration
+from scaletool.analytic.memory import compiled_memory, recipe_memory
+from scaletool.analytic.step import fits
 from scaletool.config import load_recipe, recipe_from_dict
 
 RESULTS = Path(__file__).resolve().parents[2] / "recipes" / "benchmarks" / "results"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from scaletool import analytic
 from scaletool.analytic import expert_parallel as ep
 from scaletool.analytic.calibration import load_calibration
+from scaletool.analytic.comm import data_parallel_communication
+from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.params import moe_params
 from scaletool.analytic.step import predict_step
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import expert_capacity, recipe_from_dict
@@ -24,7 +26,7 @@ def recipe(dispatch="dropless", **parallel):
 
 def rows(r, P, gas=1, ac="none"):
     inputs = MemoryInputs(2, 16, ac)
-    got = analytic.data_parallel_communication(r.model, "fsdp", 4, expert_parallel=P, inputs=inputs,
+    got = data_parallel_communication(r.model, "fsdp", 4, expert_parallel=P, inputs=inputs,
                                                grad_accum_steps=gas)
     return {x["what"]: x for x in got if x["op"] == "all_to_all"}
 
@@ -55,7 +57,7 @@ def test_capacity_all_to_all_is_the_whole_buffer():
 
 def test_busiest_rank_in_memory_and_step():
     plain, on = recipe(), recipe(expert_parallel=True)
-    a, b = analytic.recipe_memory(on, 4), analytic.recipe_memory(plain, 4)
+    a, b = recipe_memory(on, 4), recipe_memory(plain, 4)
     extra = 2 * ep.activation_extra_bytes(on.model, 32, 4, compiled=False)
     assert extra == pytest.approx(2 * 0.35 * 32 * 2 * 2 * (32 + 4 * 16))  # (rho-1) k T rows, d + 4 i each, bf16
     assert a["activations_bytes"] - b["activations_bytes"] == int(extra)
@@ -72,11 +74,11 @@ def test_busiest_rank_in_memory_and_step():
 
 def test_groups_smaller_than_the_data_parallel_ranks_replicate_expert_states():
     r = recipe(expert_parallel=True, expert_parallel_degree=2)
-    routed = analytic.moe_params(r.model)["routed"] * 2
+    routed = moe_params(r.model)["routed"] * 2
     assert ep.replicated_state_bytes(r.model, 4, 2) == 16 * routed * (1 / 2 - 1 / 4)
     assert ep.replicated_state_bytes(r.model, 4, 4) == 0
-    full = analytic.recipe_memory(recipe(expert_parallel=True), 4)
-    half = analytic.recipe_memory(r, 4)
+    full = recipe_memory(recipe(expert_parallel=True), 4)
+    half = recipe_memory(r, 4)
     assert half["total_bytes"] - full["total_bytes"] >= 16 * routed / 4
     assert ep.problems(8, 4, 3) == [
         "parallel.expert_parallel_degree: 3 does not divide the 4 data-parallel ranks (an expert-parallel group is that "

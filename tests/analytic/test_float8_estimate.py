@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from scaletool.analytic import load_calibration, predict_step, recipe_memory
-from scaletool.analytic.calibration import calibration_from_dict
+from scaletool.analytic.calibration import calibration_from_dict, load_calibration
 from scaletool.analytic.float8 import fp8_gemm, swapped_shapes
-from scaletool.analytic.step import gemm_shapes
+from scaletool.analytic.flops import gemm_shapes
+from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.errors import RecipeError
 

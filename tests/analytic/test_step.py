@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletool.analytic import Calibration, default_calibration, fits, load_calibration, predict_step
+from scaletool.analytic.calibration import Calibration, default_calibration, load_calibration
+from scaletool.analytic.step import fits, predict_step
 from scaletool.config import load_recipe
 from scaletool.errors import RecipeError
 from scaletool.measure.hardware import load_profiles

@@ -107,8 +107,8 @@ def test_torchtitan_model_has_exactly_scaletools_parameters(recipe):
     assert doc["params"]["torchtitan_model"] == doc["params"]["scaletool_analytic"]
     # torchtitan counts full attention and 6 FLOPs for every non-embedding parameter, norm weights too:
     # our full convention (matmul weights only) plus 6 per weight outside a matmul
-    from scaletool import analytic
-    c = analytic.param_counts(r.model)
+    from scaletool.analytic.params import param_counts
+    c = param_counts(r.model)
     outside_matmul = c["total"] - c["embedding"] - c["matmul"]
     assert doc["flops_per_token"]["torchtitan"] == doc["flops_per_token"]["scaletool_full"] + 6 * outside_matmul
 

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 from conftest import RECIPES, run_cli
 from rich.console import Console
 
-from scaletool import analytic, api
+from scaletool import api
+from scaletool.analytic.timeline import COMPONENTS, PHASES
 from scaletool.cli import main
 from scaletool.cli.estimate import MEMORY_COLUMNS, UNITS, memory_table, memory_unit
 from scaletool.results import load_result
@@ -33,7 +34,7 @@ def test_estimate_json_is_the_typed_result():
     assert est["flops"]["per_token"]["train"] > 6 * est["params"]["matmul"]
     assert {row["label"] for row in est["memory"]["engines"]} == {"single", "ddp", "fsdp", "zero1", "zero2", "zero3"}
     typed = load_result(est)
-    assert typed.memory.recipe.phase in analytic.PHASES and typed == api.estimate(RECIPES / "mla-1b.yaml")
+    assert typed.memory.recipe.phase in PHASES and typed == api.estimate(RECIPES / "mla-1b.yaml")
 
 
 def test_every_memory_row_is_the_sum_of_its_components():
@@ -43,7 +44,7 @@ def test_every_memory_row_is_the_sum_of_its_components():
     assert len(rows) == 2 * 5 + 1  # no single on 2 GPUs
     for row in rows:
         sums = {phase: sum(comp.values()) for phase, comp in row["phases"].items()}
-        assert set(row["phases"]["backward"]) == set(analytic.COMPONENTS)
+        assert set(row["phases"]["backward"]) == set(COMPONENTS)
         assert row["total_bytes"] == sums[row["phase"]] == max(sums.values()), row["label"]
 
 

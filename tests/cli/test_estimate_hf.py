@@ -9,10 +9,10 @@ import shutil
 from click.testing import CliRunner
 from conftest import ROOT
 
-from scaletool.analytic import recipe_memory
+from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.step import fits
 from scaletool.cli import main
-from scaletool.config import load_recipe
+from scaletool.hf import load_recipe
 from scaletool.measure.hardware import profile_named
 
 LLAMA = ROOT / "tests" / "hf_configs" / "llama-3.1-8b.json"

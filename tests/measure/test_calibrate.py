@@ -8,7 +8,8 @@ import pytest
 import yaml
 from conftest import run_cli
 
-from scaletool.analytic import load_calibration, predict_step
+from scaletool.analytic.calibration import load_calibration
+from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.measure.calibrate import REPS, fit_gemm_curve
 

@@ -8,8 +8,11 @@ import pytest
 import torch
 from conftest import assert_counted_exactly
 
-from scaletool import analytic
 from scaletool.analytic import expert_parallel
+from scaletool.analytic.flops import flops_per_token, routed_experts_computed
+from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.params import matmul_params, matmul_split, moe_params, param_counts
+from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
 from scaletool.config import RecipeError, expert_capacity, recipe_from_dict
 from scaletool.measure.count import count
 from scaletool.model import build_model
@@ -39,7 +42,7 @@ def moe_layer(seed=0, **kw) -> MoE:
 def test_param_counts_match_closed_forms(kw):
     cfg = cfg_of(**kw)
     model = build_model(cfg, device="meta")
-    counts = analytic.param_counts(cfg)
+    counts = param_counts(cfg)
     assert model.num_params() == counts["total"]
     d, E, k, i, s = cfg.d_model, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_shared_experts
     moe_layer_params = d * E + E * 3 * d * i + 3 * d * s * i  # gate + routed + one shared SwiGLU of s·i
@@ -49,9 +52,9 @@ def test_param_counts_match_closed_forms(kw):
     dense_ffn = 3 * d * cfg.intermediate_size
     assert counts["ffn"] == n_moe * moe_layer_params + cfg.first_k_dense_replace * dense_ffn
     assert counts["active"] == counts["total"] - n_moe * (E - k) * 3 * d * i
-    split = analytic.matmul_split(cfg)
+    split = matmul_split(cfg)
     assert split["routed_total"] == n_moe * E * 3 * d * i and split["routed_active"] == n_moe * k * 3 * d * i
-    assert analytic.matmul_params(cfg) == split["dense"] + split["routed_active"]
+    assert matmul_params(cfg) == split["dense"] + split["routed_active"]
     # the router bias is a buffer: state, no gradient, not a parameter
     assert (moe.router_bias is not None) == (cfg.scoring_func == "sigmoid")
     assert all(b is not moe.router_bias for b in moe.parameters())
@@ -61,7 +64,7 @@ def test_capacity_convention():
     cfg = cfg_of(moe_dispatch="capacity", capacity_factor=1.25)
     assert expert_capacity(cfg, 100) == math.ceil(1.25 * 100 * 2 / 8) == 32
     assert expert_capacity(cfg_of(moe_dispatch="capacity", capacity_factor=100.0), 10) == 10  # never more
-    per_tok = analytic.flops_per_token(cfg, 16, tokens=100)
+    per_tok = flops_per_token(cfg, 16, tokens=100)
     expert_fwd = 2 * 3 * cfg.d_model * cfg.moe_intermediate_size
     extra = 2 * expert_fwd * (8 * 32 / 100 - 2)  # two MoE layers compute E·C/N - k experts too many per token
     assert per_tok["forward_full_computed"] - per_tok["forward_full"] == pytest.approx(extra)
@@ -73,12 +76,12 @@ def test_dropless_convention_computes_exactly_top_k():
     k dispatch slots per token where capacity keeps E·C/N ≈ capacity_factor·k."""
     dropless, capacity = cfg_of(), cfg_of(moe_dispatch="capacity", capacity_factor=1.25)
     for tokens in (None, 100, 4096):
-        per_tok = analytic.flops_per_token(dropless, 16, tokens=tokens)
+        per_tok = flops_per_token(dropless, 16, tokens=tokens)
         assert per_tok["train_causal_computed"] == per_tok["train_causal"]
         assert per_tok["moe"]["routed_experts_per_token_computed"] == 2
-    assert analytic.routed_experts_computed(capacity) == 2.5
-    a = analytic._activation_bytes_per_token_per_layer(dropless, moe=True)
-    b = analytic._activation_bytes_per_token_per_layer(capacity, moe=True)
+    assert routed_experts_computed(capacity) == 2.5
+    a = _activation_bytes_per_token_per_layer(dropless, moe=True)
+    b = _activation_bytes_per_token_per_layer(capacity, moe=True)
     assert b - a == pytest.approx(4 * 0.5 * (32 + 4 * 24))  # fp32: half a slot more per token, d + 4·i each
     assert (moe_layer().expert_gemm(torch.float32), moe_layer(moe_dispatch="capacity").expert_gemm(torch.float32)) \
         == ("loop", "bmm")
@@ -384,8 +387,8 @@ def test_expert_parallel_recipe_checks_and_memory():
     # FSDP's block all-gather leaves the expert-parallel experts out; the sharded states stay Ψ/N
     ep = recipe_from_dict({**base, "parallel": {"engine": "fsdp", "expert_parallel": True}})
     plain = recipe_from_dict(base)
-    a, b = analytic.recipe_memory(ep, 4), analytic.recipe_memory(plain, 4)
-    routed = analytic.moe_params(ep.model)["routed"]
+    a, b = recipe_memory(ep, 4), recipe_memory(plain, 4)
+    routed = moe_params(ep.model)["routed"]
     # ... and the all-to-all's receive and return buffers of one layer come in (analytic.expert_parallel)
     buffers = expert_parallel.transient_bytes(ep.model, ep.train.micro_batch_size * ep.seq_len, 4)
     assert buffers > 0

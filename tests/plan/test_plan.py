@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import run_cli
 
-from scaletool import analytic
+from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.step import fits
 from scaletool.cli import main
 from scaletool.config import load_recipe
@@ -62,7 +62,7 @@ def test_each_layout_is_the_recipe_its_command_sets(big):
         assert (rec.train.activation_checkpointing, rec.train.compile) == (r["activation_checkpointing"], r["compiled"])
         if r["engine"] == "deepspeed":
             assert rec.parallel.zero_stage == r["zero_stage"]
-        assert analytic.recipe_memory(rec, 1024)["total_bytes"] == r["memory_bytes"]
+        assert recipe_memory(rec, 1024)["total_bytes"] == r["memory_bytes"]
         assert r["command_problems"] == []
 
 
@@ -75,7 +75,7 @@ def test_the_largest_micro_batch_listed_is_the_boundary(big):
                                                              top["activation_checkpointing"], top["compiled"])]
     largest = max(r["micro_batch_size"] for r in same)
     bigger = load_recipe("llama3-405b-dense", [*_sets(top["argv"]), f"train.micro_batch_size={largest + 1}"])
-    assert fits(analytic.recipe_memory(rec.model_copy(update={"train": bigger.train}), 1024)["total_bytes"],
+    assert fits(recipe_memory(rec.model_copy(update={"train": bigger.train}), 1024)["total_bytes"],
                 big["card_bytes"])[0] is False
 
 
@@ -222,7 +222,7 @@ def test_single_gpu_layouts_that_accumulate_cast_the_weights_once_per_step():
     top = rows[0]
     assert (top["engine"], top["micro_batch_size"], top["grad_accum_steps"]) == ("single", 16, 8)
     r = load_recipe("mha-1b", ["train.micro_batch_size=16", "train.grad_accum_steps=8", "train.weight_cast=step"])
-    assert top["memory_bytes"] == analytic.recipe_memory(r, 1, compiled=True)["total_bytes"]
+    assert top["memory_bytes"] == recipe_memory(r, 1, compiled=True)["total_bytes"]
     load_recipe("mha-1b", _sets(top["argv"]))  # a command launch accepts
     kept = _plan("mha-1b", "--gpus", "1", "--global-batch-tokens", "262144", "--set", "train.weight_cast=micro-batch")
     assert {row["weight_cast"] for row in kept["layouts"]} == {"micro-batch"}

@@ -9,7 +9,7 @@ import yaml
 from click.testing import CliRunner
 from conftest import RECIPES
 
-from scaletool.analytic import param_counts
+from scaletool.analytic.params import param_counts
 from scaletool.cli import main
 from scaletool.config import RecipeError, load_recipe
 from scaletool.sweep.points import expand

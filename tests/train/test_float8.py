@@ -14,7 +14,7 @@ import torch
 from conftest import run_cli
 
 from scaletool import api
-from scaletool.analytic import recipe_memory
+from scaletool.analytic.memory import recipe_memory
 from scaletool.config import load_recipe
 from scaletool.engines import float8
 from scaletool.errors import RecipeError

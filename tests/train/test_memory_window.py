@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scaletool import analytic
+from scaletool.analytic.memory import recipe_memory
 from scaletool.config import load_recipe
 from scaletool.train.summary import _memory
 
@@ -30,7 +30,7 @@ def _rank(rank, window, run):
 
 def test_window_and_run_peaks_are_both_set_against_the_estimate():
     r, recipe = _record([_rank(0, 40 * 2**30, 44 * 2**30), _rank(1, 41 * 2**30, 43 * 2**30)])
-    est = analytic.recipe_memory(recipe, 2)["total_bytes"]
+    est = recipe_memory(recipe, 2)["total_bytes"]
     metrics, section = _memory(r)
     assert metrics["memory/peak_allocated_bytes"] == 41 * 2**30  # the worst rank, each peak on its own
     assert metrics["memory/run_peak_allocated_bytes"] == 44 * 2**30
@@ -65,7 +65,7 @@ def test_a_whole_model_compile_is_set_against_the_compiled_estimate(sets, measur
     r = SimpleNamespace(recipe=recipe, env=SimpleNamespace(world_size=1), reports=[_rank(0, peak, peak)])
     metrics, section = _memory(r)
     whole = sets[0] == "train.compile_scope=model"
-    assert section["analytic"] == analytic.recipe_memory(recipe, 1, compiled=whole)
+    assert section["analytic"] == recipe_memory(recipe, 1, compiled=whole)
     assert abs(metrics["memory/analytic_rel_error"]) < 0.03
-    eager = analytic.recipe_memory(recipe, 1)["total_bytes"]
+    eager = recipe_memory(recipe, 1)["total_bytes"]
     assert not whole or peak / eager - 1 < -0.10

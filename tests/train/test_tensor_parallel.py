@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-from scaletool import analytic, api
+from scaletool import api
+from scaletool.analytic.comm import communication, tensor_parallel_config, tensor_parallel_replicated
+from scaletool.analytic.params import param_counts
 from scaletool.cli import main
 from scaletool.config import load_recipe, recipe_from_dict
 from scaletool.errors import RecipeError
@@ -112,7 +114,7 @@ def test_the_engines_issue_the_collectives_the_analytic_model_counts(layout):
     name, ranks, root, _, parallel = layout
     measured = json.loads((root / "collectives.json").read_text())
     expected: dict[str, dict[str, int]] = {}
-    for row in analytic.communication(load_recipe(TINY, parallel), world_size=ranks)["collectives"]:
+    for row in communication(load_recipe(TINY, parallel), world_size=ranks)["collectives"]:
         e = expected.setdefault(f"{row['group']}:{row['op']}", {"count": 0, "message_bytes": 0})
         e["count"] += row["count"]
         e["message_bytes"] += row["message_bytes"]
@@ -147,10 +149,10 @@ def test_plans_leave_each_rank_its_analytic_share(fake_group, sets, tp):
     apply_tensor_parallel(m, init_device_mesh("cpu", (tp,)), cfg)
     params = list(m.parameters())
     assert all(isinstance(p, DTensor) for p in params)
-    local = analytic.tensor_parallel_config(cfg, tp)
-    assert sum(p.to_local().numel() for p in params) == analytic.param_counts(local)["total"]
+    local = tensor_parallel_config(cfg, tp)
+    assert sum(p.to_local().numel() for p in params) == param_counts(local)["total"]
     replicated = sorted(p.numel() for p in params if p.placements == (Replicate(),))
-    assert replicated == sorted(analytic.tensor_parallel_replicated(cfg))
+    assert replicated == sorted(tensor_parallel_replicated(cfg))
     attn = m.layers[0].attn
     assert attn.n_heads == cfg.n_heads // tp == local.n_heads
     assert getattr(attn, "n_kv_heads", local.n_kv_heads) == local.n_kv_heads

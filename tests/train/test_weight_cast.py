@@ -9,7 +9,7 @@ import torch.nn as nn
 from conftest import run_cli
 
 from scaletool import api
-from scaletool.analytic import recipe_memory
+from scaletool.analytic.memory import recipe_memory
 from scaletool.config import load_recipe
 from scaletool.engines import weight_cast
 from scaletool.errors import RecipeError
@@ -230,7 +230,8 @@ def test_accumulation_under_tensor_parallelism_holds_the_local_unsharded_gradien
     """FSDP2 × TP: the held gradients are this rank's tensor-parallel shard of every parameter, unsharded over the
     data-parallel ranks. llama3-405b-dense on 1,024 GPUs at TP 8 would hold ~189 GiB between micro-batches, so in
     the plan for a 4M-token global batch every layout that accumulates reduce-scatters after each micro-batch."""
-    from scaletool.analytic import param_counts, tensor_parallel_config
+    from scaletool.analytic.comm import tensor_parallel_config
+    from scaletool.analytic.params import param_counts
     from scaletool.api import plan
 
     base = ["parallel.engine=fsdp", "parallel.tensor_parallel=8", "train.micro_batch_size=2",
