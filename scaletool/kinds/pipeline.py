@@ -127,12 +127,9 @@ def pipeline_problems(recipe: Any) -> list[str]:
     if p.tensor_parallel > 1:
         problems.append("parallel.tensor_parallel: not composed with pipeline stages yet (the stage boundaries "
                         "would carry sequence-sharded DTensors); use pipeline × FSDP2, or tensor × FSDP2")
-    if p.expert_parallel:
-        problems.append("parallel.expert_parallel: not composed with pipeline stages yet; each stage keeps its "
-                        "layers' experts under FSDP2")
-    if m.ffn == "moe" and (m.aux_loss_alpha > 0 or m.bias_update_speed > 0):
-        problems.append("model.aux_loss_alpha / bias_update_speed: the balance loss and the bias update read every "
-                        "MoE layer's load, which pipeline stages hold on different ranks; set both to 0 to pipeline")
+    if m.ffn == "moe" and m.bias_update_speed > 0:
+        problems.append("model.bias_update_speed: the bias update reads each MoE layer's load of the whole step, and "
+                        "a pipeline stage keeps only its last pipeline micro-batch's; set it to 0 to pipeline")
     if m.dtype == "fp16":
         problems.append("model.dtype: fp16 needs a loss scaler whose overflow check spans every stage; use bf16 or "
                         "fp32 with pipeline stages")
