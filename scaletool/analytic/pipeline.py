@@ -423,3 +423,38 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
         "bound": f"pipeline rank {bound['rank']}", "calibration": calib.source, "calibration_name": calib.name,
         "assumptions": assumptions,
     }
+
+
+def pipeline_estimate(recipe: Recipe, world_size: int, calib: Calibration | None = None) -> tuple[dict, dict]:
+    """``estimate``'s view of a pipeline layout: (the memory row of its largest stage, shaped as
+    :func:`scaletool.analytic.memory.recipe_memory`'s, so every "this recipe" figure is per stage; the pipeline
+    block: the split, every stage's blocks, memory and in-flight micro-batches, the balanced bubble, the stage
+    that bounds memory and, with a calibration, the stage that bounds the step and the step's bubble)."""
+    p = recipe.parallel
+    split = stage_split(recipe, world_size)
+    stages = stage_memory(recipe, world_size, split)
+    top = max(stages, key=lambda x: x["total_bytes"])
+    state = top["states_bytes"]  # 16 B per parameter: fp32 weight 4, gradient 4, AdamW m and v 8
+    weights, grads, optim = state // 4 + top["gathered_bytes"], state // 4, state - 2 * (state // 4)
+    buffers = top["p2p_buffers_bytes"]
+    backward = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": top["activations_bytes"],
+                "buffers": buffers, "temporaries": 0}
+    step = {**backward, "weights": state // 4, "activations": 0, "buffers": 0}
+    row = {"engine": "fsdp", "world_size": world_size, "zero_stage": None, "weights_bytes": weights,
+           "gradients_bytes": grads, "optimizer_bytes": optim, "activations_bytes": top["activations_bytes"],
+           "activations_per_token_per_layer_bytes": 0, "transient_bytes": buffers,
+           "total_bytes": top["total_bytes"], "phases": {"backward": backward, "optimizer_step": step},
+           "phase": "backward", "backward_peak_at": f"largest pipeline stage, rank {top['rank']}",
+           "label": f"fsdp pp{p.pipeline_parallel}", "activation_checkpointing": recipe.train.activation_checkpointing}
+    m = pipeline_microbatches(recipe)
+    block = {"pipeline_parallel": p.pipeline_parallel, "schedule": p.pipeline_schedule,
+             "virtual_stages": p.pipeline_virtual_stages, "microbatches": m,
+             "data_parallel": world_size // p.pipeline_parallel, "expert_parallel": expert_degree(recipe, world_size),
+             "split": [list(s) for s in split], "stages": stages, "memory_bound_stage": top["rank"],
+             "bubble_fraction_balanced": bubble_fraction(p.pipeline_schedule, p.pipeline_parallel,
+                                                         p.pipeline_virtual_stages, m)}
+    if calib is not None:
+        pred = pipeline_step(recipe, calib, world_size=world_size)
+        block.update({"bounding_stage": pred["bounding_rank"], "bubble_fraction": pred["bubble_fraction"],
+                      "step_s": pred["step_s"], "terms": pred["terms"]})
+    return row, block
