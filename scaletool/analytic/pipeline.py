@@ -312,6 +312,49 @@ def _expert_terms(recipe: Recipe, layers: list[int], tokens: int, micro_batches:
     return {**zero, "comm/ep.all_to_all_s": a2a, **terms, "comm/ep.replica_all_reduce_s": sync}
 
 
+def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, G: int, compiled: bool,
+                calib: Calibration) -> dict:
+    """One pipeline rank's seconds per optimizer step (:func:`pipeline_step`): its micro-batches' compute and
+    expert-parallel terms, optimizer, exposed FSDP2 within the stage, host, and their sum ``busy_s``."""
+    from scaletool.analytic.step import _compute
+
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    P, m, T, gas = p.pipeline_parallel, pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
+    dp, ep = N // P, expert_degree(recipe, N)
+    tokens = t.micro_batch_size // m * T
+    owners = chunk_ranks(p.pipeline_schedule, P, p.pipeline_virtual_stages)
+    hbm, ov = calib.hbm_gb_s * 1e9, calib.overheads
+    local = _stage_cfg(cfg, layers)
+    c = _compute(local, cfg, "fsdp", tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
+    per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
+    if owners[-1] != r:
+        per_mb -= _head_seconds(cfg, tokens, compiled, calib)
+    ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
+    # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
+    compute = gas * m * per_mb
+    per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
+    params = stage["params"]
+    routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
+    # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism):
+    # 16-bit all-gather per forward and backward, fp32 reduce-scatter once per schedule step; hidden under
+    # the stage's compute but the first gather
+    fsdp_s = 0.0
+    sharded = params - routed
+    if dp > 1:
+        bw = calib.bus_bandwidth("all_gather", dp, dp > G)
+        gathers = (2 if p.reshard_after_forward else 1) * m
+        ag = gathers * 2 * sharded * (dp - 1) / dp / bw
+        rs = 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
+        block = max(1, len(layers))
+        fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
+    host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
+                                              + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
+    busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
+    return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
+            "fsdp_exposed_s": fsdp_s, "host_s": host, **ep_terms, "busy_s": busy}
+
+
 def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
                   gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
     """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named.
@@ -319,8 +362,8 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     Ranks are laid out pipeline-outermost (:mod:`scaletool.engines.pipeline`): a stage's ``dp`` data-parallel
     ranks are consecutive, so FSDP2's collectives cross nodes only when ``dp`` exceeds a node, and a stage
     boundary crosses nodes for ``min(1, dp / G)`` of the boundaries once the pipeline spans nodes."""
-    # the per-micro-batch device model and the FLOP counts, shared with predict_step
-    from scaletool.analytic.step import _compute, _flops
+    # the FLOP counts, shared with predict_step
+    from scaletool.analytic.step import _flops
 
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
@@ -333,42 +376,9 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     m, T, gas = pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
     tokens = t.micro_batch_size // m * T
     split = stage_split(recipe, N)
-    owners = chunk_ranks(sched, P, v)
     memory = stage_memory(recipe, N, split)
-    hbm = calib.hbm_gb_s * 1e9
-    ov = calib.overheads
-    ranks = []
-    for r, layers in enumerate(rank_layers(recipe, split)):
-        local = _stage_cfg(cfg, layers)
-        c = _compute(local, cfg, "fsdp", tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
-        per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
-        if owners[-1] != r:
-            per_mb -= _head_seconds(cfg, tokens, compiled, calib)
-        ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
-        # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
-        compute = gas * m * per_mb
-        per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
-        params = memory[r]["params"]
-        routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
-        optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
-        # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism):
-        # 16-bit all-gather per forward and backward, fp32 reduce-scatter once per schedule step; hidden under
-        # the stage's compute but the first gather
-        fsdp_s = 0.0
-        sharded = params - routed
-        if dp > 1:
-            bw = calib.bus_bandwidth("all_gather", dp, dp > G)
-            gathers = (2 if p.reshard_after_forward else 1) * m
-            ag = gathers * 2 * sharded * (dp - 1) / dp / bw
-            rs = 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
-            block = max(1, len(layers))
-            fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
-        host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
-                                                  + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
-        busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
-        ranks.append({"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute,
-                      "optimizer_s": optimizer, "fsdp_exposed_s": fsdp_s, "host_s": host, **ep_terms,
-                      "busy_s": busy})
+    ranks = [_rank_terms(recipe, r, layers, memory[r], N, G, compiled, calib)
+             for r, layers in enumerate(rank_layers(recipe, split))]
     bound = max(ranks, key=lambda x: x["busy_s"])
     slot = max(x["micro_batch_s"] for x in ranks)
     bubble = gas * (P - 1) / v * schedule_kind(sched).bubble_work * slot

@@ -59,17 +59,12 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
     """Plan RECIPE on --gpus GPUs: the layouts that fit, fastest first.
 
     \b
-    Searches engine (DDP, FSDP2, ZeRO-1/2/3; single on one GPU) × tensor
-    parallelism (FSDP2, within a node) × pipeline stages (FSDP2: degree
-    × 1F1B / interleaved / GPipe × micro-batches) × expert parallelism
-    (MoE) × micro-batch × accumulation × activation checkpointing ×
-    eager/compiled; drops what the memory estimate says does not fit the
-    card (less the allocator's reserve; a pipeline's largest stage);
-    ranks the rest by the step-time model's tokens/s (calibrated rates
-    of the card: `scaletool calibrate`), the prediction `estimate` and
-    `train` make. Each is a launch command. Engine column: pp16 = 16
-    stages 1F1B, pp8i2 interleaved 2 chunks, pp4g GPipe; ep64 = experts
-    over 64 ranks. Pipeline layouts add their bubble and exposed
+    Searches engine × tensor parallelism (FSDP2, in a node) × pipeline
+    stages (FSDP2: pp16 1F1B, pp8i2 interleaved, pp4g GPipe) × expert
+    parallelism (MoE: ep64) × micro-batch × accumulation × checkpointing
+    × eager/compiled; keeps what fits the card (a pipeline's largest
+    stage), ranked by the prediction `estimate` and `train` make. Each
+    is a launch command; pipeline layouts show their bubble and exposed
     all-to-all, and the best with stages is set beside the best without.
 
     \b
