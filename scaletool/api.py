@@ -47,6 +47,12 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
 
     r = resolve(recipe, overrides)
     est = analytic.estimate(r, tokens=tokens, world_size=world_size)
+    if r.parallel.pipeline_parallel > 1:  # before any prediction: the stages must divide the GPUs
+        from scaletool.kinds.pipeline import pipeline_world_problems
+
+        problems = pipeline_world_problems(r, est["memory"]["world_size"])
+        if problems:
+            raise RecipeError(problems[0] + " (set --world-size)")
     if hardware is not None:
         from scaletool.measure.prediction import engine_predictions
 
@@ -60,12 +66,8 @@ def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
     """``est`` with the recipe's memory row as its largest pipeline stage's (also a row of the engine table) and
     the ``pipeline`` block (:func:`scaletool.analytic.pipeline.pipeline_estimate`)."""
     from scaletool.analytic.pipeline import pipeline_estimate
-    from scaletool.kinds.pipeline import pipeline_world_problems
 
     world = est["memory"]["world_size"]
-    problems = pipeline_world_problems(r, world)
-    if problems:
-        raise RecipeError(problems[0] + "; set --world-size")
     calib = None
     if hardware is not None:
         from scaletool.measure.hardware import profile_named

@@ -292,3 +292,21 @@ def test_pipeline_and_expert_parallel_layouts_at_2048_gpus():
     assert cmp["with_pipeline"]["pipeline_parallel"] > 1 and cmp["without_pipeline"]["pipeline_parallel"] == 1
     assert cmp["speedup"] == pytest.approx(cmp["with_pipeline"]["tokens_per_s_per_gpu"]
                                            / cmp["without_pipeline"]["tokens_per_s_per_gpu"])
+
+
+def test_estimate_of_a_pipeline_recipe_is_per_stage_and_refuses_stages_that_do_not_divide():
+    """estimate with pipeline stages: its recipe memory is the largest stage's, its --json pipeline block names
+    the stages; stages that do not divide --world-size are one error line before any prediction."""
+    sets = ["--set", "parallel.engine=fsdp", "--set", "parallel.pipeline_parallel=2", "--set", "model.n_layers=4"]
+    ok = run_cli("estimate", "tiny", *sets, "--world-size", "4", "--json")
+    assert ok.returncode == 0, ok.stderr
+    est = json.loads(ok.stdout)
+    stages = est["pipeline"]["stages"]
+    assert len(stages) == 2 and sorted(i for s in stages for i in s["layers"]) == [0, 1, 2, 3]
+    assert est["memory"]["recipe"]["total_bytes"] == max(s["total_bytes"] for s in stages)
+    assert est["pipeline"]["bounding_stage"] in (0, 1) and 0 < est["pipeline"]["bubble_fraction"] < 1
+    bad = run_cli("estimate", "tiny", *sets, "--world-size", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: parallel.pipeline_parallel: 2 does not divide the world size 3 (pipeline ranks × data-parallel ranks) "
+        "(set --world-size)"]
