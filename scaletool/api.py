@@ -49,11 +49,38 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
 
     r = resolve(recipe, overrides)
     est = estimate(r, tokens=tokens, world_size=world_size)
+    if r.parallel.pipeline_parallel > 1:  # before any prediction: the stages must divide the GPUs
+        from scaletool.kinds.pipeline import pipeline_world_problems
+
+        problems = pipeline_world_problems(r, est["memory"]["world_size"])
+        if problems:
+            raise RecipeError(problems[0] + " (set --world-size)")
     if hardware is not None:
         from scaletool.measure.prediction import engine_predictions
 
         est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware)
+    if r.parallel.pipeline_parallel > 1:  # pipeline stages: every memory figure is the largest stage's
+        _pipeline_estimate(r, est, hardware)
     return EstimateResult.model_validate(est)
+
+
+def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
+    """``est`` with the recipe's memory row as its largest pipeline stage's (also a row of the engine table) and
+    the ``pipeline`` block (:func:`scaletool.analytic.pipeline.pipeline_estimate`)."""
+    from scaletool.analytic.pipeline import pipeline_estimate
+
+    world = est["memory"]["world_size"]
+    calib = None
+    if hardware is not None:
+        from scaletool.measure.hardware import profile_named
+        from scaletool.measure.prediction import calibration_for_device
+
+        prof = profile_named(hardware)
+        calib = calibration_for_device(prof.device, prof)
+    row, block = pipeline_estimate(r, world, calib)
+    est["memory"]["recipe"] = row
+    est["memory"]["engines"] = [*est["memory"]["engines"], row]
+    est["pipeline"] = block
 
 
 def count(recipe: RecipeLike, *, overrides: Sequence[str] = (), device: str = "meta", batch: int = 1,

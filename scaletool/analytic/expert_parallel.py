@@ -146,12 +146,29 @@ def step_terms(cfg: ModelConfig, tokens: int, grad_accum_steps: int, ep_degree: 
     if cfg.moe_dispatch == "capacity":
         return {"ep/imbalance_s": 0.0, "ep/host_sync_s": 0.0}
     E, i, d, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.d_model, cfg.n_moe_layers
-    m = max(1, round(tokens * cfg.num_experts_per_tok / E))  # rows per expert at the mean load
-    forward = 3 * E * L * 2 * m * i * d / gemm_rate(m, i, d)
+    m = max(1, round(ep_degree * tokens * cfg.num_experts_per_tok / E))  # rows per local expert at the mean load
+    forward = 3 * E * L * 2 * m * i * d / gemm_rate(m, i, d) / ep_degree  # the rank's E/P experts
     passes = 3 + recompute_fraction  # forward, backward (2x), recomputed forward
     imbalance_s = grad_accum_steps * (imbalance - 1) * forward * passes
     syncs = grad_accum_steps * L * (1 + recompute_fraction)
     return {"ep/imbalance_s": imbalance_s, "ep/host_sync_s": syncs * host_sync_s}
+
+
+def expert_gemm_shape_s(cfg: ModelConfig, tokens: int, grad_accum_steps: int, ep_degree: int, recompute_fraction: float,
+                        gemm_rate) -> float:
+    """Seconds per optimizer step the routed experts' GEMMs change by under expert parallelism (negative: saved):
+    the step model's compute term (:func:`scaletool.analytic.step.gemm_shapes`) runs every one of the E experts on
+    one rank's rows, k·tokens/E each, at the rate of that small shape; a rank of a group of P runs E/P experts on
+    the rows of all P ranks, P·k·tokens/E each: the same FLOPs as larger GEMMs, at the calibrated rate
+    ``gemm_rate(m, n, k)`` of the larger shape (GShard §3.2: what expert parallelism is for beyond memory)."""
+    if ep_degree == 1 or not cfg.n_moe_layers:
+        return 0.0
+    E, i, d, L = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.d_model, cfg.n_moe_layers
+    rows = tokens * routed_experts_computed(cfg, tokens) / E
+    one, grouped = max(1, round(rows)), max(1, round(ep_degree * rows))
+    flops = 3 * L * 2 * E * one * i * d  # the compute term's forward FLOPs of the routed experts
+    forward = flops / gemm_rate(grouped, i, d) - flops / gemm_rate(one, i, d)
+    return grad_accum_steps * forward * (3 + recompute_fraction)
 
 
 def predicted_terms(recipe, data_parallel: int, tokens: int, recompute_fraction: float, calib) -> tuple[dict, list[str]]:
@@ -161,9 +178,12 @@ def predicted_terms(recipe, data_parallel: int, tokens: int, recompute_fraction:
     P = degree(p.expert_parallel, p.expert_parallel_degree, data_parallel) if engine_kind(p.engine).distributed else 1
     if P == 1 or not cfg.n_moe_layers:
         return {}, []
-    terms = step_terms(cfg, tokens, recipe.train.grad_accum_steps, P, recompute_fraction, calib.gemm_rate)
+    gas = recipe.train.grad_accum_steps
+    terms = step_terms(cfg, tokens, gas, P, recompute_fraction, calib.gemm_rate)
+    terms["ep/expert_gemm_shape_s"] = expert_gemm_shape_s(cfg, tokens, gas, P, recompute_fraction, calib.gemm_rate)
     what = (f"expert parallelism over {P} ranks ({cfg.n_routed_experts // P} experts each): all-to-alls exposed "
-            "in full (the experts wait for the dispatch, the next block for the return)")
+            "in full (the experts wait for the dispatch, the next block for the return); the routed experts' GEMMs "
+            "at the grouped shape (every group rank's rows per local expert)")
     if cfg.moe_dispatch == "dropless":
         what += (f"; the busiest rank receives {EXPERT_IMBALANCE:g}x the mean routed rows (measured expert imbalance) "
                  f"and the others wait for it; {HOST_SYNC_S * 1e6:.0f} us of host sync per MoE layer and forward "

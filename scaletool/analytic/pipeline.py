@@ -20,6 +20,9 @@ Torch-free and IO-free, like the rest of :mod:`scaletool.analytic`. With p pipel
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
+from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import Calibration
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
@@ -37,11 +40,39 @@ def _is_moe(cfg: ModelConfig, i: int) -> bool:
     return cfg.ffn == "moe" and i >= cfg.first_k_dense_replace
 
 
+def routed_params(cfg: ModelConfig, i: int) -> int:
+    """Routed-expert parameters of block ``i`` (0 for a dense block): what expert parallelism splits."""
+    return moe_params(cfg)["routed"] if _is_moe(cfg, i) else 0
+
+
+def expert_degree(recipe: Recipe, world_size: int | None = None) -> int:
+    """Ranks each MoE layer's routed experts are split over within a stage: ``parallel.expert_parallel_degree``
+    of the stage's data-parallel ranks (0: all of them) with expert parallelism on, else 1 (FSDP2 shards them)."""
+    p = recipe.parallel
+    dp = max(1, (world_size or p.world_size) // (p.pipeline_parallel * p.tensor_parallel))
+    return ep_analytic.degree(p.expert_parallel and recipe.model.ffn == "moe", p.expert_parallel_degree, dp)
+
+
+def _state_bytes(cfg: ModelConfig, i: int, dp: int, ep: int) -> float:
+    """FSDP2's fp32 states of block ``i`` on one rank: the block over the ``dp`` data-parallel ranks, its routed
+    experts over the ``ep`` expert-parallel ranks instead when ``ep`` > 1 (replicated across the dp/ep groups)."""
+    routed = routed_params(cfg, i) if ep > 1 else 0
+    return STATE_BYTES_PER_PARAM * ((layer_params(cfg, i) - routed) / dp + routed / ep)
+
+
 def layer_params(cfg: ModelConfig, i: int) -> int:
     """Parameters of block ``i`` (a MoE block past ``first_k_dense_replace`` holds every expert)."""
+    dense, moe = _block_params(cfg.model_dump_json())
+    return moe if _is_moe(cfg, i) else dense
+
+
+@lru_cache(maxsize=256)
+def _block_params(key: str) -> tuple[int, int]:
+    """(a dense block's, a MoE block's) parameters of the model whose JSON is ``key`` (plan asks many times)."""
+    cfg = ModelConfig.model_validate_json(key)
     per = param_counts(cfg)["per_layer"]
-    ffn = sum(moe_params(cfg)[k] for k in ("gate", "routed", "shared")) if _is_moe(cfg, i) else ffn_params(cfg)
-    return per["attention"] + per["norms"] + ffn
+    moe = sum(moe_params(cfg)[k] for k in ("gate", "routed", "shared")) if cfg.ffn == "moe" else 0
+    return per["attention"] + per["norms"] + ffn_params(cfg), per["attention"] + per["norms"] + moe
 
 
 def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> float:
@@ -81,11 +112,11 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 
 def _chunk_costs(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int,
-                 flight: list[float], dp: int):
+                 flight: list[float], dp: int, ep: int = 1):
     """Per block (time, memory) and the extras of the first and last chunk, for :func:`stage_split`."""
     L, V, d = cfg.n_layers, cfg.vocab_size, cfg.d_model
     t = [layer_flops(cfg, i, seq_len) for i in range(L)]
-    mem_state = [STATE_BYTES_PER_PARAM * layer_params(cfg, i) / dp for i in range(L)]
+    mem_state = [_state_bytes(cfg, i, dp, ep) for i in range(L)]
     mem_act = [layer_activation_bytes(cfg, i, act, every) * tokens for i in range(L)]
     pc = param_counts(cfg)
     first = (0.0, STATE_BYTES_PER_PARAM * (pc["embedding"] + pc["position_embedding"]) / dp)
@@ -97,17 +128,17 @@ _SPLITS: dict[tuple, tuple[tuple[int, int], ...]] = {}  # memo: plan asks for th
 
 
 def _split(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int, flight: tuple[float, ...],
-           dp: int) -> tuple[tuple[int, int], ...]:
-    key = (cfg.model_dump_json(), seq_len, S, tokens, act, every, flight, dp)
+           dp: int, ep: int = 1) -> tuple[tuple[int, int], ...]:
+    key = (cfg.model_dump_json(), seq_len, S, tokens, act, every, flight, dp, ep)
     if key not in _SPLITS:
-        _SPLITS[key] = _solve(cfg, seq_len, S, tokens, act, every, flight, dp)
+        _SPLITS[key] = _solve(cfg, seq_len, S, tokens, act, every, flight, dp, ep)
     return _SPLITS[key]
 
 
 def _solve(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int, flight: tuple[float, ...],
-           dp: int) -> tuple[tuple[int, int], ...]:
+           dp: int, ep: int = 1) -> tuple[tuple[int, int], ...]:
     L = cfg.n_layers
-    t, ms, ma, first, last = _chunk_costs(cfg, seq_len, S, tokens, act, every, list(flight), dp)
+    t, ms, ma, first, last = _chunk_costs(cfg, seq_len, S, tokens, act, every, list(flight), dp, ep)
     pt, ps, pa = [0.0], [0.0], [0.0]
     for i in range(L):
         pt.append(pt[-1] + t[i])
@@ -155,7 +186,7 @@ def stage_split(recipe: Recipe, world_size: int | None = None) -> list[tuple[int
     dp = max(1, (world_size or p.world_size) // (P * p.tensor_parallel))
     t = recipe.train
     return list(_split(recipe.model, recipe.seq_len, S, tokens, t.activation_checkpointing, t.selective_every,
-                       flight, dp))
+                       flight, dp, expert_degree(recipe, world_size)))
 
 
 def rank_layers(recipe: Recipe, split: list[tuple[int, int]]) -> list[list[int]]:
@@ -187,12 +218,16 @@ def _stage_cfg(cfg: ModelConfig, layers: list[int]) -> ModelConfig:
 
 def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] | None = None) -> list[dict]:
     """Peak bytes of each pipeline rank (FSDP2 over ``world_size / p`` data-parallel ranks): its states,
-    gathered blocks, the activations of its micro-batches in flight, and the first and last stages' extras."""
+    gathered blocks, the activations of its micro-batches in flight, and the first and last stages' extras.
+    With expert parallelism (:func:`expert_degree` > 1) a MoE block's routed experts stay out of FSDP2: their
+    states split over the expert-parallel ranks, their 16-bit copy made per layer, and the busiest rank's extra
+    routed rows and all-to-all buffers (:mod:`scaletool.analytic.expert_parallel`) added."""
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v = p.pipeline_parallel, p.pipeline_virtual_stages
     split = split or stage_split(recipe, world_size)
     m = pipeline_microbatches(recipe)
     dp = max(1, world_size // P)
+    ep = expert_degree(recipe, world_size)
     tokens = t.micro_batch_size // m * recipe.seq_len
     pc = param_counts(cfg)
     a = 2 if cfg.dtype != "fp32" else 4
@@ -200,14 +235,18 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
     owners = chunk_ranks(p.pipeline_schedule, P, v)
     for r, layers in enumerate(rank_layers(recipe, split)):
         first, last = owners[0] == r, owners[-1] == r
-        params = sum(layer_params(cfg, i) for i in layers)
-        params += (pc["embedding"] + pc["position_embedding"]) if first else 0
-        params += (pc["head"] + pc["final_norm"]) if last else 0
-        states = STATE_BYTES_PER_PARAM * params / dp
-        block = max((layer_params(cfg, i) for i in layers), default=0)
+        ends = (pc["embedding"] + pc["position_embedding"] if first else 0) + (pc["head"] + pc["final_norm"] if last else 0)
+        params = sum(layer_params(cfg, i) for i in layers) + ends
+        states = sum(_state_bytes(cfg, i, dp, ep) for i in layers) + STATE_BYTES_PER_PARAM * ends / dp
+        # what FSDP2 gathers of a block (its routed experts are local under expert parallelism)
+        sharded = [layer_params(cfg, i) - (routed_params(cfg, i) if ep > 1 else 0) for i in layers]
         # the 16-bit copies FSDP2 gathers: current and prefetched block, or (no reshard after the forward)
-        # every block of the stage from its forward to its backward
-        gathered = a * (2 * block if p.reshard_after_forward else sum(layer_params(cfg, i) for i in layers))
+        # every block of the stage from its forward to its backward; expert parallelism casts one layer's local
+        # experts to 16 bits as it runs them
+        gathered = a * (2 * max(sharded, default=0) if p.reshard_after_forward else sum(sharded))
+        moe_here = sum(1 for i in layers if _is_moe(cfg, i))
+        if ep > 1 and moe_here:
+            gathered += a * moe_params(cfg)["routed"] / ep
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
         per_mb = tokens * sum(layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
                               for i in layers)
@@ -215,16 +254,23 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
             recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a)
                                      for i in layers)
+        ep_bytes = 0.0
+        if ep > 1 and moe_here:  # the busiest rank's extra routed rows per MoE layer kept, its all-to-all buffers
+            saved = [i for i in layers if _is_moe(cfg, i) and layer_activation_bytes(
+                cfg, i, t.activation_checkpointing, t.selective_every) > a * cfg.d_model]
+            ep_bytes = (flight * len(saved) * ep_analytic.activation_extra_bytes(cfg, tokens, ep, t.compile)
+                        + ep_analytic.transient_bytes(cfg, tokens, ep))
         embed_out = a * tokens * cfg.d_model * flight if first else 0.0
         # the logits (16-bit), their fp32 copy for the loss and its gradient: one micro-batch at a time under
         # 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe keeps m
         logits = (a + 8) * tokens * cfg.vocab_size * (m if p.pipeline_schedule == "gpipe" else 1) if last else 0.0
         p2p = 4 * a * tokens * cfg.d_model * v  # receive and send buffers, activations and gradients, per chunk
-        activations = flight * per_mb + recompute + embed_out + logits
+        activations = flight * per_mb + recompute + embed_out + logits + ep_bytes
         total = states + gathered + activations + p2p
         rows.append({"rank": r, "layers": layers, "params": params, "first": first, "last": last,
-                     "in_flight_micro_batches": flight, "states_bytes": int(states), "gathered_bytes": int(gathered),
-                     "activations_bytes": int(activations), "p2p_buffers_bytes": int(p2p), "total_bytes": int(total)})
+                     "in_flight_micro_batches": flight, "expert_parallel": ep, "states_bytes": int(states),
+                     "gathered_bytes": int(gathered), "activations_bytes": int(activations),
+                     "expert_parallel_bytes": int(ep_bytes), "p2p_buffers_bytes": int(p2p), "total_bytes": int(total)})
     return rows
 
 
@@ -237,11 +283,89 @@ def _head_seconds(cfg: ModelConfig, tokens: int, compiled: bool, calib: Calibrat
     return gemm + factor * tokens * 4 * V / (calib.hbm_gb_s * 1e9)
 
 
+def _expert_terms(recipe: Recipe, layers: list[int], tokens: int, micro_batches: int, ep: int, dp: int, G: int,
+                  frac: float, calib: Calibration) -> dict:
+    """Seconds per optimizer step one pipeline rank spends on expert parallelism for its MoE blocks, all on
+    the critical path (as :func:`scaletool.analytic.step.predict_step` counts them): the all-to-alls of
+    :func:`~scaletool.analytic.expert_parallel.all_to_all_rows` (the group is ``ep`` consecutive ranks of the
+    stage, across nodes when it is larger than a node), the busiest rank's extra GEMMs and the split sizes'
+    host reads (:func:`~scaletool.analytic.expert_parallel.step_terms`), and with groups smaller than the
+    stage's data-parallel ranks the all-reduce of the expert gradients over their dp/ep replicas."""
+    cfg = recipe.model
+    moe = [i for i in layers if _is_moe(cfg, i)]
+    zero = {"comm/ep.all_to_all_s": 0.0, "ep/imbalance_s": 0.0, "ep/host_sync_s": 0.0, "ep/expert_gemm_shape_s": 0.0,
+            "comm/ep.replica_all_reduce_s": 0.0}
+    if ep == 1 or not moe:
+        return zero
+    local = _stage_cfg(cfg, moe)
+    local = local.model_copy(update={"first_k_dense_replace": 0})  # the rank's MoE blocks only
+    recomputed = round(frac * len(moe))
+    rows = ep_analytic.all_to_all_rows(local, tokens, micro_batches, ep, recomputed)
+    a2a = sum(r["wire_bytes"] for r in rows) / calib.bus_bandwidth("all_to_all", ep, ep > G)
+    terms = ep_analytic.step_terms(local, tokens, micro_batches, ep, frac, calib.gemm_rate)
+    terms["ep/expert_gemm_shape_s"] = ep_analytic.expert_gemm_shape_s(local, tokens, micro_batches, ep, frac,
+                                                                      calib.gemm_rate)
+    replicas = dp // ep
+    sync = 0.0
+    if replicas > 1:  # fp32 gradients of the local experts, summed over the replicas (ranks ep apart)
+        grads = 4 * len(moe) * moe_params(cfg)["routed"] / ep
+        sync = 2 * grads * (replicas - 1) / replicas / calib.bus_bandwidth("all_reduce", replicas, dp > G)
+    return {**zero, "comm/ep.all_to_all_s": a2a, **terms, "comm/ep.replica_all_reduce_s": sync}
+
+
+def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, G: int, compiled: bool,
+                calib: Calibration) -> dict:
+    """One pipeline rank's seconds per optimizer step (:func:`pipeline_step`): its micro-batches' compute and
+    expert-parallel terms, optimizer, exposed FSDP2 within the stage, host, and their sum ``busy_s``."""
+    from scaletool.analytic.step import _compute
+
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    P, m, T, gas = p.pipeline_parallel, pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
+    dp, ep = N // P, expert_degree(recipe, N)
+    tokens = t.micro_batch_size // m * T
+    owners = chunk_ranks(p.pipeline_schedule, P, p.pipeline_virtual_stages)
+    hbm, ov = calib.hbm_gb_s * 1e9, calib.overheads
+    local = _stage_cfg(cfg, layers)
+    c = _compute(local, cfg, engine_kind(p.engine), tokens, T, t.activation_checkpointing, t.selective_every,
+                 compiled, calib)
+    per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
+    if owners[-1] != r:
+        per_mb -= _head_seconds(cfg, tokens, compiled, calib)
+    ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
+    # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
+    compute = gas * m * per_mb
+    per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
+    params = stage["params"]
+    routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
+    # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism):
+    # 16-bit all-gather per forward and backward, fp32 reduce-scatter once per schedule step; hidden under
+    # the stage's compute but the first gather
+    fsdp_s = 0.0
+    sharded = params - routed
+    if dp > 1:
+        bw = calib.bus_bandwidth("all_gather", dp, dp > G)
+        gathers = (2 if p.reshard_after_forward else 1) * m
+        ag = gathers * 2 * sharded * (dp - 1) / dp / bw
+        rs = 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
+        block = max(1, len(layers))
+        fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
+    host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
+                                              + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
+    busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
+    return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
+            "fsdp_exposed_s": fsdp_s, "host_s": host, **ep_terms, "busy_s": busy}
+
+
 def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
                   gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
-    """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named."""
-    # the per-micro-batch device model and the FLOP counts, shared with predict_step
-    from scaletool.analytic.step import _compute, _flops
+    """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named.
+
+    Ranks are laid out pipeline-outermost (:mod:`scaletool.engines.pipeline`): a stage's ``dp`` data-parallel
+    ranks are consecutive, so FSDP2's collectives cross nodes only when ``dp`` exceeds a node, and a stage
+    boundary crosses nodes for ``min(1, dp / G)`` of the boundaries once the pipeline spans nodes."""
+    # the FLOP counts, shared with predict_step
+    from scaletool.analytic.step import _flops
 
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
@@ -249,44 +373,25 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     if N % P:
         raise ValueError(f"pipeline_parallel={P} does not divide world_size={N}")
     dp, G = N // P, gpus_per_node or min(N, 8)
+    ep = expert_degree(recipe, N)
     compiled = t.compile if compiled is None else compiled
     m, T, gas = pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
     tokens = t.micro_batch_size // m * T
     split = stage_split(recipe, N)
-    owners = chunk_ranks(sched, P, v)
-    hbm = calib.hbm_gb_s * 1e9
-    ov = calib.overheads
-    ranks = []
-    for r, layers in enumerate(rank_layers(recipe, split)):
-        local = _stage_cfg(cfg, layers)
-        c = _compute(local, cfg, engine_kind(p.engine), tokens, T, t.activation_checkpointing, t.selective_every, compiled, calib)
-        per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
-        if owners[-1] != r:
-            per_mb -= _head_seconds(cfg, tokens, compiled, calib)
-        params = stage_memory(recipe, N, split)[r]["params"]
-        optimizer = OPTIMIZER_BYTES_PER_PARAM * params / dp / hbm
-        # FSDP2 over the stage's data-parallel ranks: 16-bit all-gather per forward and backward, fp32
-        # reduce-scatter once per schedule step; hidden under the stage's compute but the first gather
-        fsdp_s = 0.0
-        if dp > 1:
-            bw = calib.bus_bandwidth("all_gather", dp, N > G)
-            gathers = (2 if p.reshard_after_forward else 1) * m
-            ag = gathers * 2 * params * (dp - 1) / dp / bw
-            rs = 4 * params * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, N > G)
-            block = max(1, len(layers))
-            fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
-        host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
-                                                  + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
-        ranks.append({"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": gas * m * per_mb,
-                      "optimizer_s": optimizer, "fsdp_exposed_s": fsdp_s, "host_s": host,
-                      "busy_s": gas * m * per_mb + optimizer + fsdp_s + host})
+    memory = stage_memory(recipe, N, split)
+    ranks = [_rank_terms(recipe, r, layers, memory[r], N, G, compiled, calib)
+             for r, layers in enumerate(rank_layers(recipe, split))]
     bound = max(ranks, key=lambda x: x["busy_s"])
     slot = max(x["micro_batch_s"] for x in ranks)
     bubble = gas * (P - 1) / v * schedule_kind(sched).bubble_work * slot
     # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
-    # activation (forward) or its gradient (backward), d 16-bit numbers per token
+    # activation (forward) or its gradient (backward), d 16-bit numbers per token; a boundary between nodes
+    # (min(1, dp/G) of them once the pipeline spans nodes) at the inter-node bandwidth
     a = 2 if cfg.dtype != "fp32" else 4
-    send = a * tokens * cfg.d_model / calib.bus_bandwidth("all_reduce", 2, P * dp > G and dp < G)
+    crossing = min(1.0, dp / G) if N > G else 0.0
+    message = a * tokens * cfg.d_model
+    send = message * ((1 - crossing) / calib.bus_bandwidth("all_reduce", 2, False)
+                      + crossing / calib.bus_bandwidth("all_reduce", 2, True))
     p2p = gas * 2 * (P * v - 1) * send
     step = bound["busy_s"] + bubble + p2p
     global_tokens = t.micro_batch_size * T * gas * dp
@@ -294,26 +399,74 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     frac = 1.0 if ac == "full" else (cfg.n_layers // t.selective_every / cfg.n_layers if ac == "selective" else 0.0)
     model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, frac)
     peak = calib.peak_tflops * 1e12
+    ep_keys = ("comm/ep.all_to_all_s", "ep/imbalance_s", "ep/host_sync_s", "ep/expert_gemm_shape_s",
+               "comm/ep.replica_all_reduce_s")
+    assumptions = [
+        f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
+        f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v * schedule_kind(sched).bubble_work:.2g} "
+        "micro-batch slots of the slowest rank per schedule step",
+        "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped"
+        + (f"; {crossing:.0%} of the stage boundaries between nodes" if crossing else ""),
+        f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
+        "per micro-batch",
+    ]
+    if ep > 1:
+        assumptions.append(
+            f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"
+            + (", across nodes" if ep > G else ", within a node") + "): every all-to-all exposed; the routed "
+            "experts' GEMMs at the grouped shape (every group rank's rows per local expert)"
+            + (f"; the busiest rank receives {ep_analytic.EXPERT_IMBALANCE:g}x the mean routed rows"
+               if cfg.moe_dispatch == "dropless" else "")
+            + (f"; expert gradients all-reduced over {dp // ep} replicas" if dp > ep else ""))
     return {
         "engine": p.engine, "world_size": N, "pipeline_parallel": P, "virtual_stages": v, "schedule": sched,
-        "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "gpus_per_node": G, "compiled": bool(compiled),
-        "micro_batch_size": t.micro_batch_size, "grad_accum_steps": gas, "seq_len": T,
+        "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "expert_parallel": ep, "gpus_per_node": G,
+        "compiled": bool(compiled), "micro_batch_size": t.micro_batch_size, "grad_accum_steps": gas, "seq_len": T,
         "activation_checkpointing": t.activation_checkpointing, "split": [list(s) for s in split],
         "ranks": ranks, "bounding_rank": bound["rank"],
         "terms": {"pipeline/busy_s": bound["busy_s"], "pipeline/bubble_s": bubble, "pipeline/p2p_exposed_s": p2p,
                   "compute_s": bound["compute_s"], "optimizer_s": bound["optimizer_s"],
-                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "host_overhead_s": bound["host_s"]},
+                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "host_overhead_s": bound["host_s"],
+                  **{k: bound[k] for k in ep_keys}},
         "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),
         "step_s": step, "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step,
         "tokens_per_s_per_gpu": global_tokens / step / N,
         "mfu": model_flops / (step * N * peak), "hfu": hw_flops / (step * N * peak),
         "bound": f"pipeline rank {bound['rank']}", "calibration": calib.source, "calibration_name": calib.name,
-        "assumptions": [
-            f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
-            f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v * schedule_kind(sched).bubble_work:.2g} "
-            "micro-batch slots of the slowest rank per schedule step",
-            "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped",
-            f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
-            "per micro-batch",
-        ],
+        "assumptions": assumptions,
     }
+
+
+def pipeline_estimate(recipe: Recipe, world_size: int, calib: Calibration | None = None) -> tuple[dict, dict]:
+    """``estimate``'s view of a pipeline layout: (the memory row of its largest stage, shaped as
+    :func:`scaletool.analytic.memory.recipe_memory`'s, so every "this recipe" figure is per stage; the pipeline
+    block: the split, every stage's blocks, memory and in-flight micro-batches, the balanced bubble, the stage
+    that bounds memory and, with a calibration, the stage that bounds the step and the step's bubble)."""
+    p = recipe.parallel
+    split = stage_split(recipe, world_size)
+    stages = stage_memory(recipe, world_size, split)
+    top = max(stages, key=lambda x: x["total_bytes"])
+    state = top["states_bytes"]  # 16 B per parameter: fp32 weight 4, gradient 4, AdamW m and v 8
+    weights, grads, optim = state // 4 + top["gathered_bytes"], state // 4, state - 2 * (state // 4)
+    buffers = top["p2p_buffers_bytes"]
+    backward = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": top["activations_bytes"],
+                "buffers": buffers, "temporaries": 0}
+    step = {**backward, "weights": state // 4, "activations": 0, "buffers": 0}
+    row = {"engine": "fsdp", "world_size": world_size, "zero_stage": None, "weights_bytes": weights,
+           "gradients_bytes": grads, "optimizer_bytes": optim, "activations_bytes": top["activations_bytes"],
+           "activations_per_token_per_layer_bytes": 0, "transient_bytes": buffers,
+           "total_bytes": top["total_bytes"], "phases": {"backward": backward, "optimizer_step": step},
+           "phase": "backward", "backward_peak_at": f"largest pipeline stage, rank {top['rank']}",
+           "label": f"fsdp pp{p.pipeline_parallel}", "activation_checkpointing": recipe.train.activation_checkpointing}
+    m = pipeline_microbatches(recipe)
+    block = {"pipeline_parallel": p.pipeline_parallel, "schedule": p.pipeline_schedule,
+             "virtual_stages": p.pipeline_virtual_stages, "microbatches": m,
+             "data_parallel": world_size // p.pipeline_parallel, "expert_parallel": expert_degree(recipe, world_size),
+             "split": [list(s) for s in split], "stages": stages, "memory_bound_stage": top["rank"],
+             "bubble_fraction_balanced": bubble_fraction(p.pipeline_schedule, p.pipeline_parallel,
+                                                         p.pipeline_virtual_stages, m)}
+    if calib is not None:
+        pred = pipeline_step(recipe, calib, world_size=world_size)
+        block.update({"bounding_stage": pred["bounding_rank"], "bubble_fraction": pred["bubble_fraction"],
+                      "step_s": pred["step_s"], "terms": pred["terms"]})
+    return row, block

@@ -60,12 +60,13 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
     """Plan RECIPE on --gpus GPUs: the layouts that fit, fastest first.
 
     \b
-    Searches engine (DDP, FSDP2, ZeRO-1/2/3; single on one GPU) × tensor
-    parallelism (FSDP2, within a node) × micro-batch × accumulation ×
-    activation checkpointing × eager/compiled; drops what the memory
-    estimate says does not fit the card (less the allocator's reserve);
-    ranks the rest by the step-time model's tokens/s (calibrated rates
-    of the card: `scaletool calibrate`). Each is a launch command.
+    Searches engine × tensor parallelism (FSDP2, in a node) × pipeline
+    stages (FSDP2: pp16 1F1B, pp8i2 interleaved, pp4g GPipe) × expert
+    parallelism (MoE: ep64) × micro-batch × accumulation × checkpointing
+    × eager/compiled; keeps what fits the card (a pipeline's largest
+    stage), ranked by the prediction `estimate` and `train` make. Each
+    is a launch command; pipeline layouts show their bubble and exposed
+    all-to-all, and the best with stages is set beside the best without.
 
     \b
     Examples:
@@ -73,6 +74,7 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
       scaletool plan llama3-405b-dense --gpus 1024 --hardware h200 \\
           --global-batch-tokens 16777216 --price-per-gpu-hour 2.5
       scaletool plan mla-1b --gpus 16 --attention-variants --top 3
+      scaletool plan deepseek-v3 --gpus 2048 --top 3
       scaletool plan tiny --gpus 2 --verify 2
     """
     from scaletool import api
@@ -91,9 +93,48 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
     return res
 
 
+#: a pipeline schedule's mark in the engine column: pp16 (1F1B), pp16i2 (interleaved, 2 chunks), pp16g (GPipe)
+SCHEDULE_MARK = {"1f1b": "", "gpipe": "g", "interleaved-1f1b": "i"}
+
+
 def _engine(row) -> str:
-    return row.label + (f" tp{row.tensor_parallel}" if row.tensor_parallel > 1 else "") + \
-        (" ep" if row.expert_parallel else "")
+    pp = ""
+    if row.pipeline_parallel > 1:
+        v = row.pipeline_virtual_stages
+        pp = f" pp{row.pipeline_parallel}{SCHEDULE_MARK.get(row.pipeline_schedule, '?')}{v if v > 1 else ''}"
+    ep = ""
+    if row.expert_parallel:
+        ep = f" ep{row.expert_parallel_degree or row.data_parallel}"
+    return row.label + (f" tp{row.tensor_parallel}" if row.tensor_parallel > 1 else "") + pp + ep
+
+
+def _bound(p) -> str:
+    if p.bound.startswith("pipeline rank "):  # a pipeline layout: the stage whose work bounds the step
+        return "stage " + p.bound.split()[-1]
+    return BOUND.get(p.bound, p.bound)
+
+
+def pipeline_lines(res) -> list[str]:
+    """Per listed pipeline or expert-parallel layout, its bubble and exposed all-to-all; then the best layout
+    with pipeline stages beside the best without."""
+    lines = []
+    for row in res.layouts:
+        parts = []
+        if row.pipeline:
+            pl = row.pipeline
+            parts.append(f"{row.pipeline_parallel}×{row.pipeline_virtual_stages} {row.pipeline_schedule}, "
+                         f"m={row.pipeline_microbatches}: bubble {100 * pl['bubble_fraction']:.0f}% "
+                         f"({pl['bubble_s']:.3g} s)")
+        if row.expert_parallel:
+            parts.append(f"all-to-all {row.exposed_all_to_all_s:.3g} s")
+        if parts:
+            lines.append(f"{row.rank:>2}. " + "; ".join(parts) + f"; step {row.prediction.step_s:.3g} s")
+    cmp = res.pipeline_comparison
+    if cmp:
+        w, wo = cmp["with_pipeline"], cmp["without_pipeline"]
+        lines.append(f"Best with pipeline stages #{w['rank']}, {si(w['tokens_per_s_per_gpu'])} tok/s/GPU; without "
+                     f"#{wo['rank']}, {si(wo['tokens_per_s_per_gpu'])} ({cmp['speedup']:.2f}× with).")
+    return lines
 
 
 def layouts_table(res):
@@ -115,7 +156,7 @@ def layouts_table(res):
                   f"{row.micro_batch_size}×{row.grad_accum_steps}", CKPT.get(row.activation_checkpointing, "?"),
                   "comp" if row.compiled else "eager", si(p.tokens_per_s_per_gpu),
                   "-" if p.mfu is None else f"{100 * p.mfu:.0f}%", f"{row.memory_bytes / 2**30:.1f}",
-                  f"{row.margin_bytes / 2**30:.1f}", BOUND.get(p.bound, p.bound),
+                  f"{row.margin_bytes / 2**30:.1f}", _bound(p),
                   *([f"{row.cost_per_million_tokens:.3g}"] if res.price_per_gpu_hour else []))
     return t
 
@@ -124,7 +165,10 @@ def print_plan(res) -> None:
     con = console()
     con.print(layouts_table(res))
     con.print(f"{res.fitting_layouts} layouts fit; tok/s/GPU and MFU predicted (calibration {res.calibration}); GiB: "
-              "estimated peak per GPU, free: what is left of the usable memory.", highlight=False)
+              "estimated peak per GPU (a pipeline's largest stage), free: what is left of the usable memory.",
+              highlight=False)
+    for line in pipeline_lines(res):
+        con.print(line, highlight=False)
     multi = res.nodes > 1
     click.echo("\nCommands" + (" (run on every node: NODE0 is the first node's address, /shared/runs a directory "
                                "every node sees)" if multi else "") + ":")

@@ -25,8 +25,8 @@ def check_recipe(recipe: Recipe, world_size: int, local_world_size: int | None) 
         problems.append(f"parallel.nproc_per_node: the recipe says {p.nproc_per_node}, but this job has "
                         f"{local_world_size} processes per node; make them agree (or drop the key)")
     problems += recipe.engine_problems(world_size)
-    if p.expert_parallel and recipe.model.ffn == "moe" and world_size % p.tensor_parallel == 0:
-        dp = world_size // p.tensor_parallel
+    if p.expert_parallel and recipe.model.ffn == "moe" and world_size % (p.tensor_parallel * p.pipeline_parallel) == 0:
+        dp = world_size // (p.tensor_parallel * p.pipeline_parallel)  # a stage's data-parallel ranks under pipelining
         problems += ep_analytic.problems(recipe.model.n_routed_experts, dp,
                                          ep_analytic.degree(True, p.expert_parallel_degree, dp))
     problems += pipeline_world_problems(recipe, world_size)  # parallel.pipeline_parallel (kinds.pipeline)

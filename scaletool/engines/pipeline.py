@@ -12,7 +12,11 @@ activation checkpointing, per-block compile and ``fully_shard`` (every block, th
 scaled by the micro-batches and accumulation steps, so gradients equal the one-rank run's) on the last
 stage. Chunks keep the whole model's parameter names (blocks in a ``ModuleDict`` keyed by their index),
 so checkpoints name tensors as every other engine does; optimizer states are saved flattened by name,
-one AdamW per chunk.
+one AdamW per chunk. Expert parallelism (``parallel.expert_parallel``) splits each chunk's MoE layers' routed
+experts over groups of the stage's ``dp`` ranks before ``fully_shard`` (:func:`~scaletool.engines.expert_parallel.
+apply_expert_parallel`, left out of FSDP2). A MoE layer's balance loss joins the backward where the layer runs: each
+chunk adds its layers' losses to its output's gradient path (DeepSeek-V2's ``AddAuxiliaryLoss``), scaled as the
+cross-entropy, and reports them into the step's loss.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ from scaletool.config import Recipe, RecipeError
 from scaletool.engines.apply import compile_kwargs
 from scaletool.engines.base import Engine
 from scaletool.engines.dist import DistEnv
+from scaletool.engines.expert_parallel import apply_expert_parallel, sync_replicated_expert_grads
 from scaletool.engines.optim import make_adamw
 from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
+from scaletool.engines.single import _by_mesh, _total_norm
 from scaletool.kinds.engines import FSDP
 from scaletool.kinds.pipeline import chunk_ranks, pipeline_microbatches, schedule_kind
 from scaletool.model.layers import TORCH_DTYPES
+from scaletool.model.moe import aux_loss
 from scaletool.model.transformer import Transformer
 
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -53,6 +60,20 @@ def schedule_class(name: str) -> type:
         raise RecipeError(f"parallel.pipeline_schedule: {name} needs torch.distributed.pipelining."
                           f"{schedule_kind(name).torch_class}, which torch {torch.__version__} does not have")
     return cls
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on ``h``; its backward also gives ``aux`` (a scalar) the gradient 1, so a stage's balance losses
+    join the backward without passing through the later stages (DeepSeek-V2's ``AddAuxiliaryLoss``)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype, ctx.needs = aux.dtype, aux.requires_grad
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, (torch.ones((), dtype=ctx.aux_dtype, device=grad.device) if ctx.needs else None)
 
 
 class StageModule(nn.Module):
@@ -76,13 +97,21 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
+        self.aux_scale = 1.0  # the engine's loss scale: the balance loss is scaled as the cross-entropy
+        self.aux_losses: list[torch.Tensor] = []  # this step's scaled balance losses (detached), for the report
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x) if self.tok_embeddings is not None else x
         positions = self.positions(0, h.shape[1], h.shape[1], h.dtype)
         for layer in self.layers.values():
             h = layer(h, positions, self.causal)
-        return self.lm_head(self.norm(h)) if self.norm is not None else h
+        h = self.lm_head(self.norm(h)) if self.norm is not None else h
+        aux = aux_loss(self) if self.training and torch.is_grad_enabled() else None
+        if aux is not None:  # the balance losses of this chunk's MoE layers, for this pipeline micro-batch
+            aux = aux * self.aux_scale
+            self.aux_losses.append(aux.detach().float())
+            h = _AddAuxLoss.apply(h, aux)
+        return h
 
 
 class PipelineEngine(Engine):
@@ -104,6 +133,8 @@ class PipelineEngine(Engine):
         mine = [c for c in range(S) if owners[c] == pp_rank]
         parts = [StageModule(model, *self.split[c], first=c == 0, last=c == S - 1) for c in mine]
         self.first, self.last = 0 in mine, S - 1 in mine
+        self.m = pipeline_microbatches(recipe)
+        self.scale = 1.0 / (self.m * t.grad_accum_steps)
         dtype = recipe.model.dtype
         mp = (MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[dtype], reduce_dtype=torch.float32)
               if dtype != "fp32" else MixedPrecisionPolicy())
@@ -111,8 +142,6 @@ class PipelineEngine(Engine):
             self._prepare(part, mp)
         self.parts = parts
         self.model = nn.ModuleList(parts)  # what callbacks walk (MoE layers, monitors); names come from each part
-        self.m = pipeline_microbatches(recipe)
-        self.scale = 1.0 / (self.m * t.grad_accum_steps)
         from torch.distributed.pipelining import PipelineStage
 
         stages = [PipelineStage(part, c, S, env.device, group=self.pp_group) for part, c in zip(parts, mine)]
@@ -122,8 +151,12 @@ class PipelineEngine(Engine):
         self.grad_clip = t.grad_clip
 
     def _prepare(self, part: StageModule, mp: MixedPrecisionPolicy) -> None:
-        """Checkpointing, per-block compile and FSDP2 on one chunk, in engines.apply's order."""
+        """Expert parallelism, checkpointing, per-block compile and FSDP2 on one chunk, in engines.apply's order."""
         t, p = self.recipe.train, self.recipe.parallel
+        part.aux_scale = self.scale
+        # the chunk's routed experts over groups of the stage's data-parallel ranks (a chunk may hold no MoE layer)
+        ignored = (apply_expert_parallel(part, self.mesh["dp"], p.expert_parallel_degree, require_moe=False)
+                   if p.expert_parallel else None)
         if t.activation_checkpointing != "none":
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
             for key, block in part.layers.items():
@@ -132,9 +165,10 @@ class PipelineEngine(Engine):
         if t.compile:
             for key, block in part.layers.items():
                 part.layers[key] = torch.compile(block, **compile_kwargs(t))
+        kw = dict(mesh=self.mesh["dp"], mp_policy=mp, ignored_params=ignored or None)
         for block in part.layers.values():
-            fully_shard(block, mesh=self.mesh["dp"], mp_policy=mp, reshard_after_forward=p.reshard_after_forward)
-        fully_shard(part, mesh=self.mesh["dp"], mp_policy=mp, reshard_after_forward=False)
+            fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kw)
+        fully_shard(part, reshard_after_forward=False, **kw)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """One pipeline micro-batch's cross-entropy, scaled so the step's gradients are the mean's."""
@@ -145,14 +179,24 @@ class PipelineEngine(Engine):
             for g in opt.param_groups:
                 g["lr"] = lr
         total = torch.zeros((), device=self.env.device)
+        steps = 0
         for inputs, targets in batches:
+            steps += 1
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.first else ()
             self.schedule.step(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
             if self.last:
                 total = total + torch.stack([x.detach().float() for x in losses]).sum()
+        for part in self.parts:  # each chunk's balance losses (already scaled), wherever its MoE layers run
+            # the last m per schedule step: the first step's metadata inference runs one forward more
+            if part.aux_losses:
+                total = total + torch.stack(part.aux_losses[-self.m * steps:]).sum()
+                part.aux_losses.clear()
         # the loss lives on the last stage: every pipeline rank reports it (the trainer averages over all ranks)
         dist.all_reduce(total, group=self.pp_group)
+        if self.recipe.parallel.expert_parallel:  # expert shards' gradients summed over their replicas
+            for part in self.parts:
+                sync_replicated_expert_grads(part)
         norm = self._clip() if self.grad_clip > 0 else None
         for opt in self.optimizers:
             opt.step()
@@ -163,12 +207,14 @@ class PipelineEngine(Engine):
         """The gradient norm over every stage (each rank's squared norm summed over the pipeline group), and
         clipping by it, as torchtitan's clip_grad_norm_ with a pipeline mesh."""
         params = [q for part in self.parts for q in part.parameters() if q.grad is not None]
-        norm = nn.utils.get_total_norm([q.grad for q in params], foreach=True)
+        groups = _by_mesh(params)  # expert parallelism over groups smaller than the stage: a mesh of their own
+        norm = _total_norm(groups)
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         sq = norm.float() ** 2
         dist.all_reduce(sq, group=self.pp_group)
         norm = sq.sqrt()
-        nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm, foreach=True)
+        for group in groups:
+            nn.utils.clip_grads_with_norm_(group, self.grad_clip, norm, foreach=True)
         return norm
 
     def _states(self) -> list[tuple[dict, dict]]:

@@ -56,7 +56,8 @@ class EngineKind:
     ``autocast``: computes by autocast over fp32 weights. ``casts_weights``: each micro-batch makes 16-bit
     copies of fp32 weights (autocast, FSDP2's mixed precision; not DeepSpeed's 16-bit weights).
     ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model`` or ``block``).
-    ``layouts``: the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``).
+    ``layouts``: the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``,
+    ``pipeline_parallel``).
     ``zero_stages``: the ZeRO stages it takes (``parallel.zero_stage``),
     ``table_stages`` those the engine table and the plan show. ``optimizer_sharded_from`` /
     ``gradients_sharded_from``: the least stage at which the optimizer states (fp32 master, m, v) and the
@@ -274,7 +275,8 @@ SINGLE = register_engine(EngineKind("single", distributed=False, autocast=True, 
                                     weight_cast_step=True))
 DDP = register_engine(EngineKind("ddp", autocast=True, float8=True))
 FSDP = register_engine(EngineKind("fsdp", keys=("cpu_offload", "reduce_scatter_every"),
-                                  layouts=("tensor_parallel", "expert_parallel"), float8=True, float8_all_gather=True,
+                                  layouts=("tensor_parallel", "expert_parallel", "pipeline_parallel"), float8=True,
+                                  float8_all_gather=True,
                                   optimizer_sharded_from=0, gradients_sharded_from=0))
 DEEPSPEED = register_engine(EngineKind("deepspeed", keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
                                        casts_weights=False, zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3),
@@ -316,7 +318,7 @@ def tensor_parallel_engine() -> str:
 
 
 def engines_with(layout: str) -> list[str]:
-    """The engines that compose with ``layout`` (``tensor_parallel``, ``expert_parallel``)."""
+    """The engines that compose with ``layout`` (``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``)."""
     return [e.name for e in ENGINES.values() if layout in e.layouts]
 
 

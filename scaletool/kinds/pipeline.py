@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from scaletool.kinds.engines import engine_kind
+
 #: T_F : T_B : T_W of one micro-batch on one chunk, the zero-bubble paper's working assumption (§3.1): the
 #: input gradient and the weight gradient each cost about a forward
 F_B_W = (1.0, 1.0, 1.0)
@@ -99,7 +101,7 @@ def pipeline_problems(recipe: Any) -> list[str]:
         return [f"parallel.{k}: only used with parallel.pipeline_parallel > 1" for k in sorted(given)
                 if getattr(p, k) != type(p).model_fields[k].default]
     problems = []
-    if p.engine != "fsdp":
+    if "pipeline_parallel" not in engine_kind(p.engine).layouts:
         problems.append(f"parallel.pipeline_parallel: {P} stages compose with parallel.engine=fsdp (FSDP2 shards "
                         f"each stage over its data-parallel ranks, as torchtitan does), not engine={p.engine}")
     if m.task != "lm":
@@ -127,12 +129,9 @@ def pipeline_problems(recipe: Any) -> list[str]:
     if p.tensor_parallel > 1:
         problems.append("parallel.tensor_parallel: not composed with pipeline stages yet (the stage boundaries "
                         "would carry sequence-sharded DTensors); use pipeline × FSDP2, or tensor × FSDP2")
-    if p.expert_parallel:
-        problems.append("parallel.expert_parallel: not composed with pipeline stages yet; each stage keeps its "
-                        "layers' experts under FSDP2")
-    if m.ffn == "moe" and (m.aux_loss_alpha > 0 or m.bias_update_speed > 0):
-        problems.append("model.aux_loss_alpha / bias_update_speed: the balance loss and the bias update read every "
-                        "MoE layer's load, which pipeline stages hold on different ranks; set both to 0 to pipeline")
+    if m.ffn == "moe" and m.bias_update_speed > 0:
+        problems.append("model.bias_update_speed: the bias update reads each MoE layer's load of the whole step, and "
+                        "a pipeline stage keeps only its last pipeline micro-batch's; set it to 0 to pipeline")
     if m.dtype == "fp16":
         problems.append("model.dtype: fp16 needs a loss scaler whose overflow check spans every stage; use bf16 or "
                         "fp32 with pipeline stages")

@@ -57,11 +57,10 @@ def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_
 
 def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: Request, progress=None) -> dict:
     """The plan as the fields of :class:`~scaletool.results.plan.PlanResult` (without verification)."""
-    from scaletool.analytic.step import predict_step
+    from scaletool.measure.prediction import predict as predict_layout
 
-    def predict(r, lay):
-        return predict_step(r, req.calibration, world_size=req.gpus, gpus_per_node=req.gpus_per_node,
-                            compiled=lay.compiled)
+    def predict(r, lay):  # the one prediction per layout that estimate and train's summary also make
+        return predict_layout(r, req.calibration, req.gpus, req.gpus_per_node)
 
     found = search(recipe, req, predict, progress)
     top = found["layouts"][:req.top]
@@ -74,6 +73,7 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
             "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": req.calibration.name,
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
+            "pipeline_comparison": found["pipeline_comparison"],
             "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
             "elapsed_s": found["elapsed_s"]}
 

@@ -24,6 +24,14 @@ def layout_sets(base: Recipe, row: dict) -> dict[str, object]:
         sets["parallel.tensor_parallel"] = row["tensor_parallel"]
     if row["expert_parallel"] != p.expert_parallel:
         sets["parallel.expert_parallel"] = row["expert_parallel"]
+    if row.get("expert_parallel_degree", 0) != p.expert_parallel_degree:
+        sets["parallel.expert_parallel_degree"] = row["expert_parallel_degree"]
+    if row.get("pipeline_parallel", 1) != p.pipeline_parallel:
+        sets["parallel.pipeline_parallel"] = row["pipeline_parallel"]
+    if row.get("pipeline_parallel", 1) > 1:  # a pipeline layout states its schedule, chunks and micro-batches
+        sets["parallel.pipeline_schedule"] = row["pipeline_schedule"]
+        sets["parallel.pipeline_virtual_stages"] = row["pipeline_virtual_stages"]
+        sets["parallel.pipeline_microbatches"] = row["pipeline_microbatches"]
     if row["attention"] != base.model.attention:
         sets["model.attention"] = row["attention"]
     sets["train.micro_batch_size"] = row["micro_batch_size"]

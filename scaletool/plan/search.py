@@ -6,16 +6,24 @@ needs no accumulation is checked on its own, as it holds fewer gradients), and t
 fall as the micro-batch grows at a fixed engine, tensor-parallel degree and checkpointing (compute per
 token is constant, communication per token shrinks), so only the :data:`PREDICTED_PER_FAMILY` largest
 micro-batches of each family are predicted.
+
+Pipeline families (FSDP2 only; :func:`pipeline_families`): degrees that are powers of two dividing the GPUs
+and at most the layers, each under 1F1B, interleaved 1F1B (2 chunks per rank) and GPipe; the pipeline
+micro-batches are fixed per family (:func:`pipeline_microbatch_count`: 4 per stage, or what divides the fixed
+global batch) and the searched micro-batch is the sequences per pipeline micro-batch. A MoE model's expert-parallel
+degrees are the largest within a node and the largest overall (:func:`expert_degrees`). Compiled and eager
+families share one memory estimate (per-block compilation keeps the eager estimate), and only the
+:data:`PREDICTED_PER_PIPELINE_FAMILY` largest micro-batches of a pipeline family are predicted.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
-from scaletool.kinds.engines import engine_kind, engines_for
+from scaletool.kinds.engines import engine_kind, engines_for, engines_with
 from scaletool.plan.space import (
     CHECKPOINTING,
     MAX_MICRO_BATCH,
@@ -31,6 +39,12 @@ from scaletool.plan.space import (
 
 #: micro-batches predicted per family, the largest that fit (see the module docstring)
 PREDICTED_PER_FAMILY = 3
+PREDICTED_PER_PIPELINE_FAMILY = 2
+#: (schedule, chunks per rank) a pipeline family takes (the zero-bubble schedules are refused with FSDP2,
+#: scaletool.kinds.pipeline)
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved-1f1b", 2), ("gpipe", 1))
+#: pipeline micro-batches per stage when the global batch is not fixed: the 1F1B bubble (p - 1)/(m + p - 1) at 20%
+MICROBATCHES_PER_STAGE = 4
 ATTENTION_KINDS = ("mha", "gqa", "mqa", "mla")
 GIB = 2**30
 
@@ -52,6 +66,7 @@ class Request:
     labels: tuple[str, ...] | None = None  # engines to consider (None: all)
     compiled: tuple[bool, ...] = (False, True)
     max_tensor_parallel: int | None = None
+    pipeline: bool = True  # also search pipeline stages (FSDP2)
 
 
 def variants(recipe: Recipe, wanted: bool) -> tuple[dict[str, Recipe], dict[str, str]]:
@@ -75,37 +90,113 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
     if req.max_tensor_parallel:
         degrees = [d for d in degrees if d <= req.max_tensor_parallel]
     m = recipe.model
-    # expert parallelism over every GPU, for either dispatch (scaletool.engines.expert_parallel)
-    ep = m.ffn == "moe" and req.gpus > 1 and m.n_routed_experts % req.gpus == 0
+    # expert parallelism over groups of the data-parallel ranks, for either dispatch (scaletool.engines.expert_parallel)
+    eps = expert_degrees(recipe, req.gpus, req.gpus_per_node)
     out = []
     for label, engine, stage in engines_for(req.gpus):
         if req.labels is not None and label not in req.labels:
             continue
         layouts = engine_kind(engine).layouts
         for tp in degrees if "tensor_parallel" in layouts else [1]:
-            for ep_on in (False, True) if "expert_parallel" in layouts and tp == 1 and ep else (False,):
-                out += [Family(kind, label, engine, stage, tp, ac, c, ep_on) for ac in CHECKPOINTING for c in req.compiled]
+            for deg in [1, *eps] if "expert_parallel" in layouts and tp == 1 else [1]:
+                ep_on, ep_deg = deg > 1, (0 if deg == req.gpus else deg)
+                out += [Family(kind, label, engine, stage, tp, ac, c, ep_on, ep_deg if ep_on else 0)
+                        for ac in CHECKPOINTING for c in req.compiled]
+    staged = engines_with("pipeline_parallel")
+    if req.pipeline and m.task == "lm" and staged and (req.labels is None or staged[0] in req.labels):
+        out += pipeline_families(recipe, req, kind, notes)
     return out
 
 
-def sequences_per_rank(req: Request, seq_len: int, tp: int) -> int | None:
+def expert_degrees(recipe: Recipe, data_parallel: int, gpus_per_node: int) -> list[int]:
+    """Expert-parallel degrees worth planning over ``data_parallel`` ranks: the largest power of two that
+    divides both the ranks and the routed experts within a node (the all-to-all over NVLink), and the largest
+    overall (fewest experts per rank, the all-to-all across nodes); none for a dense model."""
+    m = recipe.model
+    if m.ffn != "moe" or data_parallel < 2:
+        return []
+    common = [d for d in (1 << k for k in range(1, data_parallel.bit_length()))
+              if data_parallel % d == 0 and m.n_routed_experts % d == 0]
+    if not common:
+        return []
+    inside = [d for d in common if d <= gpus_per_node]
+    return sorted({common[-1], *(inside[-1:])})
+
+
+def pipeline_families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[Family]:
+    """FSDP2 × pipeline stages (× expert parallelism for a MoE model): degree × schedule × checkpointing ×
+    compile, each with its pipeline micro-batch count (module docstring)."""
+    L, N = recipe.model.n_layers, req.gpus
+    engine = engines_with("pipeline_parallel")[0]  # the engine stages compose with (FSDP2)
+    out = []
+    for P in (1 << k for k in range(1, N.bit_length())):
+        if N % P or P > L:
+            continue
+        dp = N // P
+        eps = expert_degrees(recipe, dp, req.gpus_per_node)
+        for sched, v in PIPELINE_SCHEDULES:
+            if P * v > L:
+                continue
+            m = pipeline_microbatch_count(req, recipe.seq_len, P, v)
+            if m == 0:
+                continue
+            for deg in [1, *eps] if len(eps) < 2 else eps:  # a MoE model split over groups: experts off only if no EP
+                fam = Family(kind, engine, engine, 0, 1, "none", False, deg > 1, 0 if deg in (1, dp) else deg,
+                             P, sched, v, m)
+                why = _pipeline_problem(recipe, fam)
+                if why:
+                    if why not in notes:
+                        notes.append(why)
+                    continue
+                out += [replace(fam, activation_checkpointing=ac, compiled=c) for ac in CHECKPOINTING for c in req.compiled]
+    return out
+
+
+def pipeline_microbatch_count(req: Request, seq_len: int, P: int, v: int) -> int:
+    """Pipeline micro-batches of a family: :data:`MICROBATCHES_PER_STAGE` × P when the global batch is free;
+    with a fixed global batch, the largest of 8P, 4P, 2P, P that divides each data-parallel rank's sequences
+    (0: none does, or the rank has fewer sequences than stages)."""
+    if req.global_batch_tokens is None:
+        return MICROBATCHES_PER_STAGE * P
+    per_rank = sequences_per_rank(req, seq_len, 1, P)
+    return next((m for m in (8 * P, 4 * P, 2 * P, P) if per_rank and per_rank % m == 0), 0)
+
+
+def _pipeline_problem(recipe: Recipe, fam: Family) -> str | None:
+    """Why the recipe cannot run this pipeline family (the recipe rules of scaletool.kinds.pipeline), or None."""
+    try:
+        variant(recipe, {"parallel.engine": fam.engine, "parallel.pipeline_parallel": fam.pipeline_parallel,
+                         "parallel.pipeline_schedule": fam.pipeline_schedule,
+                         "parallel.pipeline_virtual_stages": fam.pipeline_virtual_stages,
+                         "parallel.expert_parallel": fam.expert_parallel,
+                         "parallel.tensor_parallel": 1, "train.micro_batch_size": fam.pipeline_microbatches})
+    except RecipeError as e:
+        return f"{fam.variant}: pipeline stages left out: {e.problems[0]}"
+    return None
+
+
+def sequences_per_rank(req: Request, seq_len: int, tp: int, pp: int = 1) -> int | None:
     """Sequences each data-parallel rank processes per optimizer step to reach the global batch
     (None: no global batch asked; 0: the global batch is not a whole number of them)."""
     if req.global_batch_tokens is None:
         return None
-    per = seq_len * (req.gpus // tp)
+    per = seq_len * (req.gpus // (tp * pp))
     return req.global_batch_tokens // per if req.global_batch_tokens % per == 0 else 0
 
 
 def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, every: Callable[[int], str | None]
             ) -> list[Layout]:
     out = []
-    fitting = [(m, every(m)) for m in micro_batches(largest, per_rank)]
-    for mb, reduce in [(m, e) for m, e in fitting if e is not None][-PREDICTED_PER_FAMILY:]:
+    m = fam.pipeline_microbatches or 1  # a pipeline family searches the sequences per pipeline micro-batch
+    keep = PREDICTED_PER_PIPELINE_FAMILY if fam.pipeline_parallel > 1 else PREDICTED_PER_FAMILY
+    fitting = [(b * m, every(b * m)) for b in micro_batches(largest, per_rank // m if per_rank else None)]
+    for mb, reduce in [(b, e) for b, e in fitting if e is not None][-keep:]:
         gas = per_rank // mb if per_rank else 1
         out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
-                          planned_weight_cast(recipe, fam.engine, gas), reduce))
+                          planned_weight_cast(recipe, fam.engine, gas), reduce, fam.expert_parallel_degree,
+                          fam.pipeline_parallel, fam.pipeline_schedule, fam.pipeline_virtual_stages,
+                          fam.pipeline_microbatches))
     return out
 
 
@@ -117,7 +208,9 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
         "reduce_scatter_every": lay.reduce_scatter_every,
-        "expert_parallel": lay.expert_parallel,
+        "expert_parallel": lay.expert_parallel, "expert_parallel_degree": lay.expert_parallel_degree,
+        "pipeline_parallel": lay.pipeline_parallel, "pipeline_schedule": lay.pipeline_schedule,
+        "pipeline_virtual_stages": lay.pipeline_virtual_stages, "pipeline_microbatches": lay.pipeline_microbatches or None,
         **({"zero_stage": lay.zero_stage} if engine_kind(lay.engine).zero_stages else {})})
     return recipe.model_copy(update={"train": t, "parallel": p})
 
@@ -134,7 +227,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
     for i, (r, fam) in enumerate(fams):
         if progress is not None:
             progress(i, len(fams))
-        per_rank = sequences_per_rank(req, r.seq_len, fam.tensor_parallel)
+        per_rank = sequences_per_rank(req, r.seq_len, fam.tensor_parallel, fam.pipeline_parallel)
         if per_rank == 0:
             batch_misses += 1
             continue
@@ -142,6 +235,18 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
 
         def every(mb, mem=mem, fam=fam, per_rank=per_rank):
             return mem.reduce_scatter_every(fam, mb, per_rank // mb if per_rank else 1, req.card_bytes)
+
+        if fam.pipeline_parallel > 1:  # the searched size: sequences per pipeline micro-batch
+            m = fam.pipeline_microbatches
+
+            def ok(b, every=every, m=m):
+                return every(b * m) is not None
+
+            largest = largest_fitting(ok, min(per_rank or req.max_micro_batch, req.max_micro_batch) // m)
+            if largest == 0:
+                continue  # a pipeline that does not fit is not the smallest layout the error names
+            candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every)]
+            continue
 
         def ok(mb, every=every):
             return every(mb) is not None
@@ -169,20 +274,49 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
     return {"layouts": rows, "considered": {"families": len(fams), "memory_estimates": sum(
         m.estimate.cache_info().currsize for m in memory.values()), "predicted": len(candidates)},
         "notes": notes, "assumptions": list(ranked[0][3].get("assumptions", [])),
-        "elapsed_s": time.perf_counter() - started}
+        "pipeline_comparison": pipeline_comparison(rows), "elapsed_s": time.perf_counter() - started}
+
+
+def pipeline_comparison(rows: list[dict]) -> dict | None:
+    """The best layout with pipeline stages and the best without (ranks and tokens/s per GPU), when the
+    search predicted both kinds; None otherwise."""
+    best = {}
+    for row in rows:
+        best.setdefault(row["pipeline_parallel"] > 1, row)
+    if len(best) < 2:
+        return None
+    with_pp, without = best[True], best[False]
+    keys = ("rank", "label", "pipeline_parallel", "pipeline_schedule", "expert_parallel_degree", "data_parallel")
+    return {"with_pipeline": {**{k: with_pp[k] for k in keys},
+                              "tokens_per_s_per_gpu": with_pp["prediction"]["tokens_per_s_per_gpu"],
+                              "mfu": with_pp["prediction"]["mfu"]},
+            "without_pipeline": {**{k: without[k] for k in keys},
+                                 "tokens_per_s_per_gpu": without["prediction"]["tokens_per_s_per_gpu"],
+                                 "mfu": without["prediction"]["mfu"]},
+            "speedup": with_pp["prediction"]["tokens_per_s"] / without["prediction"]["tokens_per_s"]}
 
 
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
-                 lay.activation_checkpointing, lay.compiled, lay.expert_parallel)
+                 lay.activation_checkpointing, lay.compiled, lay.expert_parallel, lay.expert_parallel_degree,
+                 lay.pipeline_parallel, lay.pipeline_schedule, lay.pipeline_virtual_stages, lay.pipeline_microbatches)
     est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps, lay.reduce_scatter_every)
     _, margin = fits(est["total_bytes"], req.card_bytes)
     cost = None
     if req.price_per_gpu_hour is not None and pred["tokens_per_s"]:
         cost = req.price_per_gpu_hour * req.gpus / 3600 / pred["tokens_per_s"] * 1e6
-    return {"rank": rank, **asdict(lay), "data_parallel": req.gpus // lay.tensor_parallel,
-            "global_batch_tokens": lay.micro_batch_size * lay.grad_accum_steps * r.seq_len * (req.gpus // lay.tensor_parallel),
+    dp = req.gpus // (lay.tensor_parallel * lay.pipeline_parallel)
+    terms = pred.get("terms", {})
+    a2a = sum(v for k, v in terms.items() if k in ("comm/ep.all_to_all_s", "comm/dp.all_to_all_total_s"))
+    pipeline = None
+    if lay.pipeline_parallel > 1:  # what a pipeline layout costs beyond its stages' work
+        pipeline = {"bubble_fraction": pred["bubble_fraction"], "bubble_s": terms["pipeline/bubble_s"],
+                    "p2p_exposed_s": terms["pipeline/p2p_exposed_s"], "bounding_stage": pred["bounding_rank"],
+                    "stage_memory_bytes": [x["total_bytes"] for x in est.get("stages", [])]}
+    return {"rank": rank, **asdict(lay), "data_parallel": dp,
+            "global_batch_tokens": lay.micro_batch_size * lay.grad_accum_steps * r.seq_len * dp,
             "memory_bytes": est["total_bytes"], "margin_bytes": int(margin), "memory_phase": est["phase"],
+            "exposed_all_to_all_s": a2a, "pipeline": pipeline,
             "prediction": {k: pred.get(k) for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu",
                                                     "bound", "terms", "calibration")},
             "cost_per_million_tokens": cost}

@@ -3,9 +3,11 @@
 A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3: scaletool.kinds.engines), a tensor-parallel degree
 (the engines that compose with it, FSDP2; a divisor
 of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that reaches
-the global batch, activation checkpointing and eager or compiled training. Memory grows with the
-micro-batch, so the largest micro-batch that fits is found by doubling and bisection (a few estimates
-per engine instead of one per micro-batch), and every estimate is memoized.
+the global batch, activation checkpointing and eager or compiled training; for FSDP2 also pipeline stages
+(degree, schedule, virtual stages, pipeline micro-batches) and, for a MoE model, an expert-parallel degree.
+Memory grows with the micro-batch, so the largest micro-batch that fits is found by doubling and bisection
+(a few estimates per engine instead of one per micro-batch), and every estimate is memoized. A pipeline
+layout's memory is its largest stage's (:func:`scaletool.analytic.pipeline.stage_memory`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ class Layout:
     expert_parallel: bool = False
     weight_cast: str = "micro-batch"  # train.weight_cast (planned_weight_cast)
     reduce_scatter_every: str = "step"  # parallel.reduce_scatter_every (fsdp: micro-batch where step does not fit)
+    expert_parallel_degree: int = 0  # parallel.expert_parallel_degree (0: every data-parallel rank)
+    pipeline_parallel: int = 1  # parallel.pipeline_* (fsdp only)
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1
+    pipeline_microbatches: int = 0  # 0: not a pipeline layout
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,24 @@ class Family:
     activation_checkpointing: str
     compiled: bool
     expert_parallel: bool = False
+    expert_parallel_degree: int = 0
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1
+    pipeline_microbatches: int = 0  # a pipeline family fixes m; its micro-batch is m × sequences per pipeline micro-batch
+
+
+def pipeline_recipe(recipe: Recipe, fam: Family, micro_batch: int, grad_accum_steps: int) -> Recipe:
+    """The recipe of a pipeline or expert-parallel family at a micro-batch (copied, not validated again: the
+    family's settings were validated once, :func:`scaletool.plan.search.families`)."""
+    t = recipe.train.model_copy(update={"micro_batch_size": micro_batch, "grad_accum_steps": grad_accum_steps,
+                                        "activation_checkpointing": fam.activation_checkpointing,
+                                        "compile": fam.compiled})
+    p = recipe.parallel.model_copy(update={
+        "engine": fam.engine, "expert_parallel": fam.expert_parallel, "expert_parallel_degree": fam.expert_parallel_degree,
+        "pipeline_parallel": fam.pipeline_parallel, "pipeline_schedule": fam.pipeline_schedule,
+        "pipeline_virtual_stages": fam.pipeline_virtual_stages, "pipeline_microbatches": fam.pipeline_microbatches or None})
+    return recipe.model_copy(update={"train": t, "parallel": p})
 
 
 def planned_weight_cast(recipe: Recipe, engine: str, grad_accum_steps: int) -> str:
@@ -108,6 +133,13 @@ class MemoryModel:
     def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> dict:
         r, t = self.recipe, self.recipe.train
         ac = fam.activation_checkpointing
+        if fam.pipeline_parallel > 1:  # the largest stage's peak (per-block compile: the eager estimate)
+            from scaletool.analytic.pipeline import stage_memory
+            if fam.compiled:
+                return self.estimate(replace(fam, compiled=False), micro_batch, grad_accum_steps, every)
+            stages = stage_memory(pipeline_recipe(r, fam, micro_batch, grad_accum_steps), self.gpus)
+            top = max(stages, key=lambda x: x["total_bytes"])
+            return {"total_bytes": top["total_bytes"], "phase": f"pipeline stage {top['rank']}", "stages": stages}
         if fam.tensor_parallel > 1:
             tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac,
                                       "grad_accum_steps": grad_accum_steps})
@@ -116,7 +148,8 @@ class MemoryModel:
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
         settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
-                           expert_parallel=fam.expert_parallel, grad_accum_steps=grad_accum_steps,
+                           expert_parallel=fam.expert_parallel, expert_parallel_degree=fam.expert_parallel_degree,
+                           grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
         whole = compiles_whole_model(fam.compiled, t.compile_scope, fam.engine)

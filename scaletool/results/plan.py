@@ -42,7 +42,15 @@ class PlannedLayout(_Part):
     weight_cast: str = Field("micro-batch", description="train.weight_cast: step for a single layout that accumulates")
     reduce_scatter_every: str = Field("step", description="parallel.reduce_scatter_every: micro-batch for an FSDP "
                                       "layout that accumulates and fits only so")
-    memory_bytes: int = Field(description="estimated peak per GPU (phase-resolved)")
+    expert_parallel_degree: int = Field(0, description="parallel.expert_parallel_degree (0: every data-parallel rank)")
+    pipeline_parallel: int = Field(1, description="parallel.pipeline_parallel: pipeline ranks (stages)")
+    pipeline_schedule: str = "1f1b"
+    pipeline_virtual_stages: int = 1
+    pipeline_microbatches: int = Field(0, description="pipeline micro-batches per accumulation step (0: no pipeline)")
+    pipeline: dict | None = Field(None, description="a pipeline layout's bubble (fraction and seconds), exposed "
+                                  "point-to-point seconds, bounding stage and peak bytes of every stage")
+    exposed_all_to_all_s: float = Field(0.0, description="expert parallelism's all-to-all seconds per step, exposed")
+    memory_bytes: int = Field(description="estimated peak per GPU (phase-resolved; a pipeline's largest stage)")
     margin_bytes: int = Field(description="usable memory left at that peak (the allocator's share kept free)")
     memory_phase: str
     prediction: Prediction
@@ -85,6 +93,8 @@ class PlanResult(Result):
     layouts: list[PlannedLayout] = Field(description="the top layouts, best first")
     fitting_layouts: int = Field(description="layouts predicted (those that fit), of which the top are listed")
     considered: dict = Field(description="families searched, memory estimates made, layouts predicted")
+    pipeline_comparison: dict | None = Field(None, description="the best layout with pipeline stages beside the best "
+                                             "without (ranks, tokens/s per GPU, MFU, speedup); null unless both fit")
     assumptions: list[str]
     notes: list[str] = []
     elapsed_s: float = Field(description="seconds the search took")

@@ -12,7 +12,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import run_cli
 
+from scaletool import api
 from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.pipeline import stage_memory
 from scaletool.analytic.step import fits
 from scaletool.cli import main
 from scaletool.config import load_recipe
@@ -43,7 +45,7 @@ def test_a_1024_gpu_plan_lists_fitting_layouts_fastest_first(big):
         ok, margin = fits(r["memory_bytes"], big["card_bytes"])
         assert ok and 0 < r["memory_bytes"] < big["card_bytes"] and r["margin_bytes"] == int(margin) >= 0
         assert r["prediction"]["bound"] and r["prediction"]["step_s"] > 0
-        assert r["data_parallel"] * r["tensor_parallel"] == 1024 and 8 % r["tensor_parallel"] == 0
+        assert r["data_parallel"] * r["tensor_parallel"] * r["pipeline_parallel"] == 1024 and 8 % r["tensor_parallel"] == 0
         assert math.isclose(r["cost_per_million_tokens"], 2.5 * 1024 / 3600 / r["prediction"]["tokens_per_s"] * 1e6)
     assert any("inter-node" in line for line in big["assumptions"])  # what crossing nodes assumes is stated
     assert big["elapsed_s"] > 0 and big["considered"]["predicted"] == big["fitting_layouts"] >= len(rows)
@@ -62,21 +64,35 @@ def test_each_layout_is_the_recipe_its_command_sets(big):
         assert (rec.train.activation_checkpointing, rec.train.compile) == (r["activation_checkpointing"], r["compiled"])
         if r["engine"] == "deepspeed":
             assert rec.parallel.zero_stage == r["zero_stage"]
-        assert recipe_memory(rec, 1024)["total_bytes"] == r["memory_bytes"]
+        assert (rec.parallel.pipeline_parallel, rec.parallel.pipeline_microbatches or 0) == \
+            (r["pipeline_parallel"], r["pipeline_microbatches"])
+        if r["pipeline_parallel"] > 1:  # a pipeline layout's memory is its largest stage's, as estimate says
+            stages = stage_memory(rec, 1024)
+            assert max(x["total_bytes"] for x in stages) == r["memory_bytes"]
+            assert r["pipeline"]["stage_memory_bytes"] == [x["total_bytes"] for x in stages]
+            assert api.estimate(rec, world_size=1024, hardware=None).memory.recipe.total_bytes == r["memory_bytes"]
+        else:
+            assert recipe_memory(rec, 1024)["total_bytes"] == r["memory_bytes"]
         assert r["command_problems"] == []
 
 
 def test_the_largest_micro_batch_listed_is_the_boundary(big):
-    """The largest micro-batch of a family fits; one more sequence does not (the search is not timid)."""
+    """The largest micro-batch of a family fits; one more sequence (a pipeline layout: one more per pipeline
+    micro-batch) does not (the search is not timid)."""
     top = big["layouts"][0]
     rec = load_recipe("llama3-405b-dense", _sets(top["argv"]))
-    same = [r for r in big["layouts"] if (r["engine"], r["tensor_parallel"], r["activation_checkpointing"],
-                                          r["compiled"]) == (top["engine"], top["tensor_parallel"],
-                                                             top["activation_checkpointing"], top["compiled"])]
+    key = ("engine", "tensor_parallel", "activation_checkpointing", "compiled", "pipeline_parallel", "pipeline_schedule",
+           "pipeline_microbatches")
+    same = [r for r in big["layouts"] if all(r[k] == top[k] for k in key)]
     largest = max(r["micro_batch_size"] for r in same)
-    bigger = load_recipe("llama3-405b-dense", [*_sets(top["argv"]), f"train.micro_batch_size={largest + 1}"])
-    assert fits(recipe_memory(rec.model_copy(update={"train": bigger.train}), 1024)["total_bytes"],
-                big["card_bytes"])[0] is False
+    step = top["pipeline_microbatches"] or 1
+    bigger = load_recipe("llama3-405b-dense", [*_sets(top["argv"]), f"train.micro_batch_size={largest + step}"])
+    grown = rec.model_copy(update={"train": bigger.train})
+    if top["pipeline_parallel"] > 1:
+        total = max(x["total_bytes"] for x in stage_memory(grown, 1024))
+    else:
+        total = recipe_memory(grown, 1024)["total_bytes"]
+    assert fits(total, big["card_bytes"])[0] is False
 
 
 def test_a_launch_dry_run_accepts_the_command(big):
@@ -254,3 +270,44 @@ def test_the_micro_batch_without_accumulation_is_checked_on_its_own():
     none = [row for row in rows if row["activation_checkpointing"] == "none"]
     assert [(row["micro_batch_size"], row["grad_accum_steps"], row["weight_cast"]) for row in none] == [
         (4, 1, "micro-batch")]
+
+
+def test_pipeline_and_expert_parallel_layouts_at_2048_gpus():
+    """deepseek-v3 on 2,048 H100s: pipeline × expert-parallel layouts are searched and listed with their bubble and
+    exposed all-to-all, the best with stages is set beside the best without, and its prediction is the one
+    estimate makes for the recipe its command sets (one prediction per layout)."""
+    res = _plan("deepseek-v3", "--gpus", "2048", "--top", "5")
+    rows = res["layouts"]
+    pp = [r for r in rows if r["pipeline_parallel"] > 1]
+    assert pp and all(r["expert_parallel"] and r["exposed_all_to_all_s"] > 0 for r in pp)
+    for r in pp:
+        assert 0 < r["pipeline"]["bubble_fraction"] < 1 and r["pipeline"]["bubble_s"] > 0
+        assert r["data_parallel"] * r["pipeline_parallel"] == 2048
+        rec = load_recipe("deepseek-v3", _sets(r["argv"]))
+        assert rec.engine_problems(2048) == [] and r["command_problems"] == []
+        est = api.estimate(rec, world_size=2048)
+        assert est.pipeline.step_s == pytest.approx(r["prediction"]["step_s"], rel=1e-9)
+        assert est.prediction.rows[0]["tokens_per_s_per_gpu"] == pytest.approx(
+            r["prediction"]["tokens_per_s_per_gpu"], rel=1e-9)
+    cmp = res["pipeline_comparison"]
+    assert cmp["with_pipeline"]["pipeline_parallel"] > 1 and cmp["without_pipeline"]["pipeline_parallel"] == 1
+    assert cmp["speedup"] == pytest.approx(cmp["with_pipeline"]["tokens_per_s_per_gpu"]
+                                           / cmp["without_pipeline"]["tokens_per_s_per_gpu"])
+
+
+def test_estimate_of_a_pipeline_recipe_is_per_stage_and_refuses_stages_that_do_not_divide():
+    """estimate with pipeline stages: its recipe memory is the largest stage's, its --json pipeline block names
+    the stages; stages that do not divide --world-size are one error line before any prediction."""
+    sets = ["--set", "parallel.engine=fsdp", "--set", "parallel.pipeline_parallel=2", "--set", "model.n_layers=4"]
+    ok = run_cli("estimate", "tiny", *sets, "--world-size", "4", "--json")
+    assert ok.returncode == 0, ok.stderr
+    est = json.loads(ok.stdout)
+    stages = est["pipeline"]["stages"]
+    assert len(stages) == 2 and sorted(i for s in stages for i in s["layers"]) == [0, 1, 2, 3]
+    assert est["memory"]["recipe"]["total_bytes"] == max(s["total_bytes"] for s in stages)
+    assert est["pipeline"]["bounding_stage"] in (0, 1) and 0 < est["pipeline"]["bubble_fraction"] < 1
+    bad = run_cli("estimate", "tiny", *sets, "--world-size", "3")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: parallel.pipeline_parallel: 2 does not divide the world size 3 (pipeline ranks × data-parallel ranks) "
+        "(set --world-size)"]
