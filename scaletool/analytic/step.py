@@ -16,10 +16,11 @@ from scaletool.analytic.calibration import (  # noqa: F401  (the interface lives
     default_calibration,
     load_calibration,
 )
-from scaletool.analytic.comm import communication, tensor_parallel_config
+from scaletool.analytic.comm import collective_group, communication, tensor_parallel_config
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, routed_experts_computed
+from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import attention_params, param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
 from scaletool.analytic.zero3 import leaf_blocks as zero3_leaf_blocks
@@ -87,7 +88,8 @@ def _exposure(engine: str, zero_stage: int, rows: list[dict], times: list[float]
                          f"{hide:.0%} of the overlapped part hidden (calibrated)"]
     if engine == "fsdp" or (engine == "deepspeed" and zero_stage == 3):
         ag = sum(t for r, t in by.get("all_gather", []))
-        rs = sum(t for r, t in by.get("reduce_scatter", []))
+        # HSDP: the shard's all-reduce across replicas follows each reduce-scatter in the backward
+        rs = sum(t for r, t in by.get("reduce_scatter", []) + by.get("all_reduce", []))
         a2a = sum(t for r, t in by.get("all_to_all", []))
         gathers = sum((r["count"] or 1) for r, _ in by.get("all_gather", [])) or 1
         first = ag / gathers * gas  # each micro-batch's first gather waits
@@ -138,20 +140,19 @@ def _compute(local: ModelConfig, cfg: ModelConfig, engine: str, tokens: int, T: 
 
 def _communication(recipe: Recipe, N: int, tp: int, G: int, c: dict, gas: int,
                    calib: Calibration) -> tuple[dict, float, float, list[str]]:
-    """Each collective's total seconds, the exposed TP and data-parallel seconds, and the assumptions."""
-    dp = N // tp
+    """Each collective's total seconds, the exposed TP and data-parallel seconds, and the assumptions (each
+    collective over its group's nodes: :mod:`scaletool.analytic.network`)."""
     rows = communication(recipe, N, tp)["collectives"] if N > 1 else []
     times, totals, notes = [], {}, []
     for r in rows:
-        ranks = tp if r["group"] == "tp" else dp
-        inter = (tp > G) if r["group"] == "tp" else (N > G)
-        times.append(r["wire_bytes"] / calib.bus_bandwidth(r["op"], ranks, inter))
+        ranks, stride = collective_group(r["group"], N, tp, recipe.parallel.data_parallel_replicate)
+        times.append(group_seconds(calib, r["op"], r["message_bytes"], ranks, per_node_of(ranks, stride, G))["seconds"])
         key = f"comm/{r['group']}.{r['op']}_total_s"
         totals[key] = totals.get(key, 0.0) + times[-1]
     tp_exposed = sum(x for r, x in zip(rows, times) if r["group"] == "tp")
     if tp_exposed:
         notes.append("tensor parallelism: every collective on the critical path (no overlap)")
-    dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] == "dp"]
+    dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] != "tp"]
     dp_exposed = 0.0
     if dp_rows:
         p = recipe.parallel
@@ -237,8 +238,10 @@ def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: in
                            + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
                               if p.pure_tensor_parallel(N, tp) else ""))
     if N > G:
-        assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
-                           f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")
+        c = calib.collectives
+        assumptions.append(f"{G} GPUs per node; collectives across nodes at {c['inter_node_gb_s']:g} GB/s bus bandwidth "
+                           f"per GPU ({c.get('inter_node_source', 'assumed, not measured')}), NCCL's ring or "
+                           "hierarchical algorithm, whichever is faster (analytic.network)")
     return assumptions
 
 

@@ -209,7 +209,7 @@ ENGINES: dict[str, EngineKind] = {
         EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
                    "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
         EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
-                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload", "reduce_scatter_every"),
+                   "scaletool.engines.fsdp:FSDPEngine", keys=("cpu_offload", "reduce_scatter_every", "data_parallel_replicate"),
                    layouts=("tensor_parallel", "expert_parallel"), float8=True),
         EngineKind("deepspeed", f"{_MEMORY}:zero_memory", f"{_COMM}:zero_communication",
                    "scaletool.engines.deepspeed:DeepSpeedEngine",
@@ -269,6 +269,25 @@ def tensor_parallel_problems(recipe: Any, seq_len: int) -> list[str]:
     return problems
 
 
+def hsdp_problems(recipe: Any, world_size: int | None = None) -> list[str]:
+    """HSDP (``parallel.data_parallel_replicate`` R > 1): FSDP2 on a 2-D (replicate, shard) mesh, without tensor or
+    expert parallelism (a 3-D mesh is not a layout here); with a world size, R divides it."""
+    p = recipe.parallel
+    R = p.data_parallel_replicate
+    if R == 1:
+        return []
+    if p.engine != "fsdp":
+        return [f"parallel.data_parallel_replicate: {R} (HSDP) needs parallel.engine=fsdp, not engine={p.engine}"]
+    if p.tensor_parallel > 1 or p.expert_parallel:
+        other = "tensor_parallel" if p.tensor_parallel > 1 else "expert_parallel"
+        return [f"parallel.data_parallel_replicate: HSDP does not compose with parallel.{other} here (it would need a "
+                "3-D mesh); use one or the other"]
+    if world_size is not None and world_size % R:
+        return [f"parallel.data_parallel_replicate: {R} replicas do not divide the world size {world_size} "
+                "(each replica is a shard group of world_size / data_parallel_replicate ranks)"]
+    return []
+
+
 def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     """The parallel layout's rules (tensor and expert parallelism), checked on every recipe."""
     p, m = recipe.parallel, recipe.model
@@ -282,6 +301,10 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
                 "parallelism)"]
     if p.tensor_parallel > 1:
         problems = tensor_parallel_problems(recipe, seq_len)
+        if problems:
+            return problems
+    if p.data_parallel_replicate > 1:
+        problems = hsdp_problems(recipe)
         if problems:
             return problems
     if p.expert_parallel and m.ffn != "moe":
@@ -332,6 +355,7 @@ def engine_problems(recipe: Any, world_size: int | None = None) -> list[str]:
                 for key, engine in ENGINE_KEYS.items()
                 if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
     problems += engine_kind(p.engine).problems(recipe, world_size)
+    problems += hsdp_problems(recipe, world_size) if world_size is not None and p.engine == "fsdp" else []
     if world_size is not None and world_size % p.tensor_parallel:
         problems.append(f"parallel.tensor_parallel: {p.tensor_parallel} does not divide the world size "
                         f"{world_size} (data-parallel ranks × tensor-parallel ranks)")

@@ -51,27 +51,40 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
                         compiled=recipe.train.compile)
 
 
-def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
+def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_node_gb_s: float | None = None,
+                       gpus_per_node: int | None = None) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
-    recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
+    recipe's FSDP2 × TP layout only; under HSDP its FSDP2 row is the recipe's HSDP layout): what ``estimate``
+    prints beside the memory table. ``inter_node_gb_s`` replaces the calibration's inter-node bus bandwidth per GPU,
+    ``gpus_per_node`` the default of all on one node up to 8."""
     from scaletool.analytic.memory import TABLE_ENGINES
+    from scaletool.analytic.network import with_inter_node
     from scaletool.kinds.engines import engine_kind
     from scaletool.measure.hardware import profile_named
 
     prof = profile_named(hardware)
-    calib = calibration_for_device(prof.device, prof)
+    try:
+        calib = with_inter_node(calibration_for_device(prof.device, prof), inter_node_gb_s)
+    except ValueError as e:
+        raise RecipeError(f"--inter-node-gb-s: {e}") from None
+    if gpus_per_node is not None and world_size > gpus_per_node and world_size % gpus_per_node:
+        raise RecipeError(f"--gpus-per-node: {world_size} GPUs are not a whole number of nodes of {gpus_per_node}")
     p = recipe.parallel
+    R = p.data_parallel_replicate
     if p.tensor_parallel > 1:
         layouts = [(f"fsdp tp{p.tensor_parallel}", "fsdp", p.zero_stage)]
     else:
         layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]
     rows = []
     for label, engine, stage in layouts:
-        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
+        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage,
+                                   "data_parallel_replicate": R if engine == "fsdp" else 1})
+        if engine == "fsdp" and R > 1:
+            label = f"hsdp {R}x{world_size // R}"  # the recipe's HSDP: replicas x shard group
         # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
         t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
-        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size)
+        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size, gpus_per_node)
         rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
                                                               "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,

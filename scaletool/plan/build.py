@@ -35,8 +35,12 @@ def check_cluster(gpus: int, gpus_per_node: int | None) -> int:
 
 def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_batch_tokens: int | None = None,
                  price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5,
-                 card_bytes: int | None = None, calibration=None, **narrow) -> Request:
-    """The checked :class:`Request` (``narrow``: the Request fields that restrict the search)."""
+                 card_bytes: int | None = None, calibration=None, inter_node_gb_s: float | None = None,
+                 **narrow) -> Request:
+    """The checked :class:`Request` (``narrow``: the Request fields that restrict the search); ``inter_node_gb_s``
+    replaces the calibration's bus bandwidth per GPU across nodes."""
+    from scaletool.analytic.network import with_inter_node
+
     g = check_cluster(gpus, gpus_per_node)
     if global_batch_tokens is not None and global_batch_tokens < 1:
         raise RecipeError(f"global batch tokens: {global_batch_tokens}: must be at least 1")
@@ -51,6 +55,11 @@ def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_
                               "be fitted to it; add memory_gib to a user profile of that name")
         hardware, card_bytes = prof.name, prof.memory_bytes
         calibration = calibration if calibration is not None else calibration_for_device(prof.device, prof)
+    if inter_node_gb_s is not None:
+        try:
+            calibration = with_inter_node(calibration, inter_node_gb_s)
+        except ValueError as e:
+            raise RecipeError(f"inter-node bandwidth: {e}") from None
     return Request(gpus=gpus, gpus_per_node=g, hardware=hardware, card_bytes=card_bytes, calibration=calibration,
                    global_batch_tokens=global_batch_tokens, price_per_gpu_hour=price_per_gpu_hour,
                    attention_variants=attention_variants, top=top, **narrow)
