@@ -43,6 +43,32 @@ def _print_validation(res: dict) -> None:
         con.print(f"counted once: {len(res['duplicates'])} runs given twice", highlight=False)
 
 
+def _print_published(res: dict) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = console()
+    t = Table(title="Published runs predicted (tokens/s per GPU)", title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("id", "card", "GPUs", "ckpt", "mode", "published", "predicted", "error"):
+        t.add_column(col, justify="left" if col in ("id", "card", "ckpt", "mode") else "right", no_wrap=True)
+    for r in res["rows"]:
+        mode = ("comp" if r["compiled"] else "eager") + (" fp8" if r["float8"] != "none" else "")
+        t.add_row(escape(r["id"]), escape(r["card"]), str(r["gpus"]), r["activation_checkpointing"], mode,
+                  f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
+                  f"{r['rel_error']:+.1%}")
+    con.print(t)
+    for key, title in (("all", "every row predicted"), ("one_node", "one node"), ("multi_node", "several nodes")):
+        s = res["summary"][key]
+        if s["n"]:
+            con.print(f"{title}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
+                      f"n={s['n']}", highlight=False)
+    for r in res["not_expressible"]:
+        con.print(f"not expressible: {escape(r['id'])} ({escape(r['model'][:20])}): {escape(r['reason'])}", highlight=False)
+    con.print("sources: the table's source column (--json lists each row's)", highlight=False)
+
+
 def _print_calibration(cal: dict, out: Path) -> None:
     con = console()
     g = cal["gemm_tflops"]
@@ -71,12 +97,15 @@ def _print_calibration(cal: dict, out: Path) -> None:
 @click.option("--validate", "validate", is_flag=True,
               help="Instead of measuring: re-predict recorded training results (PATHS, default the committed "
                    "ones) and print predicted against measured tokens/s per GPU.")
+@click.option("--published", is_flag=True, help="With --validate: predict other projects' published training "
+              "runs instead (the shipped table, or PATHS: tables of the same tab-separated columns) at their model, "
+              "card, GPU count and layout, and list the rows scaletool cannot express with the reason.")
 @click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
               "(default: the one of each run's card).")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @json_option
 def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str,
-              validate: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
+              validate: bool, published: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
     """Measure this machine's rates for the step-time model and write a calibration YAML: GEMM rates
     (the recipe's shapes and square sizes), causal attention forward + backward, HBM copy
     bandwidth, and collective bus bandwidth over 2..N local processes. Each figure is a median
@@ -89,9 +118,22 @@ def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[
       scaletool calibrate --device cpu --gpus 2 --out cpu.yaml
       scaletool calibrate --validate
       scaletool calibrate --validate run/result.json --json
+      scaletool calibrate --validate --published
     """
     from scaletool.errors import RecipeError
 
+    if published and not validate:
+        raise RecipeError("--published goes with --validate")
+    if published:
+        if calibration:
+            raise RecipeError("--calibration does not go with --published: each published row uses its card's")
+        from scaletool.measure.published import validate_published
+
+        res = validate_published(list(paths) if paths else None)
+        deliver(res, as_json)
+        if not as_json:
+            _print_published(res)
+        return res
     if validate:
         from scaletool.measure.validation import validate as run_validation
 
