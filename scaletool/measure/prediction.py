@@ -55,7 +55,7 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
                        gpus_per_node: int | None = None) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
-    recipe's FSDP2 × TP layout only; under HSDP its FSDP2 row is the recipe's HSDP layout): what ``estimate``
+    recipe's FSDP2 × TP layout only; under HSDP a row ``hsdp RxS`` follows the engines'): what ``estimate``
     prints beside the memory table. ``inter_node_gb_s`` replaces the calibration's inter-node bus bandwidth per GPU,
     ``gpus_per_node`` the default of all on one node up to 8."""
     from scaletool.analytic.memory import TABLE_ENGINES
@@ -78,14 +78,15 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
         layouts = [row for row in TABLE_ENGINES if row[1] != "single" or world_size == 1]
     rows = []
     for label, engine, stage in layouts:
-        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage,
-                                   "data_parallel_replicate": R if engine == "fsdp" else 1})
-        if engine == "fsdp" and R > 1:
-            label = f"hsdp {R}x{world_size // R}"  # the recipe's HSDP: replicas x shard group
+        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage, "data_parallel_replicate": 1})
         # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
         t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
         pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size, gpus_per_node)
         rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
                                                               "hfu", "bound")}})
+    if R > 1 and p.engine == "fsdp":  # the recipe's HSDP beside FSDP2 over every rank: replicas x shard group
+        pred = predict(recipe, calib, world_size, gpus_per_node)
+        rows.append({"label": f"hsdp {R}x{world_size // R}", **{k: pred[k] for k in (
+            "step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "world_size": world_size, "rows": rows}

@@ -83,6 +83,10 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
         for tp in degrees if engine == "fsdp" else [1]:
             for ep_on in (False, True) if engine == "fsdp" and tp == 1 and ep else (False,):
                 out += [Family(kind, label, engine, stage, tp, ac, c, ep_on) for ac in CHECKPOINTING for c in req.compiled]
+    nodes = req.gpus // req.gpus_per_node
+    if nodes > 1 and (req.labels is None or "hsdp" in req.labels):  # HSDP: shard within a node, replicate across
+        out += [Family(kind, "hsdp", "fsdp", 0, 1, ac, c, data_parallel_replicate=nodes)
+                for ac in CHECKPOINTING for c in req.compiled]
     return out
 
 
@@ -103,7 +107,7 @@ def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, eve
         gas = per_rank // mb if per_rank else 1
         out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
-                          planned_weight_cast(recipe, fam.engine, gas), reduce))
+                          planned_weight_cast(recipe, fam.engine, gas), reduce, fam.data_parallel_replicate))
     return out
 
 
@@ -114,7 +118,7 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
                                         "compile": lay.compiled, "weight_cast": lay.weight_cast})
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
-        "reduce_scatter_every": lay.reduce_scatter_every,
+        "reduce_scatter_every": lay.reduce_scatter_every, "data_parallel_replicate": lay.data_parallel_replicate,
         "expert_parallel": lay.expert_parallel, **({"zero_stage": lay.zero_stage} if lay.engine == "deepspeed" else {})})
     return recipe.model_copy(update={"train": t, "parallel": p})
 
@@ -171,7 +175,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
 
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
-                 lay.activation_checkpointing, lay.compiled, lay.expert_parallel)
+                 lay.activation_checkpointing, lay.compiled, lay.expert_parallel, lay.data_parallel_replicate)
     est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps, lay.reduce_scatter_every)
     _, margin = fits(est["total_bytes"], req.card_bytes)
     cost = None

@@ -1,7 +1,8 @@
 """The layouts a plan considers, and which of them fit the card.
 
-A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3), a tensor-parallel degree (FSDP2 only, a divisor
-of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that reaches
+A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3; across nodes also HSDP: FSDP2 sharding within a node and
+replicating across nodes), a tensor-parallel degree (FSDP2 only, a divisor of the GPUs per node that the heads
+split over), a micro-batch, the gradient accumulation that reaches
 the global batch, activation checkpointing and eager or compiled training. Memory grows with the
 micro-batch, so the largest micro-batch that fits is found by doubling and bisection (a few estimates
 per engine instead of one per micro-batch), and every estimate is memoized.
@@ -38,6 +39,7 @@ class Layout:
     expert_parallel: bool = False
     weight_cast: str = "micro-batch"  # train.weight_cast (planned_weight_cast)
     reduce_scatter_every: str = "step"  # parallel.reduce_scatter_every (fsdp: micro-batch where step does not fit)
+    data_parallel_replicate: int = 1  # HSDP's replicas (parallel.data_parallel_replicate; label hsdp): one per node
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Family:
     activation_checkpointing: str
     compiled: bool
     expert_parallel: bool = False
+    data_parallel_replicate: int = 1
 
 
 def planned_weight_cast(recipe: Recipe, engine: str, grad_accum_steps: int) -> str:
@@ -119,13 +122,17 @@ class MemoryModel:
             return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
-        settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
+        # a ZeRO stage with its own settings (ZeRO-3's block-sized buckets), as estimate's recipe_memory counts them
+        base = engine_settings(r, fam.zero_stage) if fam.engine == "deepspeed" else self.base
+        settings = replace(base, zero_stage=fam.zero_stage or base.zero_stage,
                            expert_parallel=fam.expert_parallel, grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
         whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
         inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
-        return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
+        # HSDP: FSDP2's states over the shard group (analytic.memory.recipe_memory)
+        ranks = 1 if fam.engine == "single" else self.gpus // fam.data_parallel_replicate
+        return training_memory(r.model, fam.engine, ranks, inputs, settings)
 
     def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
         return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]

@@ -1,0 +1,44 @@
+"""HSDP in the plan: across nodes FSDP2 may shard within a node and replicate across nodes; the layout's command
+sets ``parallel.data_parallel_replicate`` to the nodes, and the memory the plan fitted is what ``estimate`` says of
+that recipe (states sharded over one node's GPUs). On one node there is no HSDP layout."""
+from __future__ import annotations
+
+import json
+import shlex
+
+from click.testing import CliRunner
+
+from scaletool import analytic
+from scaletool.cli import main
+from scaletool.config import load_recipe
+
+
+def _plan(*argv: str) -> dict:
+    res = CliRunner().invoke(main, ["plan", *argv, "--json"], prog_name="scaletool")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_hsdp_layouts_across_nodes_are_the_recipes_their_commands_set():
+    plan = _plan("mha-1b", "--gpus", "16", "--gpus-per-node", "8", "--top", "500", "--inter-node-gb-s", "25")
+    hsdp = [r for r in plan["layouts"] if r["label"] == "hsdp"]
+    assert hsdp and all(r["engine"] == "fsdp" and r["data_parallel_replicate"] == 2 for r in hsdp)
+    for r in hsdp[:3]:
+        argv = shlex.split(r["command"])
+        sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+        assert "parallel.data_parallel_replicate=2" in sets
+        rec = load_recipe("mha-1b", sets)
+        assert rec.parallel.data_parallel_replicate == 2 and r["command_problems"] == []
+        assert analytic.recipe_memory(rec, 16)["total_bytes"] == r["memory_bytes"]
+        assert r["prediction"]["terms"]["comm/dp_replicate.all_reduce_total_s"] > 0
+    # FSDP2 over every rank shards the states 16 ways, HSDP 8 ways: more memory at the same micro-batch
+    flat = {(r["micro_batch_size"], r["activation_checkpointing"], r["compiled"]): r["memory_bytes"]
+            for r in plan["layouts"] if r["label"] == "fsdp" and r["tensor_parallel"] == 1}
+    same = [(r["memory_bytes"], flat[k]) for r in hsdp
+            if (k := (r["micro_batch_size"], r["activation_checkpointing"], r["compiled"])) in flat]
+    assert same and all(h > f for h, f in same)
+
+
+def test_no_hsdp_on_one_node():
+    plan = _plan("tiny", "--gpus", "8", "--top", "500")
+    assert not [r for r in plan["layouts"] if r["label"] == "hsdp"]
