@@ -1,30 +1,22 @@
 """Collectives across nodes: NCCL's ring and hierarchical (tree) algorithms over a node's NVLink and its NICs.
 
-A process group of ``ranks`` ranks, ``per_node`` of them on each node (``nodes = ranks / per_node``), moves a
-collective's bytes over two links: NVLink inside a node at the calibration's intra-node bus bandwidth
-(``B_intra``, by op and group size) and the network between nodes at the inter-node bus bandwidth per GPU
+A group of ``ranks`` ranks, ``per_node`` of them on each node, moves a collective's bytes over NVLink inside a node
+(``B_intra``, the calibration's intra-node bus bandwidth by op and group size) and the network between nodes
 (``B_inter``: what one GPU's NIC carries in a collective, ``collectives.inter_node_gb_s``, measured by
-``scaletool calibrate`` over one rank per node, or ``--inter-node-gb-s``). Bus bandwidth follows nccl-tests'
-convention (PERFORMANCE.md): bytes each rank sends in the bandwidth-optimal algorithm over the time, so that a
-figure is comparable across group sizes (:func:`scaletool.analytic.comm.wire_bytes`).
+``scaletool calibrate`` over one rank per node, or ``--inter-node-gb-s``). Bus bandwidth is nccl-tests'
+convention (PERFORMANCE.md): bytes each rank sends in the bandwidth-optimal algorithm over the time. NCCL (docs,
+"Collective Operations", ``NCCL_ALGO``; Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4",
+NVIDIA blog 2019) chooses between:
 
-The two algorithms NCCL chooses between (NCCL docs, "Collective Operations" and the environment variable
-``NCCL_ALGO``; Jeaugey, "Massively Scale Your Deep Learning Training with NCCL 2.4", NVIDIA blog 2019):
+- **ring**: one ring per NIC, crossing each node boundary once: ``wire_bytes / min(B_intra, per_node · B_inter)``;
+- **hierarchical / tree**: inside the node, across nodes between GPUs of one local rank (each on its NIC), inside
+  again: all-reduce = reduce-scatter and all-gather over the node plus an all-reduce of the ``S / per_node`` shard
+  across nodes; all-gather and reduce-scatter: the node's part on ``S``, the rails' part on ``S / per_node``;
+  ``time = intra part / B_intra + inter part / B_inter``.
 
-- **ring**: one ring through every rank, crossing each node boundary once. NCCL runs one ring (channel) per NIC,
-  so a node's ``per_node`` NICs carry the rings in parallel and the slower of NVLink and the node's NICs bounds
-  the bus bandwidth: ``time = wire_bytes(op, S, ranks) / min(B_intra, per_node · B_inter)``.
-- **hierarchical / tree**: inside a node over NVLink, across nodes between the GPUs of the same local rank (one
-  per node, each on its own NIC), then inside the node again. All-reduce: reduce-scatter over the node's
-  ``per_node`` ranks, all-reduce of the ``S / per_node`` shard across ``nodes`` ranks, all-gather inside the
-  node; all-gather and reduce-scatter: the inter-node part on the ``S / per_node`` slice each rail carries, and
-  the intra-node part on the whole message. ``time = intra part / B_intra + inter part / B_inter``.
-
-The prediction takes the faster (NCCL's tuner picks by its own model of the same two terms). All-to-all is
-point-to-point: the ``(nodes - 1) / nodes`` of the message bound for other nodes leaves over the NIC while the
-rest moves over NVLink, concurrently: ``time = max(inter bytes / B_inter, intra bytes / B_intra)``.
-A group inside one node (``nodes == 1``) is NVLink only: ``wire_bytes / B_intra``; a group of one rank per node
-(``per_node == 1``, HSDP's replicas) is the network only: ``wire_bytes / B_inter``.
+The faster is taken (NCCL's tuner weighs the same two terms). All-to-all is point-to-point: the bytes bound for
+other nodes at ``B_inter``, concurrent with the rest at ``B_intra``. A group inside one node is NVLink only, a group
+of one rank per node (HSDP's replicas) the network only. docs/prediction.md ("Across nodes") works examples.
 """
 from __future__ import annotations
 
