@@ -38,12 +38,15 @@ UNITS = [("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)]
               "[default: 8, or the world size if fewer]; collectives across nodes use --inter-node-gb-s.")
 @click.option("--inter-node-gb-s", type=PositiveFloat(), metavar="GB/S", help="Bus bandwidth per GPU across nodes "
               "(what `scaletool calibrate` measures over one rank per node) [default: the calibration's].")
+@click.option("--calibration", metavar="NAME|PATH", help="Calibration for the predicted step: a shipped one's name "
+              "or a YAML `scaletool calibrate` wrote [default: the --hardware card's].")
 @click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
               "tables, memory per engine and phase by component, tensor parallelism's collectives.")
 @json_option
 def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_len: int | None,
              micro_batch: int | None, world_size: int | None, tensor_parallel: int | None, hardware: str,
-             gpus_per_node: int | None, inter_node_gb_s: float | None, detail: bool, as_json: bool):
+             gpus_per_node: int | None, inter_node_gb_s: float | None, calibration: str | None, detail: bool,
+             as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     RECIPE may also be a Hugging Face config.json (or its model folder),
@@ -70,7 +73,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
     overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
     r = api.resolve(recipe, overrides)
     est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware, inter_node_gb_s=inter_node_gb_s,
-                       gpus_per_node=gpus_per_node)
+                       gpus_per_node=gpus_per_node, calibration=calibration)
     deliver(est, as_json)
     if not as_json and not detail:
         print_summary(r, est, console())

@@ -52,20 +52,22 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
 
 
 def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_node_gb_s: float | None = None,
-                       gpus_per_node: int | None = None) -> dict:
+                       gpus_per_node: int | None = None, calibration: str | None = None) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
     recipe's FSDP2 × TP layout only; under HSDP a row ``hsdp RxS`` follows the engines'): what ``estimate``
     prints beside the memory table. ``inter_node_gb_s`` replaces the calibration's inter-node bus bandwidth per GPU,
-    ``gpus_per_node`` the default of all on one node up to 8."""
+    ``gpus_per_node`` the default of all on one node up to 8; ``calibration`` (a shipped name or a file's path, what
+    ``scaletool calibrate`` wrote) replaces the card's own."""
     from scaletool.analytic.memory import TABLE_ENGINES
     from scaletool.analytic.network import with_inter_node
     from scaletool.kinds.engines import engine_kind
     from scaletool.measure.hardware import profile_named
 
     prof = profile_named(hardware)
+    base = load_calibration(calibration) if calibration else calibration_for_device(prof.device, prof)
     try:
-        calib = with_inter_node(calibration_for_device(prof.device, prof), inter_node_gb_s)
+        calib = with_inter_node(base, inter_node_gb_s)
     except ValueError as e:
         raise RecipeError(f"--inter-node-gb-s: {e}") from None
     if gpus_per_node is not None and world_size > gpus_per_node and world_size % gpus_per_node:

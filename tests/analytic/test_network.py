@@ -138,3 +138,27 @@ def test_hsdp_shape_that_does_not_divide_is_one_error_line():
     assert len(lines) == 1 and lines[0].startswith("error:") and "data_parallel_replicate" in lines[0]
     res = _cli("estimate", "tiny", "--set", "parallel.engine=ddp", "--set", "parallel.data_parallel_replicate=2")
     assert res.returncode == 2 and res.stderr.count("error:") == 1 and "needs parallel.engine=fsdp" in res.stderr
+
+
+def test_a_calibration_file_carries_the_inter_node_figure_into_estimate_and_plan(tmp_path):
+    import json
+
+    import yaml
+
+    from scaletool.resources import data_dir
+
+    raw = yaml.safe_load((data_dir("profiles") / "calibrations" / "h100-sxm.yaml").read_text())
+    raw["collectives"]["inter_node_gb_s"] = 5
+    (tmp_path / "slow.yaml").write_text(yaml.safe_dump(raw))
+    args = ["estimate", "mha-1b", "--gpus", "32", "--set", "parallel.engine=fsdp", "--json"]
+    default = json.loads(_cli(*args).stdout)["prediction"]
+    slow = json.loads(_cli(*args, "--calibration", str(tmp_path / "slow.yaml")).stdout)["prediction"]
+    option = json.loads(_cli(*args, "--inter-node-gb-s", "5").stdout)["prediction"]
+    fsdp = [next(r["tokens_per_s_per_gpu"] for r in p["rows"] if r["label"] == "fsdp") for p in (default, slow)]
+    assert fsdp[1] < fsdp[0]
+    assert [r["tokens_per_s_per_gpu"] for r in option["rows"]] == pytest.approx(
+        [r["tokens_per_s_per_gpu"] for r in slow["rows"]])
+    plan = _cli("plan", "mha-1b", "--gpus", "16", "--calibration", str(tmp_path / "slow.yaml"), "--json")
+    assert plan.returncode == 0 and any("5 GB/s bus bandwidth per GPU" in a for a in json.loads(plan.stdout)["assumptions"])
+    bad = _cli("estimate", "tiny", "--calibration", str(tmp_path / "none.yaml"))
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: calibration file '{tmp_path / 'none.yaml'}' does not exist"
