@@ -84,13 +84,15 @@ def _number(text: str) -> float | None:
 
 def _integer(row: dict, column: str) -> int:
     v = row[column].strip()
-    if not v.isdigit() or len(v) > 9:
-        raise NotExpressible(f"{column} not stated as a whole number ({v[:30]!r})")
+    if not v.isascii() or not v.isdigit() or len(v) > 9 or int(v) < 1:
+        raise NotExpressible(f"{column} not stated as a positive whole number ({v[:30]!r})")
     return int(v)
 
 
 def _degree(layout: str, name: str) -> int:
-    m = re.search(rf"\b{name}\s*(\d+)", layout)
+    m = re.search(rf"\b{name}\s*(\d{{1,6}})\b", layout)
+    if m and int(m.group(1)) < 1:
+        raise NotExpressible(f"{name} degree 0 in the layout {layout[:40]!r}")
     return int(m.group(1)) if m else 1
 
 
@@ -134,9 +136,9 @@ def _precision(text: str) -> tuple[str, str]:
 def _model(row: dict) -> dict:
     name = row["model"]
     L, d, H = _integer(row, "layers"), _integer(row, "hidden"), _integer(row, "heads")
-    if not row["kv_heads"].isdigit():
+    if not (row["kv_heads"].isascii() and row["kv_heads"].isdigit()):
         raise NotExpressible(f"attention {row['kv_heads'][:30]!r} with a MoE FFN: not a dense model of the table's form")
-    kv = int(row["kv_heads"])
+    kv = _integer(row, "kv_heads")
     model = {"d_model": d, "n_layers": L, "n_heads": H, "intermediate_size": _integer(row, "ffn"),
              "vocab_size": _integer(row, "vocab"), "max_seq_len": _integer(row, "seq_len")}
     model |= {"attention": "mha"} if kv == H else {"attention": "gqa", "n_kv_heads": kv}
@@ -161,7 +163,7 @@ def express(row: dict) -> dict:
     if cp > 1:
         raise NotExpressible(f"context parallelism (CP{cp})")
     dtype, float8 = _precision(row["precision"])
-    if not row["micro_batch"].isdigit():
+    if not row["micro_batch"].strip().isdigit():
         raise NotExpressible("micro-batch not stated by the source")
     if "megatron" in layout.lower():
         raise NotExpressible("Megatron-LM's engine (distributed optimizer, fused kernels): not one of scaletool's engines")
