@@ -106,3 +106,22 @@ def test_a_users_table_is_predicted_row_by_row(tmp_path):
 def test_published_goes_with_validate_only():
     res = _cli("--published")
     assert res.returncode == 2 and res.stderr.strip() == "error: --published goes with --validate"
+
+
+@pytest.mark.parametrize("column, value, says", [
+    ("n_gpus", "0", "n_gpus not stated as a positive whole number"),
+    ("micro_batch", "0", "micro_batch not stated as a positive whole number"),
+    ("layout", "FSDP 8 x TP 0", "TP degree 0"),
+    ("layout", "FSDP 8 x TP 3", "TP3 does not divide 8 GPUs"),
+    ("hidden", "1" * 400, "hidden not stated as a positive whole number"),
+    ("layers", "²", "layers not stated"),
+    ("gpu", "MI300X", "no hardware profile"),
+    ("tok_s_per_gpu", "-", "is not a positive number"),
+])
+def test_a_row_scaletool_cannot_use_is_listed_with_its_reason(tmp_path, column, value, says):
+    row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "TT1"))
+    row[column] = value
+    _write(tmp_path / "one.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    out = validate_published([tmp_path / "one.tsv"])
+    assert not out["rows"] and len(out["not_expressible"]) == 1
+    assert says in out["not_expressible"][0]["reason"]
