@@ -73,12 +73,17 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
         return predict_step(r, req.calibration, world_size=req.gpus, gpus_per_node=req.gpus_per_node,
                             compiled=lay.compiled)
 
+    given, R = recipe, recipe.parallel.data_parallel_replicate
+    if R > 1:  # HSDP is the plan's own axis (one replica per node): the recipe's replicas must still fit the GPUs
+        if req.gpus % R:
+            raise RecipeError(f"parallel.data_parallel_replicate: {R} replicas do not divide the {req.gpus} GPUs planned for")
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"data_parallel_replicate": 1})})
     found = search(recipe, req, predict, progress)
     top = found["layouts"][:req.top]
     for row in top:
-        row["argv"] = launch_argv(recipe_arg, overrides, recipe, row, req.gpus, req.gpus_per_node)
+        row["argv"] = launch_argv(recipe_arg, overrides, given, row, req.gpus, req.gpus_per_node)
         row["command"] = command_line(row["argv"])
-        row["command_problems"] = command_problems(recipe, row, req.gpus)
+        row["command_problems"] = command_problems(given, row, req.gpus)
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,

@@ -42,3 +42,19 @@ def test_hsdp_layouts_across_nodes_are_the_recipes_their_commands_set():
 def test_no_hsdp_on_one_node():
     plan = _plan("tiny", "--gpus", "8", "--top", "500")
     assert not [r for r in plan["layouts"] if r["label"] == "hsdp"]
+
+
+def test_a_recipe_that_states_hsdp():
+    """The plan decides the replicas itself; each command sets what its layout runs over the user's own --set, and
+    replicas that do not divide the GPUs planned for are one error line."""
+    sets = ["--set", "parallel.engine=fsdp", "--set", "parallel.data_parallel_replicate=2"]
+    plan = _plan("tiny", "--gpus", "16", *sets, "--top", "500")
+    labels = {r["label"] for r in plan["layouts"]}
+    assert {"hsdp", "fsdp", "zero3"} <= labels and any(r["tensor_parallel"] > 1 for r in plan["layouts"])
+    for r in plan["layouts"][:20]:
+        rec = load_recipe("tiny", [a for a in (shlex.split(r["command"])) if "=" in a and not a.startswith("-")])
+        assert rec.parallel.data_parallel_replicate == r["data_parallel_replicate"] and r["command_problems"] == []
+    res = CliRunner().invoke(main, ["plan", "tiny", "--gpus", "16", "--set", "parallel.engine=fsdp", "--set",
+                                    "parallel.data_parallel_replicate=3"], prog_name="scaletool")
+    assert res.exit_code == 2
+    assert res.output.strip() == "error: parallel.data_parallel_replicate: 3 replicas do not divide the 16 GPUs planned for"
