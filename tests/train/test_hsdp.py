@@ -5,11 +5,13 @@ as a one-process run (4 ranks × micro-batch 2 = 8 sequences per step), so with 
 gradient-norm curves equal the one-process run's to float32 summation-order noise: a replica that did not
 all-reduce its gradient shard, or a shard group reading another's batch, would be off by far more. The parameters
 are 2-D DTensors (replicated over the first mesh dimension, sharded over the second); the checkpoint loads into a
-plain model. A replica count that does not divide the ranks is one error line before any rank trains.
+plain model, and a copy stopped after step 2 resumes to the same curve. A replica count that does not divide the
+ranks is one error line before any rank trains.
 """
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ from scaletool.train.checkpoint import load_model_weights
 pytestmark = pytest.mark.distributed
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
-COMMON = ["train.steps=4", "train.checkpoint_every=4", "train.measure_warmup_steps=1"]
+COMMON = ["train.steps=4", "train.checkpoint_every=2", "train.measure_warmup_steps=1"]
 HSDP = ["parallel.engine=fsdp", "parallel.data_parallel_replicate=2", "train.micro_batch_size=2"]
 
 
@@ -41,7 +43,14 @@ def runs(tmp_path_factory):
     assert single.returncode == 0, single.stderr[-3000:]
     hsdp = scaletool_train(root / "hsdp", COMMON + HSDP, "--nproc-per-node", "4")
     assert hsdp.returncode == 0, hsdp.stderr[-3000:]
-    return {"single": json.loads(single.stdout), "hsdp": json.loads(hsdp.stdout), "root": root}
+    again = root / "hsdp-resumed"
+    shutil.copytree(root / "hsdp", again)
+    shutil.rmtree(again / "checkpoints" / "step_4")
+    (again / "summary.json").unlink()
+    resumed = scaletool_train(again, COMMON + HSDP, "--nproc-per-node", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return {"single": json.loads(single.stdout), "hsdp": json.loads(hsdp.stdout), "root": root,
+            "resumed": json.loads(resumed.stdout)}
 
 
 def test_hsdp_2x2_matches_one_process(runs):
@@ -62,6 +71,11 @@ def test_hsdp_checkpoint_loads_into_a_plain_model(runs):
         weights[name] = model.state_dict()
     for key, value in weights["single"].items():
         assert (weights["hsdp"][key] - value).abs().max().item() < 1e-4, key
+
+
+def test_hsdp_resumes_the_uninterrupted_curve(runs):
+    full, resumed = runs["hsdp"]["history"]["loss"], runs["resumed"]["history"]["loss"]
+    assert resumed[-2:] == pytest.approx(full[-2:], rel=1e-5)
 
 
 def test_replicas_that_do_not_divide_the_ranks_are_one_error_line(tmp_path):
