@@ -74,8 +74,10 @@ def test_hsdp_checkpoint_loads_into_a_plain_model(runs):
 
 
 def test_hsdp_resumes_the_uninterrupted_curve(runs):
-    full, resumed = runs["hsdp"]["history"]["loss"], runs["resumed"]["history"]["loss"]
-    assert resumed[-2:] == pytest.approx(full[-2:], rel=1e-5)
+    full, resumed = runs["hsdp"], runs["resumed"]
+    assert resumed["start_step"] == 2 and resumed["resumed_from"].endswith("step_2")
+    assert resumed["history"]["step"] == list(range(4))
+    assert resumed["history"]["loss"] == pytest.approx(full["history"]["loss"], rel=1e-5)
 
 
 def test_replicas_that_do_not_divide_the_ranks_are_one_error_line(tmp_path):
