@@ -40,10 +40,13 @@ def resolve(recipe: RecipeLike, overrides: Sequence[str] = ()) -> Recipe:
 
 
 def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int | None = None,
-             world_size: int | None = None, hardware: str | None = DEFAULT_HARDWARE):
+             world_size: int | None = None, hardware: str | None = DEFAULT_HARDWARE, inter_node_gb_s: float | None = None,
+             gpus_per_node: int | None = None, calibration: str | None = None):
     """The analytic model of ``recipe``: parameters, FLOPs, KV cache, training memory in two phases and,
-    on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built).
-    Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
+    on ``hardware`` (a profile name; None: left out), the predicted step per engine (no model built), with
+    ``gpus_per_node`` GPUs per node (default all on one node up to 8) and ``inter_node_gb_s`` GB/s of inter-node
+    bus bandwidth per GPU (default the calibration's), ``calibration`` a shipped calibration's name or a file's path
+    in place of the card's. Returns an :class:`~scaletool.results.estimate.EstimateResult`."""
     from scaletool.analytic.estimate import estimate
     from scaletool.results.estimate import EstimateResult
 
@@ -58,7 +61,8 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), tokens: int |
     if hardware is not None:
         from scaletool.measure.prediction import engine_predictions
 
-        est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware)
+        est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware, inter_node_gb_s, gpus_per_node,
+                                               calibration)
     if r.parallel.pipeline_parallel > 1:  # pipeline stages: every memory figure is the largest stage's
         _pipeline_estimate(r, est, hardware)
     return EstimateResult.model_validate(est)
@@ -136,11 +140,14 @@ def hardware(device_name: str | None = None):
 def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_per_node: int | None = None,
          hardware: str = DEFAULT_HARDWARE, global_batch_tokens: int | None = None, seq_len: int | None = None,
          price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5, verify: int = 0,
-         progress=None, verify_progress=None):
+         progress=None, verify_progress=None, inter_node_gb_s: float | None = None, calibration: str | None = None):
     """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,
     each with its ``scaletool launch`` command; ``verify`` K runs the best K that fit this machine for a
     few steps and sets measured beside predicted. Returns a :class:`~scaletool.results.plan.PlanResult`.
-    ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run."""
+    ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run.
+    ``inter_node_gb_s``: the bus bandwidth per GPU across nodes (GB/s), in place of the calibration's;
+    ``calibration``: a shipped calibration's name or a file's path, in place of the card's."""
+    from scaletool.analytic.calibration import load_calibration
     from scaletool.plan.build import make_plan, make_request
     from scaletool.results.plan import PlanResult
 
@@ -148,7 +155,9 @@ def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_p
         overrides = (*overrides, f"train.seq_len={_positive('seq_len', seq_len)}")
     r = resolve(recipe, overrides)
     req = make_request(gpus, gpus_per_node, hardware, global_batch_tokens=global_batch_tokens,
-                       price_per_gpu_hour=price_per_gpu_hour, attention_variants=attention_variants, top=top)
+                       price_per_gpu_hour=price_per_gpu_hour, attention_variants=attention_variants, top=top,
+                       inter_node_gb_s=inter_node_gb_s,
+                       calibration=load_calibration(calibration) if calibration else None)
     if verify < 0:
         raise RecipeError(f"verify: {verify}: give the number of layouts to run (0: none)")
     name = str(recipe) if isinstance(recipe, (str, Path)) else "recipe.yaml"

@@ -444,6 +444,10 @@ class ParallelConfig(_Section):
                            "them chunk by chunk over symmetric memory")
     tp_local_ops: bool = Field(False, description="tensor_parallel > 1: the same split with every op inside a block "
                                "on local tensors (parameters stay DTensors), saving DTensor's per-op host dispatch")
+    data_parallel_replicate: int = Field(1, gt=0, description="fsdp: HSDP, FSDP2 on a 2-D (replicate, shard) mesh: "
+                                         "states sharded over world_size / data_parallel_replicate ranks (a node), "
+                                         "replicated across this many groups (nodes); gradient shards all-reduced "
+                                         "across them")
     fsdp_on_one_rank: bool = Field(False, description="fsdp with tensor_parallel = world size (pure tensor parallelism): "
                                    "wrap FSDP2 anyway, over its one-rank data mesh, where it shards nothing and costs "
                                    "host time per block; off, the split model trains directly under autocast")

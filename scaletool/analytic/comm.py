@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from scaletool.analytic import expert_parallel as ep_analytic
-from scaletool.analytic.collectives import _row
+from scaletool.analytic.collectives import _layer_params, _row
 from scaletool.analytic.engines import kind_with_forms
+from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import ModelConfig, Recipe
 from scaletool.kinds.attention import attention_kind
@@ -114,25 +115,62 @@ def data_parallel_communication(cfg: ModelConfig, engine: str, ranks: int, *, ze
         reduce_scatter_every=reduce_scatter_every)
 
 
+def hsdp_replicate_row(cfg: ModelConfig, shard: int, replicate: int, *, grad_accum_steps: int = 1,
+                       reduce_scatter_every: str = "step") -> dict:
+    """HSDP (FSDP2 on a 2-D ``(replicate, shard)`` mesh, Zhao et al. 2023 "PyTorch FSDP", §3.2.2 hybrid sharding):
+    after each reduce-scatter inside the shard group, the rank's fp32 gradient shard (Ψ/shard) is all-reduced
+    across the ``replicate`` ranks that hold the same shard, one per block and root, once per step (per
+    micro-batch with ``reduce_scatter_every="micro-batch"``)."""
+    blocks = len(_layer_params(cfg)) + 1
+    reductions = grad_accum_steps if reduce_scatter_every == "micro-batch" else 1
+    return _row("dp_replicate", "all_reduce", "gradient shards across replicas (HSDP, fp32)", reductions * blocks,
+                reductions * 4 * param_counts(cfg)["total"] / shard, replicate)
+
+
+def collective_group(group: str, world_size: int, tensor_parallel: int = 1, replicate: int = 1) -> tuple[int, int]:
+    """(ranks, stride) of a row's process group in the row-major layout of :func:`scaletool.engines.dist.device_mesh`
+    (``(replicate, shard, tp)``, the last dimension fastest): ``tp`` consecutive ranks; ``dp`` (the data-parallel
+    or, under HSDP, the shard group) ``world_size / tp / replicate`` ranks ``tp`` apart; ``dp_replicate`` the
+    replicas, a shard group's width apart."""
+    dp = world_size // tensor_parallel
+    if group == "tp":
+        return tensor_parallel, 1
+    if group == "dp":
+        return dp // replicate, tensor_parallel
+    if group == "dp_replicate":
+        return replicate, dp // replicate * tensor_parallel
+    raise ValueError(f"unknown process group {group!r}")
+
+
 def communication(recipe: Recipe, world_size: int | None = None, tensor_parallel: int | None = None) -> dict:
     """Per-step communication of the recipe's engine at ``world_size`` ranks, ``tensor_parallel`` of them
-    per tensor-parallel group (defaults: ``parallel.world_size``, ``parallel.tensor_parallel``)."""
+    per tensor-parallel group (defaults: ``parallel.world_size``, ``parallel.tensor_parallel``); under HSDP
+    (``parallel.data_parallel_replicate`` R > 1) FSDP2's collectives over the shard group of
+    ``world_size / R`` ranks and :func:`hsdp_replicate_row` across the R replicas."""
     p, t = recipe.parallel, recipe.train
     tp = tensor_parallel or p.tensor_parallel
     N = world_size or p.world_size
     if N % tp:
         raise ValueError(f"tensor_parallel={tp} does not divide world_size={N}")
     dp = N // tp
+    R = p.data_parallel_replicate
+    if dp % R:
+        raise ValueError(f"data_parallel_replicate={R} does not divide the {dp} data-parallel ranks")
+    shard = dp // R
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     local = tensor_parallel_config(recipe.model, tp)
     rows = tensor_parallel_communication(recipe.model, tp, inputs, t.grad_accum_steps,
                                          pure=p.pure_tensor_parallel(N, tp))
-    rows += data_parallel_communication(local, p.engine, dp, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
+    rows += data_parallel_communication(local, p.engine, shard, zero_stage=p.zero_stage, grad_accum_steps=t.grad_accum_steps,
                                         reshard_after_forward=p.reshard_after_forward,
                                         expert_parallel=ep_analytic.degree(p.expert_parallel, p.expert_parallel_degree,
                                                                            dp) if p.expert_parallel else False,
                                         inputs=inputs, reduce_scatter_every=p.reduce_scatter_every)
-    by_group = {g: sum(r["wire_bytes"] for r in rows if r["group"] == g) for g in ("tp", "dp")}
-    return {"engine": p.engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "collectives": rows,
+    if R > 1:
+        rows.append(hsdp_replicate_row(local, shard, R, grad_accum_steps=t.grad_accum_steps,
+                                       reduce_scatter_every=p.reduce_scatter_every))
+    by_group = {g: sum(r["wire_bytes"] for r in rows if (r["group"] == "tp") == (g == "tp")) for g in ("tp", "dp")}
+    return {"engine": p.engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp,
+            "data_parallel_replicate": R, "data_parallel_shard": shard, "collectives": rows,
             "tp_wire_bytes": by_group["tp"], "dp_wire_bytes": by_group["dp"],
             "wire_bytes": by_group["tp"] + by_group["dp"]}

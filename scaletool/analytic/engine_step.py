@@ -86,9 +86,10 @@ def bucketed_all_reduce_exposure(ctx: StepContext, hide: float) -> float:
 def prefetched_exposure(ctx: StepContext, hide: float) -> float:
     """Parameter gathers prefetched under the compute (half forward, half backward, with the gradients'
     reduce-scatters in the backward): what exceeds the compute is exposed, so is each micro-batch's first
-    gather, and ``1 - hide`` of the rest; all-to-alls on the critical path."""
+    gather, and ``1 - hide`` of the rest; all-to-alls on the critical path. HSDP's all-reduce of each gradient
+    shard across replicas follows its reduce-scatter in the backward and is counted with it."""
     ag, gathers = ctx.seconds("all_gather")
-    rs, _ = ctx.seconds("reduce_scatter")
+    rs = ctx.seconds("reduce_scatter")[0] + ctx.seconds("all_reduce")[0]
     a2a, _ = ctx.seconds("all_to_all")
     first = ag / (gathers or 1) * ctx.gas
     over = max(0.0, ag / 2 - ctx.gas * ctx.forward_s) + max(0.0, ag / 2 + rs - ctx.gas * ctx.backward_s)

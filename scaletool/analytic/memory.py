@@ -193,8 +193,22 @@ def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) ->
         return tensor_parallel_memory(recipe, world_size, tp)
     t = recipe.train
     inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every, compiled)
-    row = training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
-    return float8_memory(recipe, row)  # train.float8's components (unchanged without it)
+    # HSDP: FSDP2's states and buffers as over the shard group (the replicas' all-reduce runs in place on the shard)
+    shard = hsdp_shard(recipe, world_size)
+    row = training_memory(recipe.model, recipe.parallel.engine, shard, inp, engine_settings(recipe))
+    if shard != world_size:
+        row = {**row, "world_size": world_size, "data_parallel_shard": shard}
+    return float8_memory(recipe, row)
+
+
+def hsdp_shard(recipe: Recipe, world_size: int) -> int:
+    """The ranks FSDP2 shards over: ``world_size`` divided by HSDP's replicas (``parallel.data_parallel_replicate``);
+    a RecipeError when they do not divide it."""
+    R = recipe.parallel.data_parallel_replicate
+    if world_size % R:
+        raise RecipeError(f"parallel.data_parallel_replicate: {R} replicas do not divide the world size {world_size} "
+                          "(set the ranks to assume: estimate --world-size)")
+    return world_size // R  # train.float8's components (unchanged without it)
 
 
 def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:

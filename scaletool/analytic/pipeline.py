@@ -452,7 +452,7 @@ def pipeline_estimate(recipe: Recipe, world_size: int, calib: Calibration | None
     backward = {"weights": weights, "gradients": grads, "optimizer": optim, "activations": top["activations_bytes"],
                 "buffers": buffers, "temporaries": 0}
     step = {**backward, "weights": state // 4, "activations": 0, "buffers": 0}
-    row = {"engine": "fsdp", "world_size": world_size, "zero_stage": None, "weights_bytes": weights,
+    row = {"engine": p.engine, "world_size": world_size, "zero_stage": None, "weights_bytes": weights,
            "gradients_bytes": grads, "optimizer_bytes": optim, "activations_bytes": top["activations_bytes"],
            "activations_per_token_per_layer_bytes": 0, "transient_bytes": buffers,
            "total_bytes": top["total_bytes"], "phases": {"backward": backward, "optimizer_step": step},

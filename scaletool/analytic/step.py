@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import FP8_OVER_BF16, Calibration
-from scaletool.analytic.comm import communication, tensor_parallel_config
+from scaletool.analytic.comm import collective_group, communication, tensor_parallel_config
 from scaletool.analytic.engine_step import EngineStepTerms, StepContext
 from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
+from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
 from scaletool.config import ModelConfig, Recipe
@@ -66,20 +67,21 @@ def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int
 def _communication(recipe: Recipe, local: ModelConfig, N: int, tp: int, G: int, c: dict, gas: int,
                    calib: Calibration) -> tuple[dict, float, EngineStepTerms, list[str]]:
     """Each collective's total seconds, the exposed TP seconds, the engine's own step terms (its exposed
-    data-parallel seconds, host and device work: :mod:`scaletool.analytic.engine_step`) and the assumptions."""
+    data-parallel seconds, host and device work: :mod:`scaletool.analytic.engine_step`) and the assumptions (each
+    collective over its group's nodes: :mod:`scaletool.analytic.network`)."""
     dp = N // tp
     rows = communication(recipe, N, tp)["collectives"] if N > 1 else []
     times, totals, notes = [], {}, []
     for r in rows:
-        ranks = tp if r["group"] == "tp" else r.get("ranks", dp)  # expert parallelism: its group's ranks
-        inter = (tp > G) if r["group"] == "tp" else (N > G)
-        times.append(r["wire_bytes"] / calib.bus_bandwidth(r["op"], ranks, inter))
+        ranks, stride = collective_group(r["group"], N, tp, recipe.parallel.data_parallel_replicate)
+        ranks = r.get("ranks", ranks)  # expert parallelism: its group's ranks (consecutive data-parallel ranks)
+        times.append(group_seconds(calib, r["op"], r["message_bytes"], ranks, per_node_of(ranks, stride, G))["seconds"])
         key = f"comm/{r['group']}.{r['op']}_total_s"
         totals[key] = totals.get(key, 0.0) + times[-1]
     tp_exposed = sum(x for r, x in zip(rows, times) if r["group"] == "tp")
     if tp_exposed:
         notes.append("tensor parallelism: every collective on the critical path (no overlap)")
-    dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] == "dp"]
+    dp_rows = [(r, x) for r, x in zip(rows, times) if r["group"] != "tp"]  # HSDP's dp_replicate rows too
     fwd = c["gemm_forward"] + c["attention"] / 3 + c["elementwise"] / 3
     bwd = c["gemm_backward"] + 2 * c["attention"] / 3 + c["recompute"]
     ctx = StepContext(recipe, local, dp, gas, [r for r, _ in dp_rows], [x for _, x in dp_rows], fwd, bwd, calib)
@@ -146,8 +148,10 @@ def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: in
                            + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
                               if p.pure_tensor_parallel(N, tp) else ""))
     if N > G:
-        assumptions.append(f"{G} GPUs per node; data-parallel collectives span nodes at "
-                           f"{calib.collectives['inter_node_gb_s']:g} GB/s bus bandwidth per GPU (assumed)")
+        c = calib.collectives
+        assumptions.append(f"{G} GPUs per node; collectives across nodes at {c['inter_node_gb_s']:g} GB/s bus bandwidth "
+                           f"per GPU ({c.get('inter_node_source', 'assumed, not measured')}), NCCL's ring or "
+                           "hierarchical algorithm, whichever is faster (analytic.network)")
     return assumptions
 
 

@@ -2,13 +2,14 @@
 against recorded training results (``--validate``)."""
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
 
 import click
 
-from scaletool.cli.options import console, deliver, json_option, set_option
+from scaletool.cli.options import PositiveFloat, console, deliver, json_option, set_option
 
 
 def _print_validation(res: dict) -> None:
@@ -43,6 +44,32 @@ def _print_validation(res: dict) -> None:
         con.print(f"counted once: {len(res['duplicates'])} runs given twice", highlight=False)
 
 
+def _print_published(res: dict) -> None:
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = console()
+    t = Table(title="Published runs predicted (tokens/s per GPU)", title_justify="left", box=box.SIMPLE_HEAD,
+              show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for col in ("id", "card", "GPUs", "ckpt", "mode", "published", "predicted", "error"):
+        t.add_column(col, justify="left" if col in ("id", "card", "ckpt", "mode") else "right", no_wrap=True)
+    for r in res["rows"]:
+        mode = ("comp" if r["compiled"] else "eager") + (" fp8" if r["float8"] != "none" else "")
+        t.add_row(escape(r["id"]), escape(r["card"]), str(r["gpus"]), r["activation_checkpointing"], mode,
+                  f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
+                  f"{r['rel_error']:+.1%}")
+    con.print(t)
+    for key, title in (("all", "every row predicted"), ("one_node", "one node"), ("multi_node", "several nodes")):
+        s = res["summary"][key]
+        if s["n"]:
+            con.print(f"{title}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
+                      f"n={s['n']}", highlight=False)
+    for r in res["not_expressible"]:
+        con.print(f"not expressible: {escape(r['id'])} ({escape(r['model'][:20])}): {escape(r['reason'])}", highlight=False)
+    con.print("sources: the table's source column (--json lists each row's)", highlight=False)
+
+
 def _print_calibration(cal: dict, out: Path) -> None:
     con = console()
     g = cal["gemm_tflops"]
@@ -56,6 +83,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
     con.print(f"collectives ({c['source']}):", highlight=False)
     for op, t in c["intra_node_gb_s"].items():
         con.print(f"  {op}: " + ", ".join(f"{r} ranks {v:.4g} GB/s" for r, v in sorted(t.items())), highlight=False)
+    con.print(f"across nodes: {c['inter_node_gb_s']:.4g} GB/s per GPU ({c.get('inter_node_source', 'assumed')})",
+              highlight=False)
     con.print(f"wrote {out}", highlight=False)
 
 
@@ -64,6 +93,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
               help="Calibration YAML to write (default: calibration-<card>.yaml here).")
 @click.option("--gpus", type=click.IntRange(min=1, max=64), default=1, show_default=True,
               help="Local processes for the collectives (group sizes 2..N); NCCL on GPUs, gloo on the CPU.")
+@click.option("--message-mib", type=PositiveFloat(), multiple=True, metavar="MIB", help="Collective message size "
+              "(repeat for several; the largest sets the bus bandwidth) [default: 1, 16, 64, 256 on GPUs; 1 on a CPU].")
 @click.option("--recipe", "recipe", metavar="RECIPE", help="Also time this recipe's GEMM and attention shapes.")
 @set_option
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
@@ -71,27 +102,50 @@ def _print_calibration(cal: dict, out: Path) -> None:
 @click.option("--validate", "validate", is_flag=True,
               help="Instead of measuring: re-predict recorded training results (PATHS, default the committed "
                    "ones) and print predicted against measured tokens/s per GPU.")
+@click.option("--published", is_flag=True, help="With --validate: predict other projects' published training "
+              "runs instead (the shipped table, or PATHS: tables of the same tab-separated columns) at their model, "
+              "card, GPU count and layout, and list the rows scaletool cannot express with the reason.")
 @click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
               "(default: the one of each run's card).")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @json_option
-def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str,
-              validate: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
+def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recipe: str | None,
+              overrides: tuple[str, ...], device: str,
+              validate: bool, published: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
     """Measure this machine's rates for the step-time model and write a calibration YAML: GEMM rates
     (the recipe's shapes and square sizes), causal attention forward + backward, HBM copy
     bandwidth, and collective bus bandwidth over 2..N local processes. Each figure is a median
     with p10/p90 and n, warm-up excluded; card, date, torch version and this command are kept
     in the file. On a CPU it measures small sizes with gloo (what CI runs).
 
+    Under torchrun over several nodes it measures the collectives inside
+    each node and across them (one rank per node: the inter-node bus
+    bandwidth per GPU that estimate and plan use); rank 0 writes the file.
+
     \b
     Examples:
       scaletool calibrate --gpus 8 --recipe mla-1b --out h100.yaml
       scaletool calibrate --device cpu --gpus 2 --out cpu.yaml
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 \\
+          -m scaletool calibrate --out cluster.yaml
       scaletool calibrate --validate
       scaletool calibrate --validate run/result.json --json
+      scaletool calibrate --validate --published
     """
     from scaletool.errors import RecipeError
 
+    if published and not validate:
+        raise RecipeError("--published goes with --validate")
+    if published:
+        if calibration:
+            raise RecipeError("--calibration does not go with --published: each published row uses its card's")
+        from scaletool.measure.published import validate_published
+
+        res = validate_published(list(paths) if paths else None)
+        deliver(res, as_json)
+        if not as_json:
+            _print_published(res)
+        return res
     if validate:
         from scaletool.measure.validation import validate as run_validation
 
@@ -102,10 +156,14 @@ def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[
         return res
     if paths or calibration:
         raise RecipeError("PATHS and --calibration go with --validate")
-    return _measure(out, gpus, recipe, overrides, device, as_json)
+    if message_mib and gpus < 2 and not os.environ.get("WORLD_SIZE"):
+        raise RecipeError("--message-mib: goes with --gpus N (N >= 2) or a torchrun job: there are no collectives "
+                          "on one process")
+    return _measure(out, gpus, recipe, overrides, device, as_json, message_mib)
 
 
-def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str, as_json: bool):
+def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str, as_json: bool,
+             message_mib: tuple[float, ...] = ()):
     import json
     import re
 
@@ -118,7 +176,7 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
     from scaletool.fmt import write_atomic
     from scaletool.measure.calibrate import calibrate as measure
     from scaletool.measure.calibrate import card_name
-    from scaletool.measure.calibrate_comm import measure_collectives
+    from scaletool.measure.calibrate_comm import job_layout, measure_collectives, measure_in_job
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("--device cuda: no CUDA device here (use --device cpu)")
@@ -131,7 +189,20 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
     if out.exists() and out.is_dir():
         raise RecipeError(f"--out {shorten(str(out))}: is a directory")
     command = " ".join(shlex.quote(a) for a in ["scaletool", *sys.argv[1:]])
-    comm = measure_collectives(gpus) if gpus > 1 else {}
+    messages = tuple(int(m * 2**20) for m in message_mib) or None
+    if messages and min(messages) < 64:
+        raise RecipeError("--message-mib: at least 64 bytes (a few elements per rank)")
+    job = job_layout()
+    if job and gpus > 1:
+        raise RecipeError("--gpus: under torchrun the job's own processes are measured (its nodes and "
+                          "--nproc-per-node); leave --gpus out")
+    if job:  # a torchrun job over one or several nodes: every rank measures, rank 0 writes
+        rank, comm = measure_in_job(messages)
+        if rank:
+            return None
+        command = f"torchrun --nnodes {comm['nodes']} --nproc-per-node {comm['per_node']} -m {command}"
+    else:
+        comm = measure_collectives(gpus, messages) if gpus > 1 else {}
     cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
     calibration_from_dict(cal, str(out))  # what load_calibration will read back
     try:

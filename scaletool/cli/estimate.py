@@ -8,7 +8,7 @@ from rich.table import Table
 
 from scaletool import api
 from scaletool.cli.estimate_summary import UNITS, print_summary
-from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
+from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
 from scaletool.measure.hardware import DEFAULT_HARDWARE
@@ -34,12 +34,19 @@ PHASE_LABELS = {"backward": "bwd", "optimizer_step": "step"}
               "FSDP2 × tensor parallelism (engine fsdp), its memory per GPU and communication per step.")
 @click.option("--hardware", default=DEFAULT_HARDWARE, show_default=True, help="Card for the predicted step time per "
               "engine (a profile of `scaletool hardware`).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), help="GPUs per node for the predicted step "
+              "[default: 8, or the world size if fewer]; collectives across nodes use --inter-node-gb-s.")
+@click.option("--inter-node-gb-s", type=PositiveFloat(), metavar="GB/S", help="Bus bandwidth per GPU across nodes "
+              "(what `scaletool calibrate` measures over one rank per node) [default: the calibration's].")
+@click.option("--calibration", metavar="NAME|PATH", help="Calibration for the predicted step: a shipped one's name "
+              "or a YAML `scaletool calibrate` wrote [default: the --hardware card's].")
 @click.option("--detail", is_flag=True, help="The full ledger: parameters by component, FLOPs and KV cache "
               "tables, memory per engine and phase by component, tensor parallelism's collectives.")
 @json_option
 def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_len: int | None,
              micro_batch: int | None, world_size: int | None, tensor_parallel: int | None, hardware: str,
-             detail: bool, as_json: bool):
+             gpus_per_node: int | None, inter_node_gb_s: float | None, calibration: str | None, detail: bool,
+             as_json: bool):
     """Closed-form parameters, FLOPs, KV cache and training memory of RECIPE.
 
     RECIPE may also be a Hugging Face config.json (or its model folder),
@@ -58,13 +65,15 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate mha-1b --world-size 8 --set train.micro_batch_size=1
       scaletool estimate recipes/mla-1b.yaml --json | jq .memory.recipe.phases
       scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
+      scaletool estimate llama3-8b --gpus 64 --inter-node-gb-s 45
     """
     if tensor_parallel is not None:
         overrides = (*overrides, f"parallel.engine={tensor_parallel_engine()}", f"parallel.tensor_parallel={tensor_parallel}")
     shape = {"train.seq_len": seq_len, "train.micro_batch_size": micro_batch}
     overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
     r = api.resolve(recipe, overrides)
-    est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware)
+    est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware, inter_node_gb_s=inter_node_gb_s,
+                       gpus_per_node=gpus_per_node, calibration=calibration)
     deliver(est, as_json)
     if not as_json and not detail:
         print_summary(r, est, console())

@@ -142,6 +142,12 @@ def print_summary(r, est, con: Console) -> None:
                   "tok/s of single, ddp, fsdp;\n  its memory columns are bf16's);"
                   f" FP8 casts +{size(f8['fp8_cast_temporaries_bytes'])}"
                   + "".join(f", {label} -{size(f8[key])}" for key, label in _FP8_SAVINGS if f8[key]) + ".")
+    rows = (data.get("prediction") or {}).get("rows") or []
+    hsdp = next((row for row in rows if row["label"].startswith("hsdp")), None)
+    if hsdp is not None:  # the recipe's HSDP layout: not a row of the engines' memory table
+        c = data["communication"]
+        con.print(f"HSDP: {c['data_parallel_replicate']} replicas × {c['data_parallel_shard']}-rank shard groups, "
+                  f"predicted {si(hsdp['tokens_per_s_per_gpu'])} tok/s per GPU.")
     if tp > 1 and data.get("communication"):
         c = data["communication"]
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "

@@ -48,6 +48,10 @@ class Progress:
               "[default: not fixed, accumulation 1].")
 @click.option("--seq-len", type=int, help="Sequence length [default: the recipe's train.seq_len].")
 @click.option("--price-per-gpu-hour", type=PositiveFloat(), help="Adds the cost per million tokens.")
+@click.option("--inter-node-gb-s", type=PositiveFloat(), metavar="GB/S", help="Bus bandwidth per GPU across nodes "
+              "(what `scaletool calibrate` measures over one rank per node) [default: the calibration's].")
+@click.option("--calibration", metavar="NAME|PATH", help="Calibration for the predicted step: a shipped one's name "
+              "or a YAML `scaletool calibrate` wrote [default: the --hardware card's].")
 @click.option("--attention-variants", is_flag=True, help="Also plan the model with each other attention kind.")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts listed.")
 @click.option("--verify", type=click.IntRange(min=0), default=0, metavar="K",
@@ -55,8 +59,9 @@ class Progress:
 @set_option
 @json_option
 def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, global_batch_tokens: int | None,
-         seq_len: int | None, price_per_gpu_hour: float | None, attention_variants: bool, top: int, verify: int,
-         overrides: tuple[str, ...], as_json: bool):
+         seq_len: int | None, price_per_gpu_hour: float | None, inter_node_gb_s: float | None, calibration: str | None,
+         attention_variants: bool,
+         top: int, verify: int, overrides: tuple[str, ...], as_json: bool):
     """Plan RECIPE on --gpus GPUs: the layouts that fit, fastest first.
 
     \b
@@ -83,7 +88,9 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
     try:
         res = api.plan(recipe, gpus=gpus, overrides=overrides, gpus_per_node=gpus_per_node, hardware=hardware,
                        global_batch_tokens=global_batch_tokens, seq_len=seq_len, price_per_gpu_hour=price_per_gpu_hour,
-                       attention_variants=attention_variants, top=top, verify=verify, progress=prog.search,
+                       inter_node_gb_s=inter_node_gb_s, calibration=calibration,
+                       attention_variants=attention_variants, top=top, verify=verify,
+                       progress=prog.search,
                        verify_progress=None if as_json else prog.line)
     finally:
         prog.done()

@@ -147,9 +147,17 @@ def agree(value, env: DistEnv):
     return box[0]
 
 
-def device_mesh(env: DistEnv, tensor_parallel: int = 1) -> DeviceMesh:
+def device_mesh(env: DistEnv, tensor_parallel: int = 1, replicate: int = 1) -> DeviceMesh:
     """The ranks as a ``("dp", "tp")`` mesh (``("dp",)`` without tensor parallelism), row-major: a
-    tensor-parallel group is ``tensor_parallel`` consecutive ranks (one node's, as torchtitan lays it out)."""
+    tensor-parallel group is ``tensor_parallel`` consecutive ranks (one node's, as torchtitan lays it out).
+    HSDP (``replicate`` > 1, no tensor parallelism): a ``("dp_replicate", "dp_shard")`` mesh, torchtitan's
+    names, a shard group being ``world_size / replicate`` consecutive ranks (one node's), flattened to ``"dp"``
+    for what reduces over every data-parallel rank."""
+    if replicate > 1:
+        mesh = init_device_mesh(env.device.type, (replicate, env.world_size // replicate),
+                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        mesh._flatten("dp")
+        return mesh
     if tensor_parallel == 1:
         return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
     mesh = init_device_mesh(env.device.type, (env.world_size // tensor_parallel, tensor_parallel),

@@ -1,6 +1,8 @@
 """FSDP2: ``fully_shard`` on every block, then on the root (embedding, final norm, head), over the
 data-parallel ranks; with ``parallel.tensor_parallel`` N > 1, composed with tensor parallelism over a 2-D
-``("dp", "tp")`` mesh, as torchtitan does.
+``("dp", "tp")`` mesh, as torchtitan does. HSDP (``parallel.data_parallel_replicate`` R > 1): ``fully_shard`` over
+a 2-D ``("dp_replicate", "dp_shard")`` mesh, sharding within each group of ``world_size / R`` ranks (a node) and
+replicating across the R groups, as torchtitan's ``dp_replicate`` × ``dp_shard``.
 
 Parameters, gradients and AdamW state are sharded; each block's 16-bit parameters are all-gathered just
 before its forward (again before its backward when ``reshard_after_forward``) under a
@@ -51,7 +53,7 @@ class FSDPEngine(SingleEngine):
 
     def shard_tensors(self, model: nn.Module) -> None:
         tp = self.recipe.parallel.tensor_parallel
-        self.mesh = device_mesh(self.env, tp)
+        self.mesh = device_mesh(self.env, tp, self.recipe.parallel.data_parallel_replicate)
         if tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], self.recipe.model, self.recipe.parallel.tp_local_ops)
             if self.recipe.parallel.async_tp:
@@ -69,7 +71,9 @@ class FSDPEngine(SingleEngine):
         if self.pure_tp:
             return model
         p = self.recipe.parallel
-        mesh = self.mesh["dp"]
+        # HSDP: the 2-D (replicate, shard) mesh itself; fully_shard shards over its last dimension and replicates over
+        # the first (reduce-scatter within a shard group, then all-reduce of the shard across the replicas)
+        mesh = self.mesh["dp_replicate", "dp_shard"] if p.data_parallel_replicate > 1 else self.mesh["dp"]
         dtype = self.recipe.model.dtype
         mp = (MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
               if dtype != "fp32" else MixedPrecisionPolicy())

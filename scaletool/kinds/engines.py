@@ -274,8 +274,9 @@ def unregister_engine(name: str) -> None:
 SINGLE = register_engine(EngineKind("single", distributed=False, autocast=True, auto_compile_scope="model", float8=True,
                                     weight_cast_step=True))
 DDP = register_engine(EngineKind("ddp", autocast=True, float8=True))
-FSDP = register_engine(EngineKind("fsdp", keys=("cpu_offload", "reduce_scatter_every"),
-                                  layouts=("tensor_parallel", "expert_parallel", "pipeline_parallel"), float8=True,
+FSDP = register_engine(EngineKind("fsdp", keys=("cpu_offload", "reduce_scatter_every", "data_parallel_replicate"),
+                                  layouts=("tensor_parallel", "expert_parallel", "pipeline_parallel",
+                                           "data_parallel_replicate"), float8=True,
                                   float8_all_gather=True,
                                   optimizer_sharded_from=0, gradients_sharded_from=0))
 DEEPSPEED = register_engine(EngineKind("deepspeed", keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
@@ -318,7 +319,8 @@ def tensor_parallel_engine() -> str:
 
 
 def engines_with(layout: str) -> list[str]:
-    """The engines that compose with ``layout`` (``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``)."""
+    """The engines that compose with ``layout`` (``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``,
+    ``data_parallel_replicate``: HSDP)."""
     return [e.name for e in ENGINES.values() if layout in e.layouts]
 
 
@@ -353,6 +355,26 @@ def tensor_parallel_problems(recipe: Any, seq_len: int) -> list[str]:
     return problems
 
 
+def hsdp_problems(recipe: Any, world_size: int | None = None) -> list[str]:
+    """HSDP (``parallel.data_parallel_replicate`` R > 1): FSDP2 on a 2-D (replicate, shard) mesh, without tensor or
+    expert parallelism (a 3-D mesh is not a layout here); with a world size, R divides it."""
+    p = recipe.parallel
+    R = p.data_parallel_replicate
+    if R == 1:
+        return []
+    if "data_parallel_replicate" not in engine_kind(p.engine).layouts:
+        hsdp = " or ".join(engines_with("data_parallel_replicate"))
+        return [f"parallel.data_parallel_replicate: {R} (HSDP) needs parallel.engine={hsdp}, not engine={p.engine}"]
+    if p.tensor_parallel > 1 or p.expert_parallel:
+        other = "tensor_parallel" if p.tensor_parallel > 1 else "expert_parallel"
+        return [f"parallel.data_parallel_replicate: HSDP does not compose with parallel.{other} here (it would need a "
+                "3-D mesh); use one or the other"]
+    if world_size is not None and world_size % R:
+        return [f"parallel.data_parallel_replicate: {R} replicas do not divide the world size {world_size} "
+                "(each replica is a shard group of world_size / data_parallel_replicate ranks)"]
+    return []
+
+
 def layout_problems(recipe: Any, seq_len: int) -> list[str]:
     """The parallel layout's rules (tensor and expert parallelism), checked on every recipe."""
     p, m = recipe.parallel, recipe.model
@@ -366,6 +388,10 @@ def layout_problems(recipe: Any, seq_len: int) -> list[str]:
                 "parallelism)"]
     if p.tensor_parallel > 1:
         problems = tensor_parallel_problems(recipe, seq_len)
+        if problems:
+            return problems
+    if p.data_parallel_replicate > 1:
+        problems = hsdp_problems(recipe)
         if problems:
             return problems
     if p.expert_parallel and m.ffn != "moe":
@@ -418,6 +444,8 @@ def engine_problems(recipe: Any, world_size: int | None = None) -> list[str]:
                 for key, engine in ENGINE_KEYS.items()
                 if p.engine != engine and getattr(p, key) != defaults[key].get_default(call_default_factory=True)]
     problems += engine_kind(p.engine).problems(recipe, world_size)
+    if world_size is not None and "data_parallel_replicate" in engine_kind(p.engine).layouts:
+        problems += hsdp_problems(recipe, world_size)
     if world_size is not None and world_size % p.tensor_parallel:
         problems.append(f"parallel.tensor_parallel: {p.tensor_parallel} does not divide the world size "
                         f"{world_size} (data-parallel ranks × tensor-parallel ranks)")

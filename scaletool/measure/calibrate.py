@@ -174,6 +174,8 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         "measured": {"command": command, "date": date, "card": card, "torch": version, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "warmup": WARMUP, "reps": REPS, "gemm": gemms,
                      "attention": attention, "hbm": hbm, "collectives": comm.get("ops", {}),
+                     **({"collectives_inter_node": comm["inter_node"], "collectives_world": comm.get("world", {}),
+                         "nodes": comm.get("nodes"), "per_node": comm.get("per_node")} if comm.get("inter_node") else {}),
                      "fitted_elsewhere": "elementwise factors and overheads: copied from " + base.source},
     }
 
@@ -191,13 +193,30 @@ def _base_calibration(card: str, gpu: bool) -> Calibration:
 
 
 def _collectives(comm: dict, base: Calibration) -> dict:
-    """Bus GB/s per op and group size: the measured medians, else the base calibration's figures."""
+    """Bus GB/s per op and group size inside a node: the measured medians, else the base calibration's figures;
+    across nodes (a job over several nodes, :func:`scaletool.measure.calibrate_comm.measure_in_job`): the
+    all-reduce's over one rank per node (the rails), else the base calibration's figure."""
     measured = comm.get("ops", {})
     table = {}
     for op in COLLECTIVE_OPS:  # an op the backend lacks takes the measured all-reduce's figures
         sizes = {int(r): v["bus_gb_s"]["median"] for r, v in (measured.get(op) or measured.get("all_reduce") or {}).items()}
         intra = base.collectives["intra_node_gb_s"]
         table[op] = sizes or dict(intra.get(op) or intra["all_reduce"])
-    src = (f"measured {comm.get('backend')} over {comm.get('world_size')} local processes"
-           if measured else base.collectives.get("source", "not measured"))
-    return {"source": src, "intra_node_gb_s": table, "inter_node_gb_s": base.collectives["inter_node_gb_s"]}
+    if not measured:
+        src = base.collectives.get("source", "not measured")
+    elif comm.get("nodes", 1) > 1:
+        src = f"measured {comm.get('backend')} inside each of {comm['nodes']} nodes of {comm.get('per_node')} ranks"
+    else:
+        src = f"measured {comm.get('backend')} over {comm.get('world_size')} local processes"
+    out = {"source": src, "intra_node_gb_s": table, "inter_node_gb_s": base.collectives["inter_node_gb_s"]}
+    across = comm.get("inter_node", {})
+    rail = across.get("all_reduce") or next(iter(across.values()), None)
+    if rail:
+        op = "all_reduce" if "all_reduce" in across else next(iter(across))
+        nodes = max(rail, key=int)
+        out["inter_node_gb_s"] = rail[nodes]["bus_gb_s"]["median"]
+        out["inter_node_source"] = (f"measured {comm.get('backend')}: {op} over {nodes} nodes, one rank per node, "
+                                    f"{max(comm.get('messages') or [0]) / 2**20:g} MiB")
+    else:
+        out["inter_node_source"] = base.collectives.get("inter_node_source", "assumed, not measured")
+    return out

@@ -55,16 +55,28 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
                         compiled=recipe.train.compile)
 
 
-def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
+def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_node_gb_s: float | None = None,
+                       gpus_per_node: int | None = None, calibration: str | None = None) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
     recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
-    recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
+    recipe's FSDP2 × TP layout only; under HSDP a row ``hsdp RxS`` follows the engines'): what ``estimate``
+    prints beside the memory table. ``inter_node_gb_s`` replaces the calibration's inter-node bus bandwidth per GPU,
+    ``gpus_per_node`` the default of all on one node up to 8; ``calibration`` (a shipped name or a file's path, what
+    ``scaletool calibrate`` wrote) replaces the card's own."""
+    from scaletool.analytic.network import with_inter_node
     from scaletool.kinds.engines import engine_kind, engines_for, tensor_parallel_engine
     from scaletool.measure.hardware import profile_named
 
     prof = profile_named(hardware)
-    calib = calibration_for_device(prof.device, prof)
+    base = load_calibration(calibration) if calibration else calibration_for_device(prof.device, prof)
+    try:
+        calib = with_inter_node(base, inter_node_gb_s)
+    except ValueError as e:
+        raise RecipeError(f"--inter-node-gb-s: {e}") from None
+    if gpus_per_node is not None and world_size > gpus_per_node and world_size % gpus_per_node:
+        raise RecipeError(f"--gpus-per-node: {world_size} GPUs are not a whole number of nodes of {gpus_per_node}")
     p = recipe.parallel
+    R = p.data_parallel_replicate
     if p.pipeline_parallel > 1:  # stages over the engine that composes with them (kinds.pipeline)
         layouts = [(f"{p.engine} pp{p.pipeline_parallel} {p.pipeline_schedule}", p.engine, p.zero_stage)]
     elif p.tensor_parallel > 1:
@@ -74,11 +86,16 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
         layouts = engines_for(world_size)
     rows = []
     for label, engine, stage in layouts:
-        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
+        par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage, "data_parallel_replicate": 1})
         # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
         t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
-        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size)
+        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size, gpus_per_node)
         rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
                                                               "hfu", "bound")}})
+    # the recipe's HSDP beside FSDP2 over every rank: replicas x shard group
+    if R > 1 and "data_parallel_replicate" in engine_kind(p.engine).layouts:
+        pred = predict(recipe, calib, world_size, gpus_per_node)
+        rows.append({"label": f"hsdp {R}x{world_size // R}", **{k: pred[k] for k in (
+            "step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "world_size": world_size, "rows": rows}

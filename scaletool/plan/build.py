@@ -34,8 +34,12 @@ def check_cluster(gpus: int, gpus_per_node: int | None) -> int:
 
 def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_batch_tokens: int | None = None,
                  price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5,
-                 card_bytes: int | None = None, calibration=None, **narrow) -> Request:
-    """The checked :class:`Request` (``narrow``: the Request fields that restrict the search)."""
+                 card_bytes: int | None = None, calibration=None, inter_node_gb_s: float | None = None,
+                 **narrow) -> Request:
+    """The checked :class:`Request` (``narrow``: the Request fields that restrict the search); ``inter_node_gb_s``
+    replaces the calibration's bus bandwidth per GPU across nodes."""
+    from scaletool.analytic.network import with_inter_node
+
     g = check_cluster(gpus, gpus_per_node)
     if global_batch_tokens is not None and global_batch_tokens < 1:
         raise RecipeError(f"global batch tokens: {global_batch_tokens}: must be at least 1")
@@ -50,6 +54,11 @@ def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_
                               "be fitted to it; add memory_gib to a user profile of that name")
         hardware, card_bytes = prof.name, prof.memory_bytes
         calibration = calibration if calibration is not None else calibration_for_device(prof.device, prof)
+    if inter_node_gb_s is not None:
+        try:
+            calibration = with_inter_node(calibration, inter_node_gb_s)
+        except ValueError as e:
+            raise RecipeError(f"inter-node bandwidth: {e}") from None
     return Request(gpus=gpus, gpus_per_node=g, hardware=hardware, card_bytes=card_bytes, calibration=calibration,
                    global_batch_tokens=global_batch_tokens, price_per_gpu_hour=price_per_gpu_hour,
                    attention_variants=attention_variants, top=top, **narrow)
@@ -62,12 +71,17 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
     def predict(r, lay):  # the one prediction per layout that estimate and train's summary also make
         return predict_layout(r, req.calibration, req.gpus, req.gpus_per_node)
 
+    given, R = recipe, recipe.parallel.data_parallel_replicate
+    if R > 1:  # HSDP is the plan's own axis (one replica per node): the recipe's replicas must still fit the GPUs
+        if req.gpus % R:
+            raise RecipeError(f"parallel.data_parallel_replicate: {R} replicas do not divide the {req.gpus} GPUs planned for")
+        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"data_parallel_replicate": 1})})
     found = search(recipe, req, predict, progress)
     top = found["layouts"][:req.top]
     for row in top:
-        row["argv"] = launch_argv(recipe_arg, overrides, recipe, row, req.gpus, req.gpus_per_node)
+        row["argv"] = launch_argv(recipe_arg, overrides, given, row, req.gpus, req.gpus_per_node)
         row["command"] = command_line(row["argv"])
-        row["command_problems"] = command_problems(recipe, row, req.gpus)
+        row["command_problems"] = command_problems(given, row, req.gpus)
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,

@@ -22,6 +22,8 @@ def layout_sets(base: Recipe, row: dict) -> dict[str, object]:
         sets["parallel.zero_stage"] = row["zero_stage"]
     if row["tensor_parallel"] != p.tensor_parallel:
         sets["parallel.tensor_parallel"] = row["tensor_parallel"]
+    if row.get("data_parallel_replicate", 1) != p.data_parallel_replicate:
+        sets["parallel.data_parallel_replicate"] = row.get("data_parallel_replicate", 1)
     if row["expert_parallel"] != p.expert_parallel:
         sets["parallel.expert_parallel"] = row["expert_parallel"]
     if row.get("expert_parallel_degree", 0) != p.expert_parallel_degree:

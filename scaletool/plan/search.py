@@ -105,6 +105,11 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
     staged = engines_with("pipeline_parallel")
     if req.pipeline and m.task == "lm" and staged and (req.labels is None or staged[0] in req.labels):
         out += pipeline_families(recipe, req, kind, notes)
+    nodes = req.gpus // req.gpus_per_node
+    hsdp = engines_with("data_parallel_replicate")
+    if nodes > 1 and hsdp and (req.labels is None or "hsdp" in req.labels):  # shard within a node, replicate across
+        out += [Family(kind, "hsdp", hsdp[0], 0, 1, ac, c, data_parallel_replicate=nodes)
+                for ac in CHECKPOINTING for c in req.compiled]
     return out
 
 
@@ -196,7 +201,7 @@ def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, eve
                           fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
                           planned_weight_cast(recipe, fam.engine, gas), reduce, fam.expert_parallel_degree,
                           fam.pipeline_parallel, fam.pipeline_schedule, fam.pipeline_virtual_stages,
-                          fam.pipeline_microbatches))
+                          fam.pipeline_microbatches, fam.data_parallel_replicate))
     return out
 
 
@@ -207,7 +212,7 @@ def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
                                         "compile": lay.compiled, "weight_cast": lay.weight_cast})
     p = recipe.parallel.model_copy(update={
         "engine": lay.engine, "tensor_parallel": lay.tensor_parallel, "world_size": gpus,
-        "reduce_scatter_every": lay.reduce_scatter_every,
+        "reduce_scatter_every": lay.reduce_scatter_every, "data_parallel_replicate": lay.data_parallel_replicate,
         "expert_parallel": lay.expert_parallel, "expert_parallel_degree": lay.expert_parallel_degree,
         "pipeline_parallel": lay.pipeline_parallel, "pipeline_schedule": lay.pipeline_schedule,
         "pipeline_virtual_stages": lay.pipeline_virtual_stages, "pipeline_microbatches": lay.pipeline_microbatches or None,
@@ -299,7 +304,8 @@ def pipeline_comparison(rows: list[dict]) -> dict | None:
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
                  lay.activation_checkpointing, lay.compiled, lay.expert_parallel, lay.expert_parallel_degree,
-                 lay.pipeline_parallel, lay.pipeline_schedule, lay.pipeline_virtual_stages, lay.pipeline_microbatches)
+                 lay.pipeline_parallel, lay.pipeline_schedule, lay.pipeline_virtual_stages, lay.pipeline_microbatches,
+                 lay.data_parallel_replicate)
     est = mem.estimate(fam, lay.micro_batch_size, lay.grad_accum_steps, lay.reduce_scatter_every)
     _, margin = fits(est["total_bytes"], req.card_bytes)
     cost = None

@@ -1,9 +1,9 @@
 """The layouts a plan considers, and which of them fit the card.
 
-A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3: scaletool.kinds.engines), a tensor-parallel degree
-(the engines that compose with it, FSDP2; a divisor
-of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that reaches
-the global batch, activation checkpointing and eager or compiled training; for FSDP2 also pipeline stages
+A layout is an engine (single, DDP, FSDP2, ZeRO-1/2/3: scaletool.kinds.engines; across nodes also HSDP: FSDP2
+sharding within a node and replicating across nodes), a tensor-parallel degree (the engines that compose with it,
+FSDP2; a divisor of the GPUs per node that the heads split over), a micro-batch, the gradient accumulation that
+reaches the global batch, activation checkpointing and eager or compiled training; for FSDP2 also pipeline stages
 (degree, schedule, virtual stages, pipeline micro-batches) and, for a MoE model, an expert-parallel degree.
 Memory grows with the micro-batch, so the largest micro-batch that fits is found by doubling and bisection
 (a few estimates per engine instead of one per micro-batch), and every estimate is memoized. A pipeline
@@ -46,6 +46,7 @@ class Layout:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
     pipeline_microbatches: int = 0  # 0: not a pipeline layout
+    data_parallel_replicate: int = 1  # HSDP's replicas (parallel.data_parallel_replicate; label hsdp): one per node
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Family:
     pipeline_schedule: str = "1f1b"
     pipeline_virtual_stages: int = 1
     pipeline_microbatches: int = 0  # a pipeline family fixes m; its micro-batch is m × sequences per pipeline micro-batch
+    data_parallel_replicate: int = 1
 
 
 def pipeline_recipe(recipe: Recipe, fam: Family, micro_batch: int, grad_accum_steps: int) -> Recipe:
@@ -147,14 +149,18 @@ class MemoryModel:
             return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
-        settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
+        # a ZeRO stage with its own settings (ZeRO-3's block-sized buckets), as estimate's recipe_memory counts them
+        base = engine_settings(r, fam.zero_stage) if engine_kind(fam.engine).zero_stages else self.base
+        settings = replace(base, zero_stage=fam.zero_stage or base.zero_stage,
                            expert_parallel=fam.expert_parallel, expert_parallel_degree=fam.expert_parallel_degree,
                            grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
         whole = compiles_whole_model(fam.compiled, t.compile_scope, fam.engine)
         inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, whole)
-        return training_memory(r.model, fam.engine, engine_kind(fam.engine).ranks(self.gpus), inputs, settings)
+        # HSDP: FSDP2's states over the shard group (analytic.memory.recipe_memory)
+        ranks = engine_kind(fam.engine).ranks(self.gpus) // fam.data_parallel_replicate
+        return training_memory(r.model, fam.engine, ranks, inputs, settings)
 
     def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
         return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]

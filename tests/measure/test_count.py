@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import MODEL_RECIPES, assert_counted_exactly
 
+from scaletool.analytic.memory import count_memory
+from scaletool.analytic.params import param_counts
 from scaletool.config import load_recipe, recipe_from_dict
 from scaletool.errors import RecipeError
 from scaletool.measure import available
@@ -75,7 +77,7 @@ def test_available_memory_takes_the_smaller_of_meminfo_and_the_cgroup(tmp_path, 
 
 def test_a_count_that_would_not_fit_is_refused_with_its_figures(monkeypatch):
     r = recipe_from_dict(TINY)
-    need = count_module.analytic.count_memory(r.model, 64, r.seq_len)["total_bytes"]
+    need = count_memory(r.model, 64, r.seq_len)["total_bytes"]
     monkeypatch.setattr(count_module, "available_memory", lambda device: (int(need * 1.1), "a test"))
     with pytest.raises(RecipeError) as e:
         count(r, device="cpu", batch=64)
@@ -89,8 +91,8 @@ def test_a_count_that_would_not_fit_is_refused_with_its_figures(monkeypatch):
 
 def test_count_memory_is_the_fp32_model_its_gradients_and_one_batch():
     r = recipe_from_dict(TINY)
-    psi = count_module.analytic.param_counts(r.model)["total"]
-    one, big, bigger = (count_module.analytic.count_memory(r.model, b, r.seq_len) for b in (1, 100, 200))
+    psi = param_counts(r.model)["total"]
+    one, big, bigger = (count_memory(r.model, b, r.seq_len) for b in (1, 100, 200))
     assert one["weights"] == 4 * psi and one["total_bytes"] == sum(v for k, v in one.items() if k != "total_bytes")
     # with many tokens the peak is the loss, where every saved activation is alive: linear in the batch
     assert bigger["activations"] == 2 * big["activations"] and big["gradients"] == 0

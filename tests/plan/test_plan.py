@@ -150,7 +150,7 @@ def test_the_table_fits_80_columns(monkeypatch):
     (["tiny", "--gpus", "-4"], "at least 1 GPU"),
     (["tiny", "--gpus", "12", "--gpus-per-node", "8"], "not a whole number of nodes"),
     (["tiny", "--gpus", "8", "--gpus-per-node", "0"], "gpus per node"),
-    (["tiny", "--gpus", "8", "--hardware", "h900"], "known: A100, CPU, H100 PCIe, H100 SXM, H200"),
+    (["tiny", "--gpus", "8", "--hardware", "h900"], "known: A100, CPU, H100 96GB, H100 PCIe, H100 SXM, H200, H800"),
     (["tiny", "--gpus", "8", "--hardware", "cpu"], "no memory_gib"),
     (["llama3-405b-dense", "--gpus", "8"], "GiB more than fits"),
     (["tiny", "--gpus", "8", "--global-batch-tokens", "100"], "multiple of 64"),

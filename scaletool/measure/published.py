@@ -1,0 +1,238 @@
+"""Other projects' published training throughputs, predicted by scaletool's own step-time model.
+
+The table (``profiles/published-runs.tsv``, one row per published measurement, tab-separated, every row with its
+``source``) gives each run's model dimensions, sequence length, global and micro batch, GPU count and card,
+parallel layout, activation checkpointing, precision, compile and the measured tokens/s per GPU. Each row scaletool
+can express becomes a recipe (:func:`express`) predicted with the shipped (or datasheet-default) calibration of
+its card at 8 GPUs per node; each row it cannot express is listed with the reason (pipeline or context
+parallelism, FP8 all-gather, a micro-batch the source does not state, a card without a profile). The rows are data
+to predict: nothing in the model or the calibrations is fitted to them.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import stat
+import statistics
+from pathlib import Path
+
+from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration
+from scaletool.analytic.step import predict_step
+from scaletool.config import recipe_from_dict
+from scaletool.errors import RecipeError, shorten
+from scaletool.measure.hardware import load_profiles, profile_named
+from scaletool.resources import data_dir
+
+COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",
+           "micro_batch", "n_gpus", "gpu", "power_or_hw_note", "layout", "act_ckpt", "precision", "compile",
+           "tok_s_per_gpu", "reported_mfu_or_tflops", "pp_row", "notes", "source")
+#: the largest table read (the shipped one is a few KB)
+MAX_BYTES = 1 << 20
+#: GPUs per node of every published run in the table (DGX H100, Grand Teton, Selene, the H200 and H800 clusters)
+GPUS_PER_NODE = 8
+#: the card column's text -> the hardware profile it ran on, first match wins
+CARDS = (("Grand Teton", "H100 96GB"), ("96GB", "H100 96GB"), ("H800", "H800"), ("H200", "H200"),
+         ("A100", "A100"), ("H100", "H100 SXM"))
+
+
+class NotExpressible(Exception):
+    """A published row scaletool cannot express as a recipe; the message is the reason."""
+
+
+def shipped_table() -> Path:
+    return data_dir("profiles") / "published-runs.tsv"
+
+
+def read_table(path: Path) -> list[dict]:
+    """The rows of a published-runs table; a RecipeError (one line) when it cannot be read, is not UTF-8 text,
+    is too large, or lacks a column."""
+    name = shorten(str(path))
+    try:  # a FIFO or a device would block or never end: opened without blocking, only a regular file is read
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise RecipeError(f"{name}: not a regular file")
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise RecipeError(f"{name}: cannot read: {e.strerror or e}") from None
+    if len(raw) > MAX_BYTES:
+        raise RecipeError(f"{name}: larger than {MAX_BYTES >> 20} MiB; a published-runs table is a few KB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"{name}: not UTF-8 text") from None
+    reader = csv.DictReader(io.StringIO(text), delimiter="\t", quoting=csv.QUOTE_NONE)
+    header = reader.fieldnames or []
+    missing = [c for c in COLUMNS if c not in header]
+    if missing:
+        raise RecipeError(f"{name}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                          f"(a published-runs table has the tab-separated columns {', '.join(COLUMNS)})")
+    rows = []
+    for i, row in enumerate(reader, start=2):
+        if None in row or any(row.get(c) is None for c in COLUMNS):
+            raise RecipeError(f"{name}: line {i}: {len(header)} columns expected, got a different number")
+        rows.append({c: row[c].strip() for c in COLUMNS})
+    return rows
+
+
+def _number(text: str) -> float | None:
+    m = re.match(r"\s*([0-9][0-9,]*(?:\.[0-9]+)?)", text)
+    return float(m.group(1).replace(",", "")) if m else None
+
+
+def _integer(row: dict, column: str) -> int:
+    v = row[column].strip()
+    if not v.isascii() or not v.isdigit() or len(v) > 9 or int(v) < 1:
+        raise NotExpressible(f"{column} not stated as a positive whole number ({v[:30]!r})")
+    return int(v)
+
+
+def _degree(layout: str, name: str) -> int:
+    m = re.search(rf"\b{name}\s*(\d{{1,6}})\b", layout)
+    if m and int(m.group(1)) < 1:
+        raise NotExpressible(f"{name} degree 0 in the layout {layout[:40]!r}")
+    return int(m.group(1)) if m else 1
+
+
+def _card(gpu: str) -> str:
+    for key, profile in CARDS:
+        if key.lower() in gpu.lower():
+            return profile
+    raise NotExpressible(f"card {gpu[:40]!r}: no hardware profile")
+
+
+def _checkpointing(text: str) -> tuple[str, str | None]:
+    """(train.activation_checkpointing, a note where it is an approximation) of the act_ckpt column."""
+    t = text.lower()
+    if t.startswith("none"):
+        return "none", None
+    if t.startswith(("full", "yes")):
+        return "full", None
+    if "op" in t or "sac" in t or "selective" in t:
+        # torchtitan's op-level SAC keeps every other matmul's output and recomputes the rest of the forward;
+        # scaletool checkpoints whole blocks: every second block recomputes about as much
+        return "selective", "op-level selective checkpointing as every second block checkpointed"
+    raise NotExpressible(f"activation checkpointing {text[:40]!r} not stated")
+
+
+def _precision(text: str) -> tuple[str, str]:
+    """(model.dtype, train.float8) of the precision column."""
+    t = text.lower()
+    if "all-gather" in t:
+        raise NotExpressible("FP8 all-gather (float8 parameters gathered by FSDP2): not modelled")
+    if "te" in re.findall(r"[a-z]+", t) or "fp8 mixed" in t:
+        raise NotExpressible("Transformer Engine / DeepSeek FP8 recipes: not scaletool's torchao FP8")
+    if "float8" in t or "fp8" in t:
+        return "bf16", "tensorwise"  # torchao's default recipe, what torchtitan's float8 runs use
+    if "fp16" in t:
+        return "fp16", "none"
+    if "bf16" in t:
+        return "bf16", "none"
+    raise NotExpressible(f"precision {text[:40]!r}")
+
+
+def _model(row: dict) -> dict:
+    name = row["model"]
+    L, d, H = _integer(row, "layers"), _integer(row, "hidden"), _integer(row, "heads")
+    if not (row["kv_heads"].isascii() and row["kv_heads"].isdigit()):
+        raise NotExpressible(f"attention {row['kv_heads'][:30]!r} with a MoE FFN: not a dense model of the table's form")
+    kv = _integer(row, "kv_heads")
+    model = {"d_model": d, "n_layers": L, "n_heads": H, "intermediate_size": _integer(row, "ffn"),
+             "vocab_size": _integer(row, "vocab"), "max_seq_len": _integer(row, "seq_len")}
+    model |= {"attention": "mha"} if kv == H else {"attention": "gqa", "n_kv_heads": kv}
+    if name.lower().startswith("llama"):  # Llama 3: SwiGLU, RoPE, RMSNorm, untied embeddings
+        model |= {"ffn": "swiglu", "position_encoding": "rope", "rope_theta": 500000.0, "norm": "rmsnorm"}
+    elif name.lower().startswith("mpt"):  # MPT: GELU MLP, ALiBi, LayerNorm, tied embeddings (llm-foundry mpt yamls)
+        model |= {"ffn": "gelu", "position_encoding": "alibi", "norm": "layernorm", "tie_embeddings": True}
+    elif name.lower().startswith("gpt"):  # GPT-3-style (Megatron): GELU MLP, learned positions, LayerNorm
+        model |= {"ffn": "gelu", "position_encoding": "learned", "norm": "layernorm"}
+    else:
+        raise NotExpressible(f"model family of {name[:40]!r} not known (its FFN, positions and norm)")
+    return model
+
+
+def express(row: dict) -> dict:
+    """The recipe, GPU count, card and approximations of a published row; NotExpressible with the reason."""
+    layout = row["layout"]
+    pp = _degree(layout, "PP")
+    if row["pp_row"].strip().lower() == "yes" or pp > 1:
+        raise NotExpressible("pipeline parallelism" + (f" (PP{pp})" if pp > 1 else ""))
+    cp = _degree(layout, "CP")
+    if cp > 1:
+        raise NotExpressible(f"context parallelism (CP{cp})")
+    dtype, float8 = _precision(row["precision"])
+    if not row["micro_batch"].strip().isdigit():
+        raise NotExpressible("micro-batch not stated by the source")
+    if "megatron" in layout.lower():
+        raise NotExpressible("Megatron-LM's engine (distributed optimizer, fused kernels): not one of scaletool's engines")
+    if "fsdp" not in layout.lower():
+        raise NotExpressible(f"layout {layout[:40]!r}: not an FSDP layout")
+    N, m, gbs = _integer(row, "n_gpus"), _integer(row, "micro_batch"), _integer(row, "global_batch_seqs")
+    tp = _degree(layout, "TP")
+    if N % tp:
+        raise NotExpressible(f"TP{tp} does not divide {N} GPUs")
+    dp = N // tp
+    if gbs % (m * dp):
+        raise NotExpressible(f"global batch {gbs} is not micro-batch {m} x {dp} data-parallel ranks x an accumulation")
+    ac, note = _checkpointing(row["act_ckpt"])
+    compiled = row["compile"].strip().lower().startswith("yes")
+    model = _model(row) | {"dtype": dtype}
+    train = {"seq_len": model["max_seq_len"], "micro_batch_size": m, "grad_accum_steps": gbs // (m * dp),
+             "activation_checkpointing": ac, "compile": compiled, "float8": float8}
+    if ac == "selective":
+        train["selective_every"] = 2
+    parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp}
+    try:
+        recipe = recipe_from_dict({"model": model, "train": train, "parallel": parallel}, f"published {row['id']}")
+    except RecipeError as e:
+        raise NotExpressible(f"scaletool's recipe rules: {e.problems[0] if e.problems else e}") from None
+    notes = [note] if note else []
+    if float8 != "none":
+        notes.append("FP8 GEMMs at twice the bf16 curve (no calibration measured an FP8 rate)")
+    return {"recipe": recipe, "world_size": N, "card": _card(row["gpu"]), "notes": notes}
+
+
+def _calibration(card: str, profiles, cache: dict) -> Calibration:
+    if card not in cache:
+        prof = profile_named(card, profiles)
+        cache[card] = calibration_for(prof.name) or default_calibration(prof)
+    return cache[card]
+
+
+def _stats(rows: list[dict]) -> dict:
+    errs = [abs(r["rel_error"]) for r in rows]
+    return {"n": len(errs), "median_abs_error": statistics.median(errs) if errs else None,
+            "worst_abs_error": max(errs) if errs else None}
+
+
+def validate_published(paths: list[Path] | None = None) -> dict:
+    """Every expressible row's predicted and published tokens/s per GPU and the relative error; the rows not
+    expressible with their reasons; the error distribution overall, on one node and across nodes."""
+    profiles, cache, rows, skipped = load_profiles(), {}, [], []
+    for path in paths or [shipped_table()]:
+        for row in read_table(Path(path)):
+            measured = _number(row["tok_s_per_gpu"])
+            try:
+                if not measured or measured <= 0:
+                    raise NotExpressible(f"tokens/s per GPU {row['tok_s_per_gpu'][:30]!r} is not a positive number")
+                x = express(row)
+                cal = _calibration(x["card"], profiles, cache)
+            except (NotExpressible, RecipeError) as e:
+                skipped.append({"id": row["id"], "model": row["model"], "reason": str(e), "source": row["source"]})
+                continue
+            pred = predict_step(x["recipe"], cal, world_size=x["world_size"], gpus_per_node=GPUS_PER_NODE)
+            N = x["world_size"]
+            rows.append({"id": row["id"], "model": row["model"], "card": x["card"], "calibration": cal.name,
+                         "gpus": N, "nodes": max(1, N // GPUS_PER_NODE), "layout": row["layout"],
+                         "activation_checkpointing": x["recipe"].train.activation_checkpointing,
+                         "compiled": x["recipe"].train.compile, "float8": x["recipe"].train.float8,
+                         "measured_tokens_per_s_per_gpu": measured,
+                         "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
+                         "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
+                         "notes": x["notes"], "source": row["source"]})
+    one = [r for r in rows if r["nodes"] == 1]
+    many = [r for r in rows if r["nodes"] > 1]
+    return {"rows": rows, "not_expressible": skipped,
+            "summary": {"all": _stats(rows), "one_node": _stats(one), "multi_node": _stats(many)}}

@@ -1,0 +1,127 @@
+"""The published-runs validation: other projects' measured throughputs, shipped with their sources, predicted by
+the step-time model (nothing fitted to them), the rows it cannot express listed with the reason, and a table
+with a missing column refused with one line. The error bounds below are the figures docs/prediction.md states
+plus a small margin: a change that makes the model worse on these rows fails here."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scaletool.errors import RecipeError
+from scaletool.measure.hardware import profile_named
+from scaletool.measure.published import COLUMNS, read_table, shipped_table, validate_published
+
+#: (median, worst) |relative error| stated in docs/prediction.md, by group
+STATED = {"all": (0.157, 0.382), "one_node": (0.212, 0.382), "multi_node": (0.118, 0.285)}
+MARGIN = 0.02
+
+
+@pytest.fixture(scope="module")
+def result():
+    return validate_published()
+
+
+def test_every_row_keeps_its_source_and_is_predicted_or_explained(result):
+    table = read_table(shipped_table())
+    assert len(table) >= 26 and all(r["source"] for r in table)
+    ids = [r["id"] for r in result["rows"]] + [r["id"] for r in result["not_expressible"]]
+    assert sorted(ids) == sorted(r["id"] for r in table)
+    assert all(r["source"] for r in result["rows"] + result["not_expressible"])
+
+
+def test_the_reasons_a_row_cannot_be_expressed(result):
+    why = {r["id"]: r["reason"] for r in result["not_expressible"]}
+    assert why["DS1"].startswith("pipeline parallelism (PP16)")
+    assert why["NV3"].startswith("pipeline parallelism")
+    assert why["AM1"] == "context parallelism (CP2)"
+    assert "FP8 all-gather" in why["TT8"]
+    assert why["MG1"] == "micro-batch not stated by the source"
+
+
+def test_rows_run_on_their_own_cards(result):
+    rows = {r["id"]: r for r in result["rows"]}
+    assert rows["TT1"]["card"] == "H100 96GB" and rows["MP1"]["card"] == "H100 SXM" and rows["MP8"]["card"] == "A100"
+    teton = profile_named("H100 96GB")
+    assert teton.memory_bytes == int(94.5 * 2**30) and teton.peak_bandwidth_bytes_per_s == 2.4e12
+    assert rows["TT4"]["nodes"] == 16 and rows["TT1"]["nodes"] == 1
+    assert rows["TT3"]["float8"] == "tensorwise" and rows["TT1"]["compiled"] is False and rows["TT2"]["compiled"]
+
+
+@pytest.mark.parametrize("group", list(STATED))
+def test_error_distribution_no_worse_than_stated(result, group):
+    s = result["summary"][group]
+    median, worst = STATED[group]
+    assert s["n"] >= (4 if group == "multi_node" else 10)
+    assert s["median_abs_error"] <= median + MARGIN
+    assert s["worst_abs_error"] <= worst + MARGIN
+
+
+def _write(path, columns, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(columns)
+        w.writerows(rows)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "scaletool", "calibrate", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_table_with_a_missing_column_is_one_error_line(tmp_path):
+    table = read_table(shipped_table())
+    cols = [c for c in COLUMNS if c != "source"]
+    _write(tmp_path / "runs.tsv", cols, [[r[c] for c in cols] for r in table[:2]])
+    res = _cli("--validate", "--published", str(tmp_path / "runs.tsv"))
+    assert res.returncode == 2 and not res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "missing column source" in lines[0]
+
+
+def test_a_row_with_a_column_short_and_a_fifo_are_refused(tmp_path):
+    table = read_table(shipped_table())
+    _write(tmp_path / "short.tsv", COLUMNS, [[table[0][c] for c in COLUMNS][:-1]])
+    with pytest.raises(RecipeError, match="line 2"):
+        read_table(tmp_path / "short.tsv")
+    os.mkfifo(tmp_path / "fifo.tsv")
+    with pytest.raises(RecipeError, match="not a regular file"):
+        read_table(tmp_path / "fifo.tsv")
+
+
+def test_a_users_table_is_predicted_row_by_row(tmp_path):
+    table = read_table(shipped_table())
+    mine = [dict(r) for r in table if r["id"] in ("MP1", "NV1")]
+    mine[0]["n_gpus"] = "16"
+    mine[0]["global_batch_seqs"] = "224"
+    _write(tmp_path / "mine.tsv", COLUMNS, [[r[c] for c in COLUMNS] for r in mine])
+    out = validate_published([tmp_path / "mine.tsv"])
+    assert [r["id"] for r in out["rows"]] == ["MP1"] and out["rows"][0]["nodes"] == 2
+    assert [r["id"] for r in out["not_expressible"]] == ["NV1"]
+
+
+def test_published_goes_with_validate_only():
+    res = _cli("--published")
+    assert res.returncode == 2 and res.stderr.strip() == "error: --published goes with --validate"
+
+
+@pytest.mark.parametrize("column, value, says", [
+    ("n_gpus", "0", "n_gpus not stated as a positive whole number"),
+    ("micro_batch", "0", "micro_batch not stated as a positive whole number"),
+    ("layout", "FSDP 8 x TP 0", "TP degree 0"),
+    ("layout", "FSDP 8 x TP 3", "TP3 does not divide 8 GPUs"),
+    ("hidden", "1" * 400, "hidden not stated as a positive whole number"),
+    ("layers", "²", "layers not stated"),
+    ("gpu", "MI300X", "no hardware profile"),
+    ("tok_s_per_gpu", "-", "is not a positive number"),
+])
+def test_a_row_scaletool_cannot_use_is_listed_with_its_reason(tmp_path, column, value, says):
+    row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "TT1"))
+    row[column] = value
+    _write(tmp_path / "one.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    out = validate_published([tmp_path / "one.tsv"])
+    assert not out["rows"] and len(out["not_expressible"]) == 1
+    assert says in out["not_expressible"][0]["reason"]
