@@ -7,7 +7,7 @@ whole path; its error there is not meaningful and says nothing about the model.
 """
 from __future__ import annotations
 
-from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration, load_calibration
+from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration, shipped_calibration
 from scaletool.analytic.step import predict_step
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
@@ -18,9 +18,10 @@ CPU_NOTE = "CPU placeholder (not measured): the prediction's error on a CPU is n
 
 
 def cpu_calibration() -> Calibration:
-    """A shipped or user calibration named ``cpu`` when there is one, else the placeholder."""
+    """The shipped calibration named ``cpu`` when there is one (``profiles/calibrations/`` only: a file called
+    ``cpu`` in the working directory is not a calibration), else the placeholder."""
     try:
-        return load_calibration("cpu")
+        return shipped_calibration("cpu")
     except RecipeError:
         pass
     c = CPU_PLACEHOLDER
