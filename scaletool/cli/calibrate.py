@@ -15,12 +15,15 @@ def _print_validation(res: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from scaletool.fmt import printable
+
     con = console()
     t = Table()
     for col in ("run", "card", "engine", "GPUs", "compiled", "measured tok/s/GPU", "predicted", "error", "bound"):
         t.add_column(col, justify="right" if col in ("GPUs", "measured tok/s/GPU", "predicted", "error") else "left")
     for r in res["runs"]:
-        t.add_row(escape(r["run"]), escape(r["card"]), r["engine"], str(r["world_size"]), "yes" if r["compiled"] else "no",
+        t.add_row(escape(printable(r["run"])), escape(printable(r["card"])), r["engine"], str(r["world_size"]),
+                  "yes" if r["compiled"] else "no",
                   f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                   f"{r['rel_error']:+.1%}", r["bound"])
     con.print(t)
@@ -38,7 +41,7 @@ def _print_validation(res: dict) -> None:
         con.print("no GPU training run to re-predict: the committed results come with a checkout of the repository "
                   "(not with an installed package); pass result files as PATHS", highlight=False)
     for line in res["skipped"]:
-        con.print(f"skipped: {escape(line)}", highlight=False)
+        con.print(f"skipped: {escape(printable(line))}", highlight=False)
     if res.get("duplicates"):
         con.print(f"counted once: {len(res['duplicates'])} runs given twice", highlight=False)
 
@@ -105,6 +108,33 @@ def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[
     return _measure(out, gpus, recipe, overrides, device, as_json)
 
 
+def check_out(out: Path) -> None:
+    """``--out`` can take the calibration: a regular file (or a link to one) or a new name, in an existing
+    directory this process may write; a FIFO, a device (/dev/full), a directory or a missing folder is one
+    line now, not after the measurement."""
+    import os
+    import stat
+
+    from scaletool.errors import RecipeError, shorten
+
+    where = f"--out {shorten(str(out))}"
+    try:
+        st = out.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:  # a path through a file, a name too long, a link loop
+        raise RecipeError(f"{where}: cannot write: {e.strerror or e}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise RecipeError(f"{where}: is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise RecipeError(f"{where}: not a regular file (a FIFO or a device); calibrate writes a YAML file there")
+    folder = Path(os.path.realpath(out)).parent
+    if not folder.is_dir():
+        raise RecipeError(f"{where}: no such directory {shorten(str(folder))}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RecipeError(f"{where}: cannot write in {shorten(str(folder))} (permission denied)")
+
+
 def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str, as_json: bool):
     import json
     import re
@@ -128,8 +158,7 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
         raise RecipeError("--set needs --recipe")
     slug = re.sub(r"[^a-z0-9]+", "-", card_name(dev).lower()).strip("-")
     out = out or Path(f"calibration-{slug}.yaml")
-    if out.exists() and out.is_dir():
-        raise RecipeError(f"--out {shorten(str(out))}: is a directory")
+    check_out(out)  # before minutes of measuring, which a path that cannot take the file would lose
     command = " ".join(shlex.quote(a) for a in ["scaletool", *sys.argv[1:]])
     comm = measure_collectives(gpus) if gpus > 1 else {}
     cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
