@@ -121,9 +121,10 @@ def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
     except OSError as e:
         raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RecipeError(f"{shown}: not a regular file")
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise RecipeError(f"{shown}: not a regular file")
             blob = f.read(limit + 1)
     except OSError as e:
         raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None

@@ -154,7 +154,9 @@ def torchrun_argv(spec: LaunchSpec, *, endpoint: str | None = None, rdzv_id: str
     if spec.nnodes == 1 and endpoint is None:
         argv.append("--standalone")
     else:
-        conf = f"join_timeout={spec.rdzv_timeout_s}"
+        # read_timeout bounds the store's own waits too (connecting to node 0's store included: 60 s a try by
+        # default, retried, 166 s in all for a node 0 that never started) by the same --rdzv-timeout
+        conf = f"join_timeout={spec.rdzv_timeout_s},read_timeout={spec.rdzv_timeout_s}"
         if spec.node_rank is not None:
             conf += f",is_host={int(spec.node_rank == 0)}"
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id or spec.run_id,
