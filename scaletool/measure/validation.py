@@ -75,7 +75,12 @@ def _usable(r: dict) -> bool:
         return False
     names, rate = env.get("gpu_names"), m.get("throughput/tokens_per_s_per_gpu")
     return (env.get("device_type") == "cuda" and isinstance(names, list) and bool(names) and isinstance(names[0], str)
-            and _real(rate) and rate > 0 and r.get("status", "completed") == "completed")
+            and isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
+            and r.get("status", "completed") == "completed")  # its range: figures_problem, with the reason
+
+
+def _number_kind(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _real(x) -> bool:
@@ -98,7 +103,10 @@ def figures_problem(r: dict) -> str | None:
     rate = m["throughput/tokens_per_s_per_gpu"]
     if not rate <= MAX_RATE:
         return f"its throughput/tokens_per_s_per_gpu {echo(rate)} is past {MAX_RATE:g} tokens/s per GPU"
+    # not numbers at all (null, text): not used, the run's own throughput is (measured_tokens_per_s_per_gpu)
     tokens, median = r.get("tokens_per_step"), m.get("time/step_s_median")
+    tokens = tokens if _number_kind(tokens) else None
+    median = median if _number_kind(median) else None
     if tokens is not None and not (_real(tokens) and 0 < tokens <= MAX_TOKENS_PER_STEP):
         return f"its tokens_per_step {echo(tokens)} is not a positive number up to {MAX_TOKENS_PER_STEP:g}"
     if median is not None and not (_real(median) and STEP_S_RANGE[0] <= median <= STEP_S_RANGE[1]):
