@@ -182,7 +182,10 @@ def summarize(samples: list[dict]) -> dict[str, float | int | bool | None]:
     out["contention/contended_steps"] = sum(flags)
     out["contention/sampled_steps"] = len(flags)
     out["contention/contended"] = bool(flags) and sum(flags) > RUN_STEPS_MAX * len(flags)
-    out["contention/psi_some_avg10"] = psi_some_avg10()
+    try:
+        out["contention/psi_some_avg10"] = psi_some_avg10()
+    except Exception:  # noqa: BLE001 - as Probe.snap: recording contention never ends a run
+        out["contention/psi_some_avg10"] = None
     return out
 
 
