@@ -75,7 +75,7 @@ def _print_calibration(cal: dict, out: Path) -> None:
               help="Instead of measuring: re-predict recorded training results (PATHS, default the committed "
                    "ones) and print predicted against measured tokens/s per GPU.")
 @click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
-              "(default: the one of each run's card).")
+              "(default: the one of each run's card). A PATH has a '/' or ends in .yaml; a NAME is a shipped one.")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @json_option
 def calibrate(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str,

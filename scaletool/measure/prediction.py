@@ -76,4 +76,4 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
         rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
                                                               "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
-            "world_size": world_size, "rows": rows}
+            "calibration_file": calib.file or None, "world_size": world_size, "rows": rows}
