@@ -36,7 +36,9 @@ PROFILES_ENV = "SCALETOOL_PROFILES"
 TFLOPS = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
 GB_S = Annotated[float, Field(gt=0, le=1e7, allow_inf_nan=False, strict=True)]
 GIB = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
-Text = Annotated[str, Field(max_length=1000, strict=True)]
+# printed by `scaletool hardware` and in results: no control characters (an escape sequence would drive the terminal)
+NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
+Text = Annotated[str, Field(max_length=1000, strict=True, pattern=NO_CONTROL)]
 
 
 class ProfileFile(BaseModel):
@@ -44,7 +46,7 @@ class ProfileFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200, strict=True)
+    name: str = Field(min_length=1, max_length=200, strict=True, pattern=NO_CONTROL)
     device: Literal["cuda", "cpu"]
     match: list[Text] = Field(default=[], max_length=100)
     exclude: list[Text] = Field(default=[], max_length=100)
@@ -83,7 +85,8 @@ def _problems(exc: ValidationError, source: str) -> list[str]:
             lines.append(f"{source}: {where}: unknown key; {tip}")
         else:
             got = repr(err.get("input"))
-            lines.append(f"{source}: {where}: {err['msg']} (got {got if len(got) <= 60 else got[:57] + '...'})")
+            msg = "text without control characters" if err["type"] == "string_pattern_mismatch" else err["msg"]
+            lines.append(f"{source}: {where}: {msg} (got {got if len(got) <= 60 else got[:57] + '...'})")
     return lines
 
 

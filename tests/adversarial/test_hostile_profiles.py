@@ -32,6 +32,8 @@ CASES = {
     "match a number": (_profile(GOOD.replace("['Mine GPU']", "[1]")), "match"),
     "deep nesting": (_profile(GOOD + "reference: " + "[" * 20_000 + "]" * 20_000 + "\n"), "p.yaml"),
     "not UTF-8": (_profile(b"\xff\xfe"), "UTF-8"),
+    "an escape sequence in the name": (_profile(GOOD.replace("name: Mine", "name: \"Mine\\e[2J\"")), "control"),
+    "a newline in the reference": (_profile(GOOD + "reference: \"a\\nb\"\n"), "control"),
     "larger than 64 KiB": (_profile(GOOD + "#" * 70_000 + "\n"), "larger than 64 KiB"),
 }
 
