@@ -129,9 +129,13 @@ def _positive(where: str, value, problems: list[str], high: float = MAX_TFLOPS) 
     _number(where, value, problems, high=high)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _text(where: str, value, problems: list[str]) -> None:
-    if not isinstance(value, str):
-        problems.append(f"{where}: text, got {echo(value)}")
+    """Text, printed as it is by estimate, plan and calibrate: no control characters (escape sequences)."""
+    if not isinstance(value, str) or _CONTROL.search(value):
+        problems.append(f"{where}: text without control characters, got {echo(value)}")
 
 
 def _group_size(r) -> int | None:

@@ -78,6 +78,8 @@ BAD = {
     "bus 1e308": (_set("collectives.intra_node_gb_s.all_gather", {2: 1e308}), "all_gather.2"),
     "inter-node NaN": (_set("collectives.inter_node_gb_s", float("nan")), "inter_node_gb_s"),
     "name a list": (_set("name", ["H100"]), "name"),
+    "name with an escape sequence": (_set("name", "H100\x1b]0;pwned\x07"), "name"),
+    "source with a newline": (_set("source", "measured\nforged line"), "source"),
     "overheads a list": (_set("overheads", [1]), "overheads"),
     "measured a string": (_set("measured", "x"), "measured"),
 }
