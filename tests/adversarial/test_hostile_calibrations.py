@@ -166,3 +166,4 @@ def test_a_finished_run_keeps_its_summary_when_the_prediction_fails(tmp_path, mo
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps_completed"] == 2
     assert "TypeError" in summary["prediction"]["unavailable"]
+    assert "warning: no step-time prediction for this run: " in (out / "train.log").read_text()
