@@ -1,7 +1,7 @@
-"""Inputs that would make a command wait or work forever: a sweep grid of a million points, or a plan for more
-GPUs than any cluster, is refused
-from the lengths of its lists before anything is enumerated (the count and the limit named); a
---result-file FIFO nobody reads is in test_hostile_links.py."""
+"""Inputs that would make a command wait or work forever: a sweep grid of a million points is refused from the
+lengths of its lists before anything is enumerated (the count and the limit named), and a plan for more GPUs
+than any cluster from the count; a --result-file FIFO nobody reads is in test_hostile_links.py, FIFO
+calibrations, profiles and result files in their own modules."""
 from __future__ import annotations
 
 import pytest
