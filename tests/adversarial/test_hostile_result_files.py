@@ -93,3 +93,15 @@ def test_text_from_a_result_file_is_printed_escaped(tmp_path):
     res = CliRunner().invoke(main, ["calibrate", "--validate", str(path)])
     assert res.exit_code == 0, res.output
     assert "\x1b" not in res.output and "\\x1b" in res.output
+
+
+def test_a_fifo_among_the_committed_results_is_a_skipped_line_not_a_wait(tmp_path, monkeypatch):
+    import scaletool.measure.validation as validation
+
+    fifo = tmp_path / "planted.json"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(validation, "committed_paths", lambda: [fifo, RUN])
+    res = CliRunner().invoke(main, ["calibrate", "--validate", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["summary"]["all"]["n"] == 1 and any("not a regular file" in s for s in out["skipped"]), out["skipped"]
