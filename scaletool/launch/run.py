@@ -69,6 +69,12 @@ def cpp_noise_filtered():
         state[0] = noise
         return not noise
 
+    def forward(data: bytes) -> None:
+        try:
+            os.write(saved, data)
+        except OSError:  # stderr itself gone (closed, a full disk): drop it, but keep draining the pipe, or
+            pass  # the workers writing to it would block once it fills
+
     def pump() -> None:
         pending, state = b"", [False]
         with os.fdopen(read_end, "rb", buffering=0) as src:
@@ -76,9 +82,12 @@ def cpp_noise_filtered():
                 *lines, pending = (pending + chunk).split(b"\n")
                 kept = b"".join(line + b"\n" for line in lines if keep(line, state))
                 if kept:
-                    os.write(saved, kept)
+                    forward(kept)
+                if len(pending) > 1 << 20:  # a megabyte without a newline: pass it on as it is
+                    forward(pending)
+                    pending = b""
         if pending and keep(pending, state):
-            os.write(saved, pending)
+            forward(pending)
 
     thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
     thread.start()
