@@ -125,8 +125,13 @@ def _number(where: str, value, problems: list[str], *, high: float, low: float =
         problems.append(f"{where}: {what} (at most {high:g}), got {echo(value)}")
 
 
-def _positive(where: str, value, problems: list[str], high: float = MAX_TFLOPS) -> None:
-    _number(where, value, problems, high=high)
+#: the smallest rate (TFLOP/s, GB/s) or size taken: a mega-FLOP/s card would still pass; 1e-300 would not, whose
+#: step times overflow to infinity downstream
+MIN_RATE = 1e-6
+
+
+def _positive(where: str, value, problems: list[str], high: float = MAX_TFLOPS, low: float = MIN_RATE) -> None:
+    _number(where, value, problems, high=high, low=low, low_open=False, what=f"a number of at least {low:g}")
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -271,7 +276,7 @@ def read_calibration(path: Path, source: str | None = None) -> Calibration:
     """The calibration in the YAML file ``path``: read only if it is a regular file of at most
     :data:`MAX_CALIBRATION_BYTES` (never waiting on a FIFO or reading /dev/zero), parsed with the bounded
     safe loader and validated; ``file`` records which file it was."""
-    from scaletool.yaml_input import load_yaml_text
+    from scaletool.yaml_input import exponent_floats, load_yaml_text
 
     source = source or shorten(str(path))
     try:
@@ -282,7 +287,7 @@ def read_calibration(path: Path, source: str | None = None) -> Calibration:
         text = blob.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RecipeError(f"{source}: not UTF-8 text (byte {e.start})") from None
-    cal = calibration_from_dict(load_yaml_text(text, source), source)
+    cal = calibration_from_dict(exponent_floats(load_yaml_text(text, source)), source)
     return replace(cal, file=str(path))
 
 

@@ -31,11 +31,12 @@ from scaletool.resources import data_dir, read_bounded
 from scaletool.results.hardware import HardwareProfile
 
 PROFILES_ENV = "SCALETOOL_PROFILES"
-# Far beyond any card (an exa-FLOP/s card, a PB/s memory, a PiB of memory), so a real datasheet always
-# passes and a corrupt figure (1e308, whose bytes overflow) never reaches MFU, decode or plan.
-TFLOPS = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
-GB_S = Annotated[float, Field(gt=0, le=1e7, allow_inf_nan=False, strict=True)]
-GIB = Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False, strict=True)]
+# Far beyond any card either way (from a mega-FLOP/s to an exa-FLOP/s card, a KB/s to a PB/s memory, a KiB to
+# a PiB), so a real datasheet always passes and a corrupt figure (1e308, whose bytes overflow; 1e-300, whose
+# times do) never reaches MFU, decode or plan.
+TFLOPS = Annotated[float, Field(ge=1e-6, le=1e6, allow_inf_nan=False, strict=True)]
+GB_S = Annotated[float, Field(ge=1e-6, le=1e7, allow_inf_nan=False, strict=True)]
+GIB = Annotated[float, Field(ge=1e-6, le=1e6, allow_inf_nan=False, strict=True)]
 # printed by `scaletool hardware` and in results: no control characters (an escape sequence would drive the terminal)
 NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
 Text = Annotated[str, Field(max_length=1000, strict=True, pattern=NO_CONTROL)]
@@ -98,14 +99,14 @@ def read_profile(path: Path, source: str) -> HardwareProfile:
     """Validate one profile file; every problem is one line of the RecipeError. The file is read only if it is
     a regular file of at most :data:`MAX_PROFILE_BYTES` (a FIFO or device named ``*.yaml`` is refused, never
     waited on), with the bounded safe YAML loader."""
-    from scaletool.yaml_input import load_yaml_text
+    from scaletool.yaml_input import exponent_floats, load_yaml_text
 
     try:
         blob = read_bounded(path, MAX_PROFILE_BYTES, "a hardware profile")
     except RecipeError as e:
         raise RecipeError([f"hardware profile {p}" for p in e.problems]) from None
     try:
-        raw = load_yaml_text(blob.decode("utf-8"), source)
+        raw = exponent_floats(load_yaml_text(blob.decode("utf-8"), source))
     except UnicodeDecodeError as e:
         raise RecipeError(f"{source}: not UTF-8 text (byte {e.start})") from None
     if not isinstance(raw, dict):

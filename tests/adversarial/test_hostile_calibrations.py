@@ -67,6 +67,8 @@ BAD = {
     "GEMM half_dim 0": (_set("gemm_tflops.half_dim", 0), "gemm_tflops.half_dim"),
     "GEMM a 400-digit int": (_set("gemm_tflops.half_dim", 10**400), "gemm_tflops.half_dim"),
     "HBM 1e308": (_set("hbm_gb_s", 1e308), "hbm_gb_s"),
+    "HBM 1e-300": (_set("hbm_gb_s", 1e-300), "hbm_gb_s"),
+    "bus 0": (_set("collectives.intra_node_gb_s.all_gather", {2: 0}), "all_gather.2"),
     "peak -1": (_set("peak_tflops", -1), "peak_tflops"),
     "memory 1e300": (_set("memory_gib", 1e300), "memory_gib"),
     "attention head dims not numbers": (_set("attention_tflops", {"abc": 300}), "attention_tflops"),
@@ -124,6 +126,9 @@ def test_a_calibration_file_that_is_not_one_is_refused_without_waiting(tmp_path,
 
 def test_a_valid_calibration_path_is_read_and_named(tmp_path):
     path = _calibration(tmp_path, lambda d: None)
+    path.write_text(path.read_text() + "# an exponent float without a dot is a number, as YAML 1.2 reads it\n")
+    path.write_text(path.read_text().replace("\n  step_s: 0.0\n", "\n  step_s: 1e-3\n"))
+    assert load_calibration(str(path)).overheads["step_s"] == 1e-3
     res = CliRunner().invoke(main, ["calibrate", "--validate", "--calibration", str(path), str(RUN), "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["runs"]

@@ -29,6 +29,8 @@ CASES = {
     "peak 1e308": (_profile(GOOD.replace("bf16: 100", "bf16: 1e308")), "peak_tflops.bf16"),
     "peak true": (_profile(GOOD.replace("bf16: 100", "bf16: true")), "peak_tflops.bf16"),
     "bandwidth -1": (_profile(GOOD + "peak_bandwidth_gb_s: -1\n"), "peak_bandwidth_gb_s"),
+    "bandwidth 1e-300": (_profile(GOOD + "peak_bandwidth_gb_s: 1.0e-300\n"), "peak_bandwidth_gb_s"),
+    "memory 1e-300": (_profile(GOOD.replace("memory_gib: 80", "memory_gib: 1e-300")), "memory_gib"),
     "match a number": (_profile(GOOD.replace("['Mine GPU']", "[1]")), "match"),
     "deep nesting": (_profile(GOOD + "reference: " + "[" * 20_000 + "]" * 20_000 + "\n"), "p.yaml"),
     "not UTF-8": (_profile(b"\xff\xfe"), "UTF-8"),
@@ -56,9 +58,11 @@ def test_a_hostile_profile_is_one_line_naming_it_in_every_command(tmp_path, monk
 
 
 def test_a_valid_user_profile_still_loads(tmp_path, monkeypatch):
+    """Exponent floats without a dot (1e2: a string to PyYAML, a number to YAML 1.2 and to anyone writing it)
+    are numbers."""
     from scaletool.measure.hardware import load_profiles
 
-    (tmp_path / "p.yaml").write_text(GOOD)
+    (tmp_path / "p.yaml").write_text(GOOD.replace("bf16: 100", "bf16: 1e2"))
     monkeypatch.setenv("SCALETOOL_PROFILES", str(tmp_path))
     mine = next(p for p in load_profiles() if p.name == "Mine")
     assert mine.memory_bytes == 80 * 2**30 and mine.peak_tflops == {"bf16": 100.0}
