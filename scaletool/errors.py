@@ -136,7 +136,8 @@ def describe(exc: BaseException, environ=None) -> str:
 
 def validation_lines(exc: Any, source: str, *, root: str = "", known: Callable[[tuple], Sequence[str]] | None = None,
                      many_keys: Callable[[tuple], str] | None = None, key_text: Callable[[Any], str] = str,
-                     show_input: Callable[[dict], bool] | None = None, limit: int | None = None) -> list[str]:
+                     show_input: Callable[[dict], bool] | None = None, limit: int | None = None,
+                     messages: dict[str, str] | None = None) -> list[str]:
     """A pydantic ``ValidationError`` (``exc.errors()``; duck-typed, pydantic not imported here) as one line
     per problem: ``source: where: message (got value)``.
 
@@ -144,7 +145,7 @@ def validation_lines(exc: Any, source: str, *, root: str = "", known: Callable[[
     known one, ``known(parent location)`` (else lists them, up to 12; past that ``many_keys(parent)`` says
     where they are listed). ``root``: the location's name when it is empty; ``key_text`` writes one part of
     a location; ``show_input(error)`` whether to echo the value (default: not mappings or lists);
-    ``limit``: at most that many errors."""
+    ``limit``: at most that many errors; ``messages``: a message of one's own per pydantic error type."""
     lines: list[str] = []
     for err in exc.errors()[:limit]:
         inner = err.get("ctx", {}).get("error")
@@ -166,5 +167,6 @@ def validation_lines(exc: Any, source: str, *, root: str = "", known: Callable[[
             continue
         got = err.get("input")
         shown = show_input(err) if show_input else not isinstance(got, (dict, list))
-        lines.append(f"{source}: {where}: {err['msg'].removeprefix('Value error, ')}{f' (got {echo(got)})' if shown else ''}")
+        msg = (messages or {}).get(err["type"]) or err["msg"].removeprefix("Value error, ")
+        lines.append(f"{source}: {where}: {msg}{f' (got {echo(got)})' if shown else ''}")
     return lines

@@ -50,6 +50,17 @@ def pct(x: float | None, digits: int = 2, *, signed: bool = True) -> str:
     return f"{100 * x:+.{digits}f}%" if signed else f"{100 * x:.{digits}f}%"
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7f, 0xa0)]}
+_CONTROL.update({0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def printable(text: object) -> str:
+    """``text`` with its control characters written as escapes (ESC as ``\\x1b``, a newline as ``\\x0a``):
+    text read from a file or another process (a run label, a lock holder's command, a study's description)
+    is shown, never executed by the terminal (cursor moves, colour, a title change, a cleared screen)."""
+    return str(text).translate(_CONTROL)
+
+
 def clean(obj):
     """JSON-safe copy: NaN/Inf become None (JSON has no NaN), tuples become lists."""
     if isinstance(obj, float) and not math.isfinite(obj):

@@ -105,13 +105,26 @@ def doc_page(topic: str) -> Path:
 def read_bounded(path: str | Path, limit: int, what: str) -> bytes:
     """The bytes of the regular file ``path``, refused (one RecipeError line) when it is missing, not a
     regular file (a directory, FIFO or device such as /dev/zero would block or never end), unreadable or
-    larger than ``limit`` bytes (``what`` names what such a file normally is, for the message)."""
+    larger than ``limit`` bytes (``what`` names what such a file normally is, for the message).
+
+    The file is opened without blocking (a FIFO put in its place after a check never waits for a writer)
+    and its type is checked on the open descriptor, so what is read is what was checked."""
+    import os
+    import stat
+
     p = Path(path)
     shown = shorten(p)
     try:
-        if not p.is_file():
-            raise RecipeError(f"{shown}: no such file" if not p.exists() else f"{shown}: not a regular file")
-        with open(p, "rb") as f:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise RecipeError(f"{shown}: no such file") from None
+    except OSError as e:
+        raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RecipeError(f"{shown}: not a regular file")
+        with os.fdopen(fd, "rb") as f:
             blob = f.read(limit + 1)
     except OSError as e:
         raise RecipeError(f"{shown}: cannot read: {e.strerror or e}") from None

@@ -8,6 +8,7 @@ callers hand in the section names.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,24 @@ def load_yaml_text(text: str, source: str) -> Any:
     except (ValueError, RecursionError) as e:  # an integer past Python's digit limit; nesting past the stack
         raise RecipeError(f"{source}: malformed YAML: {str(e).splitlines()[0][:200]}") from None
     check_tree(data, source)
+    return data
+
+
+# A float in exponent form without a dot (1e3, 5E-4): YAML 1.2 and JSON read a number, PyYAML (YAML 1.1) a string.
+_EXPONENT_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def exponent_floats(data: Any) -> Any:
+    """``data`` with every string that is a float in exponent form without a dot (``1e3``) read as the
+    float it is, as YAML 1.2 reads it: for files whose values are checked to be numbers of their kind
+    (calibrations, hardware profiles), where PyYAML's string would otherwise be refused. Walks a tree
+    :func:`check_tree` bounded; keys are left as they are."""
+    if isinstance(data, str):
+        return float(data) if len(data) <= 40 and _EXPONENT_FLOAT.fullmatch(data) else data
+    if isinstance(data, dict):
+        return {k: exponent_floats(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [exponent_floats(v) for v in data]
     return data
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import asdict, dataclass, field
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import yaml
-
-from scaletool.errors import RecipeError
-from scaletool.resources import data_dir
+from scaletool.errors import RecipeError, echo, shorten
+from scaletool.resources import data_dir, read_bounded
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
@@ -55,6 +55,8 @@ class Calibration:
     #: FP8 GEMMs (train.float8), {"max_tflops", "half_dim"} as gemm_tflops; None: not calibrated, the bf16
     #: curve times FP8_OVER_BF16 (the datasheets' dense FP8 peak is twice the bf16 one)
     gemm_fp8_tflops: dict | None = None
+    #: the file it was read from (not a key of the file; "" when built in code)
+    file: str = ""
 
     def gemm_rate(self, m: float, n: float, k: float) -> float:
         """FLOP/s of an (m×k)·(k×n) bf16 GEMM."""
@@ -97,60 +99,166 @@ class Calibration:
         return asdict(self)
 
 
-def _positive(where: str, value, problems: list[str]) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        problems.append(f"{where}: a positive number, got {value!r}")
+#: Ranges a calibration's figures must lie in: far beyond any card (an exa-FLOP/s card, a PB/s link), so a
+#: real measurement always passes and a corrupt one (1e308, a negative rate) never reaches the model.
+MAX_TFLOPS = 1e6
+MAX_GB_S = 1e7
+MAX_HALF_DIM = 1e7
+MAX_GIB = 1e6
+MAX_GROUP = 1 << 20  # ranks in one collective group
+MAX_OVERHEAD_S = 3600.0  # host seconds per step (or per micro-batch, block, module)
+MAX_BYTES_FACTOR = 1e3  # HBM bytes of element-wise work per byte of saved activations
+ELEMENTWISE_KEYS = ("eager_bytes_factor", "compiled_bytes_factor")
+_HEAD_DIMS = re.compile(r"[0-9]{1,6}/[0-9]{1,6}")
+
+
+def _number(where: str, value, problems: list[str], *, high: float, low: float = 0.0, low_open: bool = True,
+            what: str = "a positive number") -> None:
+    """``value`` a real number (not a bool, a string or a container), finite, in ``(low, high]`` (``[low, high]``
+    when not ``low_open``); otherwise one line naming the range. An integer too large for a float is refused
+    before any conversion."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and isinstance(value, int):
+        ok = -high <= value <= high  # a 400-digit integer never reaches float()
+    ok = ok and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        problems.append(f"{where}: {what} (at most {high:g}), got {echo(value)}")
+
+
+#: the smallest rate (TFLOP/s, GB/s) or size taken: a mega-FLOP/s card would still pass; 1e-300 would not, whose
+#: step times overflow to infinity downstream
+MIN_RATE = 1e-6
+
+
+def _positive(where: str, value, problems: list[str], high: float = MAX_TFLOPS, low: float = MIN_RATE) -> None:
+    _number(where, value, problems, high=high, low=low, low_open=False, what=f"a number of at least {low:g}")
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _text(where: str, value, problems: list[str]) -> None:
+    """Text, printed as it is by estimate, plan and calibrate: no control characters (escape sequences)."""
+    if not isinstance(value, str) or _CONTROL.search(value):
+        problems.append(f"{where}: text without control characters, got {echo(value)}")
+
+
+def _group_size(r) -> int | None:
+    """A collective's group size as a key: an int, or a string of ASCII digits ('²' is a digit to str.isdigit,
+    not to int()), at least 2 and at most MAX_GROUP; None otherwise."""
+    if isinstance(r, bool):
+        return None
+    if isinstance(r, str) and r.isascii() and r.isdigit() and len(r) <= 8:
+        r = int(r)
+    return r if isinstance(r, int) and 2 <= r <= MAX_GROUP else None
+
+
+def _check_overheads(source: str, ov, problems: list[str]) -> None:
+    """Host seconds (``*_s``, 0..MAX_OVERHEAD_S) and hidden fractions (``*_overlap``, 0..1) by name."""
+    if not isinstance(ov, dict):
+        problems.append(f"{source}: overheads: a mapping of names to seconds")
+        return
+    for k, v in ov.items():
+        where = f"{source}: overheads.{k if isinstance(k, str) else echo(k)}"
+        if not isinstance(k, str):
+            problems.append(f"{where}: a name, got {echo(k)}")
+        elif k.endswith("_overlap"):
+            _number(where, v, problems, high=1.0, low_open=False, what="a fraction in 0..1 of the communication hidden")
+        else:
+            _number(where, v, problems, high=MAX_OVERHEAD_S, low_open=False, what="seconds, 0 or more")
+
+
+def _check_curve(source: str, key: str, g, problems: list[str]) -> None:
+    if not isinstance(g, dict):
+        problems.append(f"{source}: {key}: a mapping with max_tflops and half_dim")
+        return
+    _positive(f"{source}: {key}.max_tflops", g.get("max_tflops"), problems)
+    _positive(f"{source}: {key}.half_dim", g.get("half_dim"), problems, MAX_HALF_DIM)
+    points = g.get("points", [])
+    if not isinstance(points, list):
+        problems.append(f"{source}: {key}.points: a list of the measured shapes, got {echo(points)}")
+
+
+def _check_attention(source: str, table, problems: list[str]) -> None:
+    if not isinstance(table, dict) or not table:
+        problems.append(f"{source}: attention_tflops: a mapping of 'qk/v' head dims (or 'default') to TFLOP/s")
+        return
+    for k, v in table.items():
+        if not (k == "default" or (isinstance(k, str) and _HEAD_DIMS.fullmatch(k))):
+            problems.append(f"{source}: attention_tflops: {echo(k)} is not 'qk/v' head dims (e.g. '128/128') or "
+                            "'default'")
+            continue
+        _positive(f"{source}: attention_tflops.{k}", v, problems)
+
+
+def _check_collectives(source: str, c, problems: list[str]) -> None:
+    if not isinstance(c, dict) or not isinstance(c.get("intra_node_gb_s"), dict) or "all_reduce" not in c["intra_node_gb_s"]:
+        problems.append(f"{source}: collectives: needs intra_node_gb_s.all_reduce ({{ranks: GB/s}}) and inter_node_gb_s")
+        return
+    _positive(f"{source}: collectives.inter_node_gb_s", c.get("inter_node_gb_s"), problems, MAX_GB_S)
+    if "source" in c:
+        _text(f"{source}: collectives.source", c["source"], problems)
+    for op, table in c["intra_node_gb_s"].items():
+        if op not in COLLECTIVE_OPS or not isinstance(table, dict) or not table:
+            problems.append(f"{source}: collectives.intra_node_gb_s.{echo(op)}: one of {', '.join(COLLECTIVE_OPS)}, "
+                            "mapping group sizes to GB/s")
+            continue
+        for r, v in table.items():
+            if _group_size(r) is None:
+                problems.append(f"{source}: collectives.intra_node_gb_s.{op}: group size {echo(r)} is not an integer "
+                                f"in 2..{MAX_GROUP}")
+                continue
+            _positive(f"{source}: collectives.intra_node_gb_s.{op}.{r}", v, problems, MAX_GB_S)
+
+
+def _check_elementwise(source: str, e, problems: list[str]) -> None:
+    if not isinstance(e, dict):
+        problems.append(f"{source}: elementwise: a mapping of {' and '.join(ELEMENTWISE_KEYS)}")
+        return
+    for k in ELEMENTWISE_KEYS:
+        if k not in e:
+            problems.append(f"{source}: elementwise.{k}: missing")
+        else:
+            _positive(f"{source}: elementwise.{k}", e[k], problems, MAX_BYTES_FACTOR)
 
 
 def calibration_from_dict(raw: dict, source: str) -> Calibration:
-    """Validate a parsed calibration file; every problem is one line of the RecipeError."""
+    """Validate a parsed calibration file; every problem is one line of the RecipeError. Every figure the
+    model reads is checked to be a finite number of its kind in its range (rates positive and at most
+    :data:`MAX_TFLOPS` / :data:`MAX_GB_S`, seconds at least 0, overlaps in 0..1), so a corrupt file is
+    refused here instead of turning into NaN, negative or infinite predictions."""
     if not isinstance(raw, dict):
         raise RecipeError(f"{source}: a calibration is a mapping (name, gemm_tflops, ...), got {type(raw).__name__}")
-    known = {f for f in Calibration.__dataclass_fields__}
-    problems = [f"{source}: {k}: unknown key; known keys: {', '.join(sorted(known))}" for k in raw if k not in known]
+    known = {f for f in Calibration.__dataclass_fields__} - {"file"}
+    problems = [f"{source}: {shorten(k, 60) if isinstance(k, str) else echo(k)}: unknown key; known keys: "
+                f"{', '.join(sorted(known))}" for k in raw if k not in known]
     for key in ("name", "source", "gemm_tflops", "attention_tflops", "hbm_gb_s", "collectives", "overheads"):
         if key not in raw:
             problems.append(f"{source}: {key}: missing")
     if problems:
         raise RecipeError(problems)
-    g, c = raw["gemm_tflops"], raw["collectives"]
-    if not isinstance(g, dict):
-        problems.append(f"{source}: gemm_tflops: a mapping with max_tflops and half_dim")
-    else:
-        _positive(f"{source}: gemm_tflops.max_tflops", g.get("max_tflops"), problems)
-        _positive(f"{source}: gemm_tflops.half_dim", g.get("half_dim"), problems)
-    g8 = raw.get("gemm_fp8_tflops")
-    if g8 is not None:
-        if not isinstance(g8, dict):
-            problems.append(f"{source}: gemm_fp8_tflops: a mapping with max_tflops and half_dim")
-        else:
-            _positive(f"{source}: gemm_fp8_tflops.max_tflops", g8.get("max_tflops"), problems)
-            _positive(f"{source}: gemm_fp8_tflops.half_dim", g8.get("half_dim"), problems)
-    if not isinstance(raw["attention_tflops"], dict) or not raw["attention_tflops"]:
-        problems.append(f"{source}: attention_tflops: a mapping of 'qk/v' head dims (or 'default') to TFLOP/s")
-    else:
-        for k, v in raw["attention_tflops"].items():
-            _positive(f"{source}: attention_tflops.{k}", v, problems)
-    _positive(f"{source}: hbm_gb_s", raw["hbm_gb_s"], problems)
+    for key in ("name", "source", "hardware"):
+        if key in raw:
+            _text(f"{source}: {key}", raw[key], problems)
+    _check_curve(source, "gemm_tflops", raw["gemm_tflops"], problems)
+    if raw.get("gemm_fp8_tflops") is not None:
+        _check_curve(source, "gemm_fp8_tflops", raw["gemm_fp8_tflops"], problems)
+    _check_attention(source, raw["attention_tflops"], problems)
+    _positive(f"{source}: hbm_gb_s", raw["hbm_gb_s"], problems, MAX_GB_S)
     _positive(f"{source}: peak_tflops", raw.get("peak_tflops", 989.0), problems)
-    if not isinstance(c, dict) or not isinstance(c.get("intra_node_gb_s"), dict) or "all_reduce" not in c["intra_node_gb_s"]:
-        problems.append(f"{source}: collectives: needs intra_node_gb_s.all_reduce ({{ranks: GB/s}}) and inter_node_gb_s")
-    else:
-        _positive(f"{source}: collectives.inter_node_gb_s", c.get("inter_node_gb_s"), problems)
-        for op, table in c["intra_node_gb_s"].items():
-            if op not in COLLECTIVE_OPS or not isinstance(table, dict) or not table:
-                problems.append(f"{source}: collectives.intra_node_gb_s.{op}: one of {', '.join(COLLECTIVE_OPS)}, "
-                                "mapping group sizes to GB/s")
-                continue
-            for r, v in table.items():
-                if not str(r).isdigit() or int(r) < 2:
-                    problems.append(f"{source}: collectives.intra_node_gb_s.{op}: group size {r!r} is not an integer >= 2")
-                _positive(f"{source}: collectives.intra_node_gb_s.{op}.{r}", v, problems)
-    if not isinstance(raw["overheads"], dict):
-        problems.append(f"{source}: overheads: a mapping of names to seconds")
+    if raw.get("memory_gib") is not None:
+        _positive(f"{source}: memory_gib", raw["memory_gib"], problems, MAX_GIB)
+    _check_collectives(source, raw["collectives"], problems)
+    _check_overheads(source, raw["overheads"], problems)
+    if "elementwise" in raw:
+        _check_elementwise(source, raw["elementwise"], problems)
+    if not isinstance(raw.get("measured", {}), dict):
+        problems.append(f"{source}: measured: a mapping of the raw figures, got {echo(raw['measured'])}")
     if problems:
         raise RecipeError(problems)
-    c = {**c, "intra_node_gb_s": {op: {int(r): float(v) for r, v in t.items()} for op, t in c["intra_node_gb_s"].items()}}
+    c = raw["collectives"]
+    c = {**c, "intra_node_gb_s": {op: {_group_size(r): float(v) for r, v in t.items()}
+                                  for op, t in c["intra_node_gb_s"].items()}}
     return Calibration(**{**raw, "collectives": c})
 
 
@@ -160,27 +268,34 @@ def shipped_calibrations() -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
 
 
+#: a calibration file holds a few hundred figures; a larger one is the wrong file
+MAX_CALIBRATION_BYTES = 1 << 20
+
+
 def read_calibration(path: Path, source: str | None = None) -> Calibration:
-    source = source or str(path)
+    """The calibration in the YAML file ``path``: read only if it is a regular file of at most
+    :data:`MAX_CALIBRATION_BYTES` (never waiting on a FIFO or reading /dev/zero), parsed with the bounded
+    safe loader and validated; ``file`` records which file it was."""
+    from scaletool.yaml_input import exponent_floats, load_yaml_text
+
+    source = source or shorten(str(path))
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{source}: cannot read: {e}") from None
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{source}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
-    return calibration_from_dict(raw, source)
+        blob = read_bounded(path, MAX_CALIBRATION_BYTES, "a calibration")
+    except RecipeError as e:
+        raise RecipeError([f"calibration {p}" for p in e.problems]) from None
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{source}: not UTF-8 text (byte {e.start})") from None
+    cal = calibration_from_dict(exponent_floats(load_yaml_text(text, source)), source)
+    return replace(cal, file=str(path))
 
 
-def load_calibration(name_or_path: str) -> Calibration:
-    """A shipped calibration by file stem or ``name`` (case-insensitive: ``h100-sxm``, ``H100 SXM``), or a
-    YAML file's path. Unknown: a RecipeError listing the known ones."""
+def shipped_calibration(name: str) -> Calibration:
+    """The shipped calibration of this file stem (``h100-sxm``) or ``name``/``hardware`` (``H100 SXM``), read
+    from ``profiles/calibrations/`` only: a file of that name in the working directory is never it."""
     shipped = shipped_calibrations()
-    path = Path(name_or_path).expanduser()
-    if path.suffix in (".yaml", ".yml") or path.is_file():
-        if not path.is_file():
-            raise RecipeError(f"calibration file {name_or_path!r} does not exist")
-        return read_calibration(path)
-    key = name_or_path.strip().lower().removesuffix(".yaml")
+    key = name.strip().lower().removesuffix(".yaml").removesuffix(".yml")
     if key in shipped:
         return read_calibration(shipped[key], f"shipped:{key}.yaml")
     for stem, p in shipped.items():
@@ -189,8 +304,28 @@ def load_calibration(name_or_path: str) -> Calibration:
             return cal
     close = difflib.get_close_matches(key, list(shipped), n=1)
     tip = f"; did you mean '{close[0]}'?" if close else ""
-    raise RecipeError(f"unknown calibration {name_or_path!r}: known ones are {', '.join(shipped) or 'none'} "
-                      f"(or a calibration YAML's path; `scaletool calibrate` writes one){tip}")
+    raise RecipeError(f"unknown calibration {echo(name)}: known ones are {', '.join(shipped) or 'none'} "
+                      f"(or a calibration YAML's path, e.g. ./mine.yaml; `scaletool calibrate` writes one){tip}")
+
+
+def is_path(name_or_path: str) -> bool:
+    """Whether a ``--calibration`` value names a file: it has a directory part (``./cpu``, ``~/c.yaml``) or a
+    ``.yaml``/``.yml`` suffix. A bare word (``cpu``, ``h100-sxm``) is a name, whatever files the working
+    directory holds."""
+    return os.sep in name_or_path or "/" in name_or_path or name_or_path.startswith("~") or \
+        Path(name_or_path).suffix in (".yaml", ".yml")
+
+
+def load_calibration(name_or_path: str) -> Calibration:
+    """A calibration YAML's path (see :func:`is_path`), or a shipped calibration by file stem or ``name``
+    (case-insensitive: ``h100-sxm``, ``H100 SXM``). Unknown: a RecipeError listing the known ones."""
+    if is_path(name_or_path):
+        path = Path(name_or_path).expanduser()
+        bare = os.sep not in name_or_path and "/" not in name_or_path and not name_or_path.startswith("~")
+        if bare and not os.path.lexists(path):
+            return shipped_calibration(name_or_path)  # 'h100-sxm.yaml': the shipped file's own name
+        return read_calibration(path)
+    return shipped_calibration(name_or_path)
 
 
 def calibration_for(hardware_name: str | None) -> Calibration | None:
@@ -212,7 +347,7 @@ def default_calibration(hardware_profile) -> Calibration:
         raise RecipeError(f"hardware profile {getattr(hardware_profile, 'name', hardware_profile)!r} has no bf16 peak: "
                           "a step-time prediction needs one (or a calibration: `scaletool calibrate`)")
     bw = getattr(hardware_profile, "peak_bandwidth_bytes_per_s", None) or 2.0e12
-    base = load_calibration("h100-sxm")
+    base = shipped_calibration("h100-sxm")
     r = DATASHEET_RATIOS
     bus = 450.0 * r["bus"]
     return Calibration(

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import importlib
 import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import click
@@ -100,6 +103,33 @@ class ScaletoolGroup(LazyGroup):
     def invoke(self, ctx: click.Context):
         with one_error_format():
             return super().invoke(ctx)
+
+    def main(self, *args, **kwargs):
+        """click's main, and an output that cannot be written (``> /dev/full``, a full disk under a redirection)
+        ends as one ``error:`` line and status 2 instead of a traceback (click already ends a closed pipe,
+        ``| head``, quietly)."""
+        try:
+            return super().main(*args, **kwargs)
+        except OSError as e:
+            if not _output_failed(e):
+                raise
+            _silence_stdout()
+            click.echo(f"error: cannot write the output ({e.strerror or e}): standard output is full or closed",
+                       err=True)
+            sys.exit(2)
+
+
+def _output_failed(e: OSError) -> bool:
+    """An OSError from writing to an already open stream (no file name: opening and writing scaletool's own
+    files goes through :func:`~scaletool.errors.cannot_write`, which names the file) that a full or
+    broken output gives."""
+    return e.filename is None and e.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG, errno.EBADF)
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that the interpreter's flush at exit does not fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @click.group(cls=ScaletoolGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -16,12 +16,15 @@ def _print_validation(res: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from scaletool.fmt import printable
+
     con = console()
     t = Table()
     for col in ("run", "card", "engine", "GPUs", "compiled", "measured tok/s/GPU", "predicted", "error", "bound"):
         t.add_column(col, justify="right" if col in ("GPUs", "measured tok/s/GPU", "predicted", "error") else "left")
     for r in res["runs"]:
-        t.add_row(escape(r["run"]), escape(r["card"]), r["engine"], str(r["world_size"]), "yes" if r["compiled"] else "no",
+        t.add_row(escape(printable(r["run"])), escape(printable(r["card"])), r["engine"], str(r["world_size"]),
+                  "yes" if r["compiled"] else "no",
                   f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                   f"{r['rel_error']:+.1%}", r["bound"])
     con.print(t)
@@ -39,7 +42,7 @@ def _print_validation(res: dict) -> None:
         con.print("no GPU training run to re-predict: the committed results come with a checkout of the repository "
                   "(not with an installed package); pass result files as PATHS", highlight=False)
     for line in res["skipped"]:
-        con.print(f"skipped: {escape(line)}", highlight=False)
+        con.print(f"skipped: {escape(printable(line))}", highlight=False)
     if res.get("duplicates"):
         con.print(f"counted once: {len(res['duplicates'])} runs given twice", highlight=False)
 
@@ -106,7 +109,7 @@ def _print_calibration(cal: dict, out: Path) -> None:
               "runs instead (the shipped table, or PATHS: tables of the same tab-separated columns) at their model, "
               "card, GPU count and layout, and list the rows scaletool cannot express with the reason.")
 @click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
-              "(default: the one of each run's card).")
+              "(default: the one of each run's card). A PATH has a '/' or ends in .yaml; a NAME is a shipped one.")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @json_option
 def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recipe: str | None,
@@ -162,6 +165,33 @@ def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recip
     return _measure(out, gpus, recipe, overrides, device, as_json, message_mib)
 
 
+def check_out(out: Path) -> None:
+    """``--out`` can take the calibration: a regular file (or a link to one) or a new name, in an existing
+    directory this process may write; a FIFO, a device (/dev/full), a directory or a missing folder is one
+    line now, not after the measurement."""
+    import os
+    import stat
+
+    from scaletool.errors import RecipeError, shorten
+
+    where = f"--out {shorten(str(out))}"
+    try:
+        st = out.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:  # a path through a file, a name too long, a link loop
+        raise RecipeError(f"{where}: cannot write: {e.strerror or e}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise RecipeError(f"{where}: is a directory")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise RecipeError(f"{where}: not a regular file (a FIFO or a device); calibrate writes a YAML file there")
+    folder = Path(os.path.realpath(out)).parent
+    if not folder.is_dir():
+        raise RecipeError(f"{where}: no such directory {shorten(str(folder))}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RecipeError(f"{where}: cannot write in {shorten(str(folder))} (permission denied)")
+
+
 def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[str, ...], device: str, as_json: bool,
              message_mib: tuple[float, ...] = ()):
     import json
@@ -186,8 +216,7 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
         raise RecipeError("--set needs --recipe")
     slug = re.sub(r"[^a-z0-9]+", "-", card_name(dev).lower()).strip("-")
     out = out or Path(f"calibration-{slug}.yaml")
-    if out.exists() and out.is_dir():
-        raise RecipeError(f"--out {shorten(str(out))}: is a directory")
+    check_out(out)  # before minutes of measuring, which a path that cannot take the file would lose
     command = " ".join(shlex.quote(a) for a in ["scaletool", *sys.argv[1:]])
     messages = tuple(int(m * 2**20) for m in message_mib) or None
     if messages and min(messages) < 64:

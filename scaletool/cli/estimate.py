@@ -4,12 +4,13 @@ from __future__ import annotations
 import click
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from scaletool import api
 from scaletool.cli.estimate_summary import UNITS, print_summary
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
-from scaletool.fmt import gib, pct, si
+from scaletool.fmt import gib, pct, printable, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
 from scaletool.measure.hardware import DEFAULT_HARDWARE
 
@@ -172,7 +173,14 @@ def print_prediction(r, est, console: Console) -> None:
     tr = r.train
     console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, checkpointing "
                   f"{tr.activation_checkpointing}, {'compiled' if tr.compile else 'eager'}; calibration "
-                  f"{pred.calibration}. `scaletool plan` searches the layouts.", highlight=False)
+                  f"{pred.calibration}{_calibration_file(pred)}. `scaletool plan` searches the layouts.",
+                  highlight=False)
+
+
+def _calibration_file(pred) -> str:
+    """Which file the calibration was read from (none for the CPU placeholder or a datasheet default)."""
+    path = getattr(pred, "calibration_file", None)
+    return f" ({escape(printable(path))})" if path else ""
 
 
 def print_tensor_parallel(est, console: Console) -> None:

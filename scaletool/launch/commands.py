@@ -39,7 +39,11 @@ _SHELL_PLAIN = re.compile(r"[\w@%+=:,./-]+")
 # in double quotes when not plain: there '$', '`', '\\' and '"' still act.
 _PDSH_EXPORTS = ("MLFLOW", "PYTHON", "MV2", "UCX", "NCCL", "NEUWARE_HOME", "CNCL", "LD_LIBRARY", "PATH", "ASCEND",
                  "HCCL", "BCCL", "BIREN", "SUPA")
-_IN_DOUBLE_QUOTES = re.compile(r'[$`\\"\n\r]')
+# '$', '`', '\\' and '"' act inside double quotes; control characters (NUL included) are no part of a value
+_IN_DOUBLE_QUOTES = re.compile(r'[$`\\"\x00-\x08\x0a-\x1f\x7f-\x9f]')
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a name `export` takes as it is
+MAX_ENV_FILE_BYTES = 1 << 20  # a .deepspeed_env holds a few NAME=VALUE lines
 
 
 def is_host(text: str) -> bool:
@@ -150,7 +154,9 @@ def torchrun_argv(spec: LaunchSpec, *, endpoint: str | None = None, rdzv_id: str
     if spec.nnodes == 1 and endpoint is None:
         argv.append("--standalone")
     else:
-        conf = f"join_timeout={spec.rdzv_timeout_s}"
+        # read_timeout bounds the store's own waits too (connecting to node 0's store included: 60 s a try by
+        # default, retried, 166 s in all for a node 0 that never started) by the same --rdzv-timeout
+        conf = f"join_timeout={spec.rdzv_timeout_s},read_timeout={spec.rdzv_timeout_s}"
         if spec.node_rank is not None:
             conf += f",is_host={int(spec.node_rank == 0)}"
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id or spec.run_id,
@@ -189,8 +195,12 @@ def uses_pdsh(spec: LaunchSpec) -> bool:
 
 def pdsh_problems(spec: LaunchSpec, cwd: str | None = None, environ: dict[str, str] | None = None) -> list[str]:
     """What DeepSpeed's pdsh runner would paste into the remote shell command unquoted (the working
-    directory, the Python) or in double quotes (exported environment variables, ``.deepspeed_env``
-    lines), where a shell would run part of it: one line each, to refuse before anything starts."""
+    directory, the Python, the names of exported variables) or in double quotes (their values, and the
+    ``.deepspeed_env`` lines), where a shell would run part of it: one line each, to refuse before anything
+    starts. The runner builds ``export NAME=VALUE;`` from every variable whose name starts with one of
+    :data:`_PDSH_EXPORTS` and from every line of ``~/.deepspeed_env`` and ``./.deepspeed_env``
+    (``$DS_ENV_FILE`` names the file): names must be identifiers, values free of what double quotes
+    leave to the shell and of control characters; :func:`env_file_problems` reads each file whole."""
     import shutil
 
     cwd = os.getcwd() if cwd is None else cwd
@@ -204,23 +214,87 @@ def pdsh_problems(spec: LaunchSpec, cwd: str | None = None, environ: dict[str, s
         if not _SHELL_PLAIN.fullmatch(os.path.abspath(python) if os.sep in python else python):
             problems.append(f"--python {echo(python)}: DeepSpeed's pdsh runner puts it unquoted into the command "
                             f"every host's shell runs; name a Python whose path has {plain}")
-    exported = [(f"environment variable {k}", v) for k, v in sorted(environ.items()) if k.startswith(_PDSH_EXPORTS)]
-    env_file = environ.get("DS_ENV_FILE", ".deepspeed_env")
-    for folder in (os.path.expanduser("~"), cwd):
-        path = os.path.join(folder, env_file)
-        if os.path.isfile(path):
-            try:
-                with open(path, errors="replace") as f:
-                    lines = f.read(MAX_HOSTFILE_BYTES).splitlines()
-            except OSError as e:
-                problems.append(f"{shorten(path)}: cannot read ({e.strerror or e}); DeepSpeed's launcher exports it")
-                continue
-            exported += [(f"{shorten(path)} line {i}", line.partition("=")[2]) for i, line in enumerate(lines, 1)]
-    for where, value in exported:
-        if _IN_DOUBLE_QUOTES.search(value.strip()):
-            problems.append(f"{where}: DeepSpeed's pdsh runner exports it to every host in double quotes, where "
-                            f"'$', '`', '\\' and '\"' are read by the shell; remove those characters or unset it")
+    for name, value in sorted(environ.items()):
+        if not name.startswith(_PDSH_EXPORTS):
+            continue
+        where = f"environment variable {name if _IDENT.fullmatch(name) else echo(name)}"
+        problem = export_problem(name, value)
+        if problem:
+            problems.append(f"{where}: DeepSpeed's pdsh runner exports it to every host {problem}; unset it")
+    for path in env_file_paths(cwd, environ):
+        problems += env_file_problems(path)
     return problems
+
+
+def export_problem(name: str, value: str) -> str | None:
+    """Why ``export NAME=VALUE;`` as DeepSpeed's runner writes it (the name stripped and unquoted, the value
+    stripped and in double quotes unless plain) would make a shell do more than set a variable, or None."""
+    if not _IDENT.fullmatch(name.strip()):
+        return "with its name unquoted, and the name is not an identifier (letters, digits and '_')"
+    if _IN_DOUBLE_QUOTES.search(value.strip()):
+        return ("in double quotes, where '$', '`', '\\' and '\"' are read by the shell (and control characters "
+                "are not text)")
+    return None
+
+
+def env_file_paths(cwd: str, environ: dict[str, str]) -> list[str]:
+    """The ``.deepspeed_env`` files DeepSpeed's runner reads, as it finds them: ``$DS_ENV_FILE`` (default
+    ``.deepspeed_env``) joined to the home directory and to the working directory, where that is a file
+    (a link to one included: the runner follows links)."""
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    home = environ.get("HOME") or os.path.expanduser("~")
+    found: list[str] = []
+    for folder in (home, cwd):
+        path = os.path.join(folder, name)
+        if path not in found and os.path.isfile(path):
+            found.append(path)
+    return found
+
+
+def env_file_problems(path: str, limit: int = MAX_ENV_FILE_BYTES, shown_lines: int = 5) -> list[str]:
+    """Each line of a ``.deepspeed_env`` file that DeepSpeed's runner would crash on (no ``=``: it splits every
+    line at the first one) or paste into every host's shell as more than an assignment; the whole file is
+    read (never a prefix). A file that is not UTF-8 text, larger than ``limit`` bytes or unreadable is one
+    line. At most ``shown_lines`` lines are named, then one line counts the rest."""
+    import stat
+
+    where = shorten(path)
+    why = "DeepSpeed's launcher exports it to every host"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never wait on a FIFO swapped in after the check
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                return [f"{where}: not a regular file; {why}"]
+            blob = f.read(limit + 1)
+    except OSError as e:
+        return [f"{where}: cannot read ({e.strerror or e}); {why}"]
+    if len(blob) > limit:
+        return [f"{where}: larger than {limit // 2**20} MiB; {why} line by line, and such a file holds a few "
+                "NAME=VALUE lines (remove it, or move it aside for this launch)"]
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return [f"{where}: not UTF-8 text (byte {e.start}); {why}, NAME=VALUE a line"]
+    # the runner reads it in text mode: '\r\n' and '\r' end lines too, and a last line needs no newline
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    bad = []
+    for i, line in enumerate(lines, 1):
+        name, eq, value = line.partition("=")
+        if not eq:
+            bad.append(f"{where} line {i}: {echo(line)}: not NAME=VALUE (DeepSpeed's runner fails on a line "
+                       "without '=', an empty line included)")
+        elif _CONTROL.search(line):
+            bad.append(f"{where} line {i}: holds a control character; {why}")
+        else:
+            problem = export_problem(name, value)
+            if problem:
+                bad.append(f"{where} line {i}: {why} {problem}")
+    if len(bad) > shown_lines:
+        bad = bad[:shown_lines] + [f"{where}: {len(bad) - shown_lines} more lines like these"]
+    return bad
 
 
 def read_hostfile(path: str | Path, spec: LaunchSpec) -> dict[str, int]:

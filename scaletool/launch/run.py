@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +40,67 @@ def _environ(extra: dict[str, str]):
                 os.environ[k] = v
 
 
+# What torch's C++ side writes to stderr around a store that cannot be reached: its c10d log lines
+# ("[W1127 19:06:28.29 TCPStore.cpp:340] [c10d] ... retrying") and the stack frames of the C++
+# exception ("Exception raised from ...", "frame #0: ..."). The line scaletool prints says what happened.
+_CPP_NOISE = re.compile(rb"^(?:frame #\d+: |Exception raised from |<omitting python frames>|"
+                        rb"\[[IWE]\d{4} [0-9:.]+ \S+\.cpp:\d+\] \[c10d\] )")
+
+
+@contextlib.contextmanager
+def cpp_noise_filtered():
+    """Pass this process's stderr (file descriptor 2, which C++ writes to directly, and every child inherits)
+    through a filter that drops :data:`_CPP_NOISE` lines; everything else arrives as written."""
+    import threading
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        read_end, write_end = os.pipe()
+    except OSError:  # no descriptors left: leave stderr as it is
+        yield
+        return
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def keep(line: bytes, state: list[bool]) -> bool:
+        """Not noise, nor the blank line that ends a dropped C++ exception's frames."""
+        noise = bool(_CPP_NOISE.match(line)) or (state[0] and not line.strip())
+        state[0] = noise
+        return not noise
+
+    def forward(data: bytes) -> None:
+        try:
+            os.write(saved, data)
+        except OSError:  # stderr itself gone (closed, a full disk): drop it, but keep draining the pipe, or
+            pass  # the workers writing to it would block once it fills
+
+    def pump() -> None:
+        pending, state = b"", [False]
+        with os.fdopen(read_end, "rb", buffering=0) as src:
+            while chunk := src.read(1 << 16):  # b"" once every writer (this process, its children) closed it
+                *lines, pending = (pending + chunk).split(b"\n")
+                kept = b"".join(line + b"\n" for line in lines if keep(line, state))
+                if kept:
+                    forward(kept)
+                if len(pending) > 1 << 20:  # a megabyte without a newline: pass it on as it is
+                    forward(pending)
+                    pending = b""
+        if pending and keep(pending, state):
+            forward(pending)
+
+    thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes this process's write end; the pump ends when the children's are closed too
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            os.close(saved)
+
+
 def run_torchrun(argv: list[str], env: dict[str, str], spec: LaunchSpec, quiet_stdout: bool = False) -> Outcome:
     """Be this node's torchrun agent for ``argv`` (``python -m torch.distributed.run ARGS``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -50,7 +112,7 @@ def run_torchrun(argv: list[str], env: dict[str, str], spec: LaunchSpec, quiet_s
         raise ValueError(f"not a torchrun command: {argv[:3]}")
     args = parse_args(argv[3:])
     endpoint = spec.rdzv_endpoint or "localhost (standalone)"
-    with _environ(env), stdout_to_stderr(quiet_stdout):
+    with _environ(env), stdout_to_stderr(quiet_stdout), cpp_noise_filtered():
         try:
             run(args)
         except ChildFailedError as e:

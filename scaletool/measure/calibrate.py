@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, load_calibration
+from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
 from scaletool.analytic.flops import gemm_shapes
 from scaletool.stats import spread
 
@@ -189,7 +189,7 @@ def _base_calibration(card: str, gpu: bool) -> Calibration:
         cal = calibration_for(prof.name) if prof else None
         if cal is not None:
             return cal
-    return load_calibration("h100-sxm")
+    return shipped_calibration("h100-sxm")
 
 
 def _collectives(comm: dict, base: Calibration) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 RUN_DELAY_MAX = 0.10
 STEAL_MAX = 0.10
@@ -38,11 +37,29 @@ RULE = (f"a step is contended when its threads waited for a CPU more than {RUN_D
 KEYS = ("cpu_share", "run_delay_share", "psi_some_share", "steal_share", "loadavg_1m")
 
 
+#: a /proc file the probe reads is a line or two; past this it is not the kernel's file
+MAX_PROC_BYTES = 1 << 16
+#: the largest counter accepted (the kernel's are 64-bit); past it a figure is garbage, not a reading
+MAX_COUNTER = 1 << 64
+
+
 def _read(path: str) -> str | None:
+    """The text of a /proc file, or None when it cannot be read (absent, unreadable, not text). Opened
+    without blocking and read bounded: whatever is mounted there, the probe never waits or fills memory."""
     try:
-        return Path(path).read_text()
-    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            return f.read(MAX_PROC_BYTES).decode("ascii")
+    except (OSError, ValueError):
         return None
+
+
+def _counter(text: str) -> int | None:
+    """A kernel counter: ASCII digits, at most 64 bits; None for anything else."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 20):
+        return None
+    value = int(text)
+    return value if value < MAX_COUNTER else None
 
 
 def run_delay_ns(task_dir: str = "/proc/self/task") -> int | None:
@@ -56,8 +73,9 @@ def run_delay_ns(task_dir: str = "/proc/self/task") -> int | None:
         text = _read(f"{task_dir}/{t}/schedstat")
         if text:
             parts = text.split()
-            if len(parts) >= 2:
-                total += int(parts[1])
+            delay = _counter(parts[1]) if len(parts) >= 2 else None
+            if delay is not None:
+                total += delay
                 seen = True
     return total if seen else None
 
@@ -73,14 +91,16 @@ def _psi_some(text: str | None) -> dict[str, str]:
 
 def psi_some_total_us(text: str | None = None) -> int | None:
     """Microseconds in which some task waited for a CPU (``/proc/pressure/cpu``), None where absent."""
-    fields = _psi_some(text)
-    return int(fields["total"]) if "total" in fields else None
+    return _counter(_psi_some(text).get("total", ""))
 
 
 def psi_some_avg10(text: str | None = None) -> float | None:
     """The kernel's 10-second average of the share of time some task waited for a CPU, in percent."""
-    fields = _psi_some(text)
-    return float(fields["avg10"]) if "avg10" in fields else None
+    try:
+        value = float(_psi_some(text)["avg10"])
+    except (KeyError, ValueError):
+        return None
+    return value if 0 <= value <= 100 else None  # a percentage; NaN fails both
 
 
 def cpu_jiffies(text: str | None = None) -> tuple[int, int] | None:
@@ -88,7 +108,9 @@ def cpu_jiffies(text: str | None = None) -> tuple[int, int] | None:
     text = _read("/proc/stat") if text is None else text
     if not text or not text.startswith("cpu "):
         return None
-    vals = [int(v) for v in text.split("\n", 1)[0].split()[1:]]
+    vals = [_counter(v) for v in text.split("\n", 1)[0].split()[1:]]
+    if len(vals) < 4 or None in vals:
+        return None
     # user nice system idle iowait irq softirq steal guest guest_nice: guest time is already in user
     return sum(vals[:8]), vals[7] if len(vals) > 7 else 0
 
@@ -106,6 +128,11 @@ def snapshot() -> Snapshot:
     return Snapshot(time.perf_counter(), time.process_time(), run_delay_ns(), psi_some_total_us(), cpu_jiffies())
 
 
+def _share(x: float) -> float | None:
+    """A share of an interval: a counter that went backwards or jumped (a garbage reading) is None."""
+    return x if 0 <= x < 1e6 else None
+
+
 def loadavg_1m() -> float | None:
     try:
         return os.getloadavg()[0]
@@ -121,11 +148,12 @@ def interval(a: Snapshot, b: Snapshot, threads: int) -> dict[str, float | None]:
         return dict.fromkeys(KEYS)
     out: dict[str, float | None] = {"cpu_share": (b.cpu - a.cpu) / (wall * threads)}
     out["run_delay_share"] = (None if a.run_delay_ns is None or b.run_delay_ns is None
-                              else (b.run_delay_ns - a.run_delay_ns) / 1e9 / (wall * threads))
-    out["psi_some_share"] = None if a.psi_us is None or b.psi_us is None else (b.psi_us - a.psi_us) / 1e6 / wall
+                              else _share((b.run_delay_ns - a.run_delay_ns) / 1e9 / (wall * threads)))
+    out["psi_some_share"] = (None if a.psi_us is None or b.psi_us is None
+                             else _share((b.psi_us - a.psi_us) / 1e6 / wall))
     steal = None  # jiffies are coarse (10 ms): judged only over a second of CPU time or more
     if a.jiffies and b.jiffies and b.jiffies[0] - a.jiffies[0] >= STEAL_MIN_JIFFIES:
-        steal = (b.jiffies[1] - a.jiffies[1]) / (b.jiffies[0] - a.jiffies[0])
+        steal = _share((b.jiffies[1] - a.jiffies[1]) / (b.jiffies[0] - a.jiffies[0]))
     out["steal_share"] = steal
     out["loadavg_1m"] = loadavg_1m()
     return out
@@ -154,7 +182,10 @@ def summarize(samples: list[dict]) -> dict[str, float | int | bool | None]:
     out["contention/contended_steps"] = sum(flags)
     out["contention/sampled_steps"] = len(flags)
     out["contention/contended"] = bool(flags) and sum(flags) > RUN_STEPS_MAX * len(flags)
-    out["contention/psi_some_avg10"] = psi_some_avg10()
+    try:
+        out["contention/psi_some_avg10"] = psi_some_avg10()
+    except Exception:  # noqa: BLE001 - as Probe.snap: recording contention never ends a run
+        out["contention/psi_some_avg10"] = None
     return out
 
 
@@ -168,7 +199,14 @@ class Probe:
         self.threads = threads
 
     def snap(self) -> Snapshot:
-        return snapshot()
+        """Never raises: recording contention must not end a run (an unexpected failure is no reading)."""
+        try:
+            return snapshot()
+        except Exception:  # noqa: BLE001 - a probe that fails records nothing; the run goes on
+            return Snapshot(time.perf_counter(), time.process_time(), None, None, None)
 
     def between(self, a: Snapshot, b: Snapshot) -> dict[str, float | None]:
-        return interval(a, b, self.threads)
+        try:
+            return interval(a, b, self.threads)
+        except Exception:  # noqa: BLE001 - as snap
+            return dict.fromkeys(KEYS)

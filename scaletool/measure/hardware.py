@@ -24,18 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from scaletool.errors import RecipeError, validation_lines
-from scaletool.resources import data_dir
+from scaletool.errors import RecipeError, shorten, validation_lines
+from scaletool.resources import data_dir, read_bounded
 from scaletool.results.hardware import HardwareProfile
 
 #: the card ``estimate`` and ``plan`` predict for when none is named (a shipped profile's name)
 DEFAULT_HARDWARE = "H100 SXM"
 
 PROFILES_ENV = "SCALETOOL_PROFILES"
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+# Far beyond any card either way (from a mega-FLOP/s to an exa-FLOP/s card, a KB/s to a PB/s memory, a KiB to
+# a PiB), so a real datasheet always passes and a corrupt figure (1e308, whose bytes overflow; 1e-300, whose
+# times do) never reaches MFU, decode or plan.
+TFLOPS = Annotated[float, Field(ge=1e-6, le=1e6, allow_inf_nan=False, strict=True)]
+GB_S = Annotated[float, Field(ge=1e-6, le=1e7, allow_inf_nan=False, strict=True)]
+GIB = Annotated[float, Field(ge=1e-6, le=1e6, allow_inf_nan=False, strict=True)]
+# printed by `scaletool hardware` and in results: no control characters (an escape sequence would drive the terminal)
+NO_CONTROL = r"^[^\x00-\x1f\x7f-\x9f]*$"
+Text = Annotated[str, Field(max_length=1000, strict=True, pattern=NO_CONTROL)]
 
 
 class ProfileFile(BaseModel):
@@ -43,14 +50,14 @@ class ProfileFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=200, strict=True, pattern=NO_CONTROL)
     device: Literal["cuda", "cpu"]
-    match: list[str] = []
-    exclude: list[str] = []
-    peak_tflops: dict[Literal["bf16", "fp16", "fp32", "fp8"], Positive] = {}  # fp8: dense FP8 tensor cores
-    peak_bandwidth_gb_s: Positive | None = None
-    memory_gib: Positive | None = None
-    reference: str = ""
+    match: list[Text] = Field(default=[], max_length=100)
+    exclude: list[Text] = Field(default=[], max_length=100)
+    peak_tflops: dict[Literal["bf16", "fp16", "fp32", "fp8"], TFLOPS] = {}  # fp8: dense FP8 tensor cores
+    peak_bandwidth_gb_s: GB_S | None = None
+    memory_gib: GIB | None = None
+    reference: Text = ""
 
     @model_validator(mode="after")
     def _check(self) -> ProfileFile:
@@ -70,19 +77,28 @@ def user_dirs(environ=None) -> list[Path]:
 
 def _problems(exc: ValidationError, source: str) -> list[str]:
     return validation_lines(exc, source, root="profile", known=lambda parent: list(ProfileFile.model_fields),
-                            show_input=lambda err: True)
+                            show_input=lambda err: True,
+                            messages={"string_pattern_mismatch": "text without control characters"})
+
+
+#: a profile file is a dozen lines; a larger one is the wrong file
+MAX_PROFILE_BYTES = 1 << 16
 
 
 def read_profile(path: Path, source: str) -> HardwareProfile:
-    """Validate one profile file; every problem is one line of the RecipeError."""
+    """Validate one profile file; every problem is one line of the RecipeError. The file is read only if it is
+    a regular file of at most :data:`MAX_PROFILE_BYTES` (a FIFO or device named ``*.yaml`` is refused, never
+    waited on), with the bounded safe YAML loader."""
+    from scaletool.yaml_input import exponent_floats, load_yaml_text
+
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{source}: cannot read: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{source}: malformed YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        blob = read_bounded(path, MAX_PROFILE_BYTES, "a hardware profile")
+    except RecipeError as e:
+        raise RecipeError([f"hardware profile {p}" for p in e.problems]) from None
+    try:
+        raw = exponent_floats(load_yaml_text(blob.decode("utf-8"), source))
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{source}: not UTF-8 text (byte {e.start})") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{source}: a profile is a mapping (name, device, match, peak_tflops, ...), "
                           f"got {type(raw).__name__}")
@@ -99,7 +115,11 @@ def read_profile(path: Path, source: str) -> HardwareProfile:
 
 def _read_dir(directory: Path, label: str) -> tuple[list[HardwareProfile], list[str]]:
     profiles, problems = [], []
-    for path in sorted(directory.glob("*.yaml")) if directory.is_dir() else []:
+    try:
+        paths = sorted(directory.glob("*.yaml")) if directory.is_dir() else []
+    except OSError as e:  # an unreadable directory
+        return [], [f"{shorten(directory)}: cannot list hardware profiles: {e.strerror or e}"]
+    for path in paths:
         try:
             profiles.append(read_profile(path, label.format(path=path, name=path.name)))
         except RecipeError as e:

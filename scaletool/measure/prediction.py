@@ -7,7 +7,13 @@ whole path; its error there is not meaningful and says nothing about the model.
 """
 from __future__ import annotations
 
-from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration, load_calibration
+from scaletool.analytic.calibration import (
+    Calibration,
+    calibration_for,
+    default_calibration,
+    load_calibration,
+    shipped_calibration,
+)
 from scaletool.analytic.step import predict_step
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
@@ -18,9 +24,10 @@ CPU_NOTE = "CPU placeholder (not measured): the prediction's error on a CPU is n
 
 
 def cpu_calibration() -> Calibration:
-    """A shipped or user calibration named ``cpu`` when there is one, else the placeholder."""
+    """The shipped calibration named ``cpu`` when there is one (``profiles/calibrations/`` only: a file called
+    ``cpu`` in the working directory is not a calibration), else the placeholder."""
     try:
-        return load_calibration("cpu")
+        return shipped_calibration("cpu")
     except RecipeError:
         pass
     c = CPU_PLACEHOLDER
@@ -98,4 +105,4 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
         rows.append({"label": f"hsdp {R}x{world_size // R}", **{k: pred[k] for k in (
             "step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
-            "world_size": world_size, "rows": rows}
+            "calibration_file": calib.file or None, "world_size": world_size, "rows": rows}

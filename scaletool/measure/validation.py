@@ -9,6 +9,7 @@ counts once; a run recorded with an option this version no longer has is skipped
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -16,10 +17,11 @@ from scaletool.analytic.calibration import Calibration, calibration_for, load_ca
 from scaletool.analytic.step import predict_step
 from scaletool.analytic.zero3 import deepspeed_as_ran
 from scaletool.config import recipe_from_dict
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, echo, shorten
+from scaletool.fmt import printable
 from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
-from scaletool.resources import data_dir
+from scaletool.resources import data_dir, read_bounded
 
 #: the committed GPU training results, relative to the repository root
 COMMITTED = ("recipes/benchmarks/results/**/*.json", "recipes/benchmarks/sweep-results/*.results.jsonl")
@@ -32,24 +34,40 @@ def committed_paths() -> list[Path]:
     return sorted(p for pat in COMMITTED for p in root.glob(pat) if "runs" not in p.relative_to(root).parts[:-1])
 
 
+#: a result file is a few KiB, a sweep's record file a few MiB; larger is the wrong file
+MAX_RESULT_BYTES = 64 << 20
+#: ranges a recorded figure must lie in to be re-predicted: far past any real run, so a real result always
+#: passes and a corrupt one (Infinity, 1e-320 s, a 400-digit count) is skipped with the reason
+MAX_WORLD = 1 << 20
+MAX_TOKENS_PER_STEP = 1e13
+MAX_RATE = 1e9  # tokens/s per GPU
+STEP_S_RANGE = (1e-6, 1e6)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def _runs_in(path: Path) -> list[tuple[str, dict]]:
-    """(label, train result) of every completed GPU training run the file holds."""
-    text = path.read_text()
+    """(label, train result) of every completed GPU training run the file holds. The file is read only if it
+    is a regular file of at most :data:`MAX_RESULT_BYTES` (a FIFO or /dev/zero is refused, never waited on
+    or read without end); NaN and Infinity, which are not JSON, make a record unreadable."""
+    text = read_bounded(path, MAX_RESULT_BYTES, "a training result").decode("utf-8")
     if path.suffix == ".jsonl":
         out = []
         for line in text.splitlines():
-            rec = json.loads(line) if line.strip() else {}
+            rec = json.loads(line, parse_constant=_reject_constant) if line.strip() else {}
             if not isinstance(rec, dict):
                 continue
             res = rec.get("result")
             if rec.get("mode") == "train" and rec.get("status") == "ok" and isinstance(res, dict):
-                out.append((f"{path.name}: {rec.get('label', '?')}", res))
+                out.append((f"{path.name}: {printable(rec.get('label', '?'))}", res))
         return [(label, r) for label, r in out if _usable(r)]
-    data = json.loads(text)
+    data = json.loads(text, parse_constant=_reject_constant)
     # committed results by their path under results/, any other file as given
     under = [i for i, part in enumerate(path.parts[:-1]) if part == "results"]
     label = "/".join(path.parts[under[-1] + 1:]) if under else str(path)
-    return [(label, data)] if isinstance(data, dict) and _usable(data) else []
+    return [(printable(label), data)] if isinstance(data, dict) and _usable(data) else []
 
 
 def _usable(r: dict) -> bool:
@@ -58,7 +76,45 @@ def _usable(r: dict) -> bool:
         return False
     names, rate = env.get("gpu_names"), m.get("throughput/tokens_per_s_per_gpu")
     return (env.get("device_type") == "cuda" and isinstance(names, list) and bool(names) and isinstance(names[0], str)
-            and isinstance(rate, (int, float)) and rate > 0 and r.get("status", "completed") == "completed")
+            and isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0
+            and r.get("status", "completed") == "completed")  # its range: figures_problem, with the reason
+
+
+def _number_kind(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _real(x) -> bool:
+    """A number of JSON's kind (not a bool), finite; an integer too large for a float is not one."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return abs(x) < 1e300 and math.isfinite(x)
+
+
+def figures_problem(r: dict) -> str | None:
+    """Why the recorded figures a re-prediction reads (world size, tokens per step, median step time,
+    throughput) are not a run's, or None: each must be a finite number of its type within a range far
+    past any real run."""
+    env, m = r["environment"], r["metrics"]
+    world = env.get("world_size", 1)
+    if world is None:
+        world = 1
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        return f"its environment's world_size is not an integer in 1..{MAX_WORLD:,} ({echo(world)})"
+    rate = m["throughput/tokens_per_s_per_gpu"]
+    if not rate <= MAX_RATE:
+        return f"its throughput/tokens_per_s_per_gpu {echo(rate)} is past {MAX_RATE:g} tokens/s per GPU"
+    # not numbers at all (null, text): not used, the run's own throughput is (measured_tokens_per_s_per_gpu)
+    tokens, median = r.get("tokens_per_step"), m.get("time/step_s_median")
+    tokens = tokens if _number_kind(tokens) else None
+    median = median if _number_kind(median) else None
+    if tokens is not None and not (_real(tokens) and 0 < tokens <= MAX_TOKENS_PER_STEP):
+        return f"its tokens_per_step {echo(tokens)} is not a positive number up to {MAX_TOKENS_PER_STEP:g}"
+    if median is not None and not (_real(median) and STEP_S_RANGE[0] <= median <= STEP_S_RANGE[1]):
+        return f"its time/step_s_median {echo(median)} is not a step time in {STEP_S_RANGE[0]:g}..{STEP_S_RANGE[1]:g} s"
+    if tokens is not None and median is not None and tokens / world / median > MAX_RATE:
+        return f"its tokens per step over its median step time is past {MAX_RATE:g} tokens/s per GPU"
+    return None
 
 
 def calibration_of(gpu_name: str, profiles=None, cache: dict | None = None) -> Calibration | None:
@@ -73,14 +129,20 @@ def calibration_of(gpu_name: str, profiles=None, cache: dict | None = None) -> C
 def validate(paths: list[Path] | None = None, calibration: str | None = None) -> dict:
     """Every run's predicted and measured tokens/s per GPU, the relative error, and its distribution
     overall and by engine (median and worst |error|, n)."""
+    named = paths is not None
     paths = committed_paths() if paths is None else paths
     profiles, cache, rows, skipped, seen, duplicates = load_profiles(), {}, [], [], {}, []
     forced = load_calibration(calibration) if calibration else None
     for path in paths:
         try:
             runs = _runs_in(Path(path))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nesting past the parser's depth
-            raise RecipeError(f"{path}: cannot read a result: {str(e)[:200]}") from None
+        except RecipeError as e:  # not a regular file, too large
+            if named:
+                raise
+            skipped.extend(printable(p) for p in e.problems)
+            continue
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # nesting past the parser's depth
+            raise RecipeError(f"{shorten(str(path))}: cannot read a result: {printable(str(e)[:200])}") from None
         for label, r in runs:
             key = json.dumps([r["metrics"], r["environment"]], sort_keys=True, default=str)
             if key in seen:
@@ -91,20 +153,28 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
             card = env["gpu_names"][0]
             cal = forced or calibration_of(card, profiles, cache)
             if cal is None:
-                skipped.append(f"{label}: no calibration for {card!r}")
+                skipped.append(f"{label}: no calibration for {printable(echo(card))}")
+                continue
+            problem = figures_problem(r)
+            if problem:
+                skipped.append(f"{label}: {printable(problem)}")
                 continue
             try:
                 recipe = recipe_from_dict(_as_ran(r), label)
-            except RecipeError as e:  # an option since removed: this version cannot say what ran
-                why = str(e).removeprefix(f"{label}: ")
+            except RecipeError as e:  # an option since removed, or a recipe no version wrote: cannot say what ran
+                why = printable(str(e).removeprefix(f"{label}: "))
                 skipped.append(f"{label}: recorded with an option this version does not have ({why})")
                 continue
             world = 1 if env.get("world_size") is None else env["world_size"]  # absent: one process
-            if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-                skipped.append(f"{label}: its environment's world_size is not a positive integer")
+            try:
+                pred = predict_step(recipe, cal, world_size=world)
+            except (RecipeError, ValueError, ArithmeticError) as e:  # a layout the model refuses at this size
+                skipped.append(f"{label}: cannot be predicted ({printable(shorten(str(e), 200))})")
                 continue
-            pred = predict_step(recipe, cal, world_size=world)
             measured = measured_tokens_per_s_per_gpu(r, world)
+            if not (_real(pred["tokens_per_s_per_gpu"]) and pred["tokens_per_s_per_gpu"] > 0):
+                skipped.append(f"{label}: its prediction is not a positive rate ({echo(pred['tokens_per_s_per_gpu'])})")
+                continue
             moe = bool(recipe.model.n_moe_layers)
             rows.append({"run": label, "outside": None, "moe": moe,
                          "moe_dispatch": recipe.model.moe_dispatch if moe else None,
@@ -153,12 +223,17 @@ def _as_ran(r: dict) -> dict:
     if (model.get("ffn") == "moe" or model.get("n_routed_experts")) and "moe_dispatch" not in model:
         recipe = {**recipe, "model": {**model, "moe_dispatch": "capacity"}}
     par = recipe.get("parallel") if isinstance(recipe.get("parallel"), dict) else {}
-    if (par.get("tensor_parallel") or 1) > 1 and "fsdp_on_one_rank" not in par:
+    tp = par.get("tensor_parallel")
+    # a value of another type ("2", [2]) is left for the recipe's validation to name
+    if _real(tp) and tp > 1 and "fsdp_on_one_rank" not in par:
         return {**recipe, "parallel": {**par, "fsdp_on_one_rank": True}}
     # runs of the engine with the DeepSpeed passthrough that did not record the config they were given
     if ENGINE_KEYS.get("deepspeed") != par.get("engine") or "deepspeed_config" in r["environment"]:
         return recipe
-    return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(par.get("deepspeed"), par.get("zero_stage"))}}
+    ds = par.get("deepspeed")
+    if ds is not None and not (isinstance(ds, dict) and isinstance(ds.get("zero_optimization") or {}, dict)):
+        return recipe  # not a passthrough DeepSpeed could have run: the recipe's validation names it
+    return {**recipe, "parallel": {**par, "deepspeed": deepspeed_as_ran(ds, par.get("zero_stage"))}}
 
 
 def measured_tokens_per_s_per_gpu(r: dict, world: int) -> float:

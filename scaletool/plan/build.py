@@ -12,6 +12,9 @@ from scaletool.plan.search import Request, search
 
 #: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
 DEFAULT_GPUS_PER_NODE = 8
+#: the most GPUs a plan is made for: far past any cluster (the largest published runs use tens of thousands),
+#: and a bound on the search, whose divisor walks grow with the count (10^11 GPUs ran for minutes)
+MAX_GPUS = 1 << 20
 
 
 def hardware_profile(name: str):
@@ -23,6 +26,10 @@ def check_cluster(gpus: int, gpus_per_node: int | None) -> int:
     """GPUs per node, checked against the GPU count (one line per problem, before any search)."""
     if gpus < 1:
         raise RecipeError(f"gpus: {gpus}: need at least 1 GPU to plan for")
+    if gpus > MAX_GPUS or (gpus_per_node is not None and gpus_per_node > MAX_GPUS):
+        n = max(gpus, gpus_per_node or 0)
+        shown = f"{n:,}" if n < 10**15 else f"a {len(str(n))}-digit count"
+        raise RecipeError(f"gpus: {shown}: scaletool plans for at most {MAX_GPUS:,} GPUs")
     g = gpus_per_node if gpus_per_node is not None else min(gpus, DEFAULT_GPUS_PER_NODE)
     if g < 1:
         raise RecipeError(f"gpus per node: {g}: need at least 1")

@@ -149,7 +149,8 @@ def scaling(rs: ResultsSet) -> list[str]:
             if n > 1:
                 s = by_n[n].across(_rate_of)
                 c = gated(compare(s.scaled(1 / n), base), by_n[n], by_n[1])
-                parts.append(f"{n} GPUs {pct(s.median / n / base.median, 0, signed=False)} "
+                share = s.median / n / base.median if base.median else None  # a rate of 0 on one GPU: no share
+                parts.append(f"{n} GPUs {pct(share, 0, signed=False)} "
                              f"({c.describe('above linear', 'below linear')})")
         name = attention + (f" (kv_lora_rank {rank})" if rank else "")
         out.append(f"Scaling efficiency of {name} under {setup} (per-GPU tokens/s against one GPU, medians): "

@@ -261,7 +261,7 @@ def scaling_table(rs: ResultsSet) -> Table | None:
             rate, peak = by_n[n].across(lambda t: t.rate), by_n[n].result.peak_memory_bytes
             t.rows.append([attention, rank, width, setup, n, *spread_cells(rate), rate.median / n,
                            by_n[n].median(lambda s: s.mfu), peak, rel_error(peak, train_analytic_memory(by_n[n])),
-                           rate.median / n / base, rate.median / n / ref if ref else None])
+                           rate.median / n / base if base else None, rate.median / n / ref if ref else None])
     return t
 
 

@@ -86,13 +86,13 @@ class DecodePoint(_Part):
     @property
     def decode_rate(self) -> Spread | None:
         """Decode tokens/s with the per-step spread, else the recorded rate as one sample."""
-        if self.decode_step_s is not None and self.batch:
+        if self.decode_step_s is not None and self.batch and self.decode_step_s.p10 > 0:  # a 0 s step is no rate
             return self.decode_step_s.inverse(self.batch)
         return Spread.of_one(self.decode_tokens_per_s)
 
     @property
     def prefill_rate(self) -> Spread | None:
-        if self.prefill_s is not None and self.context:
+        if self.prefill_s is not None and self.context and self.prefill_s.p10 > 0:
             return self.prefill_s.inverse(self.context)
         return Spread.of_one(self.prefill_tokens_per_s)
 

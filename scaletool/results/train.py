@@ -133,8 +133,9 @@ class TrainResult(Result):
         """Training tokens/s with its spread over the measured steps (one sample where none was kept)."""
         if self.timing is not None and self.timing.tokens_per_s is not None:
             return self.timing.tokens_per_s
-        if self.timing is not None and self.timing.step_s is not None and self.tokens_per_step:
-            return self.timing.step_s.inverse(self.tokens_per_step)
+        step_s = self.timing.step_s if self.timing is not None else None
+        if step_s is not None and self.tokens_per_step and step_s.p10 > 0:  # a step of 0 s is no rate
+            return step_s.inverse(self.tokens_per_step)
         return Spread.of_one(self.tokens_per_s)
 
     @property

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import open_state, refused
+from scaletool.fmt import open_state, printable, refused
 
 LOCK_FILE = ".lock"
 
@@ -30,13 +30,14 @@ def _holder(path: Path) -> str:
         who = f"pid {int(info['pid'])} on host {_one_line(info['host'], 100)}"
         what = _one_line(info.get("what", ""), 200)
         return who + (f" ({what})" if what else "")
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return "another process (no owner recorded: a Slurm array task of a submitted sweep?)"
 
 
 def _one_line(value: object, limit: int) -> str:
-    """Text from the lock file as one short line (whatever a hostile sweep name put there)."""
-    return " ".join(str(value).split())[:limit]
+    """Text from the lock file as one short line (whatever a hostile sweep name put there), its control
+    characters escaped: an escape sequence in it is shown, not run by the terminal."""
+    return printable(" ".join(str(value).split())[:limit])
 
 
 @contextlib.contextmanager

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, shorten
 from scaletool.measure.metrics import METRICS_FILE
+from scaletool.resources import read_bounded
 from scaletool.results.base import ResultLoadError
 from scaletool.results.train import TrainResult, load_train_summary
 from scaletool.train.checkpoint import checkpoint_dirs, newest_intact
@@ -59,8 +60,8 @@ def previous_summary(out: Path) -> tuple[TrainResult | None, str | None]:
     if not path.is_file():
         return None, None
     try:
-        return load_train_summary(json.loads(path.read_text()), str(path)), None
-    except (OSError, ValueError, ResultLoadError) as e:
+        return load_train_summary(json.loads(read_bounded(path, 64 << 20, "a run's summary")), str(path)), None
+    except (OSError, ValueError, ResultLoadError, RecursionError) as e:
         return None, f"warning: {path} is unreadable ({str(e).splitlines()[0][:200]}); it will be replaced"
 
 
@@ -73,9 +74,43 @@ def held_run(out: Path) -> str | None:
     return ", ".join(held) or None
 
 
+#: what a run writes in its directory: files, then folders
+OWN_FILES = ("summary.json", METRICS_FILE, "train.log")
+OWN_FOLDERS = ("checkpoints", "tensorboard")
+
+
+def planted(out: Path) -> list[str]:
+    """One line for each of the run's own names in ``out`` that is a symbolic link (a resume would write
+    ``step_N`` or the summary through it, outside the run directory) or of the wrong kind (a FIFO for
+    ``summary.json``, a file for ``checkpoints``): found before any step runs, not after."""
+    import stat
+
+    lines = []
+    for name, want in [*((n, stat.S_ISREG) for n in OWN_FILES), *((n, stat.S_ISDIR) for n in OWN_FOLDERS)]:
+        path = Path(out) / name
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            lines.append(f"{shorten(str(path))}: cannot be read ({e.strerror or e})")
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            lines.append(f"{shorten(str(path))}: is a symbolic link; scaletool does not write its own files through "
+                         "links (remove it)")
+        elif not want(st.st_mode):
+            kind = "a regular file" if want is stat.S_ISREG else "a directory"
+            lines.append(f"{shorten(str(path))}: not {kind}; scaletool writes its own {name} there (remove it)")
+    return lines
+
+
 def plan_start(out: Path, steps: int, resume: Resume) -> Start:
-    """Decide where the run in ``out`` starts (rank 0 decides; see :func:`scaletool.engines.agree`)."""
+    """Decide where the run in ``out`` starts (rank 0 decides; see :func:`scaletool.engines.agree`). The run's
+    own names in ``out`` are checked first (:func:`planted`): nothing is trained that could not be recorded."""
     out = Path(out)
+    problems = planted(out)
+    if problems:
+        raise RecipeError(problems)
     if resume is Resume.NEVER:
         held = held_run(out)
         if held:

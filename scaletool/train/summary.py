@@ -166,13 +166,14 @@ def _prediction(r: RunRecord, measured: float | None) -> tuple[dict, dict]:
         profile = next((p for p in load_profiles() if p.name == r.peak.profile), None)
         calib = calibration_for_device(r.env.device.type, profile)
         pred = predict(r.recipe, calib, r.env.world_size, r.env.local_world_size)
-    except (RecipeError, ValueError, KeyError, ZeroDivisionError) as e:
+    except Exception as e:  # noqa: BLE001 - the run has finished: its summary is written whatever the prediction hits
         return dict.fromkeys(keys), {"unavailable": "; ".join(e.problems) if isinstance(e, RecipeError) else describe(e)}
     err = rel_error(pred["tokens_per_s"], measured)
     metrics = dict(zip(keys, (pred["step_s"], pred["tokens_per_s"], pred["tokens_per_s_per_gpu"], pred["mfu"], err)))
     section = {k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound", "terms",
                                     "assumptions")}
-    section.update(calibration=calib.name, calibration_source=calib.source, rel_error_tokens_per_s=err,
+    section.update(calibration=calib.name, calibration_source=calib.source, calibration_file=calib.file or None,
+                   rel_error_tokens_per_s=err,
                    meaningful=r.env.device.type != "cpu")
     return metrics, section
 

@@ -416,6 +416,9 @@ class Trainer:
             for cb in self.callbacks:
                 cb.on_train_end(result)
         self.writer.summary(result)
+        unavailable = (result.prediction or {}).get("unavailable")
+        if unavailable:  # the run is recorded whole; only the prediction beside it is missing
+            self.writer.log(f"warning: no step-time prediction for this run: {unavailable}", style="yellow")
         if status == "completed":
             self.writer.log(headline(result))
         else:  # the caller reports it (once): here it goes to train.log only

@@ -59,7 +59,7 @@ CASES = {
     "breakdown shares huge": lambda d: (d / BREAKDOWN).write_text('{"categories": {"a": {"share": 1e400}}}'),
     "breakdown shares true": lambda d: (d / BREAKDOWN).write_text('{"categories": {"a": {"share": true}}}'),
     **{f"{frag} = {name}": _numbers(frag, value)
-       for frag in ("tokens_per_s", "params", "flops", "bytes", "step_s", "mfu", "median", "loss", "total")
+       for frag in ("tokens_per_s", "params", "flops", "bytes", "step_s", "mfu", "median", "p10", "p90", "loss", "total")
        for name, value in (("0", 0), ("10^400", 10**400), ("1e308", 1e308), ("-1", -1))},
 }
 

@@ -163,4 +163,4 @@ def test_a_calibration_file_carries_the_inter_node_figure_into_estimate_and_plan
     plan = _cli("plan", "mha-1b", "--gpus", "16", "--calibration", str(tmp_path / "slow.yaml"), "--json")
     assert plan.returncode == 0 and any("5 GB/s bus bandwidth per GPU" in a for a in json.loads(plan.stdout)["assumptions"])
     bad = _cli("estimate", "tiny", "--calibration", str(tmp_path / "none.yaml"))
-    assert bad.returncode == 2 and bad.stderr.strip() == f"error: calibration file '{tmp_path / 'none.yaml'}' does not exist"
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: calibration {tmp_path / 'none.yaml'}: no such file"

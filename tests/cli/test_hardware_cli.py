@@ -61,5 +61,5 @@ def test_a_bad_user_profile_exits_2_with_one_line_per_problem(user_dir):
     res = CliRunner().invoke(main, ["hardware"])
     assert res.exit_code == 2
     assert res.output.splitlines() == [
-        f"error: {user_dir / 'bad.yaml'}: peak_tflops.bf16: Input should be greater than 0 (got -3)",
+        f"error: {user_dir / 'bad.yaml'}: peak_tflops.bf16: Input should be greater than or equal to 0.000001 (got -3)",
         f"error: {user_dir / 'bad.yaml'}: flops: unknown key; did you mean 'peak_tflops'?"]

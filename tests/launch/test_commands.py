@@ -48,17 +48,17 @@ def test_torchrun_multi_node_argv():
     assert argv == ["/opt/py/bin/python", "-m", "torch.distributed.run",
                     "--nnodes", "2", "--nproc-per-node", "4",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", "node001:29500", "--rdzv-id", "job-7",
-                    "--rdzv-conf", "join_timeout=120,is_host=0",
+                    "--rdzv-conf", "join_timeout=120,read_timeout=120,is_host=0",
                     "--max-restarts", "3", "--log-dir", "/shared/runs/a b/torchelastic",
                     "-m", *train_module_args(_spec())]
 
 
 def test_torchrun_node_zero_hosts_the_store_and_default_id_follows_out():
     argv = torchrun_argv(_spec(node_rank=0))
-    assert argv[argv.index("--rdzv-conf") + 1] == "join_timeout=120,is_host=1"
+    assert argv[argv.index("--rdzv-conf") + 1] == "join_timeout=120,read_timeout=120,is_host=1"
     assert argv[argv.index("--rdzv-id") + 1] == "scaletool-a-b"
     no_rank = torchrun_argv(_spec())
-    assert no_rank[no_rank.index("--rdzv-conf") + 1] == "join_timeout=120"  # hostname decides who hosts
+    assert no_rank[no_rank.index("--rdzv-conf") + 1] == "join_timeout=120,read_timeout=120"  # hostname decides who hosts
 
 
 def test_torchrun_single_node_is_standalone():
@@ -74,7 +74,7 @@ def test_torchrun_argv_is_what_torchrun_parses():
     a = parse_args(argv[3:])
     assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.max_restarts) == \
         ("2", "4", "c10d", "node001:29500", 3)
-    assert a.rdzv_conf == "join_timeout=120,is_host=1" and a.module and not a.standalone
+    assert a.rdzv_conf == "join_timeout=120,read_timeout=120,is_host=1" and a.module and not a.standalone
     assert a.training_script == "scaletool"
     assert a.training_script_args == train_module_args(_spec())[1:]
 

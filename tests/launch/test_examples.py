@@ -56,7 +56,7 @@ def test_torchrun_two_node_script():
     opts = dict(zip(argv[3:21:2], argv[4:22:2]))
     assert opts == {"--nnodes": "2", "--nproc-per-node": "8", "--rdzv-backend": "c10d",
                     "--rdzv-endpoint": "node001:29500", "--rdzv-id": "scaletool-mla-1b-2x8",
-                    "--rdzv-conf": "join_timeout=900,is_host=0", "--max-restarts": "2",
+                    "--rdzv-conf": "join_timeout=900,read_timeout=900,is_host=0", "--max-restarts": "2",
                     "--log-dir": "runs/mla-1b-2x8/torchelastic", "-m": "scaletool"}
     missing = subprocess.run([str(script)], capture_output=True, text=True, env={**os.environ, "HEAD": ""})
     assert missing.returncode != 0 and "set HEAD" in missing.stderr

@@ -89,7 +89,7 @@ def test_two_nodes_fsdp(tmp_path):
     for i in range(2):  # stdout holds only the JSON: the ranks' output went to stderr
         d = json.loads((tmp_path / f"node{i}.out").read_text())
         assert d["exit_code"] == 0 and d["errors"] == [] and d["summary"]["status"] == "completed"
-        assert d["argv"][d["argv"].index("--rdzv-conf") + 1] == f"join_timeout=60,is_host={1 - i}"
+        assert d["argv"][d["argv"].index("--rdzv-conf") + 1] == f"join_timeout=60,read_timeout=60,is_host={1 - i}"
     s = summary(out)
     assert s["status"] == "completed" and s["engine"] == "fsdp"
     assert s["environment"]["world_size"] == 2 and s["environment"]["launched"]

@@ -64,11 +64,12 @@ def test_a_user_profile_matching_a_shipped_gpu_is_tried_first(tmp_path, env):
 
 @pytest.mark.parametrize("content, lines", [
     ({**RTX, "peak_tflops": {"bf16": -1, "int8": 3}, "peak_bandwidh_gb_s": 1},
-     ["peak_tflops.bf16: Input should be greater than 0 (got -1)",
+     ["peak_tflops.bf16: Input should be greater than or equal to 0.000001 (got -1)",
       "peak_tflops.int8.[key]: Input should be 'bf16', 'fp16', 'fp32' or 'fp8'",
       "peak_bandwidh_gb_s: unknown key; did you mean 'peak_bandwidth_gb_s'?"]),
     ({**RTX, "peak_tflops": {"bf16": float("inf")}, "peak_bandwidth_gb_s": 0},
-     ["peak_tflops.bf16: Input should be a finite number", "peak_bandwidth_gb_s: Input should be greater than 0"]),
+     ["peak_tflops.bf16: Input should be a finite number",
+      "peak_bandwidth_gb_s: Input should be greater than or equal to 0.000001"]),
     ({**RTX, "peak_tflops": {"fp32": float("nan")}}, ["peak_tflops.fp32: Input should be a finite number"]),
     ({"name": "X", "device": "cuda", "peak_tflops": {"bf16": 1}},
      ["match: a cuda profile needs at least one substring of the GPU's name"]),
