@@ -18,7 +18,7 @@ examples:
   python -m scaletool.bench regenerate-reports --only quickstart-cpu
   python -m scaletool.bench tp-2gpu --deadline 540   # resumable
 
-A study is recipes/benchmarks/studies/STUDY.yaml (or a path to such a
+A study is benchmarks/studies/STUDY.yaml (or a path to such a
 file). Its commands run one after the other, each in its own process;
 rerunning resumes: a command whose result exists is skipped. OUT/runs.jsonl
 records each command with the card, date, torch and CUDA versions."""

@@ -18,7 +18,7 @@ import yaml
 from scaletool.cli import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
-STUDIES = ROOT / "recipes" / "benchmarks" / "studies"
+STUDIES = ROOT / "benchmarks" / "studies"
 PROGRAMS = ("scaletool", "python", "torchrun")
 _MAX_BYTES = 1 << 20
 _VAR = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -26,7 +26,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]*$")
 _STUDY_KEYS = {"name", "description", "gpus", "recipes", "commands"}
 _COMMAND_KEYS = {"name", "argv", "stdout", "result", "timeout_s", "env", "matrix", "inputs", "cwd"}
 #: arguments that name a file of this repository (checked to exist): these prefixes or suffixes
-_PATH_PREFIXES = ("recipes/", "tests/", "scaletool/", "launch/", "profiles/")
+_PATH_PREFIXES = ("recipes/", "benchmarks/", "tests/", "scaletool/", "launch/", "profiles/")
 _PATH_SUFFIXES = (".py", ".yaml", ".yml", ".jsonl")
 
 
@@ -67,7 +67,7 @@ def study_names() -> list[str]:
 
 
 def find_study(name_or_path: str) -> Path:
-    """A study file: a path to a YAML file, or the name of one in recipes/benchmarks/studies."""
+    """A study file: a path to a YAML file, or the name of one in benchmarks/studies."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p

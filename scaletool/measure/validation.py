@@ -21,7 +21,7 @@ from scaletool.measure.hardware import load_profiles, profile_for
 from scaletool.resources import data_dir
 
 #: the committed GPU training results, relative to the repository root
-COMMITTED = ("recipes/benchmarks/results/**/*.json", "recipes/benchmarks/sweep-results/*.results.jsonl")
+COMMITTED = ("benchmarks/results/**/*.json", "benchmarks/results/**/*.results.jsonl")
 
 
 def committed_paths() -> list[Path]:

@@ -28,7 +28,7 @@ def test_the_shell_scripts_became_studies():
     studies = {"single-gpu", "two-gpu", "decode", "profile-mha-vs-mla", "tp", "tp-2gpu", "tp-4gpu", "scaling-4gpu",
                "regenerate-reports"}
     assert studies <= set(STUDY_NAMES)
-    assert not list((ROOT / "recipes" / "benchmarks").glob("*.sh"))
+    assert not list((ROOT / "benchmarks").glob("*.sh"))
 
 
 @pytest.mark.parametrize("name", STUDY_NAMES)
@@ -58,7 +58,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_a_command_naming_a_missing_script_or_command_is_refused(tmp_path):
     p = _write(tmp_path, "gpus: 0\ncommands:\n"
-               "  - {name: a, argv: [python, recipes/benchmarks/no_such_script.py], stdout: a.txt}\n"
+               "  - {name: a, argv: [python, benchmarks/scripts/no_such_script.py], stdout: a.txt}\n"
                "  - {name: b, argv: [scaletool, trian, recipes/tiny.yaml], stdout: b.txt}\n"
                "  - {name: c, argv: [bash, -c, 'rm -rf /'], stdout: c.txt}\n"
                "  - {name: d, argv: [python, -c, 'print(1)'], stdout: d.txt, shell: true}\n")
@@ -177,7 +177,8 @@ def test_a_committed_report_regenerates_from_the_committed_results_on_a_cpu(tmp_
     assert r.returncode == 0, r.stderr
     new = tmp_path / name
     assert (new / "report.html").is_file() and list((new / "plots").glob("*.png"))
-    assert _body(new / "report.md") == _body(ROOT / "recipes" / "benchmarks" / "reports" / name / "report.md")
-    assert (new / "results.csv").read_text() == (ROOT / "recipes" / "benchmarks" / "reports" / name / "results.csv").read_text()
+    committed = ROOT / "benchmarks" / "results" / "profile-breakdown" / "cpu-2026-11-26"
+    assert _body(new / "report.md") == _body(committed / "report.md")
+    assert (new / "results.csv").read_text() == (committed / "results.csv").read_text()
     assert json.loads((tmp_path / RUNS_FILE).read_text())["status"] == "ok"
 

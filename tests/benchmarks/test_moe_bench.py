@@ -1,4 +1,4 @@
-"""The MoE benchmark driver (recipes/benchmarks/moe_layer.py) end to end on CPU through the bench runner:
+"""The MoE benchmark driver (benchmarks/scripts/moe_layer.py) end to end on CPU through the bench runner:
 the moe-tiny study times every part of the layer, trains dense and MoE on both permutation paths (each
 run on the path it names) and runs expert parallelism over gloo, whose table reads the profiler's
 communication share. The one- and two-GPU studies validate and name the same driver."""
@@ -14,7 +14,7 @@ from test_bench_suite import bench
 
 from scaletool.bench.study import load_study
 
-DRIVER = ROOT / "recipes" / "benchmarks" / "moe_layer.py"
+DRIVER = ROOT / "benchmarks" / "scripts" / "moe_layer.py"
 PARTS = {"router", "aux_loss", "permute/gather", "permute/indexed", "expert_gemms/fused/routed",
          "expert_gemms/three/routed", "expert_gemms/fused/aligned16", "expert_gemms/three/aligned16",
          "unpermute/gather", "unpermute/indexed", "shared_expert", "layer/eager/gather", "layer/eager/indexed"}

@@ -14,7 +14,7 @@ from conftest import ROOT
 from scaletool.kernels import mla_decode, mla_tuning
 
 CARD = "NVIDIA H100 80GB HBM3"
-SCRIPT = ROOT / "recipes" / "benchmarks" / "decode_tune.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "decode_tune.py"
 
 
 def _sweep(points):
