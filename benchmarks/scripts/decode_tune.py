@@ -1,8 +1,8 @@
 """Tune the fused MLA decode kernel's launch configuration per (context, batch) and write the table it reads.
 
 Usage (GPU machine, repo root; about 3-5 minutes on one H100, bounded by --budget-s):
-    python benchmarks/scripts/decode_tune.py --out decode_tune.json --write-table
-    python benchmarks/scripts/decode_tune.py --from decode_tune.json --write-table   # table only, no GPU
+    python benchmarks/scripts/decode_tune.py --out decode_tune.json --write-table tuned.json
+    python benchmarks/scripts/decode_tune.py --from decode_tune.json --write-table tuned.json   # no GPU
     python benchmarks/scripts/decode_tune.py --dry-run                                # the grid, no GPU
 
 One layer of mla-1b's attention (16 heads, kv_lora_rank 512, rope 64, bf16), with the device-side
@@ -16,10 +16,12 @@ programs per SM instead of two, some registers spilled). Each candidate is check
 output and timed with ``triton.testing.do_bench``
 over CUDA-graph replays of one call (L2 cleared before each run; median, p10, p90, n). Bytes per call:
 the cache, the queries, the output and the split partials (written and read back by the merge).
-The HBM fraction is against a device-to-device copy measured in the same run. ``--write-table``
-merges the best configuration per point into ``scaletool/kernels/mla_decode_tuned.json``, which
-``choose_config`` reads (nearest context, then nearest batch, for this card's name); a sweep of some points
-replaces those points' entries and keeps the others. At up to ``MERGE_UP_MAX_ROWS`` sequences each call takes
+The HBM fraction is against a device-to-device copy measured in the same run. ``--write-table PATH``
+merges the best configuration per point into the table at PATH (starting from the shipped
+``scaletool/kernels/mla_decode_tuned.json`` when PATH does not exist yet); a sweep of some points replaces
+those points' entries and keeps the others. Nothing writes into the package unless PATH names the shipped
+table: ``choose_config`` reads that one (nearest context, then nearest batch, for this card's name), and a
+new table there is a change to commit deliberately. At up to ``MERGE_UP_MAX_ROWS`` sequences each call takes
 mla-1b's W_UV, as the decode step's does, so the split merge's up-projection is timed with it.
 """
 from __future__ import annotations
@@ -203,7 +205,8 @@ def run_point(p: dict, card: dict, deadline: float) -> dict:
 
 
 def write_table(sweep: dict, path: Path) -> dict:
-    old = json.loads(path.read_text()) if path.exists() else None
+    """Merge the sweep's best configurations into the table at ``path`` (the shipped table when ``path`` is new)."""
+    old = json.loads((path if path.exists() else mla_tuning.TABLE).read_text())
     table = mla_tuning.merge_tables(old, mla_tuning.table_from_sweep(sweep))
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
@@ -227,8 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-gb", type=float, default=60.0, help="the most one point's cache may take")
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="after this many seconds each remaining point times its split counts only")
-    ap.add_argument("--write-table", action="store_true", help="merge the best configs into --table")
-    ap.add_argument("--table", default=str(mla_tuning.TABLE))
+    ap.add_argument("--write-table", dest="table", metavar="PATH", default=None,
+                    help="merge the best configs into the table at PATH (new: starts from the shipped table)")
     ap.add_argument("--from", dest="source", default=None, help="a sweep JSON to write the table from (no GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid for an H100 (132 SMs, 85 GB); no GPU")
     a = ap.parse_args(argv)
@@ -240,14 +243,18 @@ def main(argv=None) -> int:
     except ValueError:
         print("error: --contexts takes integers >= 64 and --batches integers >= 1 or 'fit'", file=sys.stderr)
         return 2
+    if a.table is not None and (not a.table.endswith(".json") or not Path(a.table).parent.is_dir()
+                                or Path(a.table).is_symlink() or Path(a.table).is_dir()):
+        print(f"error: --write-table {a.table!r}: a .json file in an existing folder (not a link)", file=sys.stderr)
+        return 2
     if a.source:
         try:
             sweep = json.loads(Path(a.source).read_text())
-            table = write_table(sweep, Path(a.table)) if a.write_table else mla_tuning.table_from_sweep(sweep)
+            table = write_table(sweep, Path(a.table)) if a.table else mla_tuning.table_from_sweep(sweep)
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"error: {a.source}: not a decode_tune.py result ({type(e).__name__}: {e})", file=sys.stderr)
             return 2
-        print(json.dumps(table, indent=1) if not a.write_table else f"wrote {a.table}")
+        print(json.dumps(table, indent=1) if not a.table else f"wrote {a.table}")
         return 0
     cap = int(a.cache_gb * 1e9)
     if a.dry_run:
@@ -287,7 +294,7 @@ def main(argv=None) -> int:
            "points": points, "wall_s": time.time() - t0}
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(summary(points))
-    if a.write_table:
+    if a.table:
         write_table(doc, Path(a.table))
         log(f"wrote {a.table}")
     log(f"wrote {a.out} in {time.time() - t0:.0f}s")
