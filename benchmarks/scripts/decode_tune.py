@@ -17,9 +17,9 @@ output and timed with ``triton.testing.do_bench``
 over CUDA-graph replays of one call (L2 cleared before each run; median, p10, p90, n). Bytes per call:
 the cache, the queries, the output and the split partials (written and read back by the merge).
 The HBM fraction is against a device-to-device copy measured in the same run. ``--write-table PATH``
-merges the best configuration per point into the table at PATH (starting from the shipped
-``scaletool/kernels/mla_decode_tuned.json`` when PATH does not exist yet); a sweep of some points replaces
-those points' entries and keeps the others. Nothing writes into the package unless PATH names the shipped
+merges the best configuration per point into the table at PATH (a new file holds the sweep's points
+alone); a sweep of some points replaces those points' entries and keeps the others. Nothing writes into
+the package unless PATH names the shipped
 table: ``choose_config`` reads that one (nearest context, then nearest batch, for this card's name), and a
 new table there is a change to commit deliberately. At up to ``MERGE_UP_MAX_ROWS`` sequences each call takes
 mla-1b's W_UV, as the decode step's does, so the split merge's up-projection is timed with it.
@@ -205,8 +205,8 @@ def run_point(p: dict, card: dict, deadline: float) -> dict:
 
 
 def write_table(sweep: dict, path: Path) -> dict:
-    """Merge the sweep's best configurations into the table at ``path`` (the shipped table when ``path`` is new)."""
-    old = json.loads((path if path.exists() else mla_tuning.TABLE).read_text())
+    """Merge the sweep's best configurations into the table at ``path`` (a new file: the sweep's alone)."""
+    old = json.loads(path.read_text()) if path.exists() else None
     table = mla_tuning.merge_tables(old, mla_tuning.table_from_sweep(sweep))
     path.write_text(json.dumps(table, indent=1) + "\n")
     return table
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="after this many seconds each remaining point times its split counts only")
     ap.add_argument("--write-table", dest="table", metavar="PATH", default=None,
-                    help="merge the best configs into the table at PATH (new: starts from the shipped table)")
+                    help="merge the best configs into the table at PATH (the shipped one: scaletool/kernels/...)")
     ap.add_argument("--from", dest="source", default=None, help="a sweep JSON to write the table from (no GPU)")
     ap.add_argument("--dry-run", action="store_true", help="print the grid for an H100 (132 SMs, 85 GB); no GPU")
     a = ap.parse_args(argv)

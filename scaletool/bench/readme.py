@@ -143,8 +143,8 @@ def summarise(path: Path) -> str:
         except ValueError:
             return "not JSON"
         if isinstance(data, dict):
-            return _train_summary(data) or _decode_summary(data) or f"JSON, keys: {_cell(', '.join(map(str, list(data)[:8])), 80)}" + \
-                (", ..." if len(data) > 8 else "")
+            keys = _cell(", ".join(map(str, list(data)[:8])), 80) + (", ..." if len(data) > 8 else "")
+            return _train_summary(data) or _decode_summary(data) or f"JSON, keys: {keys}"
         return f"JSON {type(data).__name__} of {len(data) if isinstance(data, list) else 1}"
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")

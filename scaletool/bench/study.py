@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -143,7 +143,7 @@ class _StudySpec(BaseModel):
     description: Annotated[str, Field(max_length=4000, strict=True)] = ""
     gpus: Annotated[int, Field(ge=0, le=1024, strict=True)] = 0
     recipes: list[Annotated[str, Field(strict=True)]] = []
-    commands: Annotated[list[_CommandSpec], Field(min_length=1)]
+    commands: Annotated[list[Any], Field(min_length=1)]  # each validated alone: every command's problems at once
 
 
 def _problems(e: ValidationError, where: str, keys: dict[str, set[str]]) -> list[str]:
@@ -153,14 +153,10 @@ def _problems(e: ValidationError, where: str, keys: dict[str, set[str]]) -> list
     for err in e.errors(include_url=False):
         loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-", "str", "int",
                                                                         "float", "dict", "list"))]
-        if loc[:1] == ["commands"] and len(loc) > 1 and loc[1].isdigit():
-            place = f"{where}: command {int(loc[1]) + 1}" + (f": {'.'.join(loc[2:])}" if loc[2:] else "")
-        else:
-            place = f"{where}: {'.'.join(loc)}" if loc else where
-        if err["type"] == "extra_forbidden":
-            scope = "command" if loc[:1] == ["commands"] and len(loc) == 3 else "study"
-            base = place.rsplit(": ", 1)[0] if loc[2:] or scope == "study" else place
-            out.append(f"{base}: unknown key {loc[-1]!r}{_did_you_mean(loc[-1], keys[scope])}")
+        place = f"{where}: {'.'.join(loc)}" if loc else where
+        if err["type"] == "extra_forbidden" and len(loc) == 1:
+            scope = "command" if "command" in where.rsplit(": ", 1)[-1] else "study"
+            out.append(f"{where}: unknown key {loc[-1]!r}{_did_you_mean(loc[-1], keys[scope])}")
         elif err["type"] == "missing":
             out.append(f"{place}: missing")
         else:
@@ -179,12 +175,21 @@ def parse_study(raw, path: Path) -> Study:
     name = spec.name or path.stem
     problems = [] if _NAME.match(name) else [f"{where}: name must be letters, digits and ._=- (got {echo(name)})"]
     problems += [f"{where}: recipe {echo(r)} is not a file of this repository" for r in spec.recipes if not _repo_file(r)]
-    sizes = [_matrix_size(c.matrix) for c in spec.commands]
-    if sum(sizes) > MAX_COMMANDS:
-        raise StudyError([f"{where}: its matrices expand to {sum(sizes):,} commands; a study runs at most "
-                          f"{MAX_COMMANDS:,}"])
-    commands: list[Command] = []
+    specs: list[tuple[int, _CommandSpec]] = []
+    keys = {"study": _STUDY_KEYS, "command": _COMMAND_KEYS}
     for i, c in enumerate(spec.commands):
+        if not isinstance(c, dict):
+            problems.append(f"{where}: command {i + 1}: a command is a mapping with name and argv")
+            continue
+        try:
+            specs.append((i, _CommandSpec.model_validate(c)))
+        except ValidationError as e:
+            problems += _problems(e, f"{where}: command {i + 1}", keys)
+    total = sum(_matrix_size(c.matrix) for _, c in specs)
+    if total > MAX_COMMANDS:
+        raise StudyError([f"{where}: its matrices expand to {total:,} commands; a study runs at most {MAX_COMMANDS:,}"])
+    commands: list[Command] = []
+    for i, c in specs:
         try:
             commands += _expand(c, f"{where}: command {i + 1}")
         except StudyError as e:

@@ -10,6 +10,7 @@ from scaletool.analytic import compiled_memory, fits, load_calibration, recipe_m
 from scaletool.config import load_recipe, recipe_from_dict
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+ONE, TWO = "single-gpu/h100-2026-11-26", "two-gpu/2xh200-2026-11-26"
 GIB = 2**30
 
 
@@ -18,7 +19,7 @@ def _run(name):
     return recipe_from_dict(d["recipe"]), d["environment"]["world_size"], d["memory"]["measured_peak_allocated_bytes"]
 
 
-@pytest.mark.parametrize("name", ["single-gpu/h100-2026-11-26/mha-1b-single.json", "single-gpu/h100-2026-11-26/mla-1b-single.json"])
+@pytest.mark.parametrize("name", [f"{ONE}/mha-1b-single.json", f"{ONE}/mla-1b-single.json"])
 def test_whole_model_compile_peak_within_one_percent(name):
     recipe, n, measured = _run(name)  # compiled, single engine, one H100
     assert compiled_memory(recipe)
@@ -28,7 +29,7 @@ def test_whole_model_compile_peak_within_one_percent(name):
     assert abs(compiled / measured - 1) < 0.01
 
 
-@pytest.mark.parametrize("name", ["single-gpu/h100-2026-11-26/mem-mha-1b-single.json", "two-gpu/2xh200-2026-11-26/mha-1b-fsdp-eager.json"])
+@pytest.mark.parametrize("name", [f"{ONE}/mem-mha-1b-single.json", f"{TWO}/mha-1b-fsdp-eager.json"])
 def test_eager_runs_keep_the_eager_estimate(name):
     recipe, n, measured = _run(name)
     assert not compiled_memory(recipe)

@@ -120,18 +120,18 @@ commands:
 """)
     study, out = load_study(str(p)), tmp_path / "out"
     lines: list[str] = []
-    assert run_study(study, out, log=lines.append) == 1
+    assert run_study(study, out, log=lines.append, allow_dirty=True) == 1
     assert (out / "words" / "one.txt").read_text() == "one\n" and (out / "written.txt").read_text() == "done"
     assert not (out / "fails.txt").exists()  # a failed command leaves no result to be mistaken for one
     records = [json.loads(line) for line in (out / RUNS_FILE).read_text().splitlines()]
     assert [(r["command"], r["status"], r["returncode"]) for r in records] == [
         ("echo-one", "ok", 0), ("echo-two", "ok", 0), ("fails", "failed", 3), ("writes", "ok", 0)]
     env = records[0]["environment"]
-    assert {"date_utc", "cards", "torch", "cuda", "python", "driver", "commit"} <= set(env)
+    assert {"date_utc", "cards", "torch", "cuda", "python", "driver", "commit", "tree_differs_from_commit"} <= set(env)
     assert env["torch"] and records[0]["argv"][:2] == ["python", "-c"] and records[0]["result"] == "words/one.txt"
     # rerun: only the failed command runs again
     assert [s.done for s in plan(study, out)] == [True, True, False, True]
-    assert run_study(study, out, log=lines.append) == 1
+    assert run_study(study, out, log=lines.append, allow_dirty=True) == 1
     assert count.read_text() == "xx"
     assert [json.loads(line)["command"] for line in (out / RUNS_FILE).read_text().splitlines()][4:] == ["fails"]
     assert sum("skipped, its result exists" in line for line in lines) == 3
@@ -141,7 +141,7 @@ def test_a_command_past_its_timeout_is_stopped(tmp_path):
     p = _write(tmp_path, "commands:\n  - name: sleeps\n    argv: [python, -c, 'import time; time.sleep(120)']\n"
                "    stdout: never.txt\n    timeout_s: 1\n")
     out = tmp_path / "out"
-    assert run_study(load_study(str(p)), out, log=lambda _: None) == 1
+    assert run_study(load_study(str(p)), out, log=lambda _: None, allow_dirty=True) == 1
     rec = json.loads((out / RUNS_FILE).read_text())
     assert rec["status"] == "timeout" and rec["wall_s"] < 100 and not (out / "never.txt").exists()
 
@@ -151,12 +151,13 @@ def test_the_deadline_stops_the_running_command_and_starts_no_other_and_a_rerun_
                "    stdout: never.txt\n  - name: after\n    argv: [python, -c, 'print(1)']\n    stdout: after.txt\n")
     out, lines = tmp_path / "out", []
     study = load_study(str(p))
-    assert run_study(study, out, log=lines.append, deadline_s=1) == 1
+    assert run_study(study, out, log=lines.append, deadline_s=1, allow_dirty=True) == 1
     rec = json.loads((out / RUNS_FILE).read_text())
     assert rec["status"] == "deadline" and not (out / "never.txt").exists() and not (out / "after.txt").exists()
     assert any("after: not started, the deadline" in line for line in lines)
     assert [s.done for s in plan(study, out)] == [False, False]
-    assert run_study(study, out, only=["after"], log=lines.append) == 0 and (out / "after.txt").read_text() == "1\n"
+    assert run_study(study, out, only=["after"], log=lines.append, allow_dirty=True) == 0
+    assert (out / "after.txt").read_text() == "1\n"
 
 
 def test_a_deadline_that_is_not_a_positive_number_is_one_error_line(tmp_path):
@@ -173,7 +174,7 @@ def _body(report: Path) -> list[str]:
 
 def test_a_committed_report_regenerates_from_the_committed_results_on_a_cpu(tmp_path):
     name = "profile-breakdown-cpu-2026-11-26"
-    r = bench("regenerate-reports", "--only", "profile-breakdown-cpu", "--out", str(tmp_path))
+    r = bench("regenerate-reports", "--only", "profile-breakdown-cpu", "--out", str(tmp_path), "--allow-dirty")
     assert r.returncode == 0, r.stderr
     new = tmp_path / name
     assert (new / "report.html").is_file() and list((new / "plots").glob("*.png"))

@@ -95,7 +95,6 @@ def test_the_sweep_script_writes_the_table_from_a_result_and_refuses_bad_input(t
     mla_tuning.load.cache_clear()
     (tmp_path / "bad.json").write_text('{"points": 1}')
     assert mla_tuning.TABLE.read_bytes() == shipped  # the package's table is written only when named
-    assert len(written["tables"]) >= len(json.loads(shipped)["tables"])  # the shipped entries kept beside the new
     for args in (["--from", "bad.json", "--write-table", str(tmp_path / "t2.json")],
                  ["--from", "sweep.json", "--write-table", str(tmp_path / "no" / "t3.json")],
                  ["--contexts", "4k"], ["--batches", "0"]):
