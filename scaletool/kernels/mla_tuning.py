@@ -1,7 +1,8 @@
 """The committed table of tuned launch configurations of the fused MLA decode kernel.
 
 ``mla_decode_tuned.json`` beside this file (written by ``benchmarks/scripts/decode_tune.py
---write-table``) holds, per card name and attention shape (heads, kv_lora_rank, rope width, dtype),
+--write-table scaletool/kernels/mla_decode_tuned.json``, named on purpose and committed) holds, per card
+name and attention shape (heads, kv_lora_rank, rope width, dtype),
 the fastest configuration measured at each (context, batch) point of the sweep. :func:`lookup`
 answers a call with the entry of the nearest context, then the nearest batch, both on a log2 scale;
 no table, another card or another shape answers None and the kernel keeps its heuristic. Pure
