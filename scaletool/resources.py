@@ -4,7 +4,7 @@ The repository's top-level ``recipes/``, ``profiles/`` and ``docs/`` are the sou
 symbolic links, ``scaletool/recipes -> ../recipes``, ``scaletool/profiles -> ../profiles`` and
 ``scaletool/docs -> ../docs`` (its ``*.md`` pages, what ``scaletool docs`` prints): a
 checkout on ``sys.path``, an editable install and a wheel (whose build copies the linked files in, see
-``package-data`` in pyproject.toml; ``recipes/benchmarks`` stays out) all read them at the same place
+``package-data`` in pyproject.toml; ``benchmarks`` stays out) all read them at the same place
 with :mod:`importlib.resources`. (A ``package-dir`` mapping of ``scaletool.recipes`` to ``recipes`` was
 the alternative; it needs every package listed by hand, an ``__init__.py`` in each data folder for
 setuptools' editable finder, and still nothing for a plain checkout.)

@@ -141,7 +141,7 @@ def test_a_sweep_file_is_not_a_recipe():
 # Inactive keys: switching attention or FFN needs no other change
 
 # Recipe.digest of the shipped recipes as scaletool computed them before inactive keys existed: the
-# keys of stored sweep results (recipes/benchmarks/sweep-results) must not move. The MoE recipes are the
+# keys of stored sweep results (benchmarks/results) must not move. The MoE recipes are the
 # deliberate exception: their digest names model.moe_dispatch since its default became dropless, so a
 # result of the capacity-dispatch era never passes for a dropless one.
 DIGESTS = {"deepseek-v2-lite-dense.yaml": "518cf1268fc3fdfd", "deepseek-v2-lite.yaml": "b09a5188c98e4019",

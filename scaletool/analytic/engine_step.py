@@ -24,7 +24,7 @@ from scaletool.config import ModelConfig, Recipe
 #: bucket's flush splits it per rank (``reduce_scatter_coalesced``) and copies this rank's part into the flat
 #: gradient partition (``partition_grads``): about ten Python-issued ops of ~15 µs each. With the block as a
 #: leaf module the module hooks run once per block, but these stay per tensor. Checked against the committed
-#: 2-GPU runs (recipes/benchmarks/results/tp-zero3-2gpu-h200: mla-1b ZeRO-3 leaf blocks 0.260 s a step,
+#: 2-GPU runs (benchmarks/results/tp-zero3-2gpu/2xh200-2026-11-26: mla-1b ZeRO-3 leaf blocks 0.260 s a step,
 #: FSDP2 0.225 s); a calibration's ``zero3_per_param_s`` replaces it.
 ZERO3_PER_PARAM_S = 1.5e-4
 #: host seconds per ZeRO-3 optimizer sub-group and step (``_prepare_fp32_grad_for_sub_group``, the

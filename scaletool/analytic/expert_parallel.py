@@ -27,7 +27,7 @@ from scaletool.config import ModelConfig, expert_capacity
 from scaletool.kinds.engines import engine_kind
 
 #: The busiest expert's assignments over the mean, measured on dropless mla-1b + 16 experts top-2 (the
-#: moe-speed study, recipes/benchmarks/results/moe-speed-h100/call1/moe-a1.json: moe/imbalance_ratio_mean
+#: moe-speed study, benchmarks/results/moe-speed/h100-2026-11-27-1/moe-a1.json: moe/imbalance_ratio_mean
 #: 1.35 over the MoE layers, balance loss α = 0.001). The default ρ of the dropless estimates.
 EXPERT_IMBALANCE = 1.35
 #: Host seconds lost per dropless MoE layer and forward to the split sizes' device-to-host read: the

@@ -1,4 +1,5 @@
-"""``python -m scaletool.bench STUDY [--out DIR] [--only NAME,...] [--list] [--dry-run]``."""
+"""``python -m scaletool.bench STUDY [--out DIR] [--only NAME,...] [--list] [--dry-run] [--allow-dirty]`` and
+``python -m scaletool.bench readme RUNDIR... | --all [--check]``."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from scaletool.bench import readme
 from scaletool.bench.runner import gpu_count, plan, run_study
 from scaletool.bench.study import StudyError, load_study, study_names
 
@@ -17,11 +19,21 @@ examples:
   python -m scaletool.bench regenerate-reports
   python -m scaletool.bench regenerate-reports --only quickstart-cpu
   python -m scaletool.bench tp-2gpu --deadline 540   # resumable
+  python -m scaletool.bench readme benchmarks/results/decode/h100-2026-11-26
+  python -m scaletool.bench readme --all --check
 
-A study is recipes/benchmarks/studies/STUDY.yaml (or a path to such a
+A study is benchmarks/studies/STUDY.yaml (or a path to such a
 file). Its commands run one after the other, each in its own process;
 rerunning resumes: a command whose result exists is skipped. OUT/runs.jsonl
-records each command with the card, date, torch and CUDA versions."""
+records each command with the card, date, torch and CUDA versions and the
+commit: a tree that differs from its commit is refused, or with
+--allow-dirty its difference is written beside the runs (tree-SHA.diff).
+'readme' writes a run folder's README.md from its records."""
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: control characters (escape sequences among them) shown escaped, not sent."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,7 +61,40 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print what would run and what is done; run nothing")
     p.add_argument("--deadline", type=_seconds, metavar="SECONDS",
                    help="start no command after SECONDS and stop one still running then; rerun to resume")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="run from a tree that differs from its commit, writing the difference beside the runs")
     return p
+
+
+def _readme(argv: list[str]) -> int:
+    p = _Parser(prog="python -m scaletool.bench readme",
+                description="Write each run folder's README.md from its records (runs.jsonl, provenance.json, results).")
+    p.add_argument("dirs", nargs="*", type=Path, metavar="RUNDIR", help="a run folder (a study's --out)")
+    p.add_argument("--all", action="store_true", help="every run folder under benchmarks/results")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each README that differs")
+    args = p.parse_args(argv)
+    if bool(args.dirs) == args.all:
+        p.error("name run folders, or --all")
+    dirs = readme.run_dirs() if args.all else args.dirs
+    for d in dirs:
+        if d.is_symlink() or not d.is_dir():
+            print(f"error: {printable(str(d))}: not a directory", file=sys.stderr)
+            return 2
+    stale = []
+    for d in dirs:
+        if args.check:
+            current = d / readme.README
+            if not current.is_file() or current.is_symlink() or current.read_text() != readme.generate(d):
+                stale.append(d)
+            continue
+        try:
+            readme.write(d)
+        except OSError as e:
+            print(f"error: {printable(str(e.filename or d))}: {e.strerror or e}", file=sys.stderr)
+            return 2
+    for d in stale:
+        print(f"{printable(str(d))}: README.md differs from its records; run python -m scaletool.bench readme {d}")
+    return 1 if stale else 0
 
 
 def _list_studies() -> int:
@@ -57,10 +102,11 @@ def _list_studies() -> int:
     for name in study_names():
         try:
             s = load_study(name)
-            desc = s.description if len(s.description) <= 90 else s.description[:87] + "..."
+            desc = printable(s.description)
+            desc = desc if len(desc) <= 90 else desc[:87] + "..."
             rows.append((name, str(s.gpus), str(len(s.commands)), desc))
         except StudyError as e:
-            rows.append((name, "?", "?", f"invalid: {e.problems[0]}"))
+            rows.append((name, "?", "?", f"invalid: {printable(e.problems[0])}"))
     w = max((len(r[0]) for r in rows), default=5)
     print(f"{'study':{w}}  GPUs  commands  description")
     for name, gpus, n, desc in rows:
@@ -69,6 +115,9 @@ def _list_studies() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["readme"]:
+        return _readme(argv[1:])
     args = _parser().parse_args(argv)
     if args.study is None:
         if args.list:
@@ -79,33 +128,34 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out if args.out is not None else Path("runs") / "bench" / study.name
         if out.exists() and not out.is_dir():
             raise StudyError([f"--out {out}: exists and is not a directory"])
+        if out.is_symlink():
+            raise StudyError([f"--out {out}: is a symbolic link; name the directory itself"])
         only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
         planned = plan(study, out, only)
         if args.list or args.dry_run:
-            print(f"study {study.name}: {study.description} (GPUs: {study.gpus}; output {out})")
+            print(f"study {study.name}: {printable(study.description)} (GPUs: {study.gpus}; output {printable(str(out))})")
             for p in planned:
                 state = "done" if p.done else "todo"
-                line = f"  {state}  {p.command.name} -> {p.command.result}"
+                print(printable(f"  {state}  {p.command.name} -> {p.command.result}"))
                 if args.dry_run:
                     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in p.command.env.items())
                     argv = [a.replace("{out}", str(out)) for a in p.command.argv]
                     where = f"(in {out}) " if p.command.cwd == "out" else ""
-                    line += f"\n        {where}{env + ' ' if env else ''}{shlex.join(argv)}"
-                print(line)
+                    print("        " + printable(f"{where}{env + ' ' if env else ''}{shlex.join(argv)}"))
             return 0
         if study.gpus:
             present = gpu_count()
             if present < study.gpus:
                 raise StudyError([f"study {study.name} needs {study.gpus} GPU(s), but this machine shows {present}"])
         out.mkdir(parents=True, exist_ok=True)
-        return run_study(study, out, only, log=lambda line: print(line, file=sys.stderr, flush=True),
-                         deadline_s=args.deadline)
+        return run_study(study, out, only, log=lambda line: print(printable(line), file=sys.stderr, flush=True),
+                         deadline_s=args.deadline, allow_dirty=args.allow_dirty)
     except StudyError as e:
         for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
+            print(f"error: {printable(problem)}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"error: {e.filename or args.out}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {printable(str(e.filename or args.out))}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

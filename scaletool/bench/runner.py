@@ -4,10 +4,18 @@ Every attempt appends one line to ``OUT/runs.jsonl``: the study, the command (as
 result file, status, exit status, start time and wall time, and the environment it ran in (date, cards,
 driver, torch, CUDA, Python, the repository's commit). A command whose result file exists is skipped, so
 rerunning a study resumes it; a command whose stdout is its result writes that file only when it succeeds.
+
+A result names the commit it ran, so it can be regenerated from that commit: the runner refuses a tree that
+differs from its commit (tracked edits or untracked files), unless ``allow_dirty``, which writes the
+difference (``git diff``, untracked files included) beside the runs as ``tree-SHA.diff`` and names it in
+each record. Inside ``OUT`` the runner writes only regular files and directories it made: a symbolic link,
+FIFO or device at ``runs.jsonl``, ``logs``, a ``.partial`` file, a result's folder or an input's destination
+is refused (one error line) before anything runs through it.
 """
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletool.bench.study import ROOT, Command, Study, StudyError
+from scaletool.errors import echo
+from scaletool.fmt import open_state, refuse_link
 
 RUNS_FILE = "runs.jsonl"
 _KILL_GRACE_S = 10.0
@@ -81,11 +91,66 @@ def environment() -> dict:
         env.update(torch=None, cuda=None, cards=[])
     env["cpu"] = _cpu_model()
     env["driver"] = _run_quiet(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    env["commit"] = _run_quiet(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
-    # a tree that differs from that commit (uncommitted edits, or a copied tree whose .git is older)
-    status = _run_quiet(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
-    env["tree_differs_from_commit"] = None if env["commit"] is None else bool(status)
     return env
+
+
+def _git(repo: Path, *args: str, ok=(0,)) -> bytes | None:
+    """git's stdout in ``repo`` (None: no git, not a checkout, or an exit status outside ``ok``)."""
+    if shutil.which("git") is None:
+        return None
+    try:
+        p = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, timeout=60, check=False,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout if p.returncode in ok else None
+
+
+def provenance(out: Path, allow_dirty: bool, repo: Path = ROOT) -> dict:
+    """The commit the runs come from, checked before anything runs: a tree that differs from it (tracked
+    edits, untracked files git does not ignore) is refused, or with ``allow_dirty`` its difference is written
+    to ``OUT/tree-SHA.diff`` (untracked files as additions) and named here. Raises StudyError."""
+    head = _git(repo, "rev-parse", "--verify", "HEAD")
+    if head is None:
+        if not allow_dirty:
+            raise StudyError([f"{repo}: not a git checkout, so the results could not name the commit they ran; run "
+                              "from a checkout, or pass --allow-dirty to record them without one"])
+        return {"commit": None, "tree_differs_from_commit": None}
+    commit = head.decode().strip()
+    listing = _git(repo, "status", "--porcelain", "-z", "--untracked-files=all") or b""
+    entries = [e for e in listing.decode("utf-8", "replace").split("\0") if e]
+    if not entries:
+        return {"commit": commit, "tree_differs_from_commit": False}
+    if not allow_dirty:
+        first = entries[0][3:]
+        raise StudyError([f"the tree differs from its commit {commit[:12]} ({len(entries)} path(s), first "
+                          f"{echo(first)}); commit it, or pass --allow-dirty to record the difference beside the runs"])
+    diff = _git(repo, "diff", "--binary", "HEAD") or b""
+    untracked = _git(repo, "ls-files", "-z", "--others", "--exclude-standard") or b""
+    for name in filter(None, untracked.decode("utf-8", "replace").split("\0")):
+        diff += _git(repo, "diff", "--binary", "--no-index", "--", "/dev/null", name, ok=(0, 1)) or b""
+    sha = hashlib.sha256(diff).hexdigest()
+    name = f"tree-{sha[:12]}.diff"
+    with os.fdopen(open_state(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
+        f.write(diff)
+    return {"commit": commit, "tree_differs_from_commit": True, "tree_diff": name, "tree_diff_sha256": sha}
+
+
+def _inside(out: Path, rel: Path) -> Path:
+    """``out/rel`` as a directory the runner may write in: each part made if missing, none a symbolic link
+    (OSError: refused). ``out`` itself is the user's to name."""
+    here = out
+    for part in rel.parts:
+        here = here / part
+        refuse_link(here)
+        here.mkdir(exist_ok=True)
+    return here
+
+
+def _open_out(path: Path, append: bool = False):
+    """A file the runner keeps inside ``OUT``, opened for writing: never through a link, never a FIFO."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    return os.fdopen(open_state(path, flags), "ab" if append else "wb")
 
 
 def _cpu_model() -> str | None:
@@ -109,17 +174,25 @@ def _run_quiet(argv: list[str]) -> str | None:
     return " ".join(lines) or None
 
 
-def run_study(study: Study, out: Path, only: list[str] | None = None, log=print, deadline_s: float | None = None) -> int:
+def run_study(study: Study, out: Path, only: list[str] | None = None, log=print, deadline_s: float | None = None,
+              allow_dirty: bool = False, repo: Path = ROOT) -> int:
     """Run the study's missing commands in order; 0 when every command has its result, else 1.
 
     ``deadline_s``: no command starts after that many seconds, and one still running then is stopped
     (recorded as ``deadline``); what did not run stays to do, so rerunning into ``out`` resumes.
+    ``allow_dirty``: run from a tree that differs from its commit, the difference recorded (:func:`provenance`);
+    ``repo``: the checkout whose commit the records name. Raises StudyError (nothing run) or OSError (a
+    link or FIFO where the runner writes).
     """
     planned = plan(study, out, only)
     t_start = time.monotonic()
     out = out.resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    _inside(out, Path("logs"))
+    _open_out(out / RUNS_FILE, append=True).close()  # a link planted there is refused before anything runs
     env_record = None
+    if not all(p.done for p in planned):
+        env_record = {**environment(), **provenance(out, allow_dirty, repo)}
     failed = 0
     for i, p in enumerate(planned, 1):
         tag = f"[{i}/{len(planned)}] {p.command.name}"
@@ -131,8 +204,6 @@ def run_study(study: Study, out: Path, only: list[str] | None = None, log=print,
             log(f"{tag}: not started, the deadline ({deadline_s:g} s) has passed; rerun to resume")
             failed += 1
             continue
-        if env_record is None:
-            env_record = environment()
         record = _run_one(study, p, out, env_record, left)
         log(f"{tag}: {record['status']} after {record['wall_s']:.1f} s"
             + (f" (exit status {record['returncode']}; see logs/{p.command.name}.stderr)" if record["status"] != "ok" else ""))
@@ -145,18 +216,18 @@ def _run_one(study: Study, p: Planned, out: Path, env_record: dict, left_s: floa
     timeout, status_on_timeout = c.timeout_s, "timeout"
     if left_s is not None and (timeout is None or left_s < timeout):
         timeout, status_on_timeout = left_s, "deadline"
-    for src, dst in c.inputs:
-        target = out / dst
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(ROOT / src, target)
-    p.result.parent.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
+    for src, dst in c.inputs:  # never over a link's target: a planted link is refused, not followed
+        target = _inside(out, Path(dst).parent) / Path(dst).name
+        with open(ROOT / src, "rb") as source, _open_out(target) as copy:
+            shutil.copyfileobj(source, copy)
+    _inside(out, Path(c.result).parent)
+    logs = _inside(out, Path("logs"))
     partial = p.result.with_name(p.result.name + ".partial") if c.stdout else logs / f"{c.name}.stdout"
     env = {**os.environ, **c.env, "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     t0 = time.monotonic()
-    with open(partial, "wb") as stdout, open(logs / f"{c.name}.stderr", "wb") as stderr:
+    with _open_out(partial) as stdout, _open_out(logs / f"{c.name}.stderr") as stderr:
         proc = subprocess.Popen(p.argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
                                 cwd=out if c.cwd == "out" else ROOT, start_new_session=True)
         try:
@@ -177,8 +248,8 @@ def _run_one(study: Study, p: Planned, out: Path, env_record: dict, left_s: floa
     record = {"study": study.name, "command": c.name, "argv": list(c.argv), "argv_run": list(p.argv),
               "env": c.env, "cwd": c.cwd, "result": c.result, "status": status, "returncode": rc,
               "started_utc": started, "wall_s": round(wall, 3), "environment": env_record}
-    with open(out / RUNS_FILE, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+    with _open_out(out / RUNS_FILE, append=True) as f:
+        f.write((json.dumps(record, sort_keys=True) + "\n").encode())
     return record
 
 

@@ -9,25 +9,47 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from scaletool.cli import COMMANDS
+from scaletool.errors import RecipeError, echo, shorten
+from scaletool.resources import read_bounded
+from scaletool.yaml_input import load_yaml_text
 
 ROOT = Path(__file__).resolve().parents[2]
-STUDIES = ROOT / "recipes" / "benchmarks" / "studies"
+STUDIES = ROOT / "benchmarks" / "studies"
 PROGRAMS = ("scaletool", "python", "torchrun")
 _MAX_BYTES = 1 << 20
+#: the most commands a study's matrices may expand to (a matrix of six 100-value lists is 10^12)
+MAX_COMMANDS = 10_000
 _VAR = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=-]*$")
 _STUDY_KEYS = {"name", "description", "gpus", "recipes", "commands"}
 _COMMAND_KEYS = {"name", "argv", "stdout", "result", "timeout_s", "env", "matrix", "inputs", "cwd"}
 #: arguments that name a file of this repository (checked to exist): these prefixes or suffixes
-_PATH_PREFIXES = ("recipes/", "tests/", "scaletool/", "launch/", "profiles/")
+_PATH_PREFIXES = ("recipes/", "benchmarks/", "tests/", "scaletool/", "launch/", "profiles/")
 _PATH_SUFFIXES = (".py", ".yaml", ".yml", ".jsonl")
+
+
+def _text(v):
+    """A YAML scalar written where a string belongs: strings as they are, numbers as written (a matrix of
+    ``[1, 2]``); booleans, null and containers are refused."""
+    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+        raise ValueError("expected a string or a number")
+    return str(v)
+
+
+Text = Annotated[str, BeforeValidator(_text)]
+
+
+def shown(path: Path) -> str:
+    return shorten(path)
 
 
 class StudyError(Exception):
@@ -67,7 +89,7 @@ def study_names() -> list[str]:
 
 
 def find_study(name_or_path: str) -> Path:
-    """A study file: a path to a YAML file, or the name of one in recipes/benchmarks/studies."""
+    """A study file: a path to a YAML file, or the name of one in benchmarks/studies."""
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
@@ -81,38 +103,93 @@ def find_study(name_or_path: str) -> Path:
 
 
 def load_study(name_or_path: str) -> Study:
+    """Read a study through the bounded YAML reader (size, aliases expanded, depth: a 1 KB alias bomb is one
+    error line, not unbounded memory) and validate it."""
     path = find_study(name_or_path)
     try:
-        if path.stat().st_size > _MAX_BYTES:
-            raise StudyError([f"{path}: larger than 1 MiB, not a study"])
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise StudyError([f"{path}: cannot be read as YAML: {' '.join(str(e).split())[:200]}"]) from None
+        raw = load_yaml_text(read_bounded(path, _MAX_BYTES, "a study").decode("utf-8"), shown(path))
+    except UnicodeDecodeError as e:
+        raise StudyError([f"{shown(path)}: not a UTF-8 text file (byte {e.start})"]) from None
+    except RecipeError as e:
+        raise StudyError(e.problems) from None
     return parse_study(raw, path)
+
+
+class _Input(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    from_: Text = Field(alias="from")
+    to: Text
+
+
+class _CommandSpec(BaseModel):
+    """One entry of ``commands``: the shapes of its keys (what they mean is checked once variables are in)."""
+    model_config = ConfigDict(extra="forbid")
+    name: Text = ""
+    argv: list[Text] = Field(min_length=1)
+    stdout: Text | None = None
+    result: Text | None = None
+    timeout_s: Annotated[float, Field(gt=0, lt=1e6, allow_inf_nan=False, strict=True)] | \
+        Annotated[int, Field(gt=0, lt=1e6, strict=True)] | None = None
+    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Text] = {}
+    matrix: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")],
+                 Annotated[list[Text | dict[str, Text]], Field(min_length=1)]] | None = None
+    inputs: list[_Input] = []
+    cwd: Literal["repo", "out"] = "repo"
+
+
+class _StudySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(pattern=_NAME.pattern, max_length=200, strict=True)] | None = None
+    description: Annotated[str, Field(max_length=4000, strict=True)] = ""
+    gpus: Annotated[int, Field(ge=0, le=1024, strict=True)] = 0
+    recipes: list[Annotated[str, Field(strict=True)]] = []
+    commands: Annotated[list[Any], Field(min_length=1)]  # each validated alone: every command's problems at once
+
+
+def _problems(e: ValidationError, where: str, keys: dict[str, set[str]]) -> list[str]:
+    """One line per problem of a pydantic ValidationError: where, which key, what is wrong (a did-you-mean for
+    an unknown key, the value echoed and cut)."""
+    out = []
+    for err in e.errors(include_url=False):
+        loc = [str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-", "str", "int",
+                                                                        "float", "dict", "list"))]
+        place = f"{where}: {'.'.join(loc)}" if loc else where
+        if err["type"] == "extra_forbidden" and len(loc) == 1:
+            scope = "command" if "command" in where.rsplit(": ", 1)[-1] else "study"
+            out.append(f"{where}: unknown key {loc[-1]!r}{_did_you_mean(loc[-1], keys[scope])}")
+        elif err["type"] == "missing":
+            out.append(f"{place}: missing")
+        else:
+            out.append(f"{place}: {err['msg'][0].lower() + err['msg'][1:]} (got {echo(err.get('input'))})")
+    return list(dict.fromkeys(out))
 
 
 def parse_study(raw, path: Path) -> Study:
     where = path.name
     if not isinstance(raw, dict):
         raise StudyError([f"{where}: a study is a mapping with the keys {', '.join(sorted(_STUDY_KEYS))}"])
-    problems = [f"{where}: unknown key {k!r}{_did_you_mean(k, _STUDY_KEYS)}" for k in raw if k not in _STUDY_KEYS]
-    name = raw.get("name", path.stem)
-    if not isinstance(name, str) or not _NAME.match(name):
-        problems.append(f"{where}: name must be letters, digits and ._=- (got {name!r:.60})")
-    gpus = raw.get("gpus", 0)
-    if not isinstance(gpus, int) or isinstance(gpus, bool) or not 0 <= gpus <= 1024:
-        problems.append(f"{where}: gpus must be a whole number from 0 to 1024 (got {gpus!r:.40})")
-    recipes = raw.get("recipes", [])
-    if not isinstance(recipes, list) or not all(isinstance(r, str) for r in recipes):
-        problems.append(f"{where}: recipes must be a list of recipe paths")
-        recipes = []
-    problems += [f"{where}: recipe {r!r} is not a file of this repository" for r in recipes if not _repo_file(r)]
+    try:
+        spec = _StudySpec.model_validate(raw)
+    except ValidationError as e:
+        raise StudyError(_problems(e, where, {"study": _STUDY_KEYS, "command": _COMMAND_KEYS})) from None
+    name = spec.name or path.stem
+    problems = [] if _NAME.match(name) else [f"{where}: name must be letters, digits and ._=- (got {echo(name)})"]
+    problems += [f"{where}: recipe {echo(r)} is not a file of this repository" for r in spec.recipes if not _repo_file(r)]
+    specs: list[tuple[int, _CommandSpec]] = []
+    keys = {"study": _STUDY_KEYS, "command": _COMMAND_KEYS}
+    for i, c in enumerate(spec.commands):
+        if not isinstance(c, dict):
+            problems.append(f"{where}: command {i + 1}: a command is a mapping with name and argv")
+            continue
+        try:
+            specs.append((i, _CommandSpec.model_validate(c)))
+        except ValidationError as e:
+            problems += _problems(e, f"{where}: command {i + 1}", keys)
+    total = sum(_matrix_size(c.matrix) for _, c in specs)
+    if total > MAX_COMMANDS:
+        raise StudyError([f"{where}: its matrices expand to {total:,} commands; a study runs at most {MAX_COMMANDS:,}"])
     commands: list[Command] = []
-    raw_commands = raw.get("commands")
-    if not isinstance(raw_commands, list) or not raw_commands:
-        problems.append(f"{where}: commands must be a non-empty list")
-        raw_commands = []
-    for i, c in enumerate(raw_commands):
+    for i, c in specs:
         try:
             commands += _expand(c, f"{where}: command {i + 1}")
         except StudyError as e:
@@ -126,42 +203,30 @@ def parse_study(raw, path: Path) -> Study:
     problems += [f"{where}: two commands leave the result {r!r}" for r in sorted({r for r in results if results.count(r) > 1})]
     if problems:
         raise StudyError(problems)
-    desc = raw.get("description", "")
-    return Study(name=name, description=" ".join(str(desc).split()), gpus=gpus, recipes=tuple(recipes),
-                 commands=tuple(commands), path=path)
+    return Study(name=name, description=" ".join(spec.description.split()), gpus=spec.gpus,
+                 recipes=tuple(spec.recipes), commands=tuple(commands), path=path)
 
 
-def _expand(c, where: str) -> list[Command]:
-    if not isinstance(c, dict):
-        raise StudyError([f"{where}: a command is a mapping with name and argv"])
-    problems = [f"{where}: unknown key {k!r}{_did_you_mean(k, _COMMAND_KEYS)}" for k in c if k not in _COMMAND_KEYS]
-    matrix = c.get("matrix") or {}
-    if not isinstance(matrix, dict) or not all(isinstance(v, list) and v for v in matrix.values()):
-        raise StudyError(problems + [f"{where}: matrix must map each variable to a non-empty list"])
-    if problems:
-        raise StudyError(problems)
+def _matrix_size(matrix: dict | None) -> int:
+    """How many commands a matrix expands to (the product of its lists' lengths), without expanding it."""
+    return math.prod(len(v) for v in (matrix or {}).values())
+
+
+def _expand(c: _CommandSpec, where: str) -> list[Command]:
+    matrix = c.matrix or {}
     out = []
     for combo in itertools.product(*matrix.values()):
         values: dict[str, str] = {}
         for var, v in zip(matrix, combo):
             if isinstance(v, dict):
-                values.update({str(k): _scalar(x, f"{where}: matrix {var}") for k, x in v.items()})
+                values.update({str(k): str(x) for k, x in v.items()})
             else:
-                values[var] = _scalar(v, f"{where}: matrix {var}")
+                values[var] = str(v)
         out.append(_command(c, values, where))
     return out
 
 
-def _scalar(v, where: str) -> str:
-    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-        raise StudyError([f"{where}: values must be strings or numbers (got {v!r:.40})"])
-    return str(v)
-
-
-def _subst(text, values: dict[str, str], where: str) -> str:
-    if not isinstance(text, (str, int, float)) or isinstance(text, bool):
-        raise StudyError([f"{where}: expected a string (got {text!r:.40})"])
-
+def _subst(text: str, values: dict[str, str], where: str) -> str:
     def one(m: re.Match) -> str:
         if m.group(1) == "out":
             return m.group(0)
@@ -171,47 +236,31 @@ def _subst(text, values: dict[str, str], where: str) -> str:
     return _VAR.sub(one, str(text))
 
 
-def _command(c: dict, values: dict[str, str], where: str) -> Command:
-    name = _subst(c.get("name", ""), values, where)
+def _command(c: _CommandSpec, values: dict[str, str], where: str) -> Command:
+    name = _subst(c.name, values, where)
     where = f"{where} ({name or 'no name'})"
     problems = []
     if not _NAME.match(name):
-        problems.append(f"{where}: name must be letters, digits and ._=- (got {name!r:.60})")
-    argv = c.get("argv")
-    if not isinstance(argv, list) or not argv:
-        raise StudyError(problems + [f"{where}: argv must be a non-empty list of arguments (no shell strings)"])
-    argv = [_subst(a, values, f"{where}: argv") for a in argv]
+        problems.append(f"{where}: name must be letters, digits and ._=- (got {echo(name)})")
+    argv = [_subst(a, values, f"{where}: argv") for a in c.argv]
     problems += _check_argv(argv, where)
-    if ("stdout" in c) == ("result" in c):
+    if (c.stdout is None) == (c.result is None):
         problems.append(f"{where}: give exactly one of stdout (its stdout is the result) or result (a file it writes)")
-    result = _subst(c.get("stdout", c.get("result", "")), values, where)
+    result = _subst(c.stdout if c.stdout is not None else c.result or "", values, where)
     if result.startswith("/") or ".." in Path(result).parts or not result:
-        problems.append(f"{where}: the result must be a relative path inside the output directory (got {result!r:.60})")
-    timeout = c.get("timeout_s")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6):
-        problems.append(f"{where}: timeout_s must be a positive number of seconds")
-    env = c.get("env") or {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and k.isidentifier() for k in env):
-        problems.append(f"{where}: env must map variable names to values")
-        env = {}
+        problems.append(f"{where}: the result must be a relative path inside the output directory (got {echo(result)})")
     inputs = []
-    for item in c.get("inputs") or []:
-        if not isinstance(item, dict) or set(item) != {"from", "to"}:
-            problems.append(f"{where}: each input is {{from: REPOSITORY_FILE, to: PATH_UNDER_OUT}}")
-            continue
-        src, dst = _subst(item["from"], values, where), _subst(item["to"], values, where)
+    for item in c.inputs:
+        src, dst = _subst(item.from_, values, where), _subst(item.to, values, where)
         if not _repo_file(src):
-            problems.append(f"{where}: input {src!r} is not a file of this repository")
-        if dst.startswith("/") or ".." in Path(dst).parts:
-            problems.append(f"{where}: input destination {dst!r} must be a relative path inside the output directory")
+            problems.append(f"{where}: input {echo(src)} is not a file of this repository")
+        if dst.startswith("/") or ".." in Path(dst).parts or not dst:
+            problems.append(f"{where}: input destination {echo(dst)} must be a relative path inside the output directory")
         inputs.append((src, dst))
-    cwd = c.get("cwd", "repo")
-    if cwd not in ("repo", "out"):
-        problems.append(f"{where}: cwd is 'repo' or 'out' (got {cwd!r:.40})")
     if problems:
         raise StudyError(problems)
-    return Command(name=name, argv=tuple(argv), result=result, stdout="stdout" in c, timeout_s=timeout,
-                   env={k: _subst(v, values, where) for k, v in env.items()}, inputs=tuple(inputs), cwd=cwd)
+    return Command(name=name, argv=tuple(argv), result=result, stdout=c.stdout is not None, timeout_s=c.timeout_s,
+                   env={k: _subst(v, values, where) for k, v in c.env.items()}, inputs=tuple(inputs), cwd=c.cwd)
 
 
 def _check_argv(argv: list[str], where: str) -> list[str]:

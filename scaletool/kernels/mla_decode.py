@@ -304,7 +304,7 @@ def merge_up_triton(o_part: torch.Tensor, lse_part: torch.Tensor, w_uv: torch.Te
     head's V values; the last of a head's programs to arrive (an int32 counter per (sequence, head),
     ``counters``: zeros, or None for fresh ones; left at zero again) sums the C / block_c partials in a fixed
     order and writes the output, so the result does not depend on the arrival order.
-    ``recipes/benchmarks/merge_up_tune.py`` times the choices."""
+    ``benchmarks/scripts/merge_up_tune.py`` times the choices."""
     B, n_splits, H, C = o_part.shape
     V = w_uv.shape[1]
     if w_uv.shape != (H, V, C) or w_uv.stride(-1) != 1:

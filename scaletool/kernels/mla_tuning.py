@@ -1,7 +1,8 @@
 """The committed table of tuned launch configurations of the fused MLA decode kernel.
 
-``mla_decode_tuned.json`` beside this file (written by ``recipes/benchmarks/decode_tune.py
---write-table``) holds, per card name and attention shape (heads, kv_lora_rank, rope width, dtype),
+``mla_decode_tuned.json`` beside this file (written by ``benchmarks/scripts/decode_tune.py
+--write-table scaletool/kernels/mla_decode_tuned.json``, named on purpose and committed) holds, per card
+name and attention shape (heads, kv_lora_rank, rope width, dtype),
 the fastest configuration measured at each (context, batch) point of the sweep. :func:`lookup`
 answers a call with the entry of the nearest context, then the nearest batch, both on a log2 scale;
 no table, another card or another shape answers None and the kernel keeps its heuristic. Pure
@@ -64,7 +65,7 @@ def table_from_sweep(sweep: dict) -> dict:
                 "median_s": p["best"]["time_s"]["median"], "swept": sweep.get("date")}
                for p in sweep["points"] if p.get("best")]
     return {"version": TABLE_VERSION,
-            "source": f"recipes/benchmarks/decode_tune.py --write-table, from a sweep of {sweep.get('date', '?')}",
+            "source": f"benchmarks/scripts/decode_tune.py --write-table, from a sweep of {sweep.get('date', '?')}",
             "tables": [{"card": c["name"], "heads": shape["heads"], "kv_lora_rank": shape["kv_lora_rank"],
                         "rope": shape["rope"], "dtype": shape["dtype"], "versions": c.get("versions", {}),
                         "entries": sorted(entries, key=lambda e: (e["context"], e["batch"]))}]}

@@ -4,7 +4,7 @@
 (the fused gate/up grouped GEMM's operand); each micro-batch its gradient is split back into w1's and w3's
 fp32 gradients. As two ``add_`` calls on the halves of the last dimension, each input is a strided view,
 which PyTorch's element-wise kernels run without vector loads: on an H100 about half the copy rate, over
-about 1 B parameters a micro-batch in the MoE of ``recipes/benchmarks/studies/moe-speed.yaml``.
+about 1 B parameters a micro-batch in the MoE of ``benchmarks/studies/moe-speed.yaml``.
 :func:`split_add_` reads each row of the joined gradient once, contiguously, and adds (or, for the first
 micro-batch, writes) both halves with 16-byte loads. :func:`supports` says where it applies; elsewhere the
 caller keeps the two ``add_`` calls (the same numbers: each element is one fp32 += 16-bit conversion).

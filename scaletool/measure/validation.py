@@ -24,13 +24,13 @@ from scaletool.measure.hardware import load_profiles, profile_for
 from scaletool.resources import data_dir, read_bounded
 
 #: the committed GPU training results, relative to the repository root
-COMMITTED = ("recipes/benchmarks/results/**/*.json", "recipes/benchmarks/sweep-results/*.results.jsonl")
+COMMITTED = ("benchmarks/results/**/*.json", "benchmarks/results/**/*.results.jsonl")
 
 
 def committed_paths() -> list[Path]:
     """The committed results: not the ``runs/`` folders a study's runs leave beside them (git ignores them; the
     study's own copy of each result is what is committed)."""
-    root = data_dir("recipes").parent
+    root = data_dir("recipes").resolve().parent  # the checkout: recipes/ beside benchmarks/
     return sorted(p for pat in COMMITTED for p in root.glob(pat) if "runs" not in p.relative_to(root).parts[:-1])
 
 

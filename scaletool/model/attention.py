@@ -42,7 +42,7 @@ def decode_backends(choice: str) -> list[SDPBackend]:
     through the memory-efficient kernel. A chosen backend is tried first, the rest stay as fallbacks.
     Those steps were eager, where the key length grows every step; later measurements put a 42-54 ms
     floor under every eager cuDNN step on H100 and H200 (15.6 ms with flash first at batch 1), which
-    the CUDA-graph decode (fixed shapes, the default on CUDA) does not have (recipes/benchmarks/decode.md).
+    the CUDA-graph decode (fixed shapes, the default on CUDA) does not have (benchmarks/decode.md).
     """
     order = ["cudnn", "flash", "efficient", "math"]
     first = "cudnn" if choice == "auto" else choice

@@ -12,7 +12,7 @@ from hostile import ROOT, files_under, invoke
 
 from scaletool.cli import main
 
-RUN = ROOT / "recipes" / "benchmarks" / "results" / "mfu-castonce-h100" / "call1" / "mha-1b-single-mb16-accum4-step.json"
+RUN = ROOT / "benchmarks" / "results" / "mfu-cast-once" / "h100-2026-11-27-1" / "mha-1b-single-mb16-accum4-step.json"
 
 
 def _result(tmp_path: Path, name: str, change=None) -> Path:

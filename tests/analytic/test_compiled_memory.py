@@ -11,7 +11,8 @@ from scaletool.analytic.memory import compiled_memory, recipe_memory
 from scaletool.analytic.step import fits
 from scaletool.config import load_recipe, recipe_from_dict
 
-RESULTS = Path(__file__).resolve().parents[2] / "recipes" / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+ONE, TWO = "single-gpu/h100-2026-11-26", "two-gpu/2xh200-2026-11-26"
 GIB = 2**30
 
 
@@ -20,7 +21,7 @@ def _run(name):
     return recipe_from_dict(d["recipe"]), d["environment"]["world_size"], d["memory"]["measured_peak_allocated_bytes"]
 
 
-@pytest.mark.parametrize("name", ["mha-1b-single.json", "mla-1b-single.json"])
+@pytest.mark.parametrize("name", [f"{ONE}/mha-1b-single.json", f"{ONE}/mla-1b-single.json"])
 def test_whole_model_compile_peak_within_one_percent(name):
     recipe, n, measured = _run(name)  # compiled, single engine, one H100
     assert compiled_memory(recipe)
@@ -30,7 +31,7 @@ def test_whole_model_compile_peak_within_one_percent(name):
     assert abs(compiled / measured - 1) < 0.01
 
 
-@pytest.mark.parametrize("name", ["mem-mha-1b-single.json", "x2-mha-1b-fsdp-eager.json"])
+@pytest.mark.parametrize("name", [f"{ONE}/mem-mha-1b-single.json", f"{TWO}/mha-1b-fsdp-eager.json"])
 def test_eager_runs_keep_the_eager_estimate(name):
     recipe, n, measured = _run(name)
     assert not compiled_memory(recipe)
@@ -38,7 +39,7 @@ def test_eager_runs_keep_the_eager_estimate(name):
 
 
 def test_per_block_compile_keeps_the_eager_estimate_which_stays_above_the_peak():
-    recipe, n, measured = _run("x2-mha-1b-fsdp-compiled.json")
+    recipe, n, measured = _run("two-gpu/2xh200-2026-11-26/mha-1b-fsdp-compiled.json")
     assert not compiled_memory(recipe)
     assert recipe_memory(recipe, n, compiled=compiled_memory(recipe))["total_bytes"] > measured
 

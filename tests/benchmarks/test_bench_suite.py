@@ -28,7 +28,7 @@ def test_the_shell_scripts_became_studies():
     studies = {"single-gpu", "two-gpu", "decode", "profile-mha-vs-mla", "tp", "tp-2gpu", "tp-4gpu", "scaling-4gpu",
                "regenerate-reports"}
     assert studies <= set(STUDY_NAMES)
-    assert not list((ROOT / "recipes" / "benchmarks").glob("*.sh"))
+    assert not list((ROOT / "benchmarks").glob("*.sh"))
 
 
 @pytest.mark.parametrize("name", STUDY_NAMES)
@@ -58,7 +58,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_a_command_naming_a_missing_script_or_command_is_refused(tmp_path):
     p = _write(tmp_path, "gpus: 0\ncommands:\n"
-               "  - {name: a, argv: [python, recipes/benchmarks/no_such_script.py], stdout: a.txt}\n"
+               "  - {name: a, argv: [python, benchmarks/scripts/no_such_script.py], stdout: a.txt}\n"
                "  - {name: b, argv: [scaletool, trian, recipes/tiny.yaml], stdout: b.txt}\n"
                "  - {name: c, argv: [bash, -c, 'rm -rf /'], stdout: c.txt}\n"
                "  - {name: d, argv: [python, -c, 'print(1)'], stdout: d.txt, shell: true}\n")
@@ -120,18 +120,18 @@ commands:
 """)
     study, out = load_study(str(p)), tmp_path / "out"
     lines: list[str] = []
-    assert run_study(study, out, log=lines.append) == 1
+    assert run_study(study, out, log=lines.append, allow_dirty=True) == 1
     assert (out / "words" / "one.txt").read_text() == "one\n" and (out / "written.txt").read_text() == "done"
     assert not (out / "fails.txt").exists()  # a failed command leaves no result to be mistaken for one
     records = [json.loads(line) for line in (out / RUNS_FILE).read_text().splitlines()]
     assert [(r["command"], r["status"], r["returncode"]) for r in records] == [
         ("echo-one", "ok", 0), ("echo-two", "ok", 0), ("fails", "failed", 3), ("writes", "ok", 0)]
     env = records[0]["environment"]
-    assert {"date_utc", "cards", "torch", "cuda", "python", "driver", "commit"} <= set(env)
+    assert {"date_utc", "cards", "torch", "cuda", "python", "driver", "commit", "tree_differs_from_commit"} <= set(env)
     assert env["torch"] and records[0]["argv"][:2] == ["python", "-c"] and records[0]["result"] == "words/one.txt"
     # rerun: only the failed command runs again
     assert [s.done for s in plan(study, out)] == [True, True, False, True]
-    assert run_study(study, out, log=lines.append) == 1
+    assert run_study(study, out, log=lines.append, allow_dirty=True) == 1
     assert count.read_text() == "xx"
     assert [json.loads(line)["command"] for line in (out / RUNS_FILE).read_text().splitlines()][4:] == ["fails"]
     assert sum("skipped, its result exists" in line for line in lines) == 3
@@ -141,7 +141,7 @@ def test_a_command_past_its_timeout_is_stopped(tmp_path):
     p = _write(tmp_path, "commands:\n  - name: sleeps\n    argv: [python, -c, 'import time; time.sleep(120)']\n"
                "    stdout: never.txt\n    timeout_s: 1\n")
     out = tmp_path / "out"
-    assert run_study(load_study(str(p)), out, log=lambda _: None) == 1
+    assert run_study(load_study(str(p)), out, log=lambda _: None, allow_dirty=True) == 1
     rec = json.loads((out / RUNS_FILE).read_text())
     assert rec["status"] == "timeout" and rec["wall_s"] < 100 and not (out / "never.txt").exists()
 
@@ -151,12 +151,13 @@ def test_the_deadline_stops_the_running_command_and_starts_no_other_and_a_rerun_
                "    stdout: never.txt\n  - name: after\n    argv: [python, -c, 'print(1)']\n    stdout: after.txt\n")
     out, lines = tmp_path / "out", []
     study = load_study(str(p))
-    assert run_study(study, out, log=lines.append, deadline_s=1) == 1
+    assert run_study(study, out, log=lines.append, deadline_s=1, allow_dirty=True) == 1
     rec = json.loads((out / RUNS_FILE).read_text())
     assert rec["status"] == "deadline" and not (out / "never.txt").exists() and not (out / "after.txt").exists()
     assert any("after: not started, the deadline" in line for line in lines)
     assert [s.done for s in plan(study, out)] == [False, False]
-    assert run_study(study, out, only=["after"], log=lines.append) == 0 and (out / "after.txt").read_text() == "1\n"
+    assert run_study(study, out, only=["after"], log=lines.append, allow_dirty=True) == 0
+    assert (out / "after.txt").read_text() == "1\n"
 
 
 def test_a_deadline_that_is_not_a_positive_number_is_one_error_line(tmp_path):
@@ -173,11 +174,12 @@ def _body(report: Path) -> list[str]:
 
 def test_a_committed_report_regenerates_from_the_committed_results_on_a_cpu(tmp_path):
     name = "profile-breakdown-cpu-2026-11-26"
-    r = bench("regenerate-reports", "--only", "profile-breakdown-cpu", "--out", str(tmp_path))
+    r = bench("regenerate-reports", "--only", "profile-breakdown-cpu", "--out", str(tmp_path), "--allow-dirty")
     assert r.returncode == 0, r.stderr
     new = tmp_path / name
     assert (new / "report.html").is_file() and list((new / "plots").glob("*.png"))
-    assert _body(new / "report.md") == _body(ROOT / "recipes" / "benchmarks" / "reports" / name / "report.md")
-    assert (new / "results.csv").read_text() == (ROOT / "recipes" / "benchmarks" / "reports" / name / "results.csv").read_text()
+    committed = ROOT / "benchmarks" / "results" / "profile-breakdown" / "cpu-2026-11-26"
+    assert _body(new / "report.md") == _body(committed / "report.md")
+    assert (new / "results.csv").read_text() == (committed / "results.csv").read_text()
     assert json.loads((tmp_path / RUNS_FILE).read_text())["status"] == "ok"
 

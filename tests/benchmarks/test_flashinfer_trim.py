@@ -15,7 +15,7 @@ import zipfile
 import pytest
 from conftest import ROOT
 
-SCRIPT = ROOT / "recipes" / "benchmarks" / "peers" / "flashinfer_trim.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "peers" / "flashinfer_trim.py"
 spec = importlib.util.spec_from_file_location("flashinfer_trim", SCRIPT)
 T = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(T)

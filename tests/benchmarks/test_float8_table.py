@@ -1,4 +1,4 @@
-"""The float8-1gpu study's table (recipes/benchmarks/float8_table.py): one Llama-3-8B block's FP8 gain from
+"""The float8-1gpu study's table (benchmarks/scripts/float8_table.py): one Llama-3-8B block's FP8 gain from
 two depths, and the whole model's projected gain, on synthetic train results whose answer is known."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import ROOT
 
-spec = importlib.util.spec_from_file_location("float8_table", ROOT / "recipes" / "benchmarks" / "float8_table.py")
+spec = importlib.util.spec_from_file_location("float8_table", ROOT / "benchmarks" / "scripts" / "float8_table.py")
 float8_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(float8_table)
 

@@ -1,4 +1,4 @@
-"""recipes/benchmarks/moe_layer.py train: --points, --accum and --weight-cast reach the runs it starts, and bad
+"""benchmarks/scripts/moe_layer.py train: --points, --accum and --weight-cast reach the runs it starts, and bad
 values are refused with one ``error:`` line, exit 2, nothing written (the driver at toy sizes on the CPU)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-SCRIPT = ROOT / "recipes" / "benchmarks" / "moe_layer.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "moe_layer.py"
 
 
 def _run(*args, cwd):

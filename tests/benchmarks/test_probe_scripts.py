@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-BENCH = ROOT / "recipes" / "benchmarks"
+BENCH = ROOT / "benchmarks" / "scripts"
 SCRIPTS = ("sm_partition.py", "l2_prefetch.py", "merge_up_tune.py", "read_ceiling.py")
 
 

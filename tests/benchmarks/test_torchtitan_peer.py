@@ -2,7 +2,7 @@
 JSON (scaletool side), and, where torchtitan imports, parameter counts equal to scaletool's exactly.
 
 torchtitan itself only trains on an accelerator (its device helpers assume one); its GPU run is
-recipes/benchmarks/peers/README.md's. Tests that need torchtitan skip where it is not installed.
+benchmarks/scripts/peers/README.md's. Tests that need torchtitan skip where it is not installed.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from scaletool.config import RecipeError, load_recipe, recipe_from_dict
 
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
-SCRIPT = ROOT / "recipes" / "benchmarks" / "peers" / "torchtitan_train.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "peers" / "torchtitan_train.py"
 spec = importlib.util.spec_from_file_location("torchtitan_train", SCRIPT)
 peer = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(peer)

@@ -1,4 +1,4 @@
-"""recipes/benchmarks/tp_dispatch.py: one training step's DTensor dispatches under tensor parallelism, counted
+"""benchmarks/scripts/tp_dispatch.py: one training step's DTensor dispatches under tensor parallelism, counted
 on two gloo ranks (scaletool.measure.dispatch.DispatchCount), the DTensor plan against parallel.tp_local_ops.
 
 The counts are properties of the plan (not of the device or of timing): the local form must issue the same
@@ -16,7 +16,7 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes: left out of -m "not slow"
 
-SCRIPT = ROOT / "recipes" / "benchmarks" / "tp_dispatch.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "tp_dispatch.py"
 
 
 def run(*args: str, ranks: int | None = 2) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""recipes/benchmarks/tp_table.py reads the tensor-parallel studies' outputs: the committed 2-GPU results give
+"""benchmarks/scripts/tp_table.py reads the tensor-parallel studies' outputs: the committed 2-GPU results give
 their ratios again, and a failed command of a study shows with its first error line."""
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import sys
 
 from conftest import ROOT
 
-RESULTS = ROOT / "recipes" / "benchmarks" / "results" / "tp-2gpu-h200"
+RESULTS = ROOT / "benchmarks" / "results" / "tp-2gpu" / "2xh200-2026-11-26"
 
 
 def table(out) -> str:
-    p = subprocess.run([sys.executable, str(ROOT / "recipes" / "benchmarks" / "tp_table.py"), "table", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scripts" / "tp_table.py"), "table", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 0, p.stderr
     return p.stdout

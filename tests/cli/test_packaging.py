@@ -74,13 +74,13 @@ def test_wheel_ships_recipes_sweeps_and_profiles_and_runs_from_anywhere(source_c
     (wheel,) = wheels.glob("scaletool-*.whl")
     _pip(sys.executable, "install", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)
     data = [p for d in ("recipes", "profiles", "templates") for p in (target / "scaletool" / d).rglob("*") if p.is_file()]
-    assert all(p.suffix in (".yaml", ".j2", ".tsv") for p in data), data  # nothing of recipes/benchmarks (its scripts)
+    assert all(p.suffix in (".yaml", ".j2", ".tsv") for p in data), data  # nothing of benchmarks (its scripts)
     assert {p.name for p in data if p.suffix == ".tsv"} == {"published-runs.tsv"}  # calibrate --validate --published
     shipped = {p.relative_to(target / "scaletool").as_posix() for p in data if p.suffix == ".yaml"}
     in_repo = {p.relative_to(ROOT).as_posix() for pat in ("recipes/*.yaml", "recipes/sweeps/*.yaml", "profiles/*.yaml",
                                                                   "profiles/calibrations/*.yaml")
                for p in ROOT.glob(pat)}
-    assert shipped == in_repo  # every recipe, sweep and profile; nothing of recipes/benchmarks
+    assert shipped == in_repo  # every recipe, sweep and profile; nothing of benchmarks
     assert not (target / "scaletool" / "recipes").is_symlink()  # real files in the wheel
     docs = {p.name for p in (target / "scaletool" / "docs").iterdir()}
     assert docs == {p.name for p in ROOT.glob("docs/*.md")} and "plan.md" in docs  # the pages, not docs/benchmarks

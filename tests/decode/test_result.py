@@ -9,9 +9,9 @@ from conftest import ROOT
 from scaletool.results import ResultLoadError, load_result
 from scaletool.results.decode import DecodeResult
 
-RESULTS = ROOT / "recipes" / "benchmarks" / "results"
-OLD = [RESULTS / f"decode-h200-{name}.json" for name in ("mha-1b", "mla-1b", "mla-1b-torch", "mla-1b-naive")]
-NEW = sorted(p for p in RESULTS.glob("decode-h[12]00-*-1b-*.json") if p not in OLD)
+RESULTS = ROOT / "benchmarks" / "results"
+OLD = [RESULTS / "decode" / "h200-2026-11-26" / f"{name}.json" for name in ("mha-1b", "mla-1b", "mla-1b-torch", "mla-1b-naive")]
+NEW = sorted(p for p in RESULTS.glob("decode/h[12]00-*/m[hl]a-1b-*.json") if p not in OLD)
 
 
 def _fixture_decode_results():

@@ -14,7 +14,7 @@ from conftest import ROOT
 from scaletool.kernels import mla_decode, mla_tuning
 
 CARD = "NVIDIA H100 80GB HBM3"
-SCRIPT = ROOT / "recipes" / "benchmarks" / "decode_tune.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "decode_tune.py"
 
 
 def _sweep(points):
@@ -86,14 +86,17 @@ def _script(*args, cwd):
 def test_the_sweep_script_writes_the_table_from_a_result_and_refuses_bad_input(tmp_path):
     (tmp_path / "sweep.json").write_text(json.dumps(_sweep([(4096, 1, 16, 4), (32768, 130, 2, 8)])))
     table = tmp_path / "table.json"
-    r = _script("--from", "sweep.json", "--write-table", "--table", str(table), cwd=tmp_path)
+    shipped = mla_tuning.TABLE.read_bytes()
+    r = _script("--from", "sweep.json", "--write-table", str(table), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     written = json.loads(table.read_text())
     assert written["version"] == mla_tuning.TABLE_VERSION
     assert mla_tuning.lookup(CARD, 16, 512, 64, "bfloat16", 100, 30000, path=str(table))["n_splits"] == 2
     mla_tuning.load.cache_clear()
     (tmp_path / "bad.json").write_text('{"points": 1}')
-    for args in (["--from", "bad.json", "--write-table", "--table", str(tmp_path / "t2.json")],
+    assert mla_tuning.TABLE.read_bytes() == shipped  # the package's table is written only when named
+    for args in (["--from", "bad.json", "--write-table", str(tmp_path / "t2.json")],
+                 ["--from", "sweep.json", "--write-table", str(tmp_path / "no" / "t3.json")],
                  ["--contexts", "4k"], ["--batches", "0"]):
         r = _script(*args, cwd=tmp_path)
         assert r.returncode == 2 and r.stderr.count("error:") == 1, (args, r.stderr)

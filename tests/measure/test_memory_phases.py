@@ -1,4 +1,4 @@
-"""recipes/benchmarks/memory_phases.py, the GPU memory-validation driver: its plan of processes, its table
+"""benchmarks/scripts/memory_phases.py, the GPU memory-validation driver: its plan of processes, its table
 of the committed H200 result, and a real run in smoke mode (CPU, gloo: two one-rank workers at once, then
 a two-rank torchrun job) with the engines' optimizer hooks and DeepSpeed's wrapped step firing."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
-DRIVER = ROOT / "recipes" / "benchmarks" / "memory_phases.py"
-RESULT = ROOT / "recipes" / "benchmarks" / "results" / "memory-phases-h200x2.json"
+DRIVER = ROOT / "benchmarks" / "scripts" / "memory_phases.py"
+RESULT = ROOT / "benchmarks" / "results" / "memory-phases" / "2xh200-2026-11-26" / "memory-phases.json"
 
 
 @pytest.fixture(scope="module")

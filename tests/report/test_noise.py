@@ -153,9 +153,9 @@ def test_decode_spreads_in_table_and_findings(tmp_path):
 
 
 def test_old_gpu_results_get_their_spread_from_the_step_history(tmp_path):
-    """recipes/benchmarks/sweep-results (schema-1 summaries) kept every step time: the report rebuilds
+    """benchmarks/results (schema-1 summaries) kept every step time: the report rebuilds
     the timing by the warm-up rule new runs use, and tokens/s from the median step."""
-    src = ROOT / "recipes" / "benchmarks" / "sweep-results" / "mla-compression.results.jsonl"
+    src = ROOT / "benchmarks" / "results" / "mla-compression" / "h200-2026-11-26" / "mla-compression.results.jsonl"
     (tmp_path / "mla").mkdir()
     shutil.copy(src, tmp_path / "mla" / "results.jsonl")
     rs = data.load([tmp_path / "mla"])

@@ -1,4 +1,4 @@
-"""The scaling table and findings on the committed 4× H100 study (recipes/benchmarks/sweep-results): runs
+"""The scaling table and findings on the committed 4× H100 study (benchmarks/results): runs
 group by setup, so compiled and eager FSDP2, or ZeRO-3 with and without a DeepSpeed passthrough, never
 stand in for each other's one-GPU baseline, and each row is also set against engine single on one GPU."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from scaletool.report import data, findings, tables
 
-RESULTS = Path(__file__).resolve().parents[2] / "recipes" / "benchmarks" / "sweep-results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def study(tmp_path_factory) -> data.ResultsSet:
     for n in (1, 2, 4):
         d = root / f"scaling-{n}gpu"
         d.mkdir()
-        shutil.copy(RESULTS / f"scaling-{n}gpu-4xh100.results.jsonl", d / "results.jsonl")
+        shutil.copy(RESULTS / "scaling" / "4xh100-2026-11-26" / f"scaling-{n}gpu-4xh100.results.jsonl", d / "results.jsonl")
         dirs.append(d)
     return data.load(dirs)
 

@@ -77,7 +77,7 @@ def test_the_cli_warns_and_goes_on(tmp_path, estimate_kind):
 
 def test_old_lines_load_as_the_first_of_one_repeat():
     old = 0
-    for path in [*ROOT.glob("tests/report/fixtures/*/results.jsonl"), *ROOT.glob("recipes/benchmarks/sweep-results/*.jsonl")]:
+    for path in [*ROOT.glob("tests/report/fixtures/*/results.jsonl"), *ROOT.glob("benchmarks/results/*/*/*.results.jsonl")]:
         lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
         for n, raw in enumerate(lines, 1):
             rec = load_record(raw, f"{path}:{n}")

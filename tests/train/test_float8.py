@@ -115,7 +115,7 @@ def test_fp8_training_on_the_cpu_learns_like_bf16(tmp_path, monkeypatch):
     study.mkdir()
     for mode, res in runs.items():
         (study / f"loss-{mode}.json").write_text(res.model_dump_json())
-    r = subprocess.run([sys.executable, str(ROOT / "recipes" / "benchmarks" / "float8_table.py"), str(study)],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scripts" / "float8_table.py"), str(study)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     doc = json.loads((study / "float8.json").read_text())

@@ -13,9 +13,11 @@ from scaletool.stats import settled_start
 
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
-BENCH = Path(__file__).resolve().parents[2] / "recipes" / "benchmarks"
-OLD_SUMMARIES = sorted(p for p in (BENCH / "results").glob("*.json") if "loss_first" in p.read_text())
-OLD_RECORDS = [(p.name, i, rec["result"]) for p in sorted((BENCH / "sweep-results").glob("*.jsonl"))
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+# the schema-1 train summaries of the first single-run studies, and every committed sweep record
+OLD_SUMMARIES = sorted(p for study in ("single-gpu", "two-gpu", "moe") for p in (BENCH / "results" / study).glob("*/*.json")
+                       if "loss_first" in p.read_text())
+OLD_RECORDS = [(p.name, i, rec["result"]) for p in sorted((BENCH / "results").glob("*/*/*.results.jsonl"))
                for i, rec in enumerate(map(json.loads, p.read_text().splitlines()))
                if rec.get("mode") == "train" and rec.get("result")]
 

@@ -170,12 +170,12 @@ def test_the_memory_estimate_keeps_the_copies_through_the_step(extra):
 
 def test_the_estimate_holds_every_gradient_through_an_accumulated_step_as_measured():
     """engine=single with accumulation: the later micro-batches start their backward with all gradients
-    held. Measured on an H100 (results/mfu-castonce-h100/call3): mha-1b compiled at micro-batch 24 x 4
+    held. Measured on an H100 (benchmarks/results/mfu-cast-once/h100-2026-11-27-3): mha-1b compiled at micro-batch 24 x 4
     peaked at 68.2 GiB with autocast's casts and 68.3 with weight_cast=step."""
     import json
     from pathlib import Path
 
-    runs = Path(TINY).parents[1] / "recipes" / "benchmarks" / "results" / "mfu-castonce-h100" / "call3"
+    runs = Path(TINY).parents[1] / "benchmarks" / "results" / "mfu-cast-once" / "h100-2026-11-27-3"
     mha = str(Path(TINY).with_name("mha-1b.yaml"))
     for cast in ("micro-batch", "step"):
         measured = json.loads((runs / f"mha-1b-single-mb24-accum4-{cast}.json").read_text())["peak_memory_bytes"]

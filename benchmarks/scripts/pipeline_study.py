@@ -1,0 +1,131 @@
+"""Pipeline stages against FSDP2 alone on 4 GPUs: measured beside predicted, and the measured bubble.
+
+    python benchmarks/scripts/pipeline_study.py OUT [--models mla-1b,mha-1b,llama3-8b] [--dry-run]
+
+For each model (llama3-8b cut to 8 blocks so that FSDP2 × 4 fits an 80 GB card at its own sequence length), the layouts
+FSDP2 × 4, PP = 4 and PP = 2 × FSDP2 = 2, under 1F1B and interleaved 1F1B (2 chunks per rank), at 4 and 8
+pipeline micro-batches of one sequence each (FSDP2 alone: the same 8 sequences per step), 12 steps with 4
+of warm-up. Each run is a ``scaletool train --nproc-per-node 4`` launch into OUT/<name>; OUT/results.jsonl gets
+one JSON record per run: tokens/s per GPU (median, p10, p90, n of the measured steps), peak memory, the
+prediction (analytic.pipeline: step, tokens/s per GPU, peak memory per stage, bubble), and per pipeline layout
+the measured bubble fraction from the two micro-batch counts: with t(m) = m·s + b (s one micro-batch's work on
+the slowest rank, b the idle time), s = (t(8) − t(4))/4, b = t(4) − 4·s, bubble(m) = b / t(m).
+Expected wall time on 4 H100: about 4 minutes per model (--models picks).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+MODELS = {"mla-1b": [], "mha-1b": [], "llama3-8b": ["model.n_layers=8"]}
+COMMON = ["train.steps=12", "train.measure_warmup_steps=4", "train.compile=false"]
+LAYOUTS = {  # name -> overrides (4 GPUs each); {m}: pipeline micro-batches
+    "fsdp4": ["parallel.engine=fsdp", "train.micro_batch_size=2"],
+    "pp4-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={m}"],
+    "pp4-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={m}",
+                             "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
+    "pp2x2-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={m}"],
+    "pp2x2-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={m}",
+                               "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
+}
+
+
+def runs(models: list[str]):
+    for model in models:
+        for layout, sets in LAYOUTS.items():
+            for m in ((4, 8) if "{m}" in layout else (None,)):
+                name = f"{model}-{layout.format(m=m)}"
+                yield name, model, [s.format(m=m) for s in MODELS[model] + COMMON + sets]
+
+
+def predicted(model: str, sets: list[str]) -> dict:
+    from scaletool.analytic.pipeline import pipeline_step, stage_memory
+    from scaletool.config import load_recipe
+    from scaletool.measure.prediction import calibration_for_device, predict
+
+    r = load_recipe(f"recipes/{model}.yaml", sets)
+    prof = card_profile()
+    calib = calibration_for_device(prof.device, prof)
+    if r.parallel.pipeline_parallel == 1:
+        p = predict(r, calib, 4)
+        return {"step_s": p["step_s"], "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
+    p = pipeline_step(r, calib, world_size=4)
+    return {"step_s": p["step_s"], "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "bubble_fraction": p["bubble_fraction"],
+            "bounding_rank": p["bounding_rank"], "split": p["split"],
+            "peak_bytes_per_rank": [row["total_bytes"] for row in stage_memory(r, 4)]}
+
+
+def card_profile():
+    """The hardware profile of the card this study runs on (GPU 0), or the H100 SXM's where no card or no profile
+    matches (a dry run on a CPU)."""
+    import torch
+
+    from scaletool.measure.hardware import profile_for, profile_named
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return (profile_for("cuda", name) if name else None) or profile_named("H100 SXM")
+
+
+def spread(values: list[float]) -> dict:
+    """Median, p10, p90 (statistics.quantiles, exclusive method) and n."""
+    q = statistics.quantiles(values, n=10) if len(values) >= 2 else [values[0]] * 9
+    return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "n": len(values)}
+
+
+def measured(summary: dict) -> dict:
+    h = summary["history"]
+    start = summary["measure_warmup_steps"]
+    times = h["step_time_s"][start:]
+    tps = [summary["tokens_per_step"] / t / 4 for t in times]
+    return {"step_s": spread(times), "tokens_per_s_per_gpu": spread(tps),
+            "card": (summary.get("hardware") or {}).get("profile"),
+            "contended": summary.get("contention", {}).get("contended"),
+            "peak_memory_bytes": summary.get("peak_memory_bytes"), "memory": summary.get("memory", {}).get("measured")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args()
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        sys.exit(f"error: unknown model {unknown[0]!r}; one of {', '.join(MODELS)}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for name, model, sets in runs(models):
+        cmd = [sys.executable, "-m", "scaletool", "train", f"recipes/{model}.yaml", "--out", str(a.out / name), "--json",
+               "--nproc-per-node", "4", *[x for s in sets for x in ("--set", s)]]
+        if a.dry_run:
+            print(" ".join(cmd))
+            continue
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        rec = {"name": name, "model": model, "sets": sets, "returncode": p.returncode, "predicted": predicted(model, sets)}
+        if p.returncode == 0:
+            rec["measured"] = measured(json.loads(p.stdout))
+        else:
+            rec["error"] = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")][:3]
+        records[name] = rec
+        with (a.out / "results.jsonl").open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+    for name, rec in records.items():  # the measured bubble from the two micro-batch counts
+        if name.endswith("-m4") and name[:-1] + "8" in records and "measured" in rec \
+                and "measured" in records[name[:-1] + "8"]:
+            t4 = rec["measured"]["step_s"]["median"]
+            t8 = records[name[:-1] + "8"]["measured"]["step_s"]["median"]
+            s = (t8 - t4) / 4
+            b = t4 - 4 * s
+            with (a.out / "results.jsonl").open("a") as f:
+                f.write(json.dumps({"name": name[:-3], "bubble_measured": {"m4": b / t4, "m8": b / t8},
+                                    "bubble_predicted": {"m4": rec["predicted"]["bubble_fraction"],
+                                                         "m8": records[name[:-1] + "8"]["predicted"]["bubble_fraction"]}})
+                        + "\n")
+
+
+if __name__ == "__main__":
+    main()

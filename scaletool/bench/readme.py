@@ -1,0 +1,219 @@
+"""A results folder's README, generated from its records: ``python -m scaletool.bench readme RUNDIR...``.
+
+A run folder (``benchmarks/results/STUDY/CARD-DATE[-LABEL]/``, or any ``--out`` of the runner) holds the
+records a study left: the runner's ``runs.jsonl`` (each command, its status and the environment it ran
+in, the commit included), the commands' result files, and for runs older than the runner's records a
+``provenance.json`` naming the commit. The README says which commit and cards, lists the commands and
+summarises each record (tokens/s with its spread and count for a training result, the record counts of a
+sweep file); nothing in it is typed by hand, so it is regenerated, never edited. Notes about a study (its
+question, what was tried and not adopted) live in the study's own ``README.md`` one level up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from scaletool.bench.study import ROOT
+from scaletool.errors import shorten
+from scaletool.fmt import write_atomic
+
+RESULTS = ROOT / "benchmarks" / "results"
+PROVENANCE = "provenance.json"
+README = "README.md"
+_MAX_READ = 64 * 2**20  # the largest committed record is under 1 MiB
+_MAX_FILES = 2000
+
+
+def _lstat_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _read(path: Path) -> str | None:
+    """A record's text: a regular file (not through a link) under the size limit, as UTF-8; else None."""
+    if not _lstat_regular(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            blob = f.read(_MAX_READ + 1)
+    except OSError:
+        return None
+    if len(blob) > _MAX_READ:
+        return None
+    try:
+        return blob.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _json_lines(text: str) -> list:
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line) if line.strip() else None)
+        except ValueError:
+            out.append(None)
+    return [r for r in out if r is not None]
+
+
+def _cell(text: object, limit: int = 90) -> str:
+    """One table cell: control characters escaped, '|' escaped, cut to ``limit``."""
+    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)).replace("|", "\\|")
+    return shorten(s, limit)
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) < 1e300 else None
+
+
+def _spread(m: dict | None) -> str | None:
+    """``median (p10–p90, n=N)`` of a timing summary, when it has one."""
+    if not isinstance(m, dict) or _num(m.get("median")) is None:
+        return None
+    lo, hi, n = _num(m.get("p10")), _num(m.get("p90")), m.get("n")
+    text = f"{m['median']:,.0f}"
+    if lo is not None and hi is not None:
+        text += f" ({lo:,.0f}–{hi:,.0f}"
+        text += f", n={n})" if isinstance(n, int) and not isinstance(n, bool) else ")"
+    return text
+
+
+def _train_summary(r: dict) -> str | None:
+    m = r.get("metrics")
+    if not isinstance(m, dict) or _num(m.get("throughput/tokens_per_s_per_gpu")) is None:
+        return None
+    rec = r.get("recipe") if isinstance(r.get("recipe"), dict) else {}
+    par = rec.get("parallel") if isinstance(rec.get("parallel"), dict) else {}
+    env = r.get("environment") if isinstance(r.get("environment"), dict) else {}
+    timing = r.get("timing") if isinstance(r.get("timing"), dict) else {}
+    rate = _spread(timing.get("tokens_per_s")) or f"{m['throughput/tokens_per_s_per_gpu']:,.0f}"
+    model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
+    what = model.get("attention") or model.get("name") or "?"
+    parts = [f"train, {_cell(what, 30)} d_model {_cell(model.get('d_model', '?'), 8)}, {_cell(par.get('engine', '?'), 12)}"
+             f" × {env.get('world_size', '?')}: {rate} tok/s per GPU"]
+    peak = _num(r.get("peak_memory_bytes"))
+    if peak:
+        parts.append(f"peak {peak / 2**30:.2f} GiB")
+    if r.get("status") not in (None, "completed"):
+        parts.append(f"status {_cell(r.get('status'), 20)}")
+    return ", ".join(parts)
+
+
+def _decode_summary(r: dict) -> str | None:
+    points = r.get("points")
+    if not isinstance(points, list) or not points or not all(isinstance(p, dict) for p in points):
+        return None
+    cells = []
+    for p in points[:6]:
+        rate = _num(p.get("decode_tokens_per_s"))
+        if rate is None:
+            continue
+        spread = _num(p.get("decode_tokens_per_s_spread"))
+        cells.append(f"batch {_cell(p.get('batch'), 8)} × {_cell(p.get('context'), 8)}: {rate:,.0f} tok/s"
+                     + (f" (±{100 * spread:.1f}%)" if spread is not None else ""))
+    if not cells:
+        return None
+    more = f"; {len(points) - 6} more points" if len(points) > 6 else ""
+    recipe = f"{_cell(r.get('recipe'), 40)} " if isinstance(r.get("recipe"), str) else ""
+    return f"decode {recipe}{_cell(r.get('attention', ''), 8)}: " + "; ".join(cells) + more
+
+
+def summarise(path: Path) -> str:
+    """What one record file holds, in a line."""
+    text = _read(path)
+    if text is None:
+        return "not read (not a regular file, too large, or not UTF-8)"
+    if path.suffix == ".jsonl":
+        recs = [r for r in _json_lines(text) if isinstance(r, dict)]
+        if path.name.endswith(".results.jsonl"):
+            modes: dict[str, int] = {}
+            for r in recs:
+                key = f"{r.get('mode', '?')} {r.get('status', '?')}"
+                modes[key] = modes.get(key, 0) + 1
+            return f"sweep records: {len(recs)} ({', '.join(f'{v} {k}' for k, v in sorted(modes.items()))})"
+        return f"{len(recs)} JSON lines"
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return "not JSON"
+        if isinstance(data, dict):
+            keys = _cell(", ".join(map(str, list(data)[:8])), 80) + (", ..." if len(data) > 8 else "")
+            return _train_summary(data) or _decode_summary(data) or f"JSON, keys: {keys}"
+        return f"JSON {type(data).__name__} of {len(data) if isinstance(data, list) else 1}"
+    lines = text.splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    return f"{len(lines)} lines: {_cell(first, 70)}"
+
+
+def _commits(runs: list[dict], prov: dict | None) -> list[str]:
+    out = []
+    for r in runs:
+        env = r.get("environment") if isinstance(r.get("environment"), dict) else {}
+        c = env.get("commit")
+        if isinstance(c, str):
+            how = "the tree differed from it (not recorded)" if env.get("tree_differs_from_commit") else "clean tree"
+            if env.get("tree_diff"):
+                how = f"the tree's difference recorded in [{_cell(env['tree_diff'])}]({_cell(env['tree_diff'])})"
+            out.append(f"`{_cell(c, 40)}` (runner's record; {how})")
+    if isinstance(prov, dict) and isinstance(prov.get("commit"), str):
+        out.append(f"`{_cell(prov['commit'], 40)}` ({_cell(prov.get('note', PROVENANCE), 200)})")
+    return list(dict.fromkeys(out))
+
+
+def generate(run_dir: Path) -> str:
+    """The README text of one run folder (deterministic: the same records give the same text)."""
+    run_dir = Path(run_dir)
+    files = sorted(p for p in run_dir.rglob("*") if p.name != README and _lstat_regular(p))[:_MAX_FILES]
+    runs_text = _read(run_dir / "runs.jsonl") if (run_dir / "runs.jsonl").exists() else None
+    runs = [r for r in _json_lines(runs_text or "") if isinstance(r, dict)]
+    prov_text = _read(run_dir / PROVENANCE) if (run_dir / PROVENANCE).exists() else None
+    try:
+        prov = json.loads(prov_text) if prov_text else None
+    except ValueError:
+        prov = None
+    study = run_dir.parent.name if run_dir.parent.parent.name == "results" else "?"
+    lines = [f"# {_cell(study if study != '?' else run_dir.name)}: {_cell(run_dir.name)}", "",
+             "Generated by `python -m scaletool.bench readme` from the records in this folder; do not edit."]
+    if (run_dir.parent / README).exists() and study != "?":
+        lines.append("What the study asks and what it found: [../README.md](../README.md).")
+    commits = _commits(runs, prov)
+    lines += ["", "**Commit:** " + ("; ".join(commits) if commits else "not recorded")]
+    cards = sorted({", ".join(map(str, r["environment"].get("cards") or [])) or "CPU" for r in runs
+                    if isinstance(r.get("environment"), dict)} - {""})
+    if cards:
+        lines.append("**Cards:** " + "; ".join(_cell(c, 120) for c in cards))
+    versions = sorted({f"torch {r['environment'].get('torch')}, CUDA {r['environment'].get('cuda')}" for r in runs
+                       if isinstance(r.get("environment"), dict)})
+    if versions:
+        lines.append("**Versions:** " + "; ".join(_cell(v, 60) for v in versions))
+    if runs:
+        lines += ["", "| command | status | wall s | result |", "|---|---|---|---|"]
+        for r in runs:
+            wall = _num(r.get("wall_s"))
+            lines.append(f"| {_cell(r.get('command', '?'), 40)} | {_cell(r.get('status', '?'), 12)} | "
+                         f"{'' if wall is None else f'{wall:.1f}'} | {_cell(r.get('result', ''), 60)} |")
+    lines += ["", "| file | what it holds |", "|---|---|"]
+    for p in files:
+        rel = p.relative_to(run_dir).as_posix()
+        if rel in ("runs.jsonl", PROVENANCE):
+            continue
+        lines.append(f"| [{_cell(rel, 80)}]({_cell(rel, 200)}) | {summarise(p)} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_dirs(root: Path = RESULTS) -> list[Path]:
+    """Every committed run folder: ``results/STUDY/RUN/``."""
+    return sorted(p for p in root.glob("*/*") if p.is_dir() and not p.is_symlink())
+
+
+def write(run_dir: Path) -> Path:
+    """Write ``RUNDIR/README.md`` (never through a link). Raises OSError."""
+    target = Path(run_dir) / README
+    write_atomic(target, generate(run_dir))
+    return target

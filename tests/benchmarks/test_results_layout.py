@@ -1,0 +1,63 @@
+"""The committed results: one folder per run (STUDY/CARD-DATE[-LABEL]), each naming the commit it ran and
+with a README generated from its records; nothing generated that can be regenerated (HTML, PNG, logs)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from scaletool.bench import readme
+
+RUNS = readme.run_dirs()
+RUN_NAME = re.compile(r"^(cpu|h100|h200|[0-9]+xh[0-9]+)-20[0-9]{2}-[01][0-9]-[0-3][0-9](-[a-z0-9][a-z0-9-]*)?$")
+
+
+def test_there_are_committed_runs_and_no_benchmark_data_left_in_recipes():
+    assert len(RUNS) > 50
+    assert not (ROOT / "recipes" / "benchmarks").exists()
+    assert {p.suffix for p in (ROOT / "recipes").rglob("*") if p.is_file()} <= {".yaml"}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_run_is_named_by_card_and_date_names_its_commit_and_has_its_generated_readme(run):
+    assert RUN_NAME.match(run.name), run.name
+    assert (run / readme.README).read_text() == readme.generate(run)  # regenerate: python -m scaletool.bench readme
+    assert "**Commit:** `" in (run / readme.README).read_text()
+    for p in run.rglob("*"):
+        assert not re.fullmatch(r"call[0-9]+.*", p.name), p  # calls are runs, not folders inside one
+        assert p.suffix not in (".html", ".png", ".log", ".stderr"), p
+
+
+def test_the_study_folders_hold_runs_and_notes_only():
+    for study in (ROOT / "benchmarks" / "results").iterdir():
+        assert study.is_dir(), study
+        assert {p.name for p in study.iterdir() if p.is_file()} <= {"README.md"}, study
+
+
+def test_readme_check_names_a_stale_readme_and_refuses_a_link(tmp_path):
+    run = tmp_path / "results" / "s" / "cpu-2026-01-01"
+    run.mkdir(parents=True)
+    (run / "runs.jsonl").write_text(json.dumps({"command": "a", "status": "ok", "wall_s": 1.5, "result": "a.json",
+                                                "environment": {"commit": "abc123", "cards": [],
+                                                                "tree_differs_from_commit": False}}) + "\n")
+    (run / "a.json").write_text(json.dumps({"title": "\x1b[31mx"}))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "scaletool.bench", "readme", *args], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+    assert cli(str(run), "--check").returncode == 1
+    assert cli(str(run)).returncode == 0 and cli(str(run), "--check").returncode == 0
+    text = (run / "README.md").read_text()
+    assert "`abc123` (runner's record; clean tree)" in text and "| a | ok | 1.5 | a.json |" in text
+    assert "\x1b" not in text
+    (run / "README.md").unlink()
+    (run / "README.md").symlink_to(tmp_path / "victim")
+    r = cli(str(run))
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "symbolic link" in r.stderr, r.stderr
+    assert not (tmp_path / "victim").exists()
+    r = cli(str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and r.stdout == ""
