@@ -87,6 +87,9 @@ class PlanResult(Result):
     considered: dict = Field(description="families searched, memory estimates made, layouts predicted")
     assumptions: list[str]
     notes: list[str] = []
+    left_out: list[dict] = Field([], description="layouts not offered because launch would refuse them or the installed "
+                                 "versions cannot run them: layout (engine, tensor parallelism, checkpointing, mode, or a "
+                                 "listed micro-batch), label, and the reason (one line)")
     elapsed_s: float = Field(description="seconds the search took")
     verify: list[Verified] | None = None
     verify_notes: list[str] = []
