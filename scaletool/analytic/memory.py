@@ -115,11 +115,10 @@ TABLE_ENGINES = [(label, e.name, stage) for e in ENGINES.values() for label, sta
 def table_layouts(recipe: Recipe):
     """The memory table's layouts under the recipe's engine settings: ``(label, engine, kind,
     activation_checkpointing, inputs, settings)`` for every engine row, without and with full checkpointing."""
-    t = recipe.train
     for ac in ("none", "full"):
-        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
         for label, engine, stage in TABLE_ENGINES:
             kind = engine_kind(engine)
+            inp = memory_inputs(recipe, engine, activation_checkpointing=ac)
             base = engine_settings(recipe, stage or None)  # each ZeRO stage with its own defaults
             settings = replace(base, zero_stage=stage or base.zero_stage,
                                expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
@@ -139,28 +138,52 @@ def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
     return rows
 
 
+def compile_scope(engine: str, compile: bool, scope: str = "auto") -> str | None:
+    """What a layout compiles: None (eager), ``model`` (one graph with the head and the loss: ``single`` under
+    ``compile_scope: auto``, any engine under ``model``, and DeepSpeed always, whose ``engine.compile``
+    compiles the whole module) or ``block`` (each block: DDP and FSDP2 under ``auto``). One rule for
+    ``estimate``, ``plan`` and ``train``'s prediction (the engine kind's ``compile_scope``)."""
+    if not compile:
+        return None
+    kind = engine_kind(engine)
+    if kind.compiles_module or scope == "auto":
+        return kind.compile_scope
+    return scope
+
+
 def compiled_memory(recipe: Recipe) -> bool:
-    """Whether the recipe compiles the whole model (``compile_scope`` model, or auto on ``single``), the case
-    the compiled activation model describes (mha-1b and mla-1b on one H100: within 0.2% of the measured
-    peak). Per-block compilation (auto on the sharded engines) saves less (FSDP2, 2 GPUs: 8% below the
-    eager estimate, against 25% predicted), so it keeps the eager estimate: an overestimate, never an OOM."""
+    """Whether the recipe compiles the whole model (:func:`compile_scope` ``model``): the head and the loss
+    keep the 16-bit logits instead of log_softmax's fp32 output, and their backward no fp32 gradient."""
     t = recipe.train
-    return bool(t.compile) and (t.compile_scope == "model" or (t.compile_scope == "auto" and recipe.parallel.engine == "single"))
+    return compile_scope(recipe.parallel.engine, t.compile, t.compile_scope) == "model"
 
 
-def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) -> dict:
-    """Memory estimate for the engine and settings the recipe itself selects; ``compiled`` counts the
-    activations a torch.compile'd model saves (:func:`_activation_bytes_per_token_per_layer`) instead of
-    eager autograd's (the default, what ``estimate`` reports). ``train.float8`` adds its components
-    (:func:`scaletool.analytic.float8.float8_memory`)."""
+def memory_inputs(recipe: Recipe, engine: str | None = None, *, micro_batch_size: int | None = None,
+                  activation_checkpointing: str | None = None, compiled: bool | None = None) -> MemoryInputs:
+    """The :class:`MemoryInputs` of the recipe (or of ``engine`` and the given fields in its place): its
+    micro-batch, sequence length, checkpointing and what ``train.compile`` compiles (:func:`compile_scope`)."""
+    t = recipe.train
+    scope = compile_scope(engine or recipe.parallel.engine, t.compile if compiled is None else compiled,
+                          t.compile_scope)
+    return MemoryInputs(t.micro_batch_size if micro_batch_size is None else micro_batch_size, recipe.seq_len,
+                        activation_checkpointing or t.activation_checkpointing, t.selective_every,
+                        scope is not None, scope or "model")
+
+
+def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool | None = None) -> dict:
+    """Memory estimate for the engine and settings the recipe itself selects, compiled as the recipe's
+    ``train.compile`` and the engine's compile scope say (:func:`memory_inputs`): the one figure ``estimate``,
+    ``plan`` and ``train``'s prediction give for a layout. ``compiled`` True or False overrides
+    ``train.compile`` (True with the engine's scope). ``train.float8`` adds its components
+    (:func:`scaletool.analytic.float8.float8_memory`). Tensor parallelism: :func:`tensor_parallel_memory`
+    (the eager count; its blocks are compiled after the split, not measured apart)."""
     tp = recipe.parallel.tensor_parallel
     if tp > 1:
         if world_size % tp:
             raise RecipeError(f"parallel.world_size: {world_size} is not a multiple of parallel.tensor_parallel={tp}; "
                               "set the ranks to assume (estimate --world-size)")
         return tensor_parallel_memory(recipe, world_size, tp)
-    t = recipe.train
-    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every, compiled)
+    inp = memory_inputs(recipe, compiled=compiled)
     row = training_memory(recipe.model, recipe.parallel.engine, world_size, inp, engine_settings(recipe))
     return float8_memory(recipe, row)  # train.float8's components (unchanged without it)
 

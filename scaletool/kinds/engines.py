@@ -62,6 +62,11 @@ class EngineKind:
     zero_stages: tuple[int, ...] = ()
     table_stages: tuple[int, ...] = ()
     float8: bool = False
+    #: what ``train.compile`` compiles under ``train.compile_scope: auto``: ``model`` (one graph, the loss in it)
+    #: or ``block`` (each block; communication hooks stay between compiled regions); ``compiles_module``: the
+    #: engine compiles the whole module itself whatever ``compile_scope`` says (DeepSpeed's ``engine.compile``)
+    compile_scope: str = "block"
+    compiles_module: bool = False
     weight_cast_step: bool = False
     package: str | None = None
     startup_notes: str | None = None
@@ -205,7 +210,7 @@ ENGINES: dict[str, EngineKind] = {
     k.name: k for k in (
         EngineKind("single", f"{_MEMORY}:single_memory", f"{_COMM}:no_communication",
                    "scaletool.engines.single:SingleEngine", distributed=False, autocast=True, float8=True,
-                   weight_cast_step=True),
+                   weight_cast_step=True, compile_scope="model"),
         EngineKind("ddp", f"{_MEMORY}:ddp_memory", f"{_COMM}:ddp_communication",
                    "scaletool.engines.ddp:DDPEngine", autocast=True, float8=True),
         EngineKind("fsdp", f"{_MEMORY}:fsdp_memory", f"{_COMM}:fsdp_communication",
@@ -215,7 +220,7 @@ ENGINES: dict[str, EngineKind] = {
                    "scaletool.engines.deepspeed:DeepSpeedEngine",
                    keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
                    zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3), package="deepspeed",
-                   startup_notes="scaletool.engines.deepspeed:build_notes",
+                   startup_notes="scaletool.engines.deepspeed:build_notes", compile_scope="model", compiles_module=True,
                    config_record="scaletool.engines.deepspeed:config_record", rules=deepspeed_problems),
     )
 }

@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cache
 
-from scaletool.analytic.memory import TABLE_ENGINES, engine_settings, tensor_parallel_memory, training_memory
+from scaletool.analytic.float8 import float8_memory
+from scaletool.analytic.memory import (
+    TABLE_ENGINES,
+    engine_settings,
+    memory_inputs,
+    tensor_parallel_memory,
+    training_memory,
+)
 from scaletool.analytic.step import fits
-from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.kinds.engines import casts_once, engine_kind
 
@@ -100,13 +106,14 @@ def tensor_parallel_degrees(recipe: Recipe, gpus: int, gpus_per_node: int) -> tu
 
 
 class MemoryModel:
-    """Peak bytes per GPU of a layout, memoized. A compiled whole model (``single``, or
-    ``train.compile_scope: model``) saves fewer activations (the compiled activation model); per-block
-    compilation, what the sharded engines use, keeps the eager estimate, an upper bound."""
+    """Peak bytes per GPU of a layout, memoized: :func:`scaletool.analytic.memory.recipe_memory`'s figure for
+    the layout's recipe (compiled as its engine compiles, FP8's components included), so that ``plan`` and
+    ``estimate`` give one figure per layout."""
 
     def __init__(self, recipe: Recipe, gpus: int):
         self.recipe, self.gpus = recipe, gpus
         self.base = engine_settings(recipe)
+        self.stage_settings = cache(lambda stage: engine_settings(recipe, stage))
         self.estimate = cache(self._estimate)
 
     def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> dict:
@@ -119,13 +126,21 @@ class MemoryModel:
             return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
-        settings = replace(self.base, zero_stage=fam.zero_stage or self.base.zero_stage,
+        # each ZeRO stage with the settings a recipe at that stage gets (ZeRO-3's own defaults), as estimate does
+        base = self.base if not fam.zero_stage else self.stage_settings(fam.zero_stage)
+        settings = replace(base, zero_stage=fam.zero_stage or base.zero_stage,
                            expert_parallel=fam.expert_parallel, grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
-        # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
-        whole = t.compile_scope == "model" or (t.compile_scope == "auto" and fam.engine == "single")
-        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, fam.compiled and whole)
-        return training_memory(r.model, fam.engine, 1 if fam.engine == "single" else self.gpus, inputs, settings)
+        # what the engine compiles (the whole model with its loss, or each block): the rule estimate uses
+        inputs = memory_inputs(r, fam.engine, micro_batch_size=micro_batch, activation_checkpointing=ac,
+                               compiled=fam.compiled)
+        world = self.gpus if engine_kind(fam.engine).distributed else 1
+        row = training_memory(r.model, fam.engine, world, inputs, settings)
+        if t.float8 == "none":
+            return row
+        lay = r.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro_batch}),
+                                   "parallel": r.parallel.model_copy(update={"engine": fam.engine})})
+        return float8_memory(lay, row)  # its components at the layout's micro-batch and engine
 
     def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
         return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]
