@@ -194,8 +194,10 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
                      live=norm_saved + head_copy, temp=tokens * a * V + a * head_mm)
         emb_params = 0 if cfg.tie_embeddings else V * d
         # eager: NLL's and log_softmax's fp32 gradients (8·V); compiled: the logits' 16-bit gradient, made by
-        # that fused kernel straight from the saved logits (no fp32 V-wide tensor in either pass)
-        loss_temp = tokens * (a * V if whole else 8 * V)
+        # that fused kernel straight from the saved logits into their own buffer (AOTAutograd donates the saved
+        # activations to the compiled backward, torch._functorch.config.donated_buffer, and Inductor reuses a
+        # donated buffer whose last reader writes a tensor of its size): nothing beside what is saved
+        loss_temp = 0 if whole else tokens * 8 * V
     else:  # regression: the head reads the last time step only
         head_params = pc["head"] + final_norm
         head = _Unit("head", head_params, pc["head"], head_params, saved=tokens * res * d * 3, live=0.0, temp=0.0)
