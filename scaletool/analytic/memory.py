@@ -118,7 +118,7 @@ def table_layouts(recipe: Recipe):
     for ac in ("none", "full"):
         for label, engine, stage in TABLE_ENGINES:
             kind = engine_kind(engine)
-            inp = memory_inputs(recipe, engine, activation_checkpointing=ac)
+            inp = memory_inputs(recipe, engine, activation_checkpointing=ac, zero_stage=stage)
             base = engine_settings(recipe, stage or None)  # each ZeRO stage with its own defaults
             settings = replace(base, zero_stage=stage or base.zero_stage,
                                expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
@@ -138,33 +138,35 @@ def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
     return rows
 
 
-def compile_scope(engine: str, compile: bool, scope: str = "auto") -> str | None:
+def compile_scope(engine: str, compile: bool, scope: str = "auto", zero_stage: int = 0) -> str | None:
     """What a layout compiles: None (eager), ``model`` (one graph with the head and the loss: ``single`` under
-    ``compile_scope: auto``, any engine under ``model``, and DeepSpeed always, whose ``engine.compile``
-    compiles the whole module) or ``block`` (each block: DDP and FSDP2 under ``auto``). One rule for
-    ``estimate``, ``plan`` and ``train``'s prediction (the engine kind's ``compile_scope``)."""
+    ``compile_scope: auto``, any engine under ``model``, and DeepSpeed, whose ``engine.compile`` compiles the
+    whole module), ``module`` (DeepSpeed ZeRO-3: the whole module, cut into a graph per module by ZeRO-3's
+    gathering hooks) or ``block`` (each block: DDP and FSDP2 under ``auto``). One rule for ``estimate``,
+    ``plan`` and ``train``'s prediction (the engine kind's ``compile_scope``)."""
     if not compile:
         return None
     kind = engine_kind(engine)
-    if kind.compiles_module or scope == "auto":
-        return kind.compile_scope
-    return scope
+    if kind.compiles_module:
+        return "module" if zero_stage >= 3 else kind.compile_scope
+    return kind.compile_scope if scope == "auto" else scope
 
 
 def compiled_memory(recipe: Recipe) -> bool:
-    """Whether the recipe compiles the whole model (:func:`compile_scope` ``model``): the head and the loss
-    keep the 16-bit logits instead of log_softmax's fp32 output, and their backward no fp32 gradient."""
-    t = recipe.train
-    return compile_scope(recipe.parallel.engine, t.compile, t.compile_scope) == "model"
+    """Whether the recipe compiles the whole model (:func:`compile_scope` ``model`` or ``module``): the head and
+    the loss keep the 16-bit logits instead of log_softmax's fp32 output, and their backward no fp32 gradient."""
+    t, p = recipe.train, recipe.parallel
+    return compile_scope(p.engine, t.compile, t.compile_scope, p.zero_stage) in ("model", "module")
 
 
 def memory_inputs(recipe: Recipe, engine: str | None = None, *, micro_batch_size: int | None = None,
-                  activation_checkpointing: str | None = None, compiled: bool | None = None) -> MemoryInputs:
+                  activation_checkpointing: str | None = None, compiled: bool | None = None,
+                  zero_stage: int | None = None) -> MemoryInputs:
     """The :class:`MemoryInputs` of the recipe (or of ``engine`` and the given fields in its place): its
     micro-batch, sequence length, checkpointing and what ``train.compile`` compiles (:func:`compile_scope`)."""
     t = recipe.train
     scope = compile_scope(engine or recipe.parallel.engine, t.compile if compiled is None else compiled,
-                          t.compile_scope)
+                          t.compile_scope, recipe.parallel.zero_stage if zero_stage is None else zero_stage)
     return MemoryInputs(t.micro_batch_size if micro_batch_size is None else micro_batch_size, recipe.seq_len,
                         activation_checkpointing or t.activation_checkpointing, t.selective_every,
                         scope is not None, scope or "model")

@@ -41,8 +41,9 @@ class MemoryInputs:
     activation_checkpointing: str = "none"  # none | full | selective
     selective_every: int = 2
     compiled: bool = False  # torch.compile: Inductor recomputes element-wise results in the backward
-    #: with ``compiled``: ``model`` (the head and the loss in the compiled graph too) or ``block`` (each block
-    #: compiled, the head and the loss eager)
+    #: with ``compiled``: ``model`` (one graph, the head and the loss in it), ``module`` (the whole model
+    #: compiled, but broken into a graph per module by the engine's module hooks: DeepSpeed ZeRO-3) or
+    #: ``block`` (each block compiled, the head and the loss eager)
     compile_scope: str = "model"
 
 
@@ -188,16 +189,19 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         head_copy = 0 if cast_once and not cfg.tie_embeddings else copy * head_mm
         # eager: log_softmax's fp32 output (4·V); compiled: the 16-bit logits and two fp32 row statistics
         # (max, log-sum-exp), log_softmax recomputed in the backward's one fused kernel
-        whole = inputs.compiled and inputs.compile_scope == "model"
+        whole = inputs.compiled and inputs.compile_scope in ("model", "module")
+        # the logits made in the loss's own graph (not the output of an untied head's separate graph under
+        # ZeRO-3's hooks) are an activation AOTAutograd can donate to the backward (below)
+        donated = whole and (inputs.compile_scope == "model" or cfg.tie_embeddings)
         loss_saved = tokens * ((a * V + 8) if whole else 4 * V)
         head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + loss_saved + head_copy,
                      live=norm_saved + head_copy, temp=tokens * a * V + a * head_mm)
         emb_params = 0 if cfg.tie_embeddings else V * d
         # eager: NLL's and log_softmax's fp32 gradients (8·V); compiled: the logits' 16-bit gradient, made by
-        # that fused kernel straight from the saved logits into their own buffer (AOTAutograd donates the saved
-        # activations to the compiled backward, torch._functorch.config.donated_buffer, and Inductor reuses a
-        # donated buffer whose last reader writes a tensor of its size): nothing beside what is saved
-        loss_temp = 0 if whole else tokens * 8 * V
+        # that fused kernel straight from the saved logits, into their own buffer where they are donated
+        # (AOTAutograd donates saved activations to the compiled backward, torch._functorch.config.donated_buffer,
+        # and Inductor reuses a donated buffer whose last reader writes a tensor of its size), else a new one
+        loss_temp = (0 if donated else tokens * a * V) if whole else tokens * 8 * V
     else:  # regression: the head reads the last time step only
         head_params = pc["head"] + final_norm
         head = _Unit("head", head_params, pc["head"], head_params, saved=tokens * res * d * 3, live=0.0, temp=0.0)

@@ -133,7 +133,7 @@ class MemoryModel:
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
         # what the engine compiles (the whole model with its loss, or each block): the rule estimate uses
         inputs = memory_inputs(r, fam.engine, micro_batch_size=micro_batch, activation_checkpointing=ac,
-                               compiled=fam.compiled)
+                               compiled=fam.compiled, zero_stage=fam.zero_stage)
         world = self.gpus if engine_kind(fam.engine).distributed else 1
         row = training_memory(r.model, fam.engine, world, inputs, settings)
         if t.float8 == "none":

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from scaletool.analytic.memory import compile_scope, recipe_memory
+from scaletool.analytic.memory import compile_scope, memory_inputs, recipe_memory
+from scaletool.analytic.timeline import _units
 from scaletool.cli import main
 from scaletool.config import load_recipe
 
@@ -56,13 +57,29 @@ def test_estimate_honours_train_compile():
     assert engines["single"] == c
 
 
-@pytest.mark.parametrize("engine, scope, expected", [
-    ("single", "auto", "model"), ("ddp", "auto", "block"), ("fsdp", "auto", "block"), ("fsdp", "model", "model"),
-    ("deepspeed", "auto", "model"), ("deepspeed", "block", "model"),  # engine.compile compiles the whole module
+@pytest.mark.parametrize("engine, scope, stage, expected", [
+    ("single", "auto", 0, "model"), ("ddp", "auto", 0, "block"), ("fsdp", "auto", 0, "block"),
+    ("fsdp", "model", 0, "model"),
+    ("deepspeed", "auto", 1, "model"), ("deepspeed", "block", 2, "model"),  # engine.compile compiles the module
+    ("deepspeed", "auto", 3, "module"),  # ... cut at every module by ZeRO-3's hooks
 ])
-def test_compile_scope_is_what_the_engine_compiles(engine, scope, expected):
-    assert compile_scope(engine, True, scope) == expected
-    assert compile_scope(engine, False, scope) is None
+def test_compile_scope_is_what_the_engine_compiles(engine, scope, stage, expected):
+    assert compile_scope(engine, True, scope, stage) == expected
+    assert compile_scope(engine, False, scope, stage) is None
+
+
+def test_zero3_untied_head_keeps_its_logits_gradient_beside_the_logits():
+    """Under ZeRO-3 an untied head is its own graph: the loss's graph takes the logits as an input, which cannot
+    be donated, so the logits' 16-bit gradient is a new tensor at the loss (2 bytes per vocabulary entry and
+    token); a tied head's logits are made in the loss's graph and donated, as on single."""
+    sets = ["train.seq_len=2048", "train.micro_batch_size=8", "parallel.engine=deepspeed", "train.compile=true",
+            "parallel.zero_stage=3"]
+    for tied, extra in ((False, 2 * 32000 * 8 * 2048), (True, 0)):
+        r = load_recipe("mla-1b", [*sets, f"model.tie_embeddings={str(tied).lower()}"])
+        assert memory_inputs(r).compile_scope == "module"
+        _, loss_temp = _units(r.model, memory_inputs(r), autocast=False, expert_parallel=False)
+        assert loss_temp == extra
+        assert recipe_memory(r, 4)["total_bytes"] < recipe_memory(r, 4, compiled=False)["total_bytes"]
 
 
 @pytest.mark.parametrize("stage", [1, 2])
