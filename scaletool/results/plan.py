@@ -49,7 +49,8 @@ class PlannedLayout(_Part):
     cost_per_million_tokens: float | None = Field(None, description="at --price-per-gpu-hour, for all GPUs")
     command: str | None = Field(None, description="the scaletool launch command, shlex-quoted")
     argv: list[str] | None = None
-    command_problems: list[str] = Field([], description="what launch would refuse in this layout")
+    command_problems: list[str] = Field([], description="what launch would refuse in this layout: empty, since such "
+                                        "a layout is not offered (the plan's left_out says why)")
 
 
 class Verified(_Part):
