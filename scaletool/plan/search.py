@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
 from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.float8 import INSTALL_HINT
 from scaletool.plan.commands import command_problems, describe
 from scaletool.plan.space import (
     CHECKPOINTING,
@@ -98,6 +99,8 @@ def family_problems(recipe: Recipe, fam: Family, gpus: int) -> list[str]:
     if kind.package and importlib.util.find_spec(kind.package) is None:
         return [f"parallel.engine: {fam.engine} needs the {kind.package} package, which is not installed here "
                 f"(pip install {kind.package})"]
+    if recipe.train.float8 != "none" and importlib.util.find_spec("torchao") is None:
+        return [f"train.float8: {recipe.train.float8} needs torchao, which is not installed here ({INSTALL_HINT})"]
     row = {"label": fam.label, "engine": fam.engine, "zero_stage": fam.zero_stage,
            "tensor_parallel": fam.tensor_parallel, "expert_parallel": fam.expert_parallel, "attention": fam.variant,
            "micro_batch_size": recipe.train.micro_batch_size, "grad_accum_steps": recipe.train.grad_accum_steps,

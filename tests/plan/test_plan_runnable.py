@@ -68,6 +68,25 @@ def test_a_micro_batch_the_passthrough_fixes_leaves_the_other_micro_batches_out(
     assert any("train_micro_batch_size_per_gpu" in row["reason"] for row in doc["left_out"])
 
 
+def test_an_engine_whose_library_is_not_installed_is_not_offered(monkeypatch):
+    """The import system says DeepSpeed cannot be imported here (a None entry in sys.modules): no ZeRO layout,
+    each family left out with the install line."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    doc = _plan("mla-1b", "--gpus", "4", "--top", "40")
+    assert doc["layouts"] and all(r["engine"] != "deepspeed" for r in doc["layouts"])
+    reasons = {row["reason"] for row in doc["left_out"] if row["label"].startswith("zero")}
+    assert reasons == {"parallel.engine: deepspeed needs the deepspeed package, which is not installed here "
+                       "(pip install deepspeed)"}
+
+
+def test_fp8_without_torchao_installed_is_one_error_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    res = CliRunner().invoke(main, ["plan", "llama3-8b", "--gpus", "8", "--set", "train.float8=tensorwise"])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: no layout of 8 GPUs can run: ") and "torchao" in lines[0]
+
+
 def test_left_out_notes_name_each_reason_once():
     rows = [{"label": "zero1", "reason": "a"}, {"label": "zero1", "reason": "a"}, {"label": "zero3", "reason": "a"},
             {"label": "ddp", "reason": "b"}]
