@@ -7,8 +7,8 @@ from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERV
 from scaletool.config import Recipe, RecipeError
 from scaletool.measure.hardware import profile_named
 from scaletool.measure.prediction import calibration_for_device
-from scaletool.plan.commands import command_line, command_problems, describe, launch_argv
-from scaletool.plan.search import Request, left_out_notes, search
+from scaletool.plan.commands import command_line, launch_argv
+from scaletool.plan.search import Request, search
 
 DEFAULT_HARDWARE = "H100 SXM"
 #: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
@@ -64,32 +64,19 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
         return predict_step(r, req.calibration, world_size=req.gpus, gpus_per_node=req.gpus_per_node,
                             compiled=lay.compiled)
 
-    found = search(recipe, req, predict, progress)
-    top, left_out = [], list(found["left_out"])
-    searched = len(left_out)
-    for row in found["layouts"]:
-        if len(top) == req.top:
-            break
-        # what depends on the micro-batch (a DeepSpeed passthrough fixing it): such a layout is not offered
-        problems = command_problems(recipe, row, req.gpus)
-        if problems:
-            left_out.append({"layout": describe(row), "label": row["label"], "reason": problems[0]})
-            continue
-        row["rank"] = len(top) + 1
+    found = search(recipe, req, predict, progress)  # only layouts launch accepts (search.family_problems)
+    top = found["layouts"][:req.top]
+    for row in top:
         row["argv"] = launch_argv(recipe_arg, overrides, recipe, row, req.gpus, req.gpus_per_node)
         row["command"] = command_line(row["argv"])
         row["command_problems"] = []
-        top.append(row)
-    if not top:
-        raise RecipeError("no layout that fits can run: " + "; ".join(sorted({r["reason"] for r in left_out})))
-    notes = found["notes"] + [line for line in left_out_notes(left_out[searched:])
-                              if line not in found["notes"]]
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
             "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": req.calibration.name,
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
-            "assumptions": assumptions(req) + found["assumptions"], "notes": notes, "left_out": left_out,
+            "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
+            "left_out": found["left_out"],
             "elapsed_s": found["elapsed_s"]}
 
 
