@@ -34,7 +34,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     16-bit parameters and gradients and an fp32 master with m, v (12Ψ), sharded per ZeRO stage. The
     engine-specific buffers and temporaries are documented, with their DeepSpeed and torch sources, in
     :mod:`scaletool.analytic.engine_memory` (the engine kind's ``memory`` form); activations in :func:`_units` and
-    :func:`_activation_bytes_per_token_per_layer` (eager mode).
+    :func:`_activation_bytes_per_token_per_layer` (eager, or compiled as ``inputs.compile_scope`` says).
 
     MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
     (FSDP2) each rank keeps 1/N of the routed experts itself: states stay Ψ/N per rank, but FSDP's
