@@ -36,7 +36,7 @@ def training_memory(cfg: ModelConfig, engine: str, world_size: int, inputs: Memo
     16-bit parameters and gradients and an fp32 master with m, v (12Ψ), sharded per ZeRO stage. The
     engine-specific buffers and temporaries are documented, with their DeepSpeed and torch sources, in
     :mod:`scaletool.analytic.engine_memory` (the engine kind's ``memory`` form); activations in :func:`_units` and
-    :func:`_activation_bytes_per_token_per_layer` (eager mode).
+    :func:`_activation_bytes_per_token_per_layer` (eager, or compiled as ``inputs.compile_scope`` says).
 
     MoE: model states count every parameter (all experts are trained). With ``expert_parallel``
     (FSDP2) each rank keeps 1/N of the routed experts itself: states stay Ψ/N per rank, but FSDP's
@@ -138,11 +138,10 @@ def engine_settings(recipe: Recipe, zero_stage: int | None = None) -> EngineSett
 def table_layouts(recipe: Recipe):
     """The memory table's layouts under the recipe's engine settings: ``(label, engine, kind,
     activation_checkpointing, inputs, settings)`` for every engine row, without and with full checkpointing."""
-    t = recipe.train
     for ac in ("none", "full"):
-        inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, ac, t.selective_every)
         for label, engine, stage in table_engines():
             kind = engine_kind(engine)
+            inp = memory_inputs(recipe, engine, activation_checkpointing=ac, zero_stage=stage)
             base = engine_settings(recipe, stage or None)  # each ZeRO stage with its own defaults
             settings = replace(base, zero_stage=stage or base.zero_stage,
                                expert_parallel=base.expert_parallel and "expert_parallel" in kind.layouts)
@@ -163,42 +162,60 @@ def memory_table(recipe: Recipe, world_size: int | None = None) -> list[dict]:
     return rows
 
 
+def compile_scope(engine: str, compile: bool, scope: str = "auto", zero_stage: int = 0) -> str | None:
+    """What a layout compiles: None (eager), ``model`` (one graph with the head and the loss: ``single`` under
+    ``compile_scope: auto``, any engine under ``model``, and DeepSpeed, whose ``engine.compile`` compiles the
+    whole module), ``module`` (DeepSpeed ZeRO-3: the whole module, cut into a graph per module by ZeRO-3's
+    gathering hooks) or ``block`` (each block: DDP and FSDP2 under ``auto``). One rule for ``estimate``,
+    ``plan`` and ``train``'s prediction (the engine kind's ``auto_compile_scope`` and ``compiles_module``)."""
+    if not compile:
+        return None
+    kind = engine_kind(engine)
+    if kind.compiles_module:
+        return "module" if zero_stage >= 3 else kind.auto_compile_scope
+    return kind.auto_compile_scope if scope == "auto" else scope
+
+
 def compiled_memory(recipe: Recipe) -> bool:
-    """Whether the recipe compiles the whole model (``compile_scope`` model, or auto on an engine that compiles
-    the model whole, :func:`compiles_whole_model`), the case
-    the compiled activation model describes (mha-1b and mla-1b on one H100: within 0.2% of the measured
-    peak). Per-block compilation (auto on the sharded engines) saves less (FSDP2, 2 GPUs: 8% below the
-    eager estimate, against 25% predicted), so it keeps the eager estimate: an overestimate, never an OOM."""
+    """Whether the recipe compiles the whole model (:func:`compile_scope` ``model`` or ``module``): the head and
+    the loss keep the 16-bit logits instead of log_softmax's fp32 output, and their backward no fp32 gradient."""
+    t, p = recipe.train, recipe.parallel
+    return compile_scope(p.engine, t.compile, t.compile_scope, p.zero_stage) in ("model", "module")
+
+
+def memory_inputs(recipe: Recipe, engine: str | None = None, *, micro_batch_size: int | None = None,
+                  activation_checkpointing: str | None = None, compiled: bool | None = None,
+                  zero_stage: int | None = None) -> MemoryInputs:
+    """The :class:`MemoryInputs` of the recipe (or of ``engine`` and the given fields in its place): its
+    micro-batch, sequence length, checkpointing and what ``train.compile`` compiles (:func:`compile_scope`)."""
     t = recipe.train
-    return compiles_whole_model(t.compile, t.compile_scope, recipe.parallel.engine)
+    scope = compile_scope(engine or recipe.parallel.engine, t.compile if compiled is None else compiled,
+                          t.compile_scope, recipe.parallel.zero_stage if zero_stage is None else zero_stage)
+    return MemoryInputs(t.micro_batch_size if micro_batch_size is None else micro_batch_size, recipe.seq_len,
+                        activation_checkpointing or t.activation_checkpointing, t.selective_every,
+                        scope is not None, scope or "model")
 
 
-def compiles_whole_model(compiled: bool, compile_scope: str, engine: str) -> bool:
-    """Whether training compiles the whole model: ``compile_scope`` model, or auto on an engine whose
-    ``auto_compile_scope`` is the model (single)."""
-    scope = engine_kind(engine).auto_compile_scope if compile_scope == "auto" else compile_scope
-    return bool(compiled) and scope == "model"
-
-
-def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool = False) -> dict:
-    """Memory estimate for the engine and settings the recipe itself selects; ``compiled`` counts the
-    activations a torch.compile'd model saves (:func:`_activation_bytes_per_token_per_layer`) instead of
-    eager autograd's (the default, what ``estimate`` reports). ``train.float8`` adds its components
-    (:func:`scaletool.analytic.float8.float8_memory`)."""
+def recipe_memory(recipe: Recipe, world_size: int, *, compiled: bool | None = None) -> dict:
+    """Memory estimate for the engine and settings the recipe itself selects, compiled as the recipe's
+    ``train.compile`` and the engine's compile scope say (:func:`memory_inputs`): the one figure ``estimate``,
+    ``plan`` and ``train``'s prediction give for a layout. ``compiled`` True or False overrides
+    ``train.compile`` (True with the engine's scope). ``train.float8`` adds its components
+    (:func:`scaletool.analytic.float8.float8_memory`). Tensor parallelism: :func:`tensor_parallel_memory`
+    (the eager count; its blocks are compiled after the split, not measured apart)."""
     tp = recipe.parallel.tensor_parallel
     if tp > 1:
         if world_size % tp:
             raise RecipeError(f"parallel.world_size: {world_size} is not a multiple of parallel.tensor_parallel={tp}; "
                               "set the ranks to assume (estimate --world-size)")
         return tensor_parallel_memory(recipe, world_size, tp)
-    t = recipe.train
-    inp = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every, compiled)
+    inp = memory_inputs(recipe, compiled=compiled)
     # HSDP: FSDP2's states and buffers as over the shard group (the replicas' all-reduce runs in place on the shard)
     shard = hsdp_shard(recipe, world_size)
     row = training_memory(recipe.model, recipe.parallel.engine, shard, inp, engine_settings(recipe))
     if shard != world_size:
         row = {**row, "world_size": world_size, "data_parallel_shard": shard}
-    return float8_memory(recipe, row)
+    return float8_memory(recipe, row)  # train.float8's components (unchanged without it)
 
 
 def hsdp_shard(recipe: Recipe, world_size: int) -> int:
@@ -208,7 +225,7 @@ def hsdp_shard(recipe: Recipe, world_size: int) -> int:
     if world_size % R:
         raise RecipeError(f"parallel.data_parallel_replicate: {R} replicas do not divide the world size {world_size} "
                           "(set the ranks to assume: estimate --world-size)")
-    return world_size // R  # train.float8's components (unchanged without it)
+    return world_size // R
 
 
 def count_memory(cfg: ModelConfig, batch: int, seq_len: int) -> dict:

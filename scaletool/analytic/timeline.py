@@ -41,6 +41,10 @@ class MemoryInputs:
     activation_checkpointing: str = "none"  # none | full | selective
     selective_every: int = 2
     compiled: bool = False  # torch.compile: Inductor recomputes element-wise results in the backward
+    #: with ``compiled``: ``model`` (one graph, the head and the loss in it), ``module`` (the whole model
+    #: compiled, but broken into a graph per module by the engine's module hooks: DeepSpeed ZeRO-3) or
+    #: ``block`` (each block compiled, the head and the loss eager)
+    compile_scope: str = "model"
 
 
 #: Engine defaults the estimate depends on, in elements: scaletool's reduce bucket
@@ -88,22 +92,23 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     (d per computed slot: k per token dropless, E·C/N ≈ capacity_factor·k with capacity) and each slot's SwiGLU
     (4·i_moe), the k gathered expert outputs (k·d), and the shared experts' SwiGLU (4·n_shared·i_moe).
 
-    ``compiled``: Inductor's partitioner saves matmul inputs and outputs and recomputes the element-wise
-    results from them in the backward: each norm keeps one 16-bit tensor (a·d: its input, the normed
-    output recomputed), SwiGLU keeps gate and up (2 of i; silu and the product recomputed), GELU/ReLU the
-    pre-activation (1 of i); attention saves what fused SDPA needs either way.
+    ``compiled`` (a whole model under ``torch.compile``): what Inductor's min-cut partitioner saves, read off
+    the compiled backward's saved tensors (``tests/analytic/test_compiled_memory.py`` measures them on the
+    installed torch): each norm still keeps its input and its 16-bit output (the output is the next
+    matmul's input); SwiGLU keeps gate, up and their product (3 of i: only silu(gate) is recomputed);
+    attention saves what fused SDPA needs either way. GELU/ReLU keep the eager count (not measured compiled).
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
-    norms = 2 * a * d if compiled else 2 * (res * d + a * d)
+    norms = 2 * (res * d + a * d)
     attn = a * attention_kind(cfg).activation_elements(cfg) + 4 * H  # + the fp32 log-sum-exp
     if moe:
         slots, i = routed_experts_computed(cfg), cfg.moe_intermediate_size
-        kept = 2 if compiled else 4  # of each SwiGLU's i-wide tensors
+        kept = 3 if compiled else 4  # of each SwiGLU's i-wide tensors
         ffn = (4 * 2 * cfg.n_routed_experts + a * slots * (d + kept * i) + a * cfg.num_experts_per_tok * d
                + a * kept * cfg.n_shared_experts * i)
     else:
         glu = cfg.ffn in ("swiglu", "moe")
-        ffn = a * cfg.intermediate_size * ((2 if glu else 1) if compiled else (4 if glu else 2))
+        ffn = a * cfg.intermediate_size * ((3 if compiled else 4) if glu else 2)
     return norms + attn + ffn
 
 
@@ -183,10 +188,21 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         head_params = head_mm + final_norm  # a tied matrix's gradient first appears here too
         norm_saved = tokens * (res + a) * d
         head_copy = 0 if cast_once and not cfg.tie_embeddings else copy * head_mm
-        head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + tokens * 4 * V + head_copy,
+        # eager: log_softmax's fp32 output (4·V); compiled: the 16-bit logits and two fp32 row statistics
+        # (max, log-sum-exp), log_softmax recomputed in the backward's one fused kernel
+        whole = inputs.compiled and inputs.compile_scope in ("model", "module")
+        # the logits made in the loss's own graph (not the output of an untied head's separate graph under
+        # ZeRO-3's hooks) are an activation AOTAutograd can donate to the backward (below)
+        donated = whole and (inputs.compile_scope == "model" or cfg.tie_embeddings)
+        loss_saved = tokens * ((a * V + 8) if whole else 4 * V)
+        head = _Unit("head", head_params, head_mm, head_params, saved=norm_saved + loss_saved + head_copy,
                      live=norm_saved + head_copy, temp=tokens * a * V + a * head_mm)
         emb_params = 0 if cfg.tie_embeddings else V * d
-        loss_temp = tokens * 8 * V
+        # eager: NLL's and log_softmax's fp32 gradients (8·V); compiled: the logits' 16-bit gradient, made by
+        # that fused kernel straight from the saved logits, into their own buffer where they are donated
+        # (AOTAutograd donates saved activations to the compiled backward, torch._functorch.config.donated_buffer,
+        # and Inductor reuses a donated buffer whose last reader writes a tensor of its size), else a new one
+        loss_temp = (0 if donated else tokens * a * V) if whole else tokens * 8 * V
     else:  # regression: the head reads the last time step only
         head_params = pc["head"] + final_norm
         head = _Unit("head", head_params, pc["head"], head_params, saved=tokens * res * d * 3, live=0.0, temp=0.0)

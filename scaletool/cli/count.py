@@ -134,4 +134,4 @@ def print_modules(tree, con: Console, lm: bool = True) -> None:
     con.print(f"• Forward and backward, all modules: {si(tree.train_flops, 'FLOP', 5)} (FlopCounterMode). Per "
               "module only the forward: torch's module tracker puts some backward operators on a neighbouring "
               "module. (itself): what a module holds or computes outside its children"
-              + (" (the LM head's matmul runs in the model's own forward)." if lm else "."))
+              + (" (a tied LM head's matmul runs in the model's own forward)." if lm else "."))

@@ -51,8 +51,10 @@ def memory_columns(r, est) -> EngineColumns:
         for row in est.memory.engines:
             if row.activation_checkpointing == ac:
                 cells.setdefault(row.label, []).extend([size(row.total_bytes), PHASE_SHORT[row.phase]])
+    compiled = ";\ncompiled: single and ZeRO the whole model, DDP and FSDP2 each block" \
+        if r.train.compile else ""
     note = (f"Peak memory per GPU at world size {est.memory.world_size}, micro-batch {r.train.micro_batch_size}×"
-            f"{est.seq_len}, AdamW;\nat: the phase that sets it, the backward (bwd) or the optimizer step (step).")
+            f"{est.seq_len}, AdamW{compiled};\nat: the phase that sets it, the backward (bwd) or the optimizer step (step).")
     return EngineColumns(["no ckpt", "at", "full ckpt", "at"], cells, note)
 
 

@@ -181,8 +181,6 @@ def print_plan(res) -> None:
                                "every node sees)" if multi else "") + ":")
     for row in res.layouts:
         click.echo(f"{row.rank:>2}. {row.command}")
-        for line in row.command_problems:
-            click.echo(f"    note: launch would refuse it: {line}")
     click.echo("\nAssumptions:")
     for line in res.assumptions:
         click.echo(f"  - {line}")

@@ -105,6 +105,26 @@ def _skip_inference_shm_op() -> None:
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+def register_tied_head(model: torch.nn.Module) -> bool:
+    """ZeRO-3: gather a tied LM head's weight for the whole forward of the root module.
+
+    The tied head multiplies by the embedding's weight outside the embedding's forward
+    (:meth:`scaletool.model.transformer.Transformer.lm_head`). ZeRO-3 gathers a partitioned parameter
+    only in the pre-forward hooks of the modules that own or registered it; eager, its parameter
+    dictionary notices the stray access and gathers on the spot, but a compiled forward reads the
+    parameter as a graph input and meets its empty partition (size (0,)). Registered as an external
+    parameter of the root (DeepSpeed's ``register_external_parameter``, deepspeed/runtime/zero/
+    partition_parameters.py), it is gathered by the root's pre-forward hook and kept until the root's
+    forward ends, as FSDP2 keeps its root's parameters. Returns whether a weight was registered."""
+    weight = getattr(getattr(model, "tok_embeddings", None), "weight", None)
+    if getattr(model, "output", True) is not None or weight is None:
+        return False  # untied: the head is called as a module and its own hooks gather its weight
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    register_external_parameter(model, weight)
+    return True
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
@@ -124,6 +144,8 @@ class DeepSpeedEngine(Engine):
         if env.device.type == "cpu":
             _skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False)
+        if recipe.parallel.zero_stage == 3:
+            register_tied_head(model)
         if recipe.parallel.offload_optimizer:
             kw = {"model_parameters": param_groups(model, t.weight_decay)}
         else:

@@ -163,8 +163,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, 
         "norm": GatheredSequenceParallel(),
     }
     if model.output is not None:
-        # lm_head calls F.linear with this weight (or the tied embedding's, sharded the same way): on the
-        # gathered normed states that gives vocabulary-sharded logits, as this style would
+        # lm_head calls this module (a tied head: F.linear with the embedding's weight, sharded the same
+        # way): on the gathered normed states either gives vocabulary-sharded logits
         root["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, root)
     if local_ops:

@@ -55,7 +55,9 @@ class EngineKind:
     ``distributed``: runs in a process group (False: one process, only at world size 1: :meth:`runs_on`).
     ``autocast``: computes by autocast over fp32 weights. ``casts_weights``: each micro-batch makes 16-bit
     copies of fp32 weights (autocast, FSDP2's mixed precision; not DeepSpeed's 16-bit weights).
-    ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model`` or ``block``).
+    ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model``: one graph, the loss in it, or
+    ``block``: each block, communication hooks between compiled regions); ``compiles_module``: the engine compiles
+    the whole module itself whatever ``compile_scope`` says (DeepSpeed's ``engine.compile``).
     ``layouts``: the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``,
     ``pipeline_parallel``).
     ``zero_stages``: the ZeRO stages it takes (``parallel.zero_stage``),
@@ -84,6 +86,7 @@ class EngineKind:
     gradients_sharded_from: int | None = None
     float8: bool = False
     float8_all_gather: bool = False
+    compiles_module: bool = False
     weight_cast_step: bool = False
     package: str | None = None
     quick_on_cpu: bool = True
@@ -282,6 +285,7 @@ FSDP = register_engine(EngineKind("fsdp", keys=("cpu_offload", "reduce_scatter_e
 DEEPSPEED = register_engine(EngineKind("deepspeed", keys=("zero_stage", "offload_optimizer", "offload_params", "deepspeed"),
                                        casts_weights=False, zero_stages=(0, 1, 2, 3), table_stages=(1, 2, 3),
                                        optimizer_sharded_from=1, gradients_sharded_from=2, package="deepspeed",
+                                       auto_compile_scope="model", compiles_module=True,
                                        quick_on_cpu=False,
                                        rules=deepspeed_problems))
 #: the engine a recipe runs when it names none

@@ -15,9 +15,9 @@ RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 #: torch._scaled_mm needs both GEMM dimensions of the weight divisible by 16
 DIM_MULTIPLE = 16
-#: linear layers left in bf16 whatever their shape: the LM head (the logits' precision; its forward goes
-#: through the weight, F.linear, so a swap would not run there anyway), the regression head and feature
-#: embeddings, and the MoE router (routing decisions are sensitive to precision)
+#: linear layers left in bf16 whatever their shape: the LM head (the logits' precision, as torchtitan
+#: keeps ``output``), the regression head and feature embeddings, and the MoE router (routing decisions
+#: are sensitive to precision)
 KEPT_NAMES = ("output", "head", "proj", "gate")
 #: torchao's release line for torch 2.11+ (0.17 is built against torch 2.11; float8 training is Python
 #: over torch._scaled_mm, so later releases import with later torch too)

@@ -293,7 +293,7 @@ def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
     """
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        per_rank = int(recipe_memory(recipe, nproc, compiled=recipe.train.compile)["total_bytes"])
+        per_rank = int(recipe_memory(recipe, nproc)["total_bytes"])
     except (RecipeError, ValueError, ZeroDivisionError, OverflowError):
         return None  # the run's own checks say what is wrong with the recipe
     if device == "cpu":

@@ -34,11 +34,13 @@ def _analytic(recipe: Recipe, tokens: int) -> dict[str, dict[str, float]]:
     attn = p["per_layer"]["attention_by_projection"]
     attn_fwd = (2 * matmul_params(attn) + attention_flops_per_token(cfg, T, causal=False) / cfg.n_layers) * tokens
     head_fwd = 2 * cfg.vocab_size * cfg.d_model * tokens
-    # the head's matmul runs in the model's own forward (F.linear on the head's or the embedding's weight)
-    out[""]["own_forward_flops"] = head_fwd
+    # an untied head is its own module (``output``); a tied one multiplies by the embedding's weight in the
+    # model's own forward
+    if cfg.tie_embeddings:
+        out[""]["own_forward_flops"] = head_fwd
     out["tok_embeddings"] = {"params": p["embedding"], "forward_flops": 0}
     if not cfg.tie_embeddings:
-        out["output"] = {"params": p["head"]}
+        out["output"] = {"params": p["head"], "forward_flops": head_fwd}
     if p["final_norm"]:
         out["norm"] = {"params": p["final_norm"]}
     out["layers"] = {"params": p["total"] - p["embedding"] - p["position_embedding"] - p["final_norm"] - p["head"],

@@ -252,8 +252,17 @@ class Transformer(nn.Module):
         return loss if aux is None else loss + aux
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states (..., d) -> logits (..., vocab), through the tied or untied head."""
-        return F.linear(h, self.tok_embeddings.weight if self.output is None else self.output.weight)
+        """Normed hidden states (..., d) -> logits (..., vocab), through the tied or untied head.
+
+        The untied head is called as a module, so an engine that partitions parameters and gathers them in
+        module hooks (DeepSpeed ZeRO-3, FSDP2) has the weight whole here; reading ``output.weight`` directly
+        would hand ZeRO-3's empty partition to the matmul under ``torch.compile``. The tied head reads the
+        embedding's weight outside the embedding's forward: such engines register it as a parameter of
+        the root module's forward (:mod:`scaletool.engines.deepspeed`; FSDP2 keeps the root's parameters,
+        embedding included, unsharded from the root's forward through its backward)."""
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)
 
     # -- incremental decoding (task=lm) ----------------------------------------------------------
 

@@ -7,7 +7,7 @@ from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERV
 from scaletool.config import Recipe, RecipeError
 from scaletool.measure.hardware import profile_named
 from scaletool.measure.prediction import calibration_for_device
-from scaletool.plan.commands import command_line, command_problems, launch_argv
+from scaletool.plan.commands import command_line, launch_argv
 from scaletool.plan.search import Request, search
 
 #: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
@@ -83,12 +83,12 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
         if req.gpus % R:
             raise RecipeError(f"parallel.data_parallel_replicate: {R} replicas do not divide the {req.gpus} GPUs planned for")
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"data_parallel_replicate": 1})})
-    found = search(recipe, req, predict, progress)
+    found = search(recipe, req, predict, progress)  # only layouts launch accepts (search.family_problems)
     top = found["layouts"][:req.top]
     for row in top:
         row["argv"] = launch_argv(recipe_arg, overrides, given, row, req.gpus, req.gpus_per_node)
         row["command"] = command_line(row["argv"])
-        row["command_problems"] = command_problems(given, row, req.gpus)
+        row["command_problems"] = []
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
@@ -96,6 +96,7 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
             "pipeline_comparison": found["pipeline_comparison"],
             "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
+            "left_out": found["left_out"],
             "elapsed_s": found["elapsed_s"]}
 
 

@@ -5,7 +5,7 @@ import shlex
 from pathlib import Path
 
 from scaletool.config import Recipe, RecipeError
-from scaletool.kinds.engines import engine_kind
+from scaletool.kinds.engines import engine_kind, launch_problems
 from scaletool.plan.space import variant
 
 #: where the nodes of a multi-node layout meet, and the run directory they share: placeholders to edit
@@ -76,12 +76,21 @@ def launch_argv(recipe_arg: str, overrides: tuple[str, ...], base: Recipe, row: 
 
 
 def command_problems(base: Recipe, row: dict, gpus: int) -> list[str]:
-    """What ``scaletool launch`` would refuse in the layout's recipe (the engine rules at this world size)."""
+    """What ``scaletool launch`` would refuse in the layout's recipe: the recipe rules with the layout's keys
+    set, the engine's rules at this world size and the launch's own (``engines.check_recipe`` without torch)."""
     try:
         r = variant(base, layout_sets(base, row))
     except RecipeError as e:
-        return e.problems
-    return r.engine_problems(gpus)
+        return [line.removeprefix("recipe: ") for line in e.problems]
+    return r.engine_problems(gpus) + launch_problems(r, gpus)
+
+
+def describe(row: dict) -> str:
+    """``fsdp tp2 mb4×1 full compiled``: one layout in a few words."""
+    engine = row["label"] + (f" tp{row['tensor_parallel']}" if row["tensor_parallel"] > 1 else "") + \
+        (" ep" if row.get("expert_parallel") else "")
+    return (f"{engine} mb{row['micro_batch_size']}×{row['grad_accum_steps']} {row['activation_checkpointing']}"
+            + (" compiled" if row["compiled"] else ""))
 
 
 def command_line(argv: list[str]) -> str:

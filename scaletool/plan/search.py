@@ -17,6 +17,7 @@ families share one memory estimate (per-block compilation keeps the eager estima
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -24,6 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
 from scaletool.kinds.engines import engine_kind, engines_for, engines_with
+from scaletool.kinds.float8 import INSTALL_HINT
+from scaletool.plan.commands import command_problems, describe
 from scaletool.plan.space import (
     CHECKPOINTING,
     MAX_MICRO_BATCH,
@@ -180,6 +183,59 @@ def _pipeline_problem(recipe: Recipe, fam: Family) -> str | None:
     return None
 
 
+def family_problems(recipe: Recipe, fam: Family, gpus: int) -> list[str]:
+    """Why a family cannot run, as ``scaletool launch`` would refuse its layouts (the recipe rules with the
+    layout's keys set, the engine's rules at ``gpus`` ranks) or because the engine's library is not
+    installed here; [] when it can. Checked at the recipe's own micro-batch: what depends on the micro-batch (a
+    DeepSpeed passthrough that fixes it) is checked on each micro-batch the family offers (:func:`_expand`)."""
+    kind = engine_kind(fam.engine)
+    if kind.package and importlib.util.find_spec(kind.package) is None:
+        return [f"parallel.engine: {fam.engine} needs the {kind.package} package, which is not installed here "
+                f"(pip install {kind.package})"]
+    if recipe.train.float8 != "none" and importlib.util.find_spec("torchao") is None:
+        return [f"train.float8: {recipe.train.float8} needs torchao, which is not installed here ({INSTALL_HINT})"]
+    row = {"label": fam.label, "engine": fam.engine, "zero_stage": fam.zero_stage,
+           "tensor_parallel": fam.tensor_parallel, "expert_parallel": fam.expert_parallel, "attention": fam.variant,
+           "micro_batch_size": fam.pipeline_microbatches or recipe.train.micro_batch_size,
+           "grad_accum_steps": recipe.train.grad_accum_steps,
+           "activation_checkpointing": fam.activation_checkpointing, "compiled": fam.compiled,
+           "expert_parallel_degree": fam.expert_parallel_degree, "pipeline_parallel": fam.pipeline_parallel,
+           "pipeline_schedule": fam.pipeline_schedule, "pipeline_virtual_stages": fam.pipeline_virtual_stages,
+           "pipeline_microbatches": fam.pipeline_microbatches, "data_parallel_replicate": fam.data_parallel_replicate}
+    return command_problems(recipe, row, gpus)
+
+
+def runnable(recipe: Recipe, fams: list[Family], gpus: int, left_out: list[dict]) -> list[Family]:
+    """The families ``launch`` would accept; each other one goes to ``left_out`` with its first reason."""
+    out = []
+    for fam in fams:
+        problems = family_problems(recipe, fam, gpus)
+        if problems:
+            left_out.append({"layout": describe_family(fam), "label": fam.label, "reason": problems[0]})
+        else:
+            out.append(fam)
+    return out
+
+
+def describe_family(fam: Family) -> str:
+    """``zero3 tp2 full compiled``: a family in a few words (the micro-batch not chosen yet)."""
+    return (fam.label + (f" tp{fam.tensor_parallel}" if fam.tensor_parallel > 1 else "")
+            + (f" pp{fam.pipeline_parallel}" if fam.pipeline_parallel > 1 else "")
+            + (" ep" if fam.expert_parallel else "") + f" {fam.activation_checkpointing}"
+            + (" compiled" if fam.compiled else " eager"))
+
+
+def left_out_notes(left_out: list[dict]) -> list[str]:
+    """One note per reason, naming the engines it keeps out (not one per family)."""
+    by_reason: dict[str, list[str]] = {}
+    for row in left_out:
+        labels = by_reason.setdefault(row["reason"], [])
+        if row["label"] not in labels:
+            labels.append(row["label"])
+    return [f"not offered ({', '.join(labels)}): launch would refuse {'them' if len(labels) > 1 else 'it'}: {reason}"
+            for reason, labels in by_reason.items()]
+
+
 def sequences_per_rank(req: Request, seq_len: int, tp: int, pp: int = 1) -> int | None:
     """Sequences each data-parallel rank processes per optimizer step to reach the global batch
     (None: no global batch asked; 0: the global batch is not a whole number of them)."""
@@ -189,20 +245,31 @@ def sequences_per_rank(req: Request, seq_len: int, tp: int, pp: int = 1) -> int 
     return req.global_batch_tokens // per if req.global_batch_tokens % per == 0 else 0
 
 
-def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, every: Callable[[int], str | None]
-            ) -> list[Layout]:
-    out = []
-    m = fam.pipeline_microbatches or 1  # a pipeline family searches the sequences per pipeline micro-batch
+def _expand(recipe: Recipe, fam: Family, largest: int, per_rank: int | None, every: Callable[[int], str | None],
+            gpus: int, left_out: list[dict]) -> list[Layout]:
+    """The largest micro-batches that fit and that launch accepts, :data:`PREDICTED_PER_FAMILY` of them
+    (:data:`PREDICTED_PER_PIPELINE_FAMILY` for a pipeline family, which searches the sequences per pipeline
+    micro-batch); largest first checked, the first refused one goes to ``left_out`` with its reason."""
+    out, refused = [], None
+    m = fam.pipeline_microbatches or 1
     keep = PREDICTED_PER_PIPELINE_FAMILY if fam.pipeline_parallel > 1 else PREDICTED_PER_FAMILY
     fitting = [(b * m, every(b * m)) for b in micro_batches(largest, per_rank // m if per_rank else None)]
-    for mb, reduce in [(b, e) for b, e in fitting if e is not None][-keep:]:
+    for mb, reduce in reversed([(b, e) for b, e in fitting if e is not None]):
+        if len(out) == keep:
+            break
         gas = per_rank // mb if per_rank else 1
-        out.append(Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas,
-                          fam.activation_checkpointing, fam.compiled, fam.variant, fam.expert_parallel,
-                          planned_weight_cast(recipe, fam.engine, gas), reduce, fam.expert_parallel_degree,
-                          fam.pipeline_parallel, fam.pipeline_schedule, fam.pipeline_virtual_stages,
-                          fam.pipeline_microbatches, fam.data_parallel_replicate))
-    return out
+        lay = Layout(fam.label, fam.engine, fam.zero_stage, fam.tensor_parallel, mb, gas, fam.activation_checkpointing,
+                     fam.compiled, fam.variant, fam.expert_parallel, planned_weight_cast(recipe, fam.engine, gas), reduce,
+                     fam.expert_parallel_degree, fam.pipeline_parallel, fam.pipeline_schedule, fam.pipeline_virtual_stages,
+                     fam.pipeline_microbatches, fam.data_parallel_replicate)
+        problems = command_problems(recipe, asdict(lay), gpus)
+        if problems:
+            if refused is None:
+                refused = {"layout": describe(asdict(lay)), "label": fam.label, "reason": problems[0]}
+                left_out.append(refused)
+            continue
+        out.append(lay)
+    return out[::-1]
 
 
 def layout_recipe(recipe: Recipe, lay: Layout, gpus: int) -> Recipe:
@@ -226,7 +293,10 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
     started = time.perf_counter()
     recipes, skipped = variants(recipe, req.attention_variants)
     notes = [f"attention {k} left out: {line}" for k, line in skipped.items()]
-    fams = [(r, f) for k, r in recipes.items() for f in families(r, req, k, notes)]
+    left_out: list[dict] = []
+    fams = [(r, f) for k, r in recipes.items() for f in runnable(r, families(r, req, k, notes), req.gpus, left_out)]
+    if not fams:
+        raise RecipeError(f"no layout of {req.gpus} GPUs can run: " + "; ".join(sorted({row['reason'] for row in left_out})))
     memory = {k: MemoryModel(r, req.gpus) for k, r in recipes.items()}
     candidates, shortfall, batch_misses = [], None, 0
     for i, (r, fam) in enumerate(fams):
@@ -250,7 +320,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             largest = largest_fitting(ok, min(per_rank or req.max_micro_batch, req.max_micro_batch) // m)
             if largest == 0:
                 continue  # a pipeline that does not fit is not the smallest layout the error names
-            candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every)]
+            candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every, req.gpus, left_out)]
             continue
 
         def ok(mb, every=every):
@@ -267,8 +337,11 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
             if shortfall is None or over < shortfall[0]:
                 shortfall = (over, fam, total)
             continue
-        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every)]
+        candidates += [(r, lay) for lay in _expand(r, fam, largest, per_rank, every, req.gpus, left_out)]
+    notes += left_out_notes(left_out)
     if not candidates:
+        if left_out and shortfall is None and not batch_misses:
+            raise RecipeError("no layout that fits can run: " + "; ".join(sorted({r["reason"] for r in left_out})))
         raise RecipeError(_nothing_fits(recipe, req, shortfall, batch_misses, len(fams)))
     ranked = []
     for r, lay in candidates:
@@ -278,7 +351,7 @@ def search(recipe: Recipe, req: Request, predict: Callable, progress: Callable |
     rows = [_row(i + 1, r, lay, pred, memory[lay.attention], req) for i, (_, r, lay, pred) in enumerate(ranked)]
     return {"layouts": rows, "considered": {"families": len(fams), "memory_estimates": sum(
         m.estimate.cache_info().currsize for m in memory.values()), "predicted": len(candidates)},
-        "notes": notes, "assumptions": list(ranked[0][3].get("assumptions", [])),
+        "notes": notes, "left_out": left_out, "assumptions": list(ranked[0][3].get("assumptions", [])),
         "pipeline_comparison": pipeline_comparison(rows), "elapsed_s": time.perf_counter() - started}
 
 

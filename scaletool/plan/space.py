@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cache
 
-from scaletool.analytic.memory import compiles_whole_model, engine_settings, tensor_parallel_memory, training_memory
+from scaletool.analytic.float8 import float8_memory
+from scaletool.analytic.memory import engine_settings, memory_inputs, tensor_parallel_memory, training_memory
 from scaletool.analytic.step import fits
-from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_dict
 from scaletool.kinds.engines import casts_once, engine_kind, tensor_parallel_engine
 
@@ -123,13 +123,14 @@ def tensor_parallel_degrees(recipe: Recipe, gpus: int, gpus_per_node: int) -> tu
 
 
 class MemoryModel:
-    """Peak bytes per GPU of a layout, memoized. A compiled whole model (``single``, or
-    ``train.compile_scope: model``) saves fewer activations (the compiled activation model); per-block
-    compilation, what the sharded engines use, keeps the eager estimate, an upper bound."""
+    """Peak bytes per GPU of a layout, memoized: :func:`scaletool.analytic.memory.recipe_memory`'s figure for
+    the layout's recipe (compiled as its engine compiles, FP8's components included), so that ``plan`` and
+    ``estimate`` give one figure per layout."""
 
     def __init__(self, recipe: Recipe, gpus: int):
         self.recipe, self.gpus = recipe, gpus
         self.base = engine_settings(recipe)
+        self.stage_settings = cache(lambda stage: engine_settings(recipe, stage))
         self.estimate = cache(self._estimate)
 
     def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> dict:
@@ -149,18 +150,23 @@ class MemoryModel:
             return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)
-        # a ZeRO stage with its own settings (ZeRO-3's block-sized buckets), as estimate's recipe_memory counts them
-        base = engine_settings(r, fam.zero_stage) if engine_kind(fam.engine).zero_stages else self.base
+        # each ZeRO stage with the settings a recipe at that stage gets (ZeRO-3's own defaults), as estimate does
+        base = self.base if not fam.zero_stage else self.stage_settings(fam.zero_stage)
         settings = replace(base, zero_stage=fam.zero_stage or base.zero_stage,
                            expert_parallel=fam.expert_parallel, expert_parallel_degree=fam.expert_parallel_degree,
                            grad_accum_steps=grad_accum_steps,
                            weight_cast_step=cast == "step", reduce_scatter_every_micro_batch=every == "micro-batch")
-        # what a compiled whole model saves; per-block compilation (the sharded engines) keeps the eager estimate
-        whole = compiles_whole_model(fam.compiled, t.compile_scope, fam.engine)
-        inputs = MemoryInputs(micro_batch, r.seq_len, ac, t.selective_every, whole)
+        # what the engine compiles (the whole model with its loss, or each block): the rule estimate uses
+        inputs = memory_inputs(r, fam.engine, micro_batch_size=micro_batch, activation_checkpointing=ac,
+                               compiled=fam.compiled, zero_stage=fam.zero_stage)
         # HSDP: FSDP2's states over the shard group (analytic.memory.recipe_memory)
-        ranks = engine_kind(fam.engine).ranks(self.gpus) // fam.data_parallel_replicate
-        return training_memory(r.model, fam.engine, ranks, inputs, settings)
+        world = engine_kind(fam.engine).ranks(self.gpus) // fam.data_parallel_replicate
+        row = training_memory(r.model, fam.engine, world, inputs, settings)
+        if t.float8 == "none":
+            return row
+        lay = r.model_copy(update={"train": t.model_copy(update={"micro_batch_size": micro_batch}),
+                                   "parallel": r.parallel.model_copy(update={"engine": fam.engine})})
+        return float8_memory(lay, row)  # its components at the layout's micro-batch and engine
 
     def total(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> int:
         return self.estimate(fam, micro_batch, grad_accum_steps, every)["total_bytes"]

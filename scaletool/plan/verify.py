@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ from scaletool.errors import RecipeError
 from scaletool.kinds.engines import engine_kind, table_engines
 from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.build import make_plan, make_request
-from scaletool.plan.commands import command_line, layout_sets
+from scaletool.plan.commands import command_line, describe, layout_sets
 from scaletool.stats import rel_error
 
 #: steps of a verification run, and how many of them are warm-up (not measured)
@@ -98,10 +100,30 @@ def _run(argv: list[str]) -> tuple[dict | None, str | None]:
     except json.JSONDecodeError:
         doc = None
     if proc.returncode != 0 or doc is None:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-        why = lines[0].removeprefix("error: ") if lines else f"exit status {proc.returncode}"
-        return doc, why
+        return doc, failure_line(proc.stderr, proc.returncode)
     return doc, None
+
+
+#: the last line of a Python traceback: ``module.Name: message`` (or the bare name)
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Za-z_][\w.]*Warning)(: .*)?$")
+
+
+def failure_line(stderr: str, returncode: int) -> str:
+    """Why a verification run failed, in one line: train's first ``error:`` line; else the exception a
+    traceback ended with (a crash before train could report it); else the exit status (a signal as its name)."""
+    lines = stderr.splitlines()
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if errors:
+        return errors[0].removeprefix("error: ").strip()
+    raised = [ln.strip() for ln in lines if _EXCEPTION.match(ln.strip())]
+    if raised:
+        return raised[-1][:300]
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exit status {returncode}"
 
 
 def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command: str) -> dict:
@@ -114,14 +136,6 @@ def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command:
             "predicted_memory_bytes": row["memory_bytes"], "measured_peak_memory_bytes": peak,
             "rel_error_memory": rel_error(row["memory_bytes"], peak) if peak else None,
             "status": (doc or {}).get("status") or "failed", "message": why, "command": command}
-
-
-def describe(row: dict) -> str:
-    """``fsdp tp2 mb4×1 full compiled``: one layout in a few words."""
-    engine = row["label"] + (f" tp{row['tensor_parallel']}" if row["tensor_parallel"] > 1 else "") + \
-        (" ep" if row.get("expert_parallel") else "")
-    return (f"{engine} mb{row['micro_batch_size']}×{row['grad_accum_steps']} {row['activation_checkpointing']}"
-            + (" compiled" if row["compiled"] else ""))
 
 
 def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None,

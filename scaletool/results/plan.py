@@ -57,7 +57,8 @@ class PlannedLayout(_Part):
     cost_per_million_tokens: float | None = Field(None, description="at --price-per-gpu-hour, for all GPUs")
     command: str | None = Field(None, description="the scaletool launch command, shlex-quoted")
     argv: list[str] | None = None
-    command_problems: list[str] = Field([], description="what launch would refuse in this layout")
+    command_problems: list[str] = Field([], description="what launch would refuse in this layout: empty, since such "
+                                        "a layout is not offered (the plan's left_out says why)")
 
 
 class Verified(_Part):
@@ -97,6 +98,9 @@ class PlanResult(Result):
                                              "without (ranks, tokens/s per GPU, MFU, speedup); null unless both fit")
     assumptions: list[str]
     notes: list[str] = []
+    left_out: list[dict] = Field([], description="layouts not offered because launch would refuse them or the installed "
+                                 "versions cannot run them: layout (engine, tensor parallelism, checkpointing, mode, or a "
+                                 "listed micro-batch), label, and the reason (one line)")
     elapsed_s: float = Field(description="seconds the search took")
     verify: list[Verified] | None = None
     verify_notes: list[str] = []

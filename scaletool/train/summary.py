@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from scaletool.analytic.memory import compiled_memory, recipe_memory
+from scaletool.analytic.memory import recipe_memory
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
 from scaletool.kinds.engines import engine_kind
@@ -135,8 +135,8 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
         return max(vals) if vals else None
 
     peak_alloc, run_peak = most("peak_allocated_bytes"), most("run_peak_allocated_bytes")
-    # a whole-model compile saves fewer activations: its estimate (per-block compiles keep the eager one)
-    est = recipe_memory(r.recipe, r.env.world_size, compiled=compiled_memory(r.recipe))
+    # the one estimate of this layout (compiled as the engine compiles it), the figure estimate and plan give
+    est = recipe_memory(r.recipe, r.env.world_size)
 
     def rel(x):
         return rel_error(x or None, est["total_bytes"])

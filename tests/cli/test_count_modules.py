@@ -69,8 +69,14 @@ def test_module_table_fits_80_columns_and_its_rows_add_up():
     assert max(len(line) for line in lines) <= 80 and "…" not in res.output
     start = next(i for i, line in enumerate(lines) if line.startswith("Per module"))
     rows = [line for line in lines[start + 3:] if line.startswith("  ") and "(" in line]
-    assert any("0 (Block)" in r for r in rows) and any("(itself)" in r for r in rows)
+    assert any("0 (Block)" in r for r in rows) and any(line.split()[:1] == ["output"] for line in lines[start + 3:])
     assert "rope" not in res.output  # no parameters, no FLOPs: left out of the table
+    # a tied head multiplies by the embedding's weight in the model's own forward: a row of its own
+    tied = CliRunner(env={"COLUMNS": "80"}).invoke(main, ["count", str(RECIPES / "tiny.yaml"), "--no-fvcore", "--by",
+                                                          "module", "--depth", "2", "--set", "model.tie_embeddings=true"])
+    assert tied.exit_code == 0, tied.output
+    tied_rows = [line.split()[0] for line in tied.output.splitlines() if line.startswith("  ")]
+    assert "(itself)" in tied_rows and "output" not in tied_rows
 
 
 def test_by_and_depth_are_checked():
