@@ -163,7 +163,9 @@ def _parent(pid: int) -> int | None:
 def foreign_processes(pids: list[int], me: int | None = None, parents: dict[int, int | None] | None = None) -> int:
     """How many of the processes NVML lists on our GPU belong to someone else: not this process and
     not a sibling rank of the same job (a process with our parent, the launcher that started every
-    local rank; NCCL's peer-to-peer transport opens each peer rank's context on our GPU). A PID this
+    local rank; NCCL's peer-to-peer transport opens each peer rank's context on our GPU), and not one of our
+    ancestors (torchrun's elastic agent, ``pt_elastic``, holds a context on every GPU of its ranks: seen on
+    4 H200s under torch 2.11). A PID this
     namespace cannot see counts as foreign; NVML listing PIDs of another namespace only (ours absent)
     counts all but one as foreign. ``parents``: a cache of the parents already read (a PID's parent is
     fixed while the PID lives)."""
@@ -177,7 +179,19 @@ def foreign_processes(pids: list[int], me: int | None = None, parents: dict[int,
             cache[pid] = _parent(pid)
         return cache[pid]
     parent = parent_of(me)
-    return sum(1 for pid in pids if pid != me and (parent is None or parent <= 1 or parent_of(pid) != parent))
+    own = _ancestors(me, parent_of)  # the launcher that started this rank (torchrun's agent may hold a context too)
+    return sum(1 for pid in pids if pid != me and pid not in own
+               and (parent is None or parent <= 1 or parent_of(pid) != parent))
+
+
+def _ancestors(pid: int, parent_of, limit: int = 64) -> set[int]:
+    """This process's ancestors below PID 1 (its launcher, the launcher's launcher, ...)."""
+    out: set[int] = set()
+    p = parent_of(pid)
+    while p is not None and p > 1 and p not in out and len(out) < limit:
+        out.add(p)
+        p = parent_of(p)
+    return out
 
 
 def contention_summary(rows: list[tuple]) -> dict:
