@@ -23,23 +23,29 @@ from pathlib import Path
 
 MODELS = {"mla-1b": [], "mha-1b": [], "llama3-8b": ["model.n_layers=8"]}
 COMMON = ["train.steps=12", "train.measure_warmup_steps=4", "train.compile=false"]
-LAYOUTS = {  # name -> overrides (4 GPUs each); {m}: pipeline micro-batches
-    "fsdp4": ["parallel.engine=fsdp", "train.micro_batch_size=2"],
-    "pp4-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={m}"],
-    "pp4-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={m}",
+LAYOUTS = {  # name -> overrides (4 GPUs each); {m}: pipeline micro-batches, {b}: m x sequences in each, {f}: FSDP2's
+    "fsdp4": ["parallel.engine=fsdp", "train.micro_batch_size={f}"],
+    "pp4-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={b}",
+                      "parallel.pipeline_microbatches={m}"],
+    "pp4-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={b}",
+                             "parallel.pipeline_microbatches={m}",
                              "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
-    "pp2x2-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={m}"],
-    "pp2x2-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={m}",
+    "pp2x2-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={b}",
+                        "parallel.pipeline_microbatches={m}"],
+    "pp2x2-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={b}",
+                               "parallel.pipeline_microbatches={m}",
                                "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
 }
 
 
-def runs(models: list[str]):
+def runs(models: list[str], seqs: int = 1):
+    """(name, model, overrides) of every run; ``seqs`` sequences per pipeline micro-batch (FSDP2 alone: the same
+    8 x ``seqs`` sequences per step over its 4 ranks)."""
     for model in models:
         for layout, sets in LAYOUTS.items():
             for m in ((4, 8) if "{m}" in layout else (None,)):
                 name = f"{model}-{layout.format(m=m)}"
-                yield name, model, [s.format(m=m) for s in MODELS[model] + COMMON + sets]
+                yield name, model, [s.format(m=m, b=(m or 1) * seqs, f=2 * seqs) for s in MODELS[model] + COMMON + sets]
 
 
 def predicted(model: str, sets: list[str]) -> dict:
@@ -90,6 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--seqs-per-microbatch", type=int, default=1, choices=range(1, 65), metavar="S",
+                    help="sequences in each pipeline micro-batch (default 1; larger keeps each stage's work off the host's "
+                         "dispatch bound)")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args()
     models = [m for m in a.models.split(",") if m]
@@ -98,7 +107,7 @@ def main() -> None:
         sys.exit(f"error: unknown model {unknown[0]!r}; one of {', '.join(MODELS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     records = {}
-    for name, model, sets in runs(models):
+    for name, model, sets in runs(models, a.seqs_per_microbatch):
         cmd = [sys.executable, "-m", "scaletool", "train", f"recipes/{model}.yaml", "--out", str(a.out / name), "--json",
                "--nproc-per-node", "4", *[x for s in sets for x in ("--set", s)]]
         if a.dry_run:
@@ -107,7 +116,9 @@ def main() -> None:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         rec = {"name": name, "model": model, "sets": sets, "returncode": p.returncode, "predicted": predicted(model, sets)}
         if p.returncode == 0:
-            rec["measured"] = measured(json.loads(p.stdout))
+            summary = json.loads(p.stdout)
+            rec["measured"] = measured(summary)
+            rec["train_prediction"] = {k: (summary.get("prediction") or {}).get(k) for k in ("step_s", "tokens_per_s_per_gpu")}
         else:
             rec["error"] = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")][:3]
         records[name] = rec
