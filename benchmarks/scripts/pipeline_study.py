@@ -1,11 +1,13 @@
-"""Pipeline stages against FSDP2 alone on 4 GPUs: measured beside predicted, and the measured bubble.
+"""Pipeline stages against FSDP2 alone on 4 (or 2) GPUs: measured beside predicted, and the measured bubble.
 
-    python benchmarks/scripts/pipeline_study.py OUT [--models mla-1b,mha-1b,llama3-8b] [--dry-run]
+    python benchmarks/scripts/pipeline_study.py OUT [--models mla-1b,mha-1b,llama3-8b] [--gpus 4|2]
+        [--seqs-per-microbatch S] [--dry-run]
 
 For each model (llama3-8b cut to 8 blocks so that FSDP2 × 4 fits an 80 GB card at its own sequence length), the layouts
 FSDP2 × 4, PP = 4 and PP = 2 × FSDP2 = 2, under 1F1B and interleaved 1F1B (2 chunks per rank), at 4 and 8
-pipeline micro-batches of one sequence each (FSDP2 alone: the same 8 sequences per step), 12 steps with 4
-of warm-up. Each run is a ``scaletool train --nproc-per-node 4`` launch into OUT/<name>; OUT/results.jsonl gets
+pipeline micro-batches of S sequences each (FSDP2 alone: the same 8·S sequences per step), 12 steps with 4
+of warm-up; on 2 GPUs FSDP2 × 2 against PP = 2. Each run is a ``scaletool train --nproc-per-node N`` launch
+into OUT/<name>; OUT/results.jsonl gets
 one JSON record per run: tokens/s per GPU (median, p10, p90, n of the measured steps), peak memory, the
 prediction (analytic.pipeline: step, tokens/s per GPU, peak memory per stage, bubble), and per pipeline layout
 the measured bubble fraction from the two micro-batch counts: with t(m) = m·s + b (s one micro-batch's work on
@@ -23,32 +25,31 @@ from pathlib import Path
 
 MODELS = {"mla-1b": [], "mha-1b": [], "llama3-8b": ["model.n_layers=8"]}
 COMMON = ["train.steps=12", "train.measure_warmup_steps=4", "train.compile=false"]
-LAYOUTS = {  # name -> overrides (4 GPUs each); {m}: pipeline micro-batches, {b}: m x sequences in each, {f}: FSDP2's
-    "fsdp4": ["parallel.engine=fsdp", "train.micro_batch_size={f}"],
-    "pp4-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={b}",
-                      "parallel.pipeline_microbatches={m}"],
-    "pp4-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=4", "train.micro_batch_size={b}",
-                             "parallel.pipeline_microbatches={m}",
-                             "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
-    "pp2x2-1f1b-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={b}",
-                        "parallel.pipeline_microbatches={m}"],
-    "pp2x2-interleaved-m{m}": ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.micro_batch_size={b}",
-                               "parallel.pipeline_microbatches={m}",
-                               "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"],
-}
+def layouts(gpus: int) -> dict[str, list[str]]:
+    """name -> overrides on ``gpus`` GPUs; {m}: pipeline micro-batches, {b}: m x sequences in each, {f}: FSDP2's
+    micro-batch (the sequences per step of 8 pipeline micro-batches)."""
+    staged = {f"pp{gpus}": gpus, **({"pp2x2": 2} if gpus == 4 else {})}
+    out = {f"fsdp{gpus}": ["parallel.engine=fsdp", "train.micro_batch_size={f}"]}
+    for name, P in staged.items():
+        base = ["parallel.engine=fsdp", f"parallel.pipeline_parallel={P}", "train.micro_batch_size={b}",
+                "parallel.pipeline_microbatches={m}"]
+        out[f"{name}-1f1b-m{{m}}"] = base
+        out[f"{name}-interleaved-m{{m}}"] = [*base, "parallel.pipeline_schedule=interleaved-1f1b",
+                                             "parallel.pipeline_virtual_stages=2"]
+    return out
 
 
-def runs(models: list[str], seqs: int = 1):
+def runs(models: list[str], seqs: int = 1, gpus: int = 4):
     """(name, model, overrides) of every run; ``seqs`` sequences per pipeline micro-batch (FSDP2 alone: the same
-    8 x ``seqs`` sequences per step over its 4 ranks)."""
+    8 x ``seqs`` sequences per step over its ranks)."""
     for model in models:
-        for layout, sets in LAYOUTS.items():
+        for layout, sets in layouts(gpus).items():
             for m in ((4, 8) if "{m}" in layout else (None,)):
                 name = f"{model}-{layout.format(m=m)}"
-                yield name, model, [s.format(m=m, b=(m or 1) * seqs, f=2 * seqs) for s in MODELS[model] + COMMON + sets]
+                yield name, model, [s.format(m=m, b=(m or 1) * seqs, f=8 // gpus * seqs) for s in MODELS[model] + COMMON + sets]
 
 
-def predicted(model: str, sets: list[str]) -> dict:
+def predicted(model: str, sets: list[str], gpus: int = 4) -> dict:
     from scaletool.analytic.pipeline import pipeline_step, stage_memory
     from scaletool.config import load_recipe
     from scaletool.measure.prediction import calibration_for_device, predict
@@ -57,12 +58,12 @@ def predicted(model: str, sets: list[str]) -> dict:
     prof = card_profile()
     calib = calibration_for_device(prof.device, prof)
     if r.parallel.pipeline_parallel == 1:
-        p = predict(r, calib, 4)
+        p = predict(r, calib, gpus)
         return {"step_s": p["step_s"], "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]}
-    p = pipeline_step(r, calib, world_size=4)
+    p = pipeline_step(r, calib, world_size=gpus)
     return {"step_s": p["step_s"], "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"], "bubble_fraction": p["bubble_fraction"],
             "bounding_rank": p["bounding_rank"], "split": p["split"],
-            "peak_bytes_per_rank": [row["total_bytes"] for row in stage_memory(r, 4)]}
+            "peak_bytes_per_rank": [row["total_bytes"] for row in stage_memory(r, gpus)]}
 
 
 def card_profile():
@@ -81,11 +82,11 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "n": len(values)}
 
 
-def measured(summary: dict) -> dict:
+def measured(summary: dict, gpus: int = 4) -> dict:
     h = summary["history"]
     start = summary["measure_warmup_steps"]
     times = h["step_time_s"][start:]
-    tps = [summary["tokens_per_step"] / t / 4 for t in times]
+    tps = [summary["tokens_per_step"] / t / gpus for t in times]
     return {"step_s": spread(times), "tokens_per_s_per_gpu": spread(tps),
             "card": (summary.get("hardware") or {}).get("profile"),
             "contended": summary.get("contention", {}).get("contended"),
@@ -96,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--gpus", type=int, default=4, choices=(2, 4),
+                    help="GPUs of one host (default 4; 2: PP = 2 against FSDP2 x 2)")
     ap.add_argument("--seqs-per-microbatch", type=int, default=1, choices=range(1, 65), metavar="S",
                     help="sequences in each pipeline micro-batch (default 1; larger keeps each stage's work off the host's "
                          "dispatch bound)")
@@ -107,17 +110,18 @@ def main() -> None:
         sys.exit(f"error: unknown model {unknown[0]!r}; one of {', '.join(MODELS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     records = {}
-    for name, model, sets in runs(models, a.seqs_per_microbatch):
+    for name, model, sets in runs(models, a.seqs_per_microbatch, a.gpus):
         cmd = [sys.executable, "-m", "scaletool", "train", f"recipes/{model}.yaml", "--out", str(a.out / name), "--json",
-               "--nproc-per-node", "4", *[x for s in sets for x in ("--set", s)]]
+               "--nproc-per-node", str(a.gpus), *[x for s in sets for x in ("--set", s)]]
         if a.dry_run:
             print(" ".join(cmd))
             continue
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        rec = {"name": name, "model": model, "sets": sets, "returncode": p.returncode, "predicted": predicted(model, sets)}
+        rec = {"name": name, "model": model, "sets": sets, "returncode": p.returncode,
+               "predicted": predicted(model, sets, a.gpus)}
         if p.returncode == 0:
             summary = json.loads(p.stdout)
-            rec["measured"] = measured(summary)
+            rec["measured"] = measured(summary, a.gpus)
             rec["train_prediction"] = {k: (summary.get("prediction") or {}).get(k) for k in ("step_s", "tokens_per_s_per_gpu")}
         else:
             rec["error"] = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")][:3]
