@@ -11,29 +11,75 @@ import click
 from scaletool.cli.options import console, deliver, json_option, set_option
 
 
-def _print_validation(res: dict) -> None:
+def _short_engine(engine: str) -> str:
+    return engine.replace("deepspeed ZeRO-", "zero").replace(" TP", " tp")
+
+
+def _validation_table(res: dict, prefix: str):
+    """The runs as a compact table that reads at 80 columns: run names below ``prefix`` (said once above the
+    table) and folded, never cut; the card by its calibration's name; rates as 92.1k."""
+    from rich import box
     from rich.markup import escape
     from rich.table import Table
 
-    con = console()
-    t = Table()
-    for col in ("run", "card", "engine", "GPUs", "compiled", "measured tok/s/GPU", "predicted", "error", "bound"):
-        t.add_column(col, justify="right" if col in ("GPUs", "measured tok/s/GPU", "predicted", "error") else "left")
+    from scaletool.fmt import si
+
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    t.add_column("run", overflow="fold", ratio=1, min_width=12)
+    for col in ("card", "engine", "GPUs", "mode", "measured", "predicted", "error", "bound"):
+        t.add_column(col, no_wrap=True, justify="right" if col in ("GPUs", "measured", "predicted", "error") else "left")
     for r in res["runs"]:
-        t.add_row(escape(r["run"]), escape(r["card"]), r["engine"], str(r["world_size"]), "yes" if r["compiled"] else "no",
-                  f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
-                  f"{r['rel_error']:+.1%}", r["bound"])
-    con.print(t)
+        t.add_row(escape(r["run"].removeprefix(prefix)), escape(r.get("calibration") or r["card"]),
+                  _short_engine(r["engine"]), str(r["world_size"]), "comp" if r["compiled"] else "eager",
+                  si(r["measured_tokens_per_s_per_gpu"]), si(r["predicted_tokens_per_s_per_gpu"]),
+                  f"{r['rel_error']:+.1%}", str(r["bound"]).split()[0].split("_")[0])
+    return t
+
+
+def summary_lines(res: dict) -> list[str]:
+    """The error distribution in README's words: the dense runs and the dropless MoE runs the model claims,
+    both together, by engine, and the runs outside the model with the reason."""
+    import statistics
+
     from scaletool.measure.validation import OUTSIDE
 
-    summary = res["summary"]
-    for key, s in [("runs the model claims", summary["modelled"]), *summary["by_engine"].items()]:
-        if s["n"]:
-            con.print(f"{key}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
-                      f"n={s['n']}", highlight=False)
-    for key, s in summary.get("outside", {}).items():
-        con.print(f"outside the model ({OUTSIDE[key]}): median |error| {s['median_abs_error']:.1%}, "
-                  f"worst {s['worst_abs_error']:.1%}, n={s['n']}", highlight=False)
+    def line(what: str, rows: list[dict]) -> str | None:
+        errs = [abs(r["rel_error"]) for r in rows]
+        if not errs:
+            return None
+        return f"{what}: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}, n={len(errs)}"
+    claimed = [r for r in res["runs"] if not r.get("outside")]
+    dense, moe = [r for r in claimed if not r.get("moe")], [r for r in claimed if r.get("moe")]
+    lines = [line("dense runs the model claims", dense), line("dropless MoE runs the model claims", moe),
+             line("all runs the model claims", claimed) if dense and moe else None]
+    lines += [f"  {key}: {text.split(': ', 1)[1]}" for key, s in res["summary"]["by_engine"].items()
+              if s["n"] for text in [line(key, [r for r in claimed if _group(r) == key])] if text]
+    lines += [line(f"outside the model ({OUTSIDE[key]})", [r for r in res["runs"] if r.get("outside") == key])
+              for key in res["summary"].get("outside", {})]
+    return [x for x in lines if x]
+
+
+def _group(r: dict) -> str:
+    """The by-engine key of scaletool.measure.validation.summarize."""
+    return r["engine"] + (" compiled" if r["compiled"] else "")
+
+
+def _print_validation(res: dict) -> None:
+    import os
+
+    from rich.markup import escape
+
+    con = console()
+    names = [r["run"] for r in res["runs"]]
+    prefix = os.path.commonpath(names) + "/" if len(names) > 1 and os.path.commonpath(names) else ""
+    if names:
+        if prefix:
+            con.print(f"runs under {escape(prefix)}", highlight=False)
+        con.print(_validation_table(res, prefix))
+        con.print("tokens/s per GPU, measured at the median step; error: (predicted − measured) / measured",
+                  highlight=False)
+    for text in summary_lines(res):
+        con.print(text, highlight=False)
     if not res["runs"] and not res["skipped"]:
         con.print("no GPU training run to re-predict: the committed results come with a checkout of the repository "
                   "(not with an installed package); pass result files as PATHS", highlight=False)

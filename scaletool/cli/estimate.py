@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.estimate_summary import print_summary
+from scaletool.cli.estimate_summary import one_gpu_engine_line, print_summary, single_at_many
 from scaletool.cli.options import console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, si
 from scaletool.kinds.engines import engine_kind
@@ -67,7 +67,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
     est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware)
     deliver(est, as_json)
     if not as_json and not detail:
-        print_summary(r, est, console())
+        print_summary(r, est, console(), own=own_attention(recipe, overrides, r))
     elif not as_json:
         print_estimate(r, est, console())
         if r.parallel.tensor_parallel > 1:
@@ -76,6 +76,24 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
     if not as_json:
         print_gpus_needed(r, est, hardware, console())
     return est
+
+
+def own_attention(recipe: str, overrides: tuple[str, ...], r) -> tuple[str, int] | None:
+    """(attention, KV bytes per token) of the model as written, where ``--set model.attention=...`` replaced
+    its attention; None otherwise, or where the model without that override does not validate."""
+    from scaletool.analytic import kv_cache
+    from scaletool.errors import RecipeError
+
+    kept = tuple(o for o in overrides if o.partition("=")[0].strip() != "model.attention")
+    if len(kept) == len(overrides):
+        return None
+    try:
+        base = api.resolve(recipe, kept)
+    except RecipeError:
+        return None
+    if base.model.attention == r.model.attention:
+        return None
+    return base.model.attention, kv_cache(base.model)["bytes_per_token"]
 
 
 def gpus_needed_lines(r, est, hardware: str) -> list[str]:
@@ -116,16 +134,21 @@ def print_prediction(r, est, console: Console) -> None:
         return
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
               title_justify="left", title=f"Predicted step on {pred.hardware} (world size {pred.world_size})")
-    for c in ("engine", "step", "tokens/s/GPU", "MFU", "bound"):
-        t.add_column(c, justify="left" if c in ("engine", "bound") else "right", no_wrap=True)
+    for c in ("engine", "ckpt", "step", "tokens/s/GPU", "MFU", "bound"):
+        t.add_column(c, justify="left" if c in ("engine", "ckpt", "bound") else "right", no_wrap=True)
     for row in pred.rows:
-        t.add_row(row["label"], f"{row['step_s']:.3g} s", f"{row['tokens_per_s_per_gpu']:,.0f}",
-                  "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%", row["bound"])
+        if row["step_s"] is None:
+            t.add_row(row["label"], "-", "-", "-", "-", row["bound"])
+            continue
+        t.add_row(row["label"], row["activation_checkpointing"], f"{row['step_s']:.3g} s",
+                  f"{row['tokens_per_s_per_gpu']:,.0f}", "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%",
+                  row["bound"])
     console.print(t)
     tr = r.train
-    console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, checkpointing "
-                  f"{tr.activation_checkpointing}, {'compiled' if tr.compile else 'eager'}; calibration "
-                  f"{pred.calibration}. `scaletool plan` searches the layouts.", highlight=False)
+    console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, "
+                  f"{'compiled' if tr.compile else 'eager'}; checkpointing: the recipe's ({tr.activation_checkpointing}) "
+                  f"where it fits the card, else the lightest that does; calibration {pred.calibration}. "
+                  "`scaletool plan` searches the layouts.", highlight=False)
 
 
 def print_tensor_parallel(est, console: Console) -> None:
@@ -238,10 +261,12 @@ def print_memory(r, est, console: Console) -> None:
     console.print(f"micro-batch {tr.micro_batch_size} × {est.seq_len}, AdamW, {r.model.dtype}. * the phase that sets "
                   "the peak. activ: what autograd keeps; buffers: the engine's; temps: loss gradient, the "
                   "optimizer's gradient copies. --json has every figure in bytes.")
-    console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
-                  f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] per GPU, "
-                  f"set by the "
-                  f"{rec.phase.replace('_', ' ')}{where}.")
+    if single_at_many(est):
+        console.print(one_gpu_engine_line(engine, mem.world_size))
+    else:
+        console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
+                      f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] "
+                      f"per GPU, set by the {rec.phase.replace('_', ' ')}{where}.")
     if rec.float8:
         f8, (name, size) = rec.float8, unit
         saved = [(f8["autocast_weight_copies_saved_bytes"], "autocast weight copies", "activ"),

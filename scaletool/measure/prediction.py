@@ -51,10 +51,35 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
                         compiled=recipe.train.compile)
 
 
+#: activation checkpointing from the lightest (fastest) to the heaviest (least memory)
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def fitting_checkpointing(recipe: Recipe, world_size: int, card_bytes: float | None) -> str | None:
+    """The recipe's activation checkpointing where its estimated peak fits ``card_bytes`` (the allocator's
+    reserve kept, as ``plan`` keeps it), else the lightest heavier setting that fits; None when none does.
+    No card size known: the recipe's own."""
+    from scaletool.analytic.memory import recipe_memory
+    from scaletool.analytic.step import fits
+    from scaletool.kinds.engines import engine_kind
+
+    own = recipe.train.activation_checkpointing
+    if not card_bytes:
+        return own
+    ranks = world_size if engine_kind(recipe.parallel.engine).distributed else 1
+    for ac in CHECKPOINTING[CHECKPOINTING.index(own):]:
+        candidate = recipe.model_copy(update={"train": recipe.train.model_copy(update={"activation_checkpointing": ac})})
+        if fits(recipe_memory(candidate, ranks)["total_bytes"], card_bytes)[0]:
+            return ac
+    return None
+
+
 def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
-    recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
-    recipe's FSDP2 × TP layout only): what ``estimate`` prints beside the memory table."""
+    recipe's micro-batch, accumulation and compile setting; with tensor parallelism the recipe's FSDP2 ×
+    TP layout only): what ``estimate`` prints beside the memory table. Each engine at the recipe's
+    checkpointing where that fits the card, else at the lightest that does (``activation_checkpointing``
+    says which; None, and no figures, where none fits): one answer per engine, of a run that can start."""
     from scaletool.analytic.memory import TABLE_ENGINES
     from scaletool.kinds.engines import engine_kind
     from scaletool.measure.hardware import profile_named
@@ -71,8 +96,16 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str) -> dict:
         par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage})
         # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
         t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
-        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size)
-        rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
-                                                              "hfu", "bound")}})
+        layout = recipe.model_copy(update={"parallel": par, "train": t})
+        ac = fitting_checkpointing(layout, world_size, prof.memory_bytes)
+        if ac is None:  # no checkpointing fits the card: a speed of a run that cannot start answers nothing
+            rows.append({"label": label, "activation_checkpointing": None, "step_s": None, "tokens_per_s": None,
+                         "tokens_per_s_per_gpu": None, "mfu": None, "hfu": None, "bound": "does not fit"})
+            continue
+        if ac != t.activation_checkpointing:
+            layout = layout.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": ac})})
+        pred = predict(layout, calib, world_size)
+        rows.append({"label": label, "activation_checkpointing": ac,
+                     **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "world_size": world_size, "rows": rows}

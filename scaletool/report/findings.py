@@ -136,6 +136,35 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
             text = head + _crossover(cmps) + f" ({detail})."
         text += contention_note(mha[0], *mla)
         out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
+    out += _grouped_heads_vs_mha(rs, groups, len(engines) > 1)
+    return out
+
+
+def _grouped_heads_vs_mha(rs: ResultsSet, groups: dict[tuple, list[Row]], engines: bool) -> list[str]:
+    """GQA and MQA points against the MHA point of their group, by the same noise rule as MLA's: the
+    attention kinds a sweep sets beside MLA are judged too, not only the one the sweep is named after."""
+    out = []
+    for (source, width, engine, n), rows in groups.items():
+        mha = [r for r in rows if r.attention == "mha"]
+        others = sorted((r for r in rows if r.attention in ("gqa", "mqa")), key=lambda r: r.compression_ratio)
+        if not mha or not others:
+            continue
+        ref = mha[0].across(_rate_of)
+        where = (f"{source}, " if rs.multi else "") + (f"intermediate_size {width}" if width else "equal parameters")
+        if engines:
+            where += f", {engine} on {n} GPU(s)"
+        raw = [(r, compare(r.across(_rate_of), ref)) for r in others]
+        kinds = " and ".join(dict.fromkeys(r.attention.upper() for r in others))
+        head = f"Training throughput, {kinds} against MHA ({_rate(ref)}; {where}): "
+        if all(c.reason for _, c in raw):
+            text = head + NO_SPREAD + "."
+        else:
+            text = head + "; ".join(
+                f"{r.attention.upper()} with {r.recipe.model.n_kv_heads} KV head{'s' if r.recipe.model.n_kv_heads > 1 else ''} "
+                f"({r.compression_ratio:.2f}× less KV cache): {gated(c, r, mha[0]).describe('faster', 'slower')}"
+                for r, c in raw) + "."
+        text += contention_note(mha[0], *others)
+        out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
     return out
 
 
