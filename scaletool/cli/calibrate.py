@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 import click
@@ -15,25 +16,47 @@ def _short_engine(engine: str) -> str:
     return engine.replace("deepspeed ZeRO-", "zero").replace(" TP", " tp")
 
 
-def _validation_table(res: dict, prefix: str):
-    """The runs as a compact table that reads at 80 columns: run names below ``prefix`` (said once above the
-    table) and folded, never cut; the card by its calibration's name; rates as 92.1k."""
-    from rich import box
-    from rich.markup import escape
-    from rich.table import Table
+#: the step's bound in a word (scaletool.analytic.step's bounds)
+BOUND_WORD = {"compute": "compute", "memory bandwidth": "memory", "exposed communication": "comm"}
 
+
+def _printable(text: str) -> str:
+    """A run's label as printed: no control characters (a file name may hold escape sequences)."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _where(label: str) -> tuple[str, str]:
+    """(results file or folder, run within it) of a run's label: ``sweep.results.jsonl: attention=mha`` or
+    ``float8-h100/llama8l-none.json``."""
+    if ": " in label:
+        head, _, name = label.partition(": ")
+        return head, name
+    head, _, name = label.rpartition("/")
+    return (head + "/" if head else ""), name  # result files: their names, without .json
+
+
+def validation_lines(res: dict, width: int) -> list[str]:
+    """The runs as lines that fit ``width`` columns (80 and up): grouped by results file or folder and card
+    (said once, above the group's runs), each run's name folded, never cut, its figures beside it."""
     from scaletool.fmt import si
 
-    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    t.add_column("run", overflow="fold", ratio=1, min_width=12)
-    for col in ("card", "engine", "GPUs", "mode", "measured", "predicted", "error", "bound"):
-        t.add_column(col, no_wrap=True, justify="right" if col in ("GPUs", "measured", "predicted", "error") else "left")
+    run_w = max(16, width - 52)
+    lines = [f"{'run':<{run_w}} {'engine':<10} {'GPUs':>4} {'mode':<5} {'meas.':>6} {'pred.':>6} {'error':>7} bound"]
+    groups: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     for r in res["runs"]:
-        t.add_row(escape(r["run"].removeprefix(prefix)), escape(r.get("calibration") or r["card"]),
-                  _short_engine(r["engine"]), str(r["world_size"]), "comp" if r["compiled"] else "eager",
-                  si(r["measured_tokens_per_s_per_gpu"]), si(r["predicted_tokens_per_s_per_gpu"]),
-                  f"{r['rel_error']:+.1%}", str(r["bound"]).split()[0].split("_")[0])
-    return t
+        head, name = _where(_printable(r["run"]))
+        groups.setdefault((head, _printable(r.get("calibration") or r["card"])), []).append((name, r))
+    for (head, card), rows in groups.items():
+        lines.append(textwrap.shorten(f"{head or 'results'} ({card})", width, placeholder="…"))
+        for name, r in rows:
+            parts = textwrap.wrap(name.removesuffix(".json"), run_w - 2, break_long_words=True, break_on_hyphens=False) or [""]
+            bound = str(r["bound"])
+            figures = (f"{_short_engine(r['engine'])[:10]:<10} {r['world_size']:>4} {'comp' if r['compiled'] else 'eager':<5} "
+                       f"{si(r['measured_tokens_per_s_per_gpu']):>6} {si(r['predicted_tokens_per_s_per_gpu']):>6} "
+                       f"{r['rel_error']:>+7.1%} {BOUND_WORD.get(bound, bound.split()[0])}")
+            lines.append(f"  {parts[0]:<{run_w - 2}} {figures}")
+            lines += [f"  {p}" for p in parts[1:]]
+    return lines
 
 
 def summary_lines(res: dict) -> list[str]:
@@ -65,19 +88,14 @@ def _group(r: dict) -> str:
 
 
 def _print_validation(res: dict) -> None:
-    import os
-
     from rich.markup import escape
 
     con = console()
-    names = [r["run"] for r in res["runs"]]
-    prefix = os.path.commonpath(names) + "/" if len(names) > 1 and os.path.commonpath(names) else ""
-    if names:
-        if prefix:
-            con.print(f"runs under {escape(prefix)}", highlight=False)
-        con.print(_validation_table(res, prefix))
-        con.print("tokens/s per GPU, measured at the median step; error: (predicted − measured) / measured",
-                  highlight=False)
+    if res["runs"]:
+        for line in validation_lines(res, con.width):
+            click.echo(line)
+        con.print("meas., pred.: tokens/s per GPU, measured at the median step and predicted; error: (predicted − "
+                  "measured) / measured; bound: what sets the predicted step", highlight=False)
     for text in summary_lines(res):
         con.print(text, highlight=False)
     if not res["runs"] and not res["skipped"]:
