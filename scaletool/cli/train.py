@@ -152,14 +152,14 @@ def stop_line(signum: int, result, out: Path | None, newest_intact) -> str:
     if run_dir is not None and not any(a == "--out" or a.startswith("--out=") for a in argv):
         argv += ["--out", str(run_dir)]
     found = newest_intact(run_dir)[0] if run_dir is not None and run_dir.is_dir() else None
+    # --auto-resume: continues from a checkpoint, or starts at step 0 in a directory holding a stopped run's summary
+    again = shlex.join(["scaletool", *argv, "--auto-resume"] if run_dir is not None else ["scaletool", *sys.argv[1:]])
     if result is None or not result.steps_completed:
         if found is not None:  # a resumed run stopped before its first step: its checkpoint still holds
             return f"stopped by {name} before the first step; resume: {shlex.join(['scaletool', *argv, '--resume'])}"
-        return f"stopped by {name} before the first step; nothing to resume: start again with " \
-               f"{shlex.join(['scaletool', *sys.argv[1:]])}"
+        return f"stopped by {name} before the first step; nothing to resume: start again with {again}"
     planned = ((result.recipe or {}).get("train") or {}).get("steps")
     where = f"stopped by {name} after {result.steps_completed} of {planned or '?'} steps"
     if found is None:
-        return (f"{where}; no checkpoint (train.checkpoint_every is 0): start again with "
-                f"{shlex.join(['scaletool', *argv, '--auto-resume'])}")
+        return f"{where}; no checkpoint (train.checkpoint_every is 0): start again with {again}"
     return f"{where}; checkpoint {found[0]}; resume: {shlex.join(['scaletool', *argv, '--resume'])}"
