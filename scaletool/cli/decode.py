@@ -174,8 +174,8 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
 
 def _table(title: str, columns: list[str]) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in columns:  # a narrow terminal folds cells, never a heading's word ("prefil/l")
-        t.add_column(c, justify="right", overflow="fold", min_width=max(map(len, c.split())))
+    for c in columns:  # a narrow terminal folds cells, never a heading's word ("prefil/l") nor a rate ("1.27 k ⚠")
+        t.add_column(c, justify="right", overflow="fold", min_width=max(*map(len, c.split()), 8 if "tok/s" in c else 0))
     return t
 
 

@@ -135,3 +135,43 @@ def test_prediction_docs_state_the_h200_calibration_that_ships():
     row = next(line for line in (ROOT / "docs" / "prediction.md").read_text().splitlines() if line.startswith("| GEMM |"))
     h200 = row.split("|")[3]
     assert f"{g['max_tflops']:g} TFLOP/s × s/(s+{g['half_dim']:g})" in h200 and "H100" not in h200.split(":")[0]
+
+
+def _decode_result(contended: list[bool], context: int = 64):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "report"))
+    import report_synth as synth
+
+    from scaletool.results.decode import DecodeResult
+
+    points = []
+    for i, flag in enumerate(contended):
+        p = synth.decode_point("mla", context, synth.steps(0.01 * (i + 1), 12), synth.steps(0.05, 5), batch=i + 1)
+        p["contention"] = {"contended": flag, "contended_steps": 9 if flag else 0, "sampled_steps": 12}
+        p["rope_extended_to"] = context + 8  # the decoded tokens run past max_seq_len = context
+        p.update(decode_ms_per_token=10.0 / (i + 1), decode_bandwidth_bytes_per_s=1e9)
+        points.append(p)
+    return DecodeResult.model_validate({**synth.decode_result(points), "weights_bytes": 2**20, "dtype": "fp32",
+                                        "timing": {"clock": "perf_counter", "rule": "3 steps"},
+                                        "kv_cache": {"bytes_per_token": 1024, "compression_ratio": 4.0}})
+
+
+def test_decode_marks_a_contended_figure_and_keeps_headers_whole_at_80_columns():
+    from rich.console import Console
+
+    from scaletool.cli.decode import print_decode
+    from scaletool.fmt import CONTENDED_MARK
+
+    con = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 - closed with the console
+    print_decode(_decode_result([False, True]), con, max_seq_len=64)
+    text = con.export_text()
+    rows = [line for line in text.splitlines() if line.strip().startswith("64 ")][:2]  # the speed table's
+    assert len(rows) == 2 and CONTENDED_MARK not in rows[0] and rows[1].count(CONTENDED_MARK) == 2
+    assert f"{CONTENDED_MARK} contended: 1 of 2 point(s) timed while another process held a CPU" in " ".join(text.split())
+    assert "prefill" in text and "prefil\n" not in text and "decode" in text  # no heading word split
+    assert "RoPE tables extended" not in text  # only the decoded tokens ran past max_seq_len: the default
+    con = Console(width=80, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    print_decode(_decode_result([False]), con, max_seq_len=32)  # the prompt itself is past it: said
+    assert "RoPE tables extended to 72 positions: a prompt past model.max_seq_len" in con.export_text()
+    assert CONTENDED_MARK not in con.export_text()
