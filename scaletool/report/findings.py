@@ -198,9 +198,11 @@ def decode_speed(rs: ResultsSet) -> list[str]:
     out = []
     for (source, width), contexts in by.items():
         parts, judged, cpu, rows_seen = [], False, False, {}
+        kinds: dict[str, None] = {}
         for context, items in contexts.items():
             mha = {m.point.batch: m for r, m in items if r.attention == "mha"}
-            mla = sorted(((r, m) for r, m in items if r.attention == "mla"), key=lambda x: x[0].compression_ratio)
+            # MLA, and GQA and MQA where the sweep set them beside it: each against MHA
+            mla = sorted(((r, m) for r, m in items if r.attention != "mha"), key=lambda x: x[0].compression_ratio)
             if not mha or not mla:
                 continue
             cpu |= any(r.result.device.type == "cpu" for r, _ in items)
@@ -212,15 +214,25 @@ def decode_speed(rs: ResultsSet) -> list[str]:
             rows_seen.update({id(x[0]): x[0] for x in items})
             refs = "; ".join(f"batch {b:,}: {_rate(mha[b].decode)}" for b in sorted({ref.point.batch for *_, ref, _ in cmps}))
             parts.append(f"context {context:,} (MHA {refs}): " + "; ".join(
-                f"kv_lora_rank {r.kv_lora_rank}" + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
+                _kind(r) + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
                 + f": {c.describe('faster', 'slower')}" for r, m, ref, c in cmps))
+            kinds.update(dict.fromkeys(r.attention.upper() for r, *_ in cmps))
         if not parts:
             continue
         where = ", ".join(([source] if rs.multi else []) + ([f"intermediate_size {width}"] if width else []))
-        head = "Decode throughput, MLA against MHA" + (f" ({where})" if where else "") + ": "
+        head = f"Decode throughput, {' and '.join(kinds)} against MHA" + (f" ({where})" if where else "") + ": "
         text = head + (". ".join(parts) if judged else NO_SPREAD) + "." + contention_note(*rows_seen.values())
         out.append(text + (" " + CPU_CAVEAT if cpu else ""))
     return out
+
+
+def _kind(r: Row) -> str:
+    """How a finding names a point beside MHA: 'kv_lora_rank 64' (MLA), 'GQA with 2 KV heads', 'MQA'."""
+    if r.attention == "mla":
+        return f"kv_lora_rank {r.kv_lora_rank}"
+    if r.attention == "gqa":
+        return f"GQA with {r.recipe.model.n_kv_heads} KV heads"
+    return r.attention.upper()
 
 
 def rule_of_thumb(rs: ResultsSet) -> list[str]:

@@ -170,3 +170,15 @@ def test_gqa_points_are_judged_against_mha_too(tmp_path):
     texts = [f for f in findings.throughput_crossover(data.load([tmp_path / "kinds"])) if "GQA" in f]
     assert len(texts) == 1 and texts[0].startswith("Training throughput, GQA against MHA (")
     assert "GQA with 2 KV heads (2.00× less KV cache): +25.0% (faster)" in texts[0]
+
+
+def test_gqa_decode_points_are_judged_against_mha_too(tmp_path):
+    s = synth.Sweep(tmp_path / "dec")
+    mha = synth.decode_result([synth.decode_point("mha", 64, synth.steps(0.010, 20), synth.steps(0.05, 5))])
+    gqa = synth.decode_result([synth.decode_point("gqa", 64, synth.steps(0.008, 20), synth.steps(0.05, 5))])
+    s.add("attention=mha", {"model.attention": "mha"}, synth.mha(), "decode", mha, index=0)
+    s.add("attention=gqa", {"model.attention": "gqa"},
+          synth.recipe(**{**synth.AS_MHA, "model.attention": "gqa", "model.n_kv_heads": 2}), "decode", gqa, index=1)
+    (text,) = findings.decode_speed(data.load([tmp_path / "dec"]))
+    assert text.startswith("Decode throughput, GQA against MHA (intermediate_size 192): context 64 (MHA batch 1: ")
+    assert "GQA with 2 KV heads: +25.0% (faster)" in text
