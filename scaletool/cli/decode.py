@@ -210,16 +210,8 @@ def _print_kernel_time(points, con: Console) -> None:
     con.print(t)
 
 
-def print_decode(res, con: Console, max_seq_len: int | None = None) -> None:
-    """The human tables: speed per point, the cache against the analytic bytes, the largest batches.
-    ``max_seq_len``: the model's; the RoPE note is printed only where a prompt itself runs past it (the
-    default context is max_seq_len, whose decoded tokens always extend the tables a little: no news)."""
-    dev, kv = res.device, res.kv_cache
-    con.print(f"[bold]{res.attention}[/] on {dev.name}, {res.dtype}; weights {gib(res.weights_bytes)}; analytic "
-              f"cache {kv['bytes_per_token']:,} B/token ({kv['compression_ratio']:.2f}× smaller than MHA with the "
-              "same heads)")
-    ok = [p for p in res.points if p.ok]
-    peak = dev.peak_bandwidth_bytes_per_s is not None
+def _print_speed(res, ok, peak: bool, con: Console) -> None:
+    """Speed per point; a contended point's rates carry the mark, and a line under the table says how many."""
     t = _table("Decode (median; ± is half the p10-p90 range)",
                ["ctx", "batch", "prefill\ntok/s", "±", "decode\ntok/s", "±", "ms/step", "read/s"]
                + (["of peak"] if peak else []) + ["of copy", "bound"])
@@ -240,6 +232,19 @@ def print_decode(res, con: Console, max_seq_len: int | None = None) -> None:
         con.print(f"[bold yellow]{CONTENDED_MARK} contended[/]: {len(busy)} of {len(ok)} point(s) timed while another "
                   "process held a CPU (or the GPU) they waited for; their tok/s are not this machine's (compare none; "
                   "--json: contention).", highlight=False)
+
+
+def print_decode(res, con: Console, max_seq_len: int | None = None) -> None:
+    """The human tables: speed per point, the cache against the analytic bytes, the largest batches.
+    ``max_seq_len``: the model's; the RoPE note is printed only where a prompt itself runs past it (the
+    default context is max_seq_len, whose decoded tokens always extend the tables a little: no news)."""
+    dev, kv = res.device, res.kv_cache
+    con.print(f"[bold]{res.attention}[/] on {dev.name}, {res.dtype}; weights {gib(res.weights_bytes)}; analytic "
+              f"cache {kv['bytes_per_token']:,} B/token ({kv['compression_ratio']:.2f}× smaller than MHA with the "
+              "same heads)")
+    ok = [p for p in res.points if p.ok]
+    peak = dev.peak_bandwidth_bytes_per_s is not None
+    _print_speed(res, ok, peak, con)
     _print_kernel_time(ok, con)
     alloc = any(p.kv_cache_bytes_allocator is not None for p in ok)
     t = _table("KV cache (prompt + warm-up + new tokens)",
