@@ -54,8 +54,10 @@ class Table:
                  for j, (v, c) in enumerate(zip(row, self.columns))] for i, row in enumerate(self.rows)]
 
     def mark_row(self, i: int, columns: tuple[str, ...]) -> None:
-        """Mark row ``i``'s cells in ``columns`` (a column's group or its full name) as contended."""
-        self.marked |= {(i, j) for j, c in enumerate(self.columns) if c.group in columns or c.full in columns}
+        """Mark row ``i``'s figures in ``columns`` (a column's group or its full name) as contended; counts
+        (a spread's n) are not figures the contention bends, and stay unmarked."""
+        self.marked |= {(i, j) for j, c in enumerate(self.columns)
+                        if (c.group in columns or c.full in columns) and c.kind != "int"}
 
     def column(self, name: str) -> list[Any]:
         i = [c.full for c in self.columns].index(name)
