@@ -34,7 +34,7 @@ def test_estimate_at_n_gpus_gives_no_second_one_gpu_figure_for_a_one_gpu_recipe(
     assert "This recipe (single" not in detail and "runs one process" in detail
     # a distributed recipe keeps its own line
     fsdp = run("estimate", LLAMA, "--seq-len", "8192", "--gpus", "8", "--set", "parallel.engine=fsdp")
-    assert "This recipe (FSDP2, 8 GPUs" in fsdp or "This recipe (fsdp, 8 GPUs" in fsdp.replace("FSDP2", "fsdp")
+    assert "This recipe (fsdp, 8 GPUs, checkpointing none):" in fsdp and "runs one process" not in fsdp
 
 
 def test_estimate_tokens_per_s_is_at_the_checkpointing_that_fits_and_none_where_nothing_fits():
