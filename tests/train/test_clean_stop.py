@@ -145,3 +145,18 @@ def test_local_ranks_stop_together_and_the_parent_prints_the_one_line(tmp_path):
     n = s["steps_completed"]
     assert line.startswith(f"stopped by SIGTERM after {n} of 100000 steps; checkpoint ")
     assert (out / "checkpoints" / f"step_{n}").is_dir() and s["message"].startswith("stopped by SIGTERM after")
+
+
+def test_launch_torchrun_stops_with_the_line_and_its_own_command_resumes(tmp_path):
+    """`scaletool launch torchrun`: the ranks start with --auto-resume, so the launch command itself resumes."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "scaletool", "launch", "torchrun", TINY, "--nproc-per-node", "2", "--out", str(out)]
+    for s in (*ENDLESS, "parallel.engine=ddp", "train.checkpoint_every=1000"):
+        cmd += ["--set", s]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(proc, out / "metrics.jsonl", 2)
+    _, err = stop(proc, signal.SIGTERM)
+    n = summary(out)["steps_completed"]
+    line = stop_line(err)
+    assert line.startswith(f"stopped by SIGTERM after {n} of 100000 steps; checkpoint {out / 'checkpoints' / f'step_{n}'}; ")
+    assert shlex.split(line.split("; resume: ", 1)[1])[:3] == ["scaletool", "launch", "torchrun"]
