@@ -65,8 +65,8 @@ def prediction_columns(r, est) -> EngineColumns:
                             "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%",
                             CKPT_SHORT.get(row.get("activation_checkpointing"), "no fit")]
              for row in pred.rows}
-    where = (f"predicted on {pred.hardware}, {'compiled' if tr.compile else 'eager'};\nckpt: the recipe's "
-             f"checkpointing ({tr.activation_checkpointing}), else the lightest that fits the card")
+    # ckpt: the recipe's checkpointing where it fits the card, else the lightest that does (docs/cli.md)
+    where = f"predicted on {pred.hardware}, {'compiled' if tr.compile else 'eager'}, at a ckpt that fits the card"
     if r.model.ffn == "moe":  # the step model has no routing or grouped-GEMM terms
         note = f"tok/s/GPU, MFU: {where};\nMoE routing is not modelled: for reference only."
     else:

@@ -52,7 +52,7 @@ def test_estimate_tokens_per_s_is_at_the_checkpointing_that_fits_and_none_where_
     line = next(x for x in out.splitlines() if x.startswith("ddp "))
     assert line.split()[-1] == "fit" and "no fit" in line  # ddp ... - - no fit
     assert re.search(r"^fsdp .* (sel|full)\s*$", out, re.M)
-    assert "ckpt: the recipe's checkpointing (none), else the lightest that fits the card" in out
+    assert "tok/s/GPU, MFU: predicted on H100 SXM, eager, at a ckpt that fits the card" in out
 
 
 def test_mla_on_a_gqa_model_says_both_savings():
