@@ -175,3 +175,12 @@ def test_decode_marks_a_contended_figure_and_keeps_headers_whole_at_80_columns()
     print_decode(_decode_result([False]), con, max_seq_len=32)  # the prompt itself is past it: said
     assert "RoPE tables extended to 72 positions: a prompt past model.max_seq_len" in con.export_text()
     assert CONTENDED_MARK not in con.export_text()
+
+
+def test_a_contended_step_line_marks_its_rate():
+    from scaletool.fmt import CONTENDED_MARK
+    from scaletool.measure.metrics import console_line
+
+    busy = console_line(7, {"loss/train": 5.0, "throughput/tokens_per_s": 1234.0, "contention/contended": 1.0})
+    quiet = console_line(7, {"loss/train": 5.0, "throughput/tokens_per_s": 1234.0, "contention/contended": 0.0})
+    assert f"tok/s 1,234 {CONTENDED_MARK}" in busy and CONTENDED_MARK not in quiet
