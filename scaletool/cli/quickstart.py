@@ -26,7 +26,7 @@ def quickstart(out: Path, sweep_file: str) -> None:
     and FFN widths, each point in estimate and count (several at once: nothing is timed) and then in
     train three times (one run at a time, on all the cores, 20+ measured steps each; all first runs,
     then all second, then all third, so the findings are judged by each point's spread across its
-    runs). Under 2 minutes on two quiet cores, under 6 beside other jobs; no GPU. Ends by printing where
+    runs). Under 3 minutes on two quiet cores, under 6 beside other jobs; no GPU. Ends by printing where
     report.html and report.md are. Rerunning resumes; delete OUT to start over.
 
     \b
