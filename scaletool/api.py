@@ -599,6 +599,12 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
         if path.is_file() and path.stat().st_mtime >= started else None
     if outcome.exit_code == 0 and summary is not None:
         return summary
+    stop = _stopped_by(outcome)
+    if stop is not None:  # the ranks stopped at a step's end, rank 0's summary says where: kept as it is
+        from scaletool.train.trainer import Stopped
+
+        partial = summary or failed_result(r, out, f"stopped by {stop.name} before the first step")
+        raise TrainFailed(partial, [partial.message or f"stopped by {stop.name}"]) from Stopped(stop)
     lines = [line.removeprefix("error: ") for line in outcome.errors] or [
         f"{nproc}-process run failed (torchrun exit status {outcome.exit_code}); see the log above"]
     partial = (summary or failed_result(r, out, lines[0])).model_copy(
@@ -606,6 +612,16 @@ def _train_local_ranks(recipe: RecipeLike, overrides: Sequence[str], r: Recipe, 
     if path.parent.is_dir():  # rank 0's partial summary, with the verdict it could not know
         write_atomic(path, partial.to_json() + "\n")
     raise TrainFailed(partial, lines)
+
+
+def _stopped_by(outcome):
+    """The stop signal (SIGTERM, SIGINT) that ended a local-ranks run, as torchrun's agent reports it, or None."""
+    import signal
+
+    sig = outcome.exit_code - 128
+    if sig in (signal.SIGTERM, signal.SIGINT) and any(line.startswith("error: stopped by") for line in outcome.errors):
+        return signal.Signals(sig)
+    return None
 
 
 def profile(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Path | None = None,

@@ -22,6 +22,10 @@ import sys
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+#: what a contended timed figure carries wherever it is shown (console tables, report cells): another
+#: process held a CPU (or the GPU) the run waited for, so the figure is not this machine's (scaletool.measure.contention)
+CONTENDED_MARK = "⚠"
+
 
 def si(x: float | None, unit: str = "", digits: int = 3) -> str:
     """1.23e9 -> '1.23 G'."""

@@ -144,6 +144,7 @@ def main(ctx: click.Context, result_file: Path | None) -> None:
     \b
     Examples (analytic estimates and measurements, side by side):
       scaletool estimate llama3-8b     closed forms: params, FLOPs, KV, memory
+      scaletool plan mla-1b --gpus 8   layouts that fit, ranked, as commands
       scaletool count mla-1b           measured params and FLOPs against them
       scaletool train tiny             train; throughput, MFU, memory
       scaletool decode mla-1b          KV cache and decoding speed

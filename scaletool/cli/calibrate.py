@@ -5,39 +5,96 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import textwrap
 from pathlib import Path
 
 import click
 
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, set_option
+from scaletool.fmt import printable
+
+
+def _short_engine(engine: str) -> str:
+    return engine.replace("deepspeed ZeRO-", "zero").replace(" TP", " tp")
+
+
+#: the step's bound in a word (scaletool.analytic.step's bounds)
+BOUND_WORD = {"compute": "compute", "memory bandwidth": "memory", "exposed communication": "comm"}
+
+
+def _where(label: str) -> tuple[str, str]:
+    """(results file or folder, run within it) of a run's label: ``sweep.results.jsonl: attention=mha`` or
+    ``float8-h100/llama8l-none.json``."""
+    if ": " in label:
+        head, _, name = label.partition(": ")
+        return head, name
+    head, _, name = label.rpartition("/")
+    return (head + "/" if head else ""), name  # result files: their names, without .json
+
+
+def validation_lines(res: dict, width: int) -> list[str]:
+    """The runs as lines that fit ``width`` columns (80 and up): grouped by results file or folder and card
+    (said once, above the group's runs), each run's name folded, never cut, its figures beside it."""
+    from scaletool.fmt import si
+
+    run_w = max(16, width - 52)
+    lines = [f"{'run':<{run_w}} {'engine':<10} {'GPUs':>4} {'mode':<5} {'meas.':>6} {'pred.':>6} {'error':>7} bound"]
+    groups: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+    for r in res["runs"]:
+        head, name = _where(printable(r["run"]))
+        groups.setdefault((head, printable(r.get("calibration") or r["card"])), []).append((name, r))
+    for (head, card), rows in groups.items():
+        lines.append(textwrap.shorten(f"{head or 'results'} ({card})", width, placeholder="…"))
+        for name, r in rows:
+            parts = textwrap.wrap(name.removesuffix(".json"), run_w - 2, break_long_words=True, break_on_hyphens=False) or [""]
+            bound = str(r["bound"])
+            figures = (f"{_short_engine(r['engine'])[:10]:<10} {r['world_size']:>4} {'comp' if r['compiled'] else 'eager':<5} "
+                       f"{si(r['measured_tokens_per_s_per_gpu']):>6} {si(r['predicted_tokens_per_s_per_gpu']):>6} "
+                       f"{r['rel_error']:>+7.1%} {BOUND_WORD.get(bound, bound.split()[0])}")
+            lines.append(f"  {parts[0]:<{run_w - 2}} {figures}")
+            lines += [f"  {p}" for p in parts[1:]]
+    return lines
+
+
+def summary_lines(res: dict) -> list[str]:
+    """The error distribution in README's words: the dense runs and the dropless MoE runs the model claims,
+    both together, by engine, and the runs outside the model with the reason."""
+    import statistics
+
+    from scaletool.measure.validation import OUTSIDE
+
+    def line(what: str, rows: list[dict]) -> str | None:
+        errs = [abs(r["rel_error"]) for r in rows]
+        if not errs:
+            return None
+        return f"{what}: median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}, n={len(errs)}"
+    claimed = [r for r in res["runs"] if not r.get("outside")]
+    dense, moe = [r for r in claimed if not r.get("moe")], [r for r in claimed if r.get("moe")]
+    lines = [line("dense runs the model claims", dense), line("dropless MoE runs the model claims", moe),
+             line("all runs the model claims", claimed) if dense and moe else None]
+    lines += [f"  {key}: {text.split(': ', 1)[1]}" for key, s in res["summary"]["by_engine"].items()
+              if s["n"] for text in [line(key, [r for r in claimed if _group(r) == key])] if text]
+    lines += [line(f"outside the model ({OUTSIDE[key]})", [r for r in res["runs"] if r.get("outside") == key])
+              for key in res["summary"].get("outside", {})]
+    return [x for x in lines if x]
+
+
+def _group(r: dict) -> str:
+    """The by-engine key of scaletool.measure.validation.summarize."""
+    return r["engine"] + (" compiled" if r["compiled"] else "")
 
 
 def _print_validation(res: dict) -> None:
     from rich.markup import escape
-    from rich.table import Table
-
-    from scaletool.fmt import printable
 
     con = console()
-    t = Table()
-    for col in ("run", "card", "engine", "GPUs", "compiled", "measured tok/s/GPU", "predicted", "error", "bound"):
-        t.add_column(col, justify="right" if col in ("GPUs", "measured tok/s/GPU", "predicted", "error") else "left")
-    for r in res["runs"]:
-        t.add_row(escape(printable(r["run"])), escape(printable(r["card"])), r["engine"], str(r["world_size"]),
-                  "yes" if r["compiled"] else "no",
-                  f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
-                  f"{r['rel_error']:+.1%}", r["bound"])
-    con.print(t)
-    from scaletool.measure.validation import OUTSIDE
-
-    summary = res["summary"]
-    for key, s in [("runs the model claims", summary["modelled"]), *summary["by_engine"].items()]:
-        if s["n"]:
-            con.print(f"{key}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
-                      f"n={s['n']}", highlight=False)
-    for key, s in summary.get("outside", {}).items():
-        con.print(f"outside the model ({OUTSIDE[key]}): median |error| {s['median_abs_error']:.1%}, "
-                  f"worst {s['worst_abs_error']:.1%}, n={s['n']}", highlight=False)
+    if res["runs"]:
+        for line in validation_lines(res, con.width):
+            click.echo(line)
+        con.print("meas., pred.: tokens/s per GPU, measured at the median step and predicted; error: (predicted − "
+                  "measured) / measured; bound: what sets the predicted step", highlight=False)
+    for text in summary_lines(res):
+        con.print(text, highlight=False)
     if not res["runs"] and not res["skipped"]:
         con.print("no GPU training run to re-predict: the committed results come with a checkout of the repository "
                   "(not with an installed package); pass result files as PATHS", highlight=False)

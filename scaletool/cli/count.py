@@ -100,21 +100,48 @@ def print_count(r, res, con: Console) -> None:
                   f"building){avail}.")
 
 
-def module_rows(node, level: int = 0):
-    """(indented name, params, forward FLOPs, closed forms, node) for the tree in depth-first order. What a
-    module holds or computes outside its children is a row of its own ('(itself)'), so the rows under a
-    module add up to it; modules with neither parameters nor FLOPs (rotary tables, identity dropouts) are
-    left out of the table (they are in --json)."""
-    short = node.type if level == 0 else node.name.rsplit(".", 1)[-1]
+def _signature(node) -> tuple:
+    """What makes two sibling modules repeats of each other: type, figures and the same below."""
+    a = node.analytic or {}
+    return (node.type, node.params, node.forward_flops, a.get("params"), a.get("forward_flops"),
+            tuple(_signature(c) for c in node.children))
+
+
+def _repeats(children) -> list[list]:
+    """Consecutive children that repeat each other (a ModuleList's identical blocks), as runs."""
+    runs: list[list] = []
+    for child in children:
+        if runs and _signature(runs[-1][0]) == _signature(child):
+            runs[-1].append(child)
+        else:
+            runs.append([child])
+    return runs
+
+
+def _times(x, k: int):
+    return None if x is None else x * k
+
+
+def module_rows(node, level: int = 0, *, label: str | None = None, k: int = 1):
+    """(indented name, params, forward FLOPs, closed forms) for the tree in depth-first order. What a module
+    holds or computes outside its children is a row of its own ('(itself)'), so the rows under a module add
+    up to it; modules with neither parameters nor FLOPs (rotary tables, identity dropouts) are left out of
+    the table (they are in --json). Identical consecutive siblings (``layers.0`` to ``layers.15``) are one
+    row, ``0–15 (Block ×16)``, their figures summed, with one block's modules beneath, summed over the k
+    blocks too (so the rows still add up)."""
+    short = label or (node.type if level == 0 else node.name.rsplit(".", 1)[-1])
     if short.isdigit():
         short = f"{short} ({node.type})"
     a = node.analytic or {}
-    yield "  " * level + short, node.params, node.forward_flops, a.get("params"), a.get("forward_flops")
+    yield ("  " * level + short, _times(node.params, k), _times(node.forward_flops, k), _times(a.get("params"), k),
+           _times(a.get("forward_flops"), k))
     if node.children and (node.own_params or node.own_flops):
-        yield ("  " * (level + 1) + "(itself)", node.own_params, node.own_flops, None, a.get("own_forward_flops"))
-    for child in node.children:
-        if child.params or child.forward_flops:
-            yield from module_rows(child, level + 1)
+        yield ("  " * (level + 1) + "(itself)", _times(node.own_params, k), _times(node.own_flops, k), None,
+               _times(a.get("own_forward_flops"), k))
+    for run in _repeats([c for c in node.children if c.params or c.forward_flops]):
+        first, last = (c.name.rsplit(".", 1)[-1] for c in (run[0], run[-1]))
+        many = f"{first}–{last} ({run[0].type} ×{len(run)})" if len(run) > 1 else None
+        yield from module_rows(run[0], level + 1, label=many, k=k * len(run))
 
 
 def print_modules(tree, con: Console, lm: bool = True) -> None:

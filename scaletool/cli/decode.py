@@ -11,7 +11,7 @@ from rich.table import Table
 
 from scaletool.cli.feedback import feedback
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
-from scaletool.fmt import gib, pct, si, stdout_to_stderr
+from scaletool.fmt import CONTENDED_MARK, gib, pct, si, stdout_to_stderr
 from scaletool.kinds.attention import MLA_MODES
 from scaletool.stats import MIN_SAMPLES
 
@@ -168,14 +168,14 @@ def decode(recipe: str, overrides: tuple[str, ...], batches: tuple, contexts: tu
                          join_projections=join_projections, progress=progress)
     deliver(res, as_json)
     if not as_json:
-        print_decode(res, console())
+        print_decode(res, console(), max_seq_len=api.resolve(recipe, overrides).model.max_seq_len)
     return res
 
 
 def _table(title: str, columns: list[str]) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in columns:
-        t.add_column(c, justify="right", overflow="fold")
+    for c in columns:  # a narrow terminal folds cells, never a heading's word ("prefil/l") nor a rate ("1.27 k ⚠")
+        t.add_column(c, justify="right", overflow="fold", min_width=max(*map(len, c.split()), 8 if "tok/s" in c else 0))
     return t
 
 
@@ -210,14 +210,8 @@ def _print_kernel_time(points, con: Console) -> None:
     con.print(t)
 
 
-def print_decode(res, con: Console) -> None:
-    """The human tables: speed per point, the cache against the analytic bytes, the largest batches."""
-    dev, kv = res.device, res.kv_cache
-    con.print(f"[bold]{res.attention}[/] on {dev.name}, {res.dtype}; weights {gib(res.weights_bytes)}; analytic "
-              f"cache {kv['bytes_per_token']:,} B/token ({kv['compression_ratio']:.2f}× smaller than MHA with the "
-              "same heads)")
-    ok = [p for p in res.points if p.ok]
-    peak = dev.peak_bandwidth_bytes_per_s is not None
+def _print_speed(res, ok, peak: bool, con: Console) -> None:
+    """Speed per point; a contended point's rates carry the mark, and a line under the table says how many."""
     t = _table("Decode (median; ± is half the p10-p90 range)",
                ["ctx", "batch", "prefill\ntok/s", "±", "decode\ntok/s", "±", "ms/step", "read/s"]
                + (["of peak"] if peak else []) + ["of copy", "bound"])
@@ -225,13 +219,32 @@ def print_decode(res, con: Console) -> None:
         if not p.ok:
             t.add_row(f"{p.context:,}", str(p.batch), f"[red]{p.error}")
             continue
-        t.add_row(f"{p.context:,}", f"{p.batch:,}", si(p.prefill_tokens_per_s), _spread_pct(p.prefill_s),
-                  si(p.decode_tokens_per_s), _spread_pct(p.decode_step_s), f"{p.decode_ms_per_token:.3g}",
+        mark = f" {CONTENDED_MARK}" if p.contended else ""  # on the figure itself, as in the report's tables
+        t.add_row(f"{p.context:,}", f"{p.batch:,}", si(p.prefill_tokens_per_s) + mark, _spread_pct(p.prefill_s),
+                  si(p.decode_tokens_per_s) + mark, _spread_pct(p.decode_step_s), f"{p.decode_ms_per_token:.3g}",
                   si(p.decode_bandwidth_bytes_per_s, "B"),
                   *([f"{100 * p.decode_bandwidth_fraction_of_peak:.0f}%"] if peak else []),
                   "-" if p.decode_hbm_fraction_of_copy is None else f"{100 * p.decode_hbm_fraction_of_copy:.0f}%",
                   _bound(p))
     con.print(t)
+    busy = [p for p in ok if p.contended]
+    if busy:
+        con.print(f"[bold yellow]{CONTENDED_MARK} contended[/]: {len(busy)} of {len(ok)} point(s) timed while another "
+                  "process held a CPU (or the GPU) they waited for; their tok/s are not this machine's (compare none; "
+                  "--json: contention).", highlight=False)
+
+
+def print_decode(res, con: Console, max_seq_len: int | None = None) -> None:
+    """The human tables: speed per point, the cache against the analytic bytes, the largest batches.
+    ``max_seq_len``: the model's; the RoPE note is printed only where a prompt itself runs past it (the
+    default context is max_seq_len, whose decoded tokens always extend the tables a little: no news)."""
+    dev, kv = res.device, res.kv_cache
+    con.print(f"[bold]{res.attention}[/] on {dev.name}, {res.dtype}; weights {gib(res.weights_bytes)}; analytic "
+              f"cache {kv['bytes_per_token']:,} B/token ({kv['compression_ratio']:.2f}× smaller than MHA with the "
+              "same heads)")
+    ok = [p for p in res.points if p.ok]
+    peak = dev.peak_bandwidth_bytes_per_s is not None
+    _print_speed(res, ok, peak, con)
     _print_kernel_time(ok, con)
     alloc = any(p.kv_cache_bytes_allocator is not None for p in ok)
     t = _table("KV cache (prompt + warm-up + new tokens)",
@@ -276,9 +289,11 @@ def print_decode(res, con: Console) -> None:
         con.print(f"• CPU threads: {res.threads}")
     if not peak:
         con.print(f"• {dev.peak_bandwidth_source}")
-    extended = [p.rope_extended_to for p in res.points if p.rope_extended_to]
+    extended = [p.rope_extended_to for p in res.points if p.rope_extended_to
+                and (max_seq_len is None or p.context > max_seq_len)]
     if extended:
-        con.print(f"• RoPE tables extended to {max(extended):,} positions (past model.max_seq_len)")
+        con.print(f"• RoPE tables extended to {max(extended):,} positions: a prompt past model.max_seq_len "
+                  "(plain extrapolation)")
     fit = res.memory_fit
     if fit:
         t = _table(f"Largest batch in {gib(fit.budget_bytes)} ({fit.basis})",

@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.estimate_summary import UNITS, print_summary
+from scaletool.cli.estimate_summary import UNITS, one_gpu_engine_line, print_summary, single_at_many
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, printable, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
@@ -77,7 +77,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
                        gpus_per_node=gpus_per_node, calibration=calibration)
     deliver(est, as_json)
     if not as_json and not detail:
-        print_summary(r, est, console())
+        print_summary(r, est, console(), own=own_attention(recipe, overrides, r))
     elif not as_json:
         print_estimate(r, est, console())
         if r.parallel.tensor_parallel > 1:
@@ -126,6 +126,24 @@ def _ranges(layers: list[int]) -> str:
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
+def own_attention(recipe: str, overrides: tuple[str, ...], r) -> tuple[str, int] | None:
+    """(attention, KV bytes per token) of the model as written, where ``--set model.attention=...`` replaced
+    its attention; None otherwise, or where the model without that override does not validate."""
+    from scaletool.analytic.kv import kv_cache
+    from scaletool.errors import RecipeError
+
+    kept = tuple(o for o in overrides if o.partition("=")[0].strip() != "model.attention")
+    if len(kept) == len(overrides):
+        return None
+    try:
+        base = api.resolve(recipe, kept)
+    except RecipeError:
+        return None
+    if base.model.attention == r.model.attention:
+        return None
+    return base.model.attention, kv_cache(base.model)["bytes_per_token"]
+
+
 def gpus_needed_lines(r, est, hardware: str) -> list[str]:
     """At world size 1, when the recipe's step does not fit one ``hardware`` card: the fewest GPUs each
     engine needs, without and with full checkpointing; [] otherwise."""
@@ -164,17 +182,21 @@ def print_prediction(r, est, console: Console) -> None:
         return
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
               title_justify="left", title=f"Predicted step on {pred.hardware} (world size {pred.world_size})")
-    for c in ("engine", "step", "tokens/s/GPU", "MFU", "bound"):
-        t.add_column(c, justify="left" if c in ("engine", "bound") else "right", no_wrap=True)
+    for c in ("engine", "ckpt", "step", "tokens/s/GPU", "MFU", "bound"):
+        t.add_column(c, justify="left" if c in ("engine", "ckpt", "bound") else "right", no_wrap=True)
     for row in pred.rows:
-        t.add_row(row["label"], f"{row['step_s']:.3g} s", f"{row['tokens_per_s_per_gpu']:,.0f}",
-                  "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%", row["bound"])
+        if row["step_s"] is None:
+            t.add_row(row["label"], "-", "-", "-", "-", row["bound"])
+            continue
+        t.add_row(row["label"], row["activation_checkpointing"], f"{row['step_s']:.3g} s",
+                  f"{row['tokens_per_s_per_gpu']:,.0f}", "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%",
+                  row["bound"])
     console.print(t)
     tr = r.train
-    console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, checkpointing "
-                  f"{tr.activation_checkpointing}, {'compiled' if tr.compile else 'eager'}; calibration "
-                  f"{pred.calibration}{_calibration_file(pred)}. `scaletool plan` searches the layouts.",
-                  highlight=False)
+    console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, "
+                  f"{'compiled' if tr.compile else 'eager'}; checkpointing: the recipe's ({tr.activation_checkpointing}) "
+                  f"where it fits the card, else the lightest that does; calibration {pred.calibration}"
+                  f"{_calibration_file(pred)}. `scaletool plan` searches the layouts.", highlight=False)
 
 
 def _calibration_file(pred) -> str:
@@ -293,10 +315,12 @@ def print_memory(r, est, console: Console) -> None:
     console.print(f"micro-batch {tr.micro_batch_size} × {est.seq_len}, AdamW, {r.model.dtype}. * the phase that sets "
                   "the peak. activ: what autograd keeps; buffers: the engine's; temps: loss gradient, the "
                   "optimizer's gradient copies. --json has every figure in bytes.")
-    console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
-                  f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] per GPU, "
-                  f"set by the "
-                  f"{rec.phase.replace('_', ' ')}{where}.")
+    if single_at_many(est):
+        console.print(one_gpu_engine_line(engine, mem.world_size))
+    else:
+        console.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}, "
+                      f"checkpointing {tr.activation_checkpointing}): [bold]{rec.total_bytes / unit[1]:,.2f} {unit[0]}[/] "
+                      f"per GPU, set by the {rec.phase.replace('_', ' ')}{where}.")
     if rec.float8:
         f8, (name, size) = rec.float8, unit
         saved = [(f8["autocast_weight_copies_saved_bytes"], "autocast weight copies", "activ"),

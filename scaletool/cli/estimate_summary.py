@@ -18,6 +18,7 @@ from scaletool.fmt import gib, si
 from scaletool.kinds.engines import engine_kind
 
 PHASE_SHORT = {"backward": "bwd", "optimizer_step": "step"}
+CKPT_SHORT = {"none": "none", "selective": "sel", "full": "full"}
 
 
 class EngineColumns(NamedTuple):
@@ -63,16 +64,18 @@ def prediction_columns(r, est) -> EngineColumns:
     pred = est.prediction
     if pred is None:
         return EngineColumns([], {})
-    cells = {row["label"]: [si(row["tokens_per_s_per_gpu"]), "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%"]
-             for row in pred.rows}
     tr = r.train
-    where = (f"predicted on {pred.hardware}, checkpointing {tr.activation_checkpointing}, "
-             f"{'compiled' if tr.compile else 'eager'}")
+    cells = {row["label"]: [si(row["tokens_per_s_per_gpu"]) if row["tokens_per_s_per_gpu"] is not None else "-",
+                            "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%",
+                            CKPT_SHORT.get(row.get("activation_checkpointing"), "no fit")]
+             for row in pred.rows}
+    # ckpt: the recipe's checkpointing where it fits the card, else the lightest that does (docs/cli.md)
+    where = f"predicted on {pred.hardware}, {'compiled' if tr.compile else 'eager'}, at a ckpt that fits the card"
     if r.model.ffn == "moe":  # the step model has no routing or grouped-GEMM terms
         note = f"tok/s/GPU, MFU: {where};\nMoE routing is not modelled: for reference only."
     else:
         note = f"tok/s/GPU, MFU: {where}\n(--detail: the step's terms; `scaletool plan` searches layouts)."
-    return EngineColumns(["tok/s/GPU", "MFU"], cells, note)
+    return EngineColumns(["tok/s/GPU", "MFU", "ckpt"], cells, note)
 
 
 #: the per-engine column groups of the summary table, left to right
@@ -87,19 +90,35 @@ def engine_table(r, est, groups: list[Callable[..., EngineColumns]] | None = Non
     t.add_column("engine", no_wrap=True)
     for part in parts:
         for h in part.headings:
-            t.add_column(h, justify="left" if h == "at" else "right", no_wrap=True)
+            t.add_column(h, justify="left" if h in ("at", "ckpt") else "right", no_wrap=True)
     labels = list(dict.fromkeys(row.label for row in est.memory.engines))
     for label in labels:
         t.add_row(label, *(c for part in parts for c in part.cells.get(label, ["-"] * len(part.headings))))
     return t, [p.note for p in parts if p.note]
 
 
-def headline_rows(r, est) -> list[tuple[str, str]]:
-    """(label, text) lines: parameters, FLOPs per token, KV cache per token, the training run's FLOPs."""
+def single_at_many(est) -> bool:
+    """Whether the table is for several GPUs (``--gpus N``) while the recipe's engine runs one process: its
+    one-GPU figure would be a second answer to a question about N GPUs."""
+    rec = est.memory.recipe
+    return est.memory.world_size > 1 and not engine_kind(rec.engine).distributed
+
+
+def one_gpu_engine_line(engine: str, world: int) -> str:
+    return (f"This recipe's engine ({engine}) runs one process: the rows above are for {world} GPUs\n"
+            "(--set parallel.engine=fsdp, say, for its own line).")
+
+
+def headline_rows(r, est, own: tuple[str, int] | None = None) -> list[tuple[str, str]]:
+    """(label, text) lines: parameters, FLOPs per token, KV cache per token, the training run's FLOPs.
+    ``own``: (attention, KV bytes per token) of the model's own attention where ``--set model.attention``
+    replaced it, so the saving against it is said beside the saving against MHA."""
     m, p, f, kv = r.model, est.params, est.flops, est.kv_cache
     pt = f.per_token
     params = f"{p.total:,} total, {p.non_embedding:,} non-embedding"
     kv_text = f"{kv.bytes_per_token:,} B/token ({kv.dtype}), {kv.compression_ratio:.2f}× less than MHA"
+    if own is not None and own[0] != m.attention and own[0] != "mha" and kv.bytes_per_token:
+        kv_text += f" and {own[1] / kv.bytes_per_token:.2f}× less than the model's own {own[0].upper()}"
     if m.attention == "mha":
         kv_text = f"{kv.bytes_per_token:,} B/token ({kv.dtype})"
     return [
@@ -112,16 +131,18 @@ def headline_rows(r, est) -> list[tuple[str, str]]:
     ]
 
 
-def print_summary(r, est, con: Console) -> None:
-    """The short view: the model in one line, four headline lines, the per-engine table, this recipe's figure."""
+def print_summary(r, est, con: Console, own: tuple[str, int] | None = None) -> None:
+    """The short view: the model in one line, four headline lines, the per-engine table, this recipe's figure
+    (``own``: see :func:`headline_rows`)."""
     m = r.model
     ffn = f"{m.ffn}×{m.intermediate_size}"
     if m.ffn == "moe":
         ffn = f"moe top-{m.num_experts_per_tok}/{m.n_routed_experts}+{m.n_shared_experts}"
     con.print(f"[bold]{m.attention.upper()}[/] d_model={m.d_model} layers={m.n_layers} heads={m.n_heads}/"
               f"{m.n_kv_heads} ffn={ffn} seq_len={est.seq_len} {m.dtype}")
-    width = max(len(label) for label, _ in headline_rows(r, est))
-    for label, text in headline_rows(r, est):
+    rows = headline_rows(r, est, own)
+    width = max(len(label) for label, _ in rows)
+    for label, text in rows:
         con.print(f"{label:<{width}}  {text}")
     table, notes = engine_table(r, est)
     con.print()
@@ -134,10 +155,13 @@ def print_summary(r, est, con: Console) -> None:
     engine = engine_kind(rec.engine).title(rec.zero_stage)
     at = rec.backward_peak_at or ""
     where = (f" (at {'' if at.startswith('block') else 'the '}{at})" if rec.phase == "backward" and at else "")
-    con.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}"
-              f"{f', tensor-parallel {tp}' if tp > 1 else ''}, checkpointing {tr.activation_checkpointing}):\n"
-              f"  [bold]{size(rec.total_bytes)}[/] per GPU, peak in the {(rec.phase or 'backward').replace('_', ' ')}"
-              f"{where}.")
+    if single_at_many(est):
+        con.print(one_gpu_engine_line(engine, est.memory.world_size))
+    else:
+        con.print(f"This recipe ({engine}, {rec.world_size} GPU{'s' if rec.world_size > 1 else ''}"
+                  f"{f', tensor-parallel {tp}' if tp > 1 else ''}, checkpointing {tr.activation_checkpointing}):\n"
+                  f"  [bold]{size(rec.total_bytes)}[/] per GPU, peak in the {(rec.phase or 'backward').replace('_', ' ')}"
+                  f"{where}.")
     if rec.float8:
         f8 = rec.float8
         con.print(f"float8 {tr.float8}: {f8['fp8_params'] / 1e6:,.0f} M linear parameters in FP8 (in the table: the "

@@ -171,6 +171,9 @@ def _run_and_report(launcher: str, spec: LaunchSpec, argv: list[str], env: dict[
     path = out / "summary.json"
     summary = json.loads(path.read_text()) if path.is_file() and path.stat().st_mtime >= started else None
     errors, code = list(outcome.errors), outcome.exit_code
+    stop = stop_line(code, summary, out)
+    if stop is not None:  # a stop, not a failure: where it stopped and how to go on, as `train` says it
+        errors = [stop]
     if code == 0 and summary is not None and summary.get("status") != "completed":
         errors.append(f"error: {summary.get('message') or summary.get('status')}")
         code = 1
@@ -188,6 +191,20 @@ def _run_and_report(launcher: str, spec: LaunchSpec, argv: list[str], env: dict[
     if code:
         sys.exit(code)
     return res
+
+
+def stop_line(code: int, summary: dict | None, out: Path) -> str | None:
+    """For a launch stopped by SIGTERM or SIGINT (exit 143, 130) whose rank 0 recorded where: ``stopped by
+    SIGTERM after 37 of 2000 steps; checkpoint ...; resume: <this command>`` (the ranks start with
+    --auto-resume, so the same command continues); None otherwise."""
+    from scaletool.train.checkpoint import newest_intact
+
+    message = (summary or {}).get("message") or ""
+    if code not in (128 + 2, 128 + 15) or not message.startswith("stopped by"):
+        return None
+    found = newest_intact(out)[0] if out.is_dir() else None
+    where = f"; checkpoint {found[0]}" if found is not None else "; no checkpoint (train.checkpoint_every is 0)"
+    return f"{message}{where}; resume: {shlex.join(['scaletool', *sys.argv[1:]])}"
 
 
 # -- the group and its launchers -----------------------------------------------------------------

@@ -168,6 +168,17 @@ def layouts_table(res):
     return t
 
 
+def wrapped(text: str, lead: str) -> str:
+    """``text`` after ``lead``, folded at the terminal's width ($COLUMNS, else 80 when not a terminal), the
+    continuation lines indented under the text; words are never split (a path or a flag stays whole)."""
+    import shutil
+    import textwrap
+
+    width = max(40, shutil.get_terminal_size((80, 24)).columns)
+    return textwrap.fill(text, width, initial_indent=lead, subsequent_indent=" " * min(len(lead), 4) if lead else "  ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
 def print_plan(res) -> None:
     con = console()
     con.print(layouts_table(res))
@@ -182,13 +193,14 @@ def print_plan(res) -> None:
     for row in res.layouts:
         click.echo(f"{row.rank:>2}. {row.command}")
     click.echo("\nAssumptions:")
-    for line in res.assumptions:
-        click.echo(f"  - {line}")
+    for line in res.assumptions:  # prose, wrapped to the terminal; the commands above stay whole (to paste)
+        click.echo(wrapped(line, "  - "))
     for line in res.notes:
-        click.echo(f"  note: {line}")
+        click.echo(wrapped(line, "  note: "))
     c = res.considered
-    click.echo(f"searched {c['families']} engine/parallelism/checkpointing/mode combinations, "
-               f"{c['memory_estimates']} memory estimates, {c['predicted']} layouts predicted in {res.elapsed_s:.2f} s")
+    click.echo(wrapped(f"searched {c['families']} engine/parallelism/checkpointing/mode combinations, "
+                       f"{c['memory_estimates']} memory estimates, {c['predicted']} layouts predicted in "
+                       f"{res.elapsed_s:.2f} s", ""))
     if res.verify is not None:
         print_verify(res, con)
 
@@ -211,6 +223,6 @@ def print_verify(res, con) -> None:
     con.print(t)
     for v in res.verify:
         if v.message:
-            click.echo(f"  {v.rank}: {v.status}: {v.message}")
+            click.echo(wrapped(v.message, f"  {v.rank}: {v.status}: "))
     for line in res.verify_notes:
-        click.echo(f"  note: {line}")
+        click.echo(wrapped(line, "  note: "))

@@ -60,13 +60,14 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
           --ranks 0,1
       scaletool profile mla-1b --set profile.wait=5 --set train.steps=10 --json
     """
+    import signal
     import sys
 
     from scaletool import api
     from scaletool.cli.train import default_out
     from scaletool.fmt import stdout_to_stderr
     from scaletool.launch.failures import reported_failures
-    from scaletool.train.trainer import TrainFailed, stop_on_signals
+    from scaletool.train.trainer import TrainFailed, stop_on_signals, stop_signal
 
     out = out or default_out(recipe)
     with reported_failures(), stop_on_signals():
@@ -76,6 +77,10 @@ def profile(recipe: str, overrides: tuple[str, ...], out: Path | None, ranks: st
                                      ranks=ranks,
                                      nproc_per_node=nproc_per_node)
         except TrainFailed as failed:
+            sig = stop_signal()
+            if sig is not None:  # a stop, not a failure: train's one line, without the resume (a profile is rerun)
+                click.echo(failed.lines[0] if failed.lines else f"stopped by {signal.Signals(sig).name}", err=True)
+                sys.exit(128 + sig)
             for line in failed.lines:
                 click.echo(f"error: {line}", err=True)
             sys.exit(1)

@@ -26,8 +26,8 @@ def quickstart(out: Path, sweep_file: str) -> None:
     and FFN widths, each point in estimate and count (several at once: nothing is timed) and then in
     train three times (one run at a time, on all the cores, 20+ measured steps each; all first runs,
     then all second, then all third, so the findings are judged by each point's spread across its
-    runs). 139 s on two idle cores (2026-11-26), no GPU. Ends by printing where report.html and
-    report.md are. Rerunning resumes; delete OUT to start over.
+    runs). Under 3 minutes on two quiet cores, under 6 beside other jobs; no GPU. Ends by printing where
+    report.html and report.md are. Rerunning resumes; delete OUT to start over.
 
     \b
     Examples:

@@ -26,6 +26,17 @@ def plain_text(doc: str) -> str:
     return " ".join(text.split())
 
 
+def plain_descriptions(node):
+    """``node`` (a JSON Schema) with every ``description`` in plain words: pydantic copies the models'
+    docstrings there, Sphinx roles and all, and a schema is read by tools and people, not by Sphinx."""
+    if isinstance(node, dict):
+        return {k: plain_text(v) if k == "description" and isinstance(v, str) else plain_descriptions(v)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [plain_descriptions(v) for v in node]
+    return node
+
+
 def _first_paragraph(doc: str | None) -> str:
     return plain_text(textwrap.dedent((doc or "").strip()).split("\n\n")[0])
 
@@ -77,6 +88,6 @@ def schema(kind: str | None, as_json: bool):
         raise RecipeError(f"{kind}: no typed result of that kind; {tip}known: {', '.join(sorted(kinds))}")
     cls = kinds[kind]
     doc = {"$schema": JSON_SCHEMA_DIALECT, "$comment": f"scaletool result kind {kind}, schema_version "
-           f"{cls.SCHEMA_VERSION}", **cls.model_json_schema(mode="serialization")}
+           f"{cls.SCHEMA_VERSION}", **plain_descriptions(cls.model_json_schema(mode="serialization"))}
     emit_json(doc)
     return doc

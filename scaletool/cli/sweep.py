@@ -140,14 +140,12 @@ def _only_task(sweep_file, results_dir, overrides, n: int, digest: str | None):
 
 
 def _group(runs) -> list[list]:
-    """Runs of one (point, mode) together: repeats share a table row."""
-    out: list[list] = []
+    """Runs of one (point, mode) together, at the place of the first: repeats share a table row, also where
+    they run round the points (every first run, then every second: a sweep's ``repeats``)."""
+    groups: dict[tuple, list] = {}
     for r in runs:
-        if out and (out[-1][0].index, out[-1][0].mode) == (r.index, r.mode):
-            out[-1].append(r)
-        else:
-            out.append([r])
-    return out
+        groups.setdefault((r.index, r.mode), []).append(r)
+    return list(groups.values())
 
 
 def _state(group) -> str:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -95,7 +97,7 @@ def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, npr
     from scaletool.engines import launcher_env
     from scaletool.errors import RecipeError, rank_label
     from scaletool.launch.failures import reported_failures
-    from scaletool.train.trainer import Stopped, TrainFailed, stop_on_signals
+    from scaletool.train.trainer import Stopped, TrainFailed, stop_on_signals, stop_signal
 
     le = launcher_env()
     with reported_failures(), stop_on_signals():
@@ -112,9 +114,52 @@ def _run(recipe, overrides, out, mode, peak_tflops, measure, as_json, wandb, npr
             if le["rank"] == 0 and os.environ.get(CHILD_ENV) != "1":
                 deliver(failed.result, as_json)
             cause = failed.__cause__
-            if cause is not None and not isinstance(cause, Stopped):
+            sig = cause.signum if isinstance(cause, Stopped) else stop_signal()  # a library may wrap the stop
+            if sig is not None:
+                stopped(sig, failed.result, out)
+            if cause is not None:
                 raise cause from None  # reported_failures: the rank's line (and traceback, error file)
             where = f"{rank_label()}: " if le["launched"] else ""
             for line in failed.lines:
                 click.echo(f"error: {where}{line}", err=True)
-            sys.exit(143 if isinstance(cause, Stopped) else 1)
+            sys.exit(1)
+        except (Stopped, KeyboardInterrupt) as e:  # before training started: imports, the build, the first compile
+            stopped(e.signum if isinstance(e, Stopped) else signal.SIGINT, None, out)
+        except Exception:
+            if stop_signal() is not None:  # what the handler raised, wrapped by a library on its way out
+                stopped(stop_signal(), None, out)
+            raise
+
+
+def stopped(signum: int, result, out: Path | None) -> None:
+    """End a run stopped by a signal: one line on rank 0 (none from the other ranks, nor from the ranks
+    `train --nproc-per-node` starts: their parent says it) naming the step it stopped after, the checkpoint
+    a resume starts from and the command that resumes it; exit status 128 + the signal (143, 130)."""
+    from scaletool.engines import launcher_env
+    from scaletool.train.checkpoint import newest_intact
+
+    if launcher_env()["rank"] == 0 and os.environ.get(CHILD_ENV) != "1":
+        click.echo(stop_line(signum, result, out, newest_intact), err=True)
+    sys.exit(128 + signum)
+
+
+def stop_line(signum: int, result, out: Path | None, newest_intact) -> str:
+    """``stopped by SIGTERM after 37 of 2000 steps; checkpoint run/checkpoints/step_36; resume: scaletool train
+    ... --resume`` (every argument of this command kept, shell-quoted)."""
+    name = signal.Signals(signum).name
+    run_dir = Path(result.out_dir) if result is not None and result.out_dir else out
+    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--auto-resume")]
+    if run_dir is not None and not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(run_dir)]
+    found = newest_intact(run_dir)[0] if run_dir is not None and run_dir.is_dir() else None
+    # --auto-resume: continues from a checkpoint, or starts at step 0 in a directory holding a stopped run's summary
+    again = shlex.join(["scaletool", *argv, "--auto-resume"] if run_dir is not None else ["scaletool", *sys.argv[1:]])
+    if result is None or not result.steps_completed:
+        if found is not None:  # a resumed run stopped before its first step: its checkpoint still holds
+            return f"stopped by {name} before the first step; resume: {shlex.join(['scaletool', *argv, '--resume'])}"
+        return f"stopped by {name} before the first step; nothing to resume: start again with {again}"
+    planned = ((result.recipe or {}).get("train") or {}).get("steps")
+    where = f"stopped by {name} after {result.steps_completed} of {planned or '?'} steps"
+    if found is None:
+        return f"{where}; no checkpoint (train.checkpoint_every is 0): start again with {again}"
+    return f"{where}; checkpoint {found[0]}; resume: {shlex.join(['scaletool', *argv, '--resume'])}"

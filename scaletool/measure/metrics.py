@@ -22,14 +22,15 @@ from pathlib import Path
 from rich.console import Console
 
 from scaletool.errors import RecipeError
-from scaletool.fmt import clean, open_state, write_atomic
+from scaletool.fmt import CONTENDED_MARK, clean, open_state, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def console_line(step: int, values: dict) -> str:
     """The per-step console line, as torchtitan prints it: ``step 10  loss 5.4321  memory 12.34 GiB (15.4%)
-    tok/s 12,345  mfu 41.2%  step 0.123 s  lr 3e-04``; a figure not in ``values`` (or None) is left out."""
+    tok/s 12,345  mfu 41.2%  step 0.123 s  lr 3e-04``; a figure not in ``values`` (or None) is left out; a
+    contended step's rate carries :data:`~scaletool.fmt.CONTENDED_MARK`."""
     def has(key):
         return values.get(key) is not None
 
@@ -44,7 +45,9 @@ def console_line(step: int, values: dict) -> str:
     if has("memory/max_rss_bytes"):
         parts.append(f"rss {values['memory/max_rss_bytes'] / 2**30:.2f} GiB")
     if has("throughput/tokens_per_s"):
-        parts.append(f"tok/s {values['throughput/tokens_per_s']:,.0f}")
+        # a step that waited for a CPU another process held says so on its rate (scaletool.measure.contention)
+        mark = f" {CONTENDED_MARK}" if values.get("contention/contended") else ""
+        parts.append(f"tok/s {values['throughput/tokens_per_s']:,.0f}{mark}")
     if has("flops/mfu"):
         parts.append(f"mfu {100 * values['flops/mfu']:.1f}%")
     if has("time/step_s"):

@@ -62,14 +62,49 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
                         compiled=recipe.train.compile)
 
 
+#: activation checkpointing from the lightest (fastest) to the heaviest (least memory)
+CHECKPOINTING = ("none", "selective", "full")
+
+
+def _peak_bytes(recipe: Recipe, world_size: int) -> float:
+    """The recipe's estimated peak per GPU: its largest pipeline stage's under pipeline stages
+    (analytic.pipeline.stage_memory), else :func:`scaletool.analytic.memory.recipe_memory`'s."""
+    from scaletool.analytic.memory import recipe_memory
+    from scaletool.kinds.engines import engine_kind
+
+    if recipe.parallel.pipeline_parallel > 1:
+        from scaletool.analytic.pipeline import stage_memory
+        return max(row["total_bytes"] for row in stage_memory(recipe, world_size))
+    ranks = world_size if engine_kind(recipe.parallel.engine).distributed else 1
+    return recipe_memory(recipe, ranks)["total_bytes"]
+
+
+def fitting_checkpointing(recipe: Recipe, world_size: int, card_bytes: float | None) -> str | None:
+    """The recipe's activation checkpointing where its estimated peak fits ``card_bytes`` (the allocator's
+    reserve kept, as ``plan`` keeps it), else the lightest heavier setting that fits; None when none does.
+    No card size known: the recipe's own."""
+    from scaletool.analytic.step import fits
+
+    own = recipe.train.activation_checkpointing
+    if not card_bytes:
+        return own
+    for ac in CHECKPOINTING[CHECKPOINTING.index(own):]:
+        candidate = recipe.model_copy(update={"train": recipe.train.model_copy(update={"activation_checkpointing": ac})})
+        if fits(_peak_bytes(candidate, world_size), card_bytes)[0]:
+            return ac
+    return None
+
+
 def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_node_gb_s: float | None = None,
                        gpus_per_node: int | None = None, calibration: str | None = None) -> dict:
     """The predicted step of the recipe under each engine at ``world_size`` GPUs on ``hardware`` (the
-    recipe's micro-batch, accumulation, checkpointing and compile setting; with tensor parallelism the
-    recipe's FSDP2 × TP layout only; under HSDP a row ``hsdp RxS`` follows the engines'): what ``estimate``
-    prints beside the memory table. ``inter_node_gb_s`` replaces the calibration's inter-node bus bandwidth per GPU,
-    ``gpus_per_node`` the default of all on one node up to 8; ``calibration`` (a shipped name or a file's path, what
-    ``scaletool calibrate`` wrote) replaces the card's own."""
+    recipe's micro-batch, accumulation and compile setting; with tensor parallelism the recipe's FSDP2 × TP
+    layout only, with pipeline stages the recipe's; under HSDP a row ``hsdp RxS`` follows the engines'): what
+    ``estimate`` prints beside the memory table. Each engine at the recipe's checkpointing where that fits the
+    card, else at the lightest that does (``activation_checkpointing`` says which; None, and no figures, where
+    none fits): one answer per engine, of a run that can start. ``inter_node_gb_s`` replaces the calibration's
+    inter-node bus bandwidth per GPU, ``gpus_per_node`` the default of all on one node up to 8; ``calibration`` (a
+    shipped name or a file's path, what ``scaletool calibrate`` wrote) replaces the card's own."""
     from scaletool.analytic.network import with_inter_node
     from scaletool.kinds.engines import engine_kind, engines_for, tensor_parallel_engine
     from scaletool.measure.hardware import profile_named
@@ -96,13 +131,21 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
         par = p.model_copy(update={"engine": engine, "zero_stage": stage or p.zero_stage, "data_parallel_replicate": 1})
         # train.float8 where the engine takes it; the others' rows are bf16 (the recipe rules refuse them)
         t = recipe.train if engine_kind(engine).float8 else recipe.train.model_copy(update={"float8": "none"})
-        pred = predict(recipe.model_copy(update={"parallel": par, "train": t}), calib, world_size, gpus_per_node)
-        rows.append({"label": label, **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu",
-                                                              "hfu", "bound")}})
+        layout = recipe.model_copy(update={"parallel": par, "train": t})
+        ac = fitting_checkpointing(layout, world_size, prof.memory_bytes)
+        if ac is None:  # no checkpointing fits the card: a speed of a run that cannot start answers nothing
+            rows.append({"label": label, "activation_checkpointing": None, "step_s": None, "tokens_per_s": None,
+                         "tokens_per_s_per_gpu": None, "mfu": None, "hfu": None, "bound": "does not fit"})
+            continue
+        if ac != t.activation_checkpointing:
+            layout = layout.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": ac})})
+        pred = predict(layout, calib, world_size, gpus_per_node)
+        rows.append({"label": label, "activation_checkpointing": ac,
+                     **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     # the recipe's HSDP beside FSDP2 over every rank: replicas x shard group
     if R > 1 and "data_parallel_replicate" in engine_kind(p.engine).layouts:
         pred = predict(recipe, calib, world_size, gpus_per_node)
-        rows.append({"label": f"hsdp {R}x{world_size // R}", **{k: pred[k] for k in (
-            "step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
+        rows.append({"label": f"hsdp {R}x{world_size // R}", "activation_checkpointing": recipe.train.activation_checkpointing,
+                     **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "calibration_file": calib.file or None, "world_size": world_size, "rows": rows}

@@ -136,6 +136,35 @@ def throughput_crossover(rs: ResultsSet) -> list[str]:
             text = head + _crossover(cmps) + f" ({detail})."
         text += contention_note(mha[0], *mla)
         out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
+    out += _grouped_heads_vs_mha(rs, groups, len(engines) > 1)
+    return out
+
+
+def _grouped_heads_vs_mha(rs: ResultsSet, groups: dict[tuple, list[Row]], engines: bool) -> list[str]:
+    """GQA and MQA points against the MHA point of their group, by the same noise rule as MLA's: the
+    attention kinds a sweep sets beside MLA are judged too, not only the one the sweep is named after."""
+    out = []
+    for (source, width, engine, n), rows in groups.items():
+        mha = [r for r in rows if r.attention == "mha"]
+        others = sorted((r for r in rows if r.attention in ("gqa", "mqa")), key=lambda r: r.compression_ratio)
+        if not mha or not others:
+            continue
+        ref = mha[0].across(_rate_of)
+        where = (f"{source}, " if rs.multi else "") + (f"intermediate_size {width}" if width else "equal parameters")
+        if engines:
+            where += f", {engine} on {n} GPU(s)"
+        raw = [(r, compare(r.across(_rate_of), ref)) for r in others]
+        kinds = " and ".join(dict.fromkeys(r.attention.upper() for r in others))
+        head = f"Training throughput, {kinds} against MHA ({_rate(ref)}; {where}): "
+        if all(c.reason for _, c in raw):
+            text = head + NO_SPREAD + "."
+        else:
+            text = head + "; ".join(
+                f"{r.attention.upper()} with {r.recipe.model.n_kv_heads} KV head{'s' if r.recipe.model.n_kv_heads > 1 else ''} "
+                f"({r.compression_ratio:.2f}× less KV cache): {gated(c, r, mha[0]).describe('faster', 'slower')}"
+                for r, c in raw) + "."
+        text += contention_note(mha[0], *others)
+        out.append(text + (" " + CPU_CAVEAT if any(r.result.on_cpu for r in rows) else ""))
     return out
 
 
@@ -170,9 +199,11 @@ def decode_speed(rs: ResultsSet) -> list[str]:
     out = []
     for (source, width), contexts in by.items():
         parts, judged, cpu, rows_seen = [], False, False, {}
+        kinds: dict[str, None] = {}
         for context, items in contexts.items():
             mha = {m.point.batch: m for r, m in items if r.attention == "mha"}
-            mla = sorted(((r, m) for r, m in items if r.attention == "mla"), key=lambda x: x[0].compression_ratio)
+            # MLA, and GQA and MQA where the sweep set them beside it: each against MHA
+            mla = sorted(((r, m) for r, m in items if r.attention != "mha"), key=lambda x: x[0].compression_ratio)
             if not mha or not mla:
                 continue
             cpu |= any(r.result.device.type == "cpu" for r, _ in items)
@@ -184,15 +215,25 @@ def decode_speed(rs: ResultsSet) -> list[str]:
             rows_seen.update({id(x[0]): x[0] for x in items})
             refs = "; ".join(f"batch {b:,}: {_rate(mha[b].decode)}" for b in sorted({ref.point.batch for *_, ref, _ in cmps}))
             parts.append(f"context {context:,} (MHA {refs}): " + "; ".join(
-                f"kv_lora_rank {r.kv_lora_rank}" + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
+                _kind(r) + (f" at batch {m.point.batch:,}" if m.point.batch != ref.point.batch else "")
                 + f": {c.describe('faster', 'slower')}" for r, m, ref, c in cmps))
+            kinds.update(dict.fromkeys(r.attention.upper() for r, *_ in cmps))
         if not parts:
             continue
         where = ", ".join(([source] if rs.multi else []) + ([f"intermediate_size {width}"] if width else []))
-        head = "Decode throughput, MLA against MHA" + (f" ({where})" if where else "") + ": "
+        head = f"Decode throughput, {' and '.join(kinds)} against MHA" + (f" ({where})" if where else "") + ": "
         text = head + (". ".join(parts) if judged else NO_SPREAD) + "." + contention_note(*rows_seen.values())
         out.append(text + (" " + CPU_CAVEAT if cpu else ""))
     return out
+
+
+def _kind(r: Row) -> str:
+    """How a finding names a point beside MHA: 'kv_lora_rank 64' (MLA), 'GQA with 2 KV heads', 'MQA'."""
+    if r.attention == "mla":
+        return f"kv_lora_rank {r.kv_lora_rank}"
+    if r.attention == "gqa":
+        return f"GQA with {r.recipe.model.n_kv_heads} KV heads"
+    return r.attention.upper()
 
 
 def rule_of_thumb(rs: ResultsSet) -> list[str]:

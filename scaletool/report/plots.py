@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from scaletool.fmt import gib, si
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.tables import decode_points, train_analytic_memory
+from scaletool.report.tables import decode_points, is_contended, train_analytic_memory
 from scaletool.stats import Spread
 
 #: max/min of a throughput plot's values beyond which its y axis is logarithmic
@@ -24,6 +24,18 @@ BARS = "Bars: p10–p90 of the point (over its measured steps, or over its runs 
 RATIO_X = "x: KV compression against the MHA with the same heads and head dims."
 
 Value = Spread | float | int | None
+
+#: a contended point's ring: red, hollow, over the point's own marker, in the legend and the caption
+CONTENDED_LABEL = "contended"
+CONTENDED_CAPTION = ("Red rings: contended points (another process held a CPU or the GPU during their timed steps); "
+                     "no difference involving them is called.")
+
+
+def ring_contended(ax, xs: list[float], ys: list[float]) -> None:
+    """Draw a red ring around each contended point (x, y) of ``ax``, with one legend entry."""
+    if xs:
+        ax.scatter(xs, ys, s=120, facecolors="none", edgecolors="red", linewidths=1.6, zorder=5,
+                   label=CONTENDED_LABEL)
 
 
 @dataclass
@@ -70,11 +82,12 @@ def _bounds(v: Value) -> tuple[float, float, float]:
 
 def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple[str, float | None, Value]], *,
               caption: str = "", logx: bool = False, autolog: bool = False, percent: bool = False, nbytes: bool = False,
-              hlines: list[tuple[str, float]] = ()) -> Plot | None:
+              hlines: list[tuple[str, float]] = (), contended: list[tuple[float, Value]] = ()) -> Plot | None:
     """One line per series name through its (x, y) points, sorted by x; y may be a Spread (error bars).
     ``autolog``: a logarithmic y axis when the values span more than LOG_SPAN; ``percent``/``nbytes``:
-    y tick labels as percentages or as bytes (KiB, MiB, GiB)."""
+    y tick labels as percentages or as bytes (KiB, MiB, GiB); ``contended``: (x, y) points ringed red."""
     points = [(s, x, _bounds(y)) for s, x, y in points if x is not None and y is not None]
+    rings = [(x, _bounds(y)[0]) for x, y in contended if x is not None and y is not None]
     if len({x for _, x, _ in points}) < 2:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -96,8 +109,11 @@ def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple
                     capsize=3, linestyle=("-", "--", ":", "-.")[i // 10 % 4], label=_mpl_text(name))
     for name, y in hlines:
         ax.axhline(y, linestyle="--", linewidth=1, color="0.35", label=_mpl_text(name))
+    ring_contended(ax, [x for x, _ in rings], [y for _, y in rings])
     values = [v for _, _, b in points for v in b if v > 0] + [y for _, y in hlines if y > 0]
     notes = [caption] if caption else []
+    if rings:
+        notes.append(CONTENDED_CAPTION)
     span = max(values) / min(values) if values else 1.0
     if autolog and span > LOG_SPAN:
         ax.set_yscale("log")
@@ -115,7 +131,7 @@ def line_plot(key: str, title: str, xlabel: str, ylabel: str, points: list[tuple
         ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.grid(alpha=0.3, which="both" if autolog else "major")
     # Below the axes, in as many columns as the labels allow: never over the data or the y axis.
-    longest = max(len(n) for n in list(series) + [n for n, _ in hlines])
+    longest = max(len(n) for n in list(series) + [n for n, _ in hlines] + ([CONTENDED_LABEL] if rings else []))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=7, frameon=False,
               ncol=3 if longest <= 24 else 2 if longest <= 40 else 1)
     buf = io.BytesIO()
@@ -243,6 +259,13 @@ def train_plots(rs: ResultsSet) -> list[Plot | None]:
 
     def mfu(r: Row) -> float | None:
         return r.median(lambda t: t.mfu)
+
+    def ringed(x, figure) -> list[tuple[float, Value]]:
+        return [(x(r), figure(r)) for r in train if is_contended(r)]
+
+    # MHA's tokens/s as a reference line across the ratios MLA, GQA and MQA span (MHA is one point at 1×)
+    mha_refs = [(_name(rs, r, f"MHA ({si(rate(r).median)} tokens/s)"), rate(r).median) for r in train
+                if r.attention == "mha" and rate(r) is not None]
     mfu_note = "MFU with causal attention FLOPs (Megatron's convention); the training table has the full-attention MFU too."
     mem = [(by_width(r), r.intermediate_size, r.result.peak_memory_bytes) for r in train]
     mem += [(by_width(r) + " (analytic)", r.intermediate_size, train_analytic_memory(r)) for r in train
@@ -250,14 +273,17 @@ def train_plots(rs: ResultsSet) -> list[Plot | None]:
     return [
         line_plot("tokens_per_s_vs_compression", "Training tokens/s vs compression ratio", "KV compression ratio vs "
                   "same-dims MHA", "tokens/s", [(by_ratio(r), r.compression_ratio, rate(r)) for r in train], autolog=True,
-                  caption=BARS + " " + RATIO_X),
+                  hlines=mha_refs, contended=ringed(lambda r: r.compression_ratio, rate),
+                  caption=BARS + " " + RATIO_X + (" Dashed: MHA's tokens/s." if mha_refs else "")),
         line_plot("tokens_per_s_vs_ffn", "Training tokens/s vs FFN width", "intermediate_size", "tokens/s",
-                  [(by_width(r), r.intermediate_size, rate(r)) for r in train], autolog=True, caption=BARS),
+                  [(by_width(r), r.intermediate_size, rate(r)) for r in train], autolog=True, caption=BARS,
+                  contended=ringed(lambda r: r.intermediate_size, rate)),
         line_plot("mfu_vs_compression", "Training MFU vs compression ratio", "KV compression ratio vs same-dims MHA",
                   "MFU (causal)", [(by_ratio(r), r.compression_ratio, mfu(r)) for r in train], percent=True,
-                  caption=mfu_note),
+                  caption=mfu_note, contended=ringed(lambda r: r.compression_ratio, mfu)),
         line_plot("mfu_vs_ffn", "Training MFU vs FFN width", "intermediate_size", "MFU (causal)",
-                  [(by_width(r), r.intermediate_size, mfu(r)) for r in train], percent=True, caption=mfu_note),
+                  [(by_width(r), r.intermediate_size, mfu(r)) for r in train], percent=True, caption=mfu_note,
+                  contended=ringed(lambda r: r.intermediate_size, mfu)),
         line_plot("memory_vs_ffn", "Peak training memory vs FFN width", "intermediate_size", "peak memory", mem,
                   autolog=True, nbytes=True,
                   caption="Measured allocator peak and, marked analytic, the estimate it is compared with."),
@@ -287,7 +313,8 @@ def decode_plots(rs: ResultsSet) -> list[Plot | None]:
     series = {id(r): name(r) if len(names[name(r)]) == 1 else _name(rs, r, r.label) for r in dec}
     return [line_plot("decode_vs_context", "Decode tokens/s vs context length", "context (tokens)", "decode tokens/s",
                       [(series[id(r)] + (f" · batch={m.point.batch}" if batches else ""), m.point.context, m.decode)
-                       for r, m in pts], logx=True, autolog=True, caption=BARS)]
+                       for r, m in pts], logx=True, autolog=True, caption=BARS,
+                      contended=[(m.point.context, m.decode) for r, m in pts if is_contended(r)])]
 
 
 def all_plots(rs: ResultsSet) -> list[Plot]:

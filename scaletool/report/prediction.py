@@ -12,8 +12,8 @@ import io
 import statistics
 
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.plots import BARS, Plot, _mpl_text, _tick
-from scaletool.report.tables import Column, _table, spread_cells, spread_columns
+from scaletool.report.plots import BARS, CONTENDED_CAPTION, Plot, _mpl_text, _tick, ring_contended
+from scaletool.report.tables import Column, _table, is_contended, spread_cells, spread_columns
 from scaletool.stats import rel_error
 
 #: the error band drawn around the y = x line of the plot
@@ -74,6 +74,7 @@ def prediction_table(rs: ResultsSet):
             *spread_columns("measured tokens/s"), Column("predicted vs measured", "pct"), Column("bound")]
     rows = [r for r in rs.ok("train") if id(r) in found]
     return _table(rs, "prediction", "Predicted vs measured throughput", cols, rows, cells,
+                  timed=("measured tokens/s", "predicted vs measured"), note=
                   "Predicted: the step-time model for the point's layout, with the calibration of its card, as the run "
                   "recorded it or re-predicted from its recipe for runs written before; error = (predicted − measured) "
                   f"/ measured, against the median measured step. {CPU_CALIBRATION}: not meaningful (the CPU's "
@@ -99,6 +100,8 @@ def prediction_plots(rs: ResultsSet) -> list[Plot]:
         ax.errorbar([x for x, _ in xs], [m.median for _, m in xs],
                     yerr=[[m.median - m.p10 for _, m in xs], [m.p90 - m.median for _, m in xs]], linestyle="none",
                     marker="os^D"[i // 10 % 4], markersize=4, capsize=2, label=_mpl_text(name))
+    busy = [(x, r.across(lambda t: t.rate).median) for r, (x, _, _) in pts if is_contended(r)]
+    ring_contended(ax, [x for x, _ in busy], [y for _, y in busy])
     values = [v for _, (x, _, _) in pts for v in (x,)] + [r.across(lambda t: t.rate).median for r, _ in pts]
     lo, hi = min(values) / 1.3, max(values) * 1.3
     ax.plot([lo, hi], [lo, hi], color="0.3", linewidth=1, label="predicted = measured")
@@ -118,7 +121,8 @@ def prediction_plots(rs: ResultsSet) -> list[Plot]:
     fig.savefig(buf, format="png", bbox_inches="tight")
     errors = sorted(abs(rel_error(x, r.across(lambda t: t.rate).median)) for r, (x, _, _) in pts)
     caption = (f"{len(pts)} points; |error| median {statistics.median(errors):.0%}, worst {errors[-1]:.0%}. Log axes; "
-               f"the band is ±{BAND:.0%} around predicted = measured. {BARS}")
+               f"the band is ±{BAND:.0%} around predicted = measured. {BARS}"
+               + (f" {CONTENDED_CAPTION}" if busy else ""))
     return [Plot("predicted_vs_measured", "Measured vs predicted tokens/s", caption, buf.getvalue(), "prediction")]
 
 
@@ -141,12 +145,20 @@ def prediction_findings(rs: ResultsSet) -> list[str]:
     pts = [(r, p) for r, p in points(rs) if not p[1].startswith(CPU_CALIBRATION)]
     if not pts:
         return []
+    # a contended point measures the other process as much as the layout: out of the error, said so
+    left_out = [r for r, _ in pts if is_contended(r)]
+    pts = [(r, p) for r, p in pts if not is_contended(r)]
+    skipped = (f" {len(left_out)} contended point(s) left out ({', '.join(r.label for r in left_out[:4])}"
+               f"{', ...' if len(left_out) > 4 else ''}): another process held the CPU or GPU during their timed steps."
+               if left_out else "")
+    if not pts:
+        return [f"Step-time model: no uncontended GPU point to judge it on.{skipped}"]
     errs = [(rel_error(rate, r.across(lambda t: t.rate).median), r, bound) for r, (rate, _, bound) in pts]
     errs.sort(key=lambda e: -abs(e[0]))
     worst = errs[0]
     out = [f"Step-time model against {len(errs)} GPU point(s): |error| median "
            f"{statistics.median(abs(e) for e, _, _ in errs):.1%}, worst {worst[0]:+.1%} ({worst[1].label}, "
-           f"{worst[1].world_size} GPU)."]
+           f"{worst[1].world_size} GPU).{skipped}"]
     beyond = [e for e in errs if abs(e[0]) > BAND]
     if beyond:
         shown = "; ".join(f"{r.label} ({r.world_size} GPU) {e:+.0%}: {_why(r, b)}" for e, r, b in beyond[:4])

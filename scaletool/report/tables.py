@@ -14,7 +14,7 @@ from typing import Any
 from scaletool.analytic.flops import flops_per_token
 from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.params import param_counts
-from scaletool.fmt import gib, pct, si
+from scaletool.fmt import CONTENDED_MARK, gib, pct, si
 from scaletool.kinds.engines import engine_kind
 from scaletool.report.data import ResultsSet, Row
 from scaletool.results.decode import DecodePoint
@@ -37,6 +37,10 @@ class Column:
         return f"{self.group} {self.name}" if self.group else self.name
 
 
+CONTENDED_NOTE = (f"{CONTENDED_MARK}: a contended figure: during its timed steps another process held a CPU the run "
+                  "waited for (or shared its GPU); it is shown, and no difference involving it is called. ")
+
+
 @dataclass
 class Table:
     key: str
@@ -44,9 +48,18 @@ class Table:
     columns: list[Column]
     rows: list[list[Any]] = field(default_factory=list)
     note: str = ""
+    #: (row, column) indices of cells shown with :data:`CONTENDED_MARK`
+    marked: set[tuple[int, int]] = field(default_factory=set)
 
     def formatted(self) -> list[list[str]]:
-        return [[fmt(v, c.kind) for v, c in zip(row, self.columns)] for row in self.rows]
+        return [[fmt(v, c.kind) + (f" {CONTENDED_MARK}" if (i, j) in self.marked and v is not None else "")
+                 for j, (v, c) in enumerate(zip(row, self.columns))] for i, row in enumerate(self.rows)]
+
+    def mark_row(self, i: int, columns: tuple[str, ...]) -> None:
+        """Mark row ``i``'s figures in ``columns`` (a column's group or its full name) as contended; counts
+        (a spread's n) are not figures the contention bends, and stay unmarked."""
+        self.marked |= {(i, j) for j, c in enumerate(self.columns)
+                        if (c.group in columns or c.full in columns) and c.kind != "int"}
 
     def column(self, name: str) -> list[Any]:
         i = [c.full for c in self.columns].index(name)
@@ -63,11 +76,18 @@ class Table:
         return out
 
 
-def _contended_cell(r) -> int | None:
-    """Contended runs of the point, or None (shown '-') where no run recorded contention (older runs)."""
+def _contended_cell(r) -> str | None:
+    """'2 of 3' contended runs of the point, 'none', or None (shown '-') where no run recorded contention
+    (older runs)."""
     if all(getattr(run, "contended", None) is None for run in r.runs):
         return None
-    return r.contended_runs()[0]
+    n, m = r.contended_runs()
+    return f"{n} of {m}" if n else "none"
+
+
+def is_contended(r) -> bool:
+    """Whether any run of the point was contended (its timed figures are marked)."""
+    return r.contended_runs()[0] > 0
 
 
 def fmt(v: Any, kind: str) -> str:
@@ -106,9 +126,11 @@ def spread_cells(s: Spread | None) -> list[Any]:
 
 
 def _table(rs: ResultsSet, key: str, title: str, cols: list[Column], rows: list[Row],
-           cells: Callable[[Row], list[list[Any]]], note: str = "") -> Table | None:
+           cells: Callable[[Row], list[list[Any]]], note: str = "", timed: tuple[str, ...] = ()) -> Table | None:
     """Rows in results-dir then point order, led by the point (and its results dir when several are
-    shown) and the identity columns its label does not already give."""
+    shown) and the identity columns its label does not already give. ``timed``: the columns (groups or
+    full names) whose cells are marked where the point's runs were contended; the note then says what
+    the mark means."""
     if not rows:
         return None
     rows = sorted(rows, key=rs.order)
@@ -119,7 +141,12 @@ def _table(rs: ResultsSet, key: str, title: str, cols: list[Column], rows: list[
     t = Table(key, title, lead + cols, note=note)
     for r in rows:
         head = [r.label] + ([r.source] if rs.multi else []) + [getattr(r, name) for name in ident]
-        t.rows += [head + cell_row for cell_row in cells(r)]
+        for cell_row in cells(r):
+            t.rows.append(head + cell_row)
+            if timed and is_contended(r):
+                t.mark_row(len(t.rows) - 1, timed)
+    if t.marked:
+        t.note = CONTENDED_NOTE + t.note
     return t
 
 
@@ -200,16 +227,17 @@ def train_table(rs: ResultsSet) -> Table | None:
     def cells(r: Row):
         s = r.result
         peak, est = s.peak_memory_bytes, train_analytic_memory(r)
-        return [[r.engine, r.world_size, s.threads, r.repeats, *spread_cells(r.across(lambda t: t.rate)),
+        return [[r.engine, r.world_size, s.threads, r.repeats, _contended_cell(r), *spread_cells(r.across(lambda t: t.rate)),
                  r.median(lambda t: t.mfu), r.median(lambda t: t.mfu_full_attention), peak, est, rel_error(peak, est),
-                 s.loss_first, s.loss_last, s.steps_measured, s.warmup_steps_excluded, _contended_cell(r)]]
+                 s.loss_first, s.loss_last, s.steps_measured, s.warmup_steps_excluded]]
+    # the contended runs beside the runs, before the figures they taint (a reader meets the mark first)
     cols = [Column("engine"), Column("GPUs", "int"), Column("threads", "int"), Column("runs", "int"),
-            *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
+            Column("contended", "text", "runs"), *spread_columns("tokens/s"), Column("causal (Megatron)", "share", "MFU"),
             Column("full attention (torchtitan)", "share", "MFU"), Column("measured", "bytes", "peak memory"),
             Column("analytic", "bytes", "peak memory"), Column("measured vs analytic", "pct", "peak memory"),
             Column("first", "float", "loss"), Column("last", "float", "loss"), Column("measured", "int", "steps"),
-            Column("warm-up excluded", "int", "steps"), Column("contended", "int", "runs")]
-    return _table(rs, "train", "Training", cols, rs.ok("train"), cells,
+            Column("warm-up excluded", "int", "steps")]
+    return _table(rs, "train", "Training", cols, rs.ok("train"), cells, timed=("tokens/s", "MFU"), note=
                   TIMING_NOTE + "Warm-up steps are excluded by rule (at least measure_warmup_steps, then until the "
                   "step time settles). MFU causal counts half the T² attention scores (Megatron's convention, ours); "
                   "full attention counts all of them (torchtitan's); blank where the device has no known peak "
@@ -262,6 +290,12 @@ def scaling_table(rs: ResultsSet) -> Table | None:
             t.rows.append([attention, rank, width, setup, n, *spread_cells(rate), rate.median / n,
                            by_n[n].median(lambda s: s.mfu), peak, rel_error(peak, train_analytic_memory(by_n[n])),
                            rate.median / n / base if base else None, rate.median / n / ref if ref else None])
+            # a ratio is as contended as either side of it
+            if is_contended(by_n[n]) or is_contended(by_n[1]) or (single is not None and is_contended(single)):
+                t.mark_row(len(t.rows) - 1, ("tokens/s", "tokens/s per GPU", "MFU causal", "scaling efficiency",
+                                             "per GPU vs single"))
+    if t.marked:
+        t.note = CONTENDED_NOTE + t.note
     return t
 
 
@@ -335,7 +369,8 @@ def decode_table(rs: ResultsSet) -> Table | None:
             Column("analytic", "bytes", "KV cache"), Column("measured vs analytic", "pct", "KV cache"),
             Column("bytes/token measured", "int", "KV cache"), Column("vs MHA point", "ratio", "KV cache"),
             *spread_columns("decode tokens/s"), *spread_columns("prefill tokens/s")]
-    return _table(rs, "decode", "Decoding", cols, rs.ok("decode"), cells,
+    return _table(rs, "decode", "Decoding", cols, rs.ok("decode"), cells, timed=("decode tokens/s", "prefill tokens/s"),
+                  note=
                   TIMING_NOTE + "Decode tokens/s: batch over the decode step time; prefill tokens/s: batch × "
                   "context over the prefill time. KV cache vs MHA point: the analytic bytes/token of the MHA point of "
                   "these results over this point's, blank where the results have none.")

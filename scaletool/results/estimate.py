@@ -136,7 +136,9 @@ class EstimateResult(Result):
     attention_scores: AttentionScores
     memory: Memory
     #: the step-time model per engine on one card (scaletool.measure.prediction.engine_predictions):
-    #: hardware, calibration, world_size and rows of label, step_s, tokens_per_s(_per_gpu), mfu, hfu, bound
+    #: hardware, calibration, world_size and rows of label, activation_checkpointing (the lightest that fits the
+    #: card; null, with null figures and bound "does not fit", where none does), step_s, tokens_per_s(_per_gpu),
+    #: mfu, hfu, bound
     prediction: Part | None = None
     #: pipeline stages (parallel.pipeline_parallel > 1; scaletool.analytic.pipeline.pipeline_estimate): the split,
     #: per-stage blocks, memory and in-flight micro-batches, the bubble, the stages that bound memory and the step

@@ -2,7 +2,7 @@
 
 A sweep file is YAML::
 
-    recipe: ../mha-1b.yaml            # base recipe, relative to this file
+    recipe: ../mha-1b.yaml            # base recipe, relative to this file, or a shipped recipe's name (tiny)
     name: mla-compression             # default: the file's stem
     label: H100 bf16                  # how reports name this results dir
     set: {train.steps: 12}            # overrides applied to every point
@@ -30,8 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from scaletool.config import SECTIONS, Recipe, RecipeError, apply_overrides, recipe_from_dict
-from scaletool.errors import validation_lines
-from scaletool.resources import SWEEP, find_recipe
+from scaletool.errors import shorten, validation_lines
+from scaletool.resources import RECIPE, SWEEP, find_recipe, shipped
 from scaletool.results.sweep import MODES, TIMED_MODES, Mode
 from scaletool.yaml_input import read_yaml
 
@@ -122,7 +122,7 @@ class Sweep:
 
     @property
     def base_recipe_path(self) -> Path:
-        return (self.path.parent / self.spec.recipe).resolve()
+        return base_recipe_file(self.path, self.spec.recipe).resolve()
 
     def timeout(self, mode: str) -> float:
         t = self.spec.timeout_s
@@ -188,6 +188,28 @@ def _pydantic_lines(exc: ValidationError, source: str) -> list[str]:
                             and err["type"] != "value_error")
 
 
+def base_recipe_file(sweep_path: Path, recipe: str) -> Path:
+    """The file a sweep's ``recipe:`` names: a path relative to the sweep file where one is there, else a
+    shipped recipe by name (``tiny``, ``mla-1b``), as every command takes it; a name that is neither is
+    one line naming the closest shipped recipe."""
+    local = sweep_path.parent / recipe
+    try:
+        if local.exists():
+            return local
+    except OSError as e:  # a name too long for the filesystem, say
+        raise RecipeError(f"{shorten(recipe)}: cannot read: {e.strerror or e}") from None
+    # a bare name (tiny, tiny.yaml) is a shipped recipe; never a path from the working directory
+    bare = Path(recipe)
+    name = (bare.stem if bare.suffix in (".yaml", ".yml") else bare.name) if len(bare.parts) == 1 else None
+    recipes = shipped(RECIPE)
+    if name in recipes:
+        return recipes[name]
+    close = difflib.get_close_matches(name or recipe, list(recipes), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise RecipeError(f"{shorten(recipe)}: no such file next to the sweep file ({shorten(str(local))}), "
+                      f"nor a shipped recipe{hint}")
+
+
 def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep:
     """Read and validate a sweep file; ``overrides`` (from ``--set``) apply to every point after ``set``."""
     src = str(path)
@@ -251,9 +273,9 @@ def load_sweep(path: str | Path, overrides: list[tuple[str, Any]] = ()) -> Sweep
     if mp and mp.key in spec.set:
         problems.append(f"{src}: match_params.key: {mp.key} is also fixed by set; the solver sets it per point")
 
-    base_path = (path.parent / spec.recipe)
     base_raw: dict = {}
     try:
+        base_path = base_recipe_file(path, spec.recipe)
         base_raw = apply_overrides(read_yaml(base_path, SECTIONS), list(spec.set.items()) + list(overrides))
         recipe_from_dict(base_raw, str(base_path))
     except RecipeError as e:
@@ -281,7 +303,8 @@ def _resolve_target(mp: MatchParams, path: Path, base_raw: dict) -> tuple[int, s
             raise RecipeError(f"must be a positive parameter count, got {t}")
         return t, f"{t:,} parameters"
     if isinstance(t, str):
-        ref = recipe_from_dict(read_yaml(path.parent / t, SECTIONS), str(path.parent / t))
+        ref_path = base_recipe_file(path, t)
+        ref = recipe_from_dict(read_yaml(ref_path, SECTIONS), str(ref_path))
         return param_counts(ref.model)[mp.params], t
     bad = [p for p in (check_key(k) for k in t) if p]
     if bad:

@@ -299,10 +299,11 @@ def headline(s: TrainResult) -> str:
     if s.loss_first is not None and s.loss_last is not None:
         parts.append(f"loss {s.loss_first:.4g} -> {s.loss_last:.4g}")
     rate = s.timing.tokens_per_s if s.timing else None
+    mark = " CONTENDED" if (s.contention or {}).get("contended") else ""  # on the figure, not only at the end
     if rate is not None:
-        parts.append(f"{rate.median:,.0f} tokens/s (p10-p90 {rate.p10:,.0f}-{rate.p90:,.0f}, n={rate.n})")
+        parts.append(f"{rate.median:,.0f} tokens/s{mark} (p10-p90 {rate.p10:,.0f}-{rate.p90:,.0f}, n={rate.n})")
     elif s.tokens_per_s:
-        parts.append(f"{s.tokens_per_s:,.0f} tokens/s")
+        parts.append(f"{s.tokens_per_s:,.0f} tokens/s{mark}")
     if m.get("flops/achieved_tflops_per_gpu"):
         # per rank: a GPU, or on the CPU a process (its threads)
         parts.append(f"{m['flops/achieved_tflops_per_gpu']:.3g} TFLOP/s per {'process' if s.threads else 'GPU'}")

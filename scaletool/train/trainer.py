@@ -61,8 +61,16 @@ class TrainFailed(RuntimeError):
 
 
 class Stopped(Exception):
-    """A termination signal arrived during training (see :func:`stop_on_signals`)."""
+    """A stop signal (SIGTERM: a scheduler's time limit, ``kill``; SIGINT: Ctrl-C) ended training (see
+    :func:`stop_on_signals`). ``signum`` is the signal; the exit status is 128 + signum (143, 130)."""
 
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+#: the stop signals this process handles: a scheduler's SIGTERM and a terminal's Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # Set while a failing run writes its partial result: the process is ending anyway, and a stop signal
 # then (torchrun stops every rank as soon as one fails) must not cut that write short. Process-wide,
@@ -76,23 +84,43 @@ _ENDING = threading.Event()
 _DEFER = threading.Event()
 _HELD: list[int] = []
 
+# Set while the trainer's loop asks between steps whether to stop (from its first finished step on): a
+# signal then is only recorded, and the run stops at the end of the step, a checkpoint written when one is
+# due, instead of wherever the signal found the main thread (inside a compile, a collective, an optimizer step).
+_POLLED = threading.Event()
+_RECEIVED: list[int] = []  # the stop signals this run received, in order
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this run received, or None."""
+    return _RECEIVED[0] if _RECEIVED else None
+
 
 @contextmanager
-def stop_on_signals(signals=(signal.SIGTERM,)):
-    """Turn the first SIGTERM into :class:`Stopped` raised in the main thread, so a stopped run still
-    writes its partial result; later ones, and any while a failing run writes it, are ignored; one that
-    arrives inside :func:`uninterrupted` is raised when that section ends."""
-    fired = []
+def stop_on_signals(signals=STOP_SIGNALS):
+    """Stop the run on SIGTERM or SIGINT. Before the trainer's first step (imports, the model's build, the
+    first step's compile) the signal raises :class:`Stopped` at once: nothing is lost. From then on the
+    trainer polls between steps (:data:`_POLLED`) and stops at the end of the step; the same signal again
+    raises at once (a second Ctrl-C). Signals while a failing run writes its partial result, or another
+    kind of signal while a stop is under way (torchrun's SIGTERM after a terminal's Ctrl-C), are ignored;
+    one inside :func:`uninterrupted` waits for the section's end."""
     _HELD.clear()
+    _RECEIVED.clear()
 
     def handler(signum, _frame):
-        if fired or _ENDING.is_set():
+        if _ENDING.is_set():
             return
-        fired.append(signum)
+        repeat = signum in _RECEIVED
+        _RECEIVED.append(signum)
         if _DEFER.is_set():
-            _HELD.append(signum)
+            if not _HELD:
+                _HELD.append(signum)
             return
-        raise Stopped(f"stopped by {signal.Signals(signum).name}")
+        if len(_RECEIVED) > 1 and not repeat:
+            return
+        if _POLLED.is_set() and not repeat:
+            return
+        raise Stopped(signum)
 
     previous = {s: signal.signal(s, handler) for s in signals}
     try:
@@ -104,14 +132,17 @@ def stop_on_signals(signals=(signal.SIGTERM,)):
 
 @contextmanager
 def uninterrupted():
-    """Hold a stop signal until the body has finished, then raise it as :class:`Stopped`."""
+    """Hold a stop signal until the body has finished, then raise it as :class:`Stopped` (or, while the
+    trainer polls between steps, leave it for the poll)."""
     _DEFER.set()
     try:
         yield
     finally:
         _DEFER.clear()
     if _HELD:
-        raise Stopped(f"stopped by {signal.Signals(_HELD.pop()).name}")
+        signum = _HELD.pop()
+        if not _POLLED.is_set():
+            raise Stopped(signum)
 
 
 class Trainer:
@@ -229,6 +260,7 @@ class Trainer:
                         self._open_window()
                     self.train_step(step)
                     done = step + 1
+                    _POLLED.set()  # a stop signal from here on ends the run at a step's end
                     if self._at_boundary(done):
                         bad = self.flush()
                         if bad is not None:
@@ -237,12 +269,15 @@ class Trainer:
                     if self.t.checkpoint_every and done % self.t.checkpoint_every == 0:
                         self.checkpoint(done)
                     self.progress.advance()
+                    if self._stop_now():
+                        self._stop(done)
             self.flush()
             synchronize(self.env.device, self.env.world_size)
             self.clock.stop_window()
         except BaseException as e:
-            message = (f"{e} after {self.segment['end_step']} of {self.t.steps} steps" if isinstance(e, Stopped)
-                       else describe(e))
+            sig = e.signum if isinstance(e, Stopped) else stop_signal()  # a library may wrap what the handler raised
+            message = (f"stopped by {signal.Signals(sig).name} after {self.segment['end_step']} of {self.t.steps} steps"
+                       if sig is not None else describe(e))
             _ENDING.set()
             try:
                 self.result = self._finish("failed", message, collective=False)
@@ -250,6 +285,7 @@ class Trainer:
                 _ENDING.clear()
             raise
         finally:
+            _POLLED.clear()
             self.sampler.stop()
             if self.frozen:
                 gc.unfreeze()
@@ -281,8 +317,11 @@ class Trainer:
             return None
         losses = torch.stack([p[1].float() for p in self.pending])
         if dist.is_initialized() and self.env.world_size > 1:
-            dist.all_reduce(losses)
-            losses = losses / self.env.world_size
+            # one more element: whether any rank was asked to stop, so that every rank stops after the same step
+            asked = torch.tensor([float(stop_signal() is not None)], device=losses.device)
+            both = torch.cat([losses, asked])
+            dist.all_reduce(both)
+            losses, self.stop_agreed = both[:-1] / self.env.world_size, bool(both[-1].item() > 0)
         norms = [p[2] for p in self.pending]
         norm_vals = (torch.stack([n.float() for n in norms]).tolist() if all(n is not None for n in norms)
                      else [None] * len(norms))
@@ -381,8 +420,27 @@ class Trainer:
                             "every GEMM stays bf16", style="yellow")
 
     def _at_boundary(self, done: int) -> bool:
+        """Where the host synchronises: the losses are fetched there, and ranks agree there on a stop. Several
+        ranks meet every train.log_every steps even without --measure, so a stop waits at most that long."""
         saves = self.t.checkpoint_every and done % self.t.checkpoint_every == 0
-        return bool(saves or done == self.t.steps or (self.measure and (done - self.start_step) % self.t.log_every == 0))
+        every = self.measure or self.env.world_size > 1
+        return bool(saves or done == self.t.steps or (every and (done - self.start_step) % self.t.log_every == 0))
+
+    def _stop_now(self) -> bool:
+        """Whether to stop after this step: a stop signal here (one process), or on any rank as agreed at the
+        boundary just passed (several; :meth:`flush`)."""
+        if self.env.world_size > 1:
+            agreed, self.stop_agreed = getattr(self, "stop_agreed", False), False
+            return agreed
+        return stop_signal() is not None
+
+    def _stop(self, done: int) -> None:
+        """End the run after step ``done - 1`` on a stop signal: the pending rows written, a checkpoint where
+        one is due (train.checkpoint_every set and this step not saved yet), then :class:`Stopped`."""
+        self.flush()
+        if self.t.checkpoint_every and done % self.t.checkpoint_every:
+            self.checkpoint(done)
+        raise Stopped(stop_signal() or signal.SIGTERM)  # agreed from another rank: the scheduler's signal
 
     def _divergence(self, bad: int) -> str:
         loss = self.history["loss"][self.history["step"].index(bad)]

@@ -129,9 +129,14 @@ def test_estimate_summary_is_short_and_its_figures_are_the_json(recipe, world):
     seen = set()
     for line in lines:
         cells = line.split()
-        if cells and cells[0] in labels and len(cells) in (9, 10):  # tokens/s with or without an SI prefix
+        if cells and cells[0] in labels and len(cells) in (10, 11):  # tokens/s with or without an SI prefix
             seen.add(cells[0])
-            assert cells[-1] == f"{100 * predicted[cells[0]]['mfu']:.0f}%"  # the predicted MFU beside the memory
+            pred = predicted[cells[0]]
+            if pred["activation_checkpointing"] is None:  # no checkpointing fits the card: no speed to show
+                assert cells[-4:] == ["-", "-", "no", "fit"] and pred["tokens_per_s_per_gpu"] is None
+            else:  # the predicted MFU beside the memory, at the checkpointing it was predicted with
+                assert cells[-2] == f"{100 * pred['mfu']:.0f}%"
+                assert cells[-1] == {"none": "none", "selective": "sel", "full": "full"}[pred["activation_checkpointing"]]
             for ac, (value, unit, at) in zip(("none", "full"), (cells[1:4], cells[4:7])):
                 row = rows[(cells[0], ac)]
                 assert {"bwd": "backward", "step": "optimizer_step"}[at] == row["phase"]
@@ -147,7 +152,7 @@ def test_estimate_table_and_overrides():
                                     "--set", "model.n_kv_heads=4", "--world-size", "8", "--detail"])
     assert res.exit_code == 0, res.output
     for text in ("Parameters", "12·d²·L", "FLOPs per token", "KV cache", "zero3", "world size 8", "bwd*",
-                 "This recipe (single, 1 GPU"):
+                 "This recipe's engine (single) runs one process: the rows above are for 8 GPUs"):
         assert text in res.output
 
 

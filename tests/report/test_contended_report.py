@@ -51,7 +51,7 @@ def test_a_difference_is_called_on_quiet_runs_and_not_on_contended_ones(tmp_path
     assert "rests on contended runs (1 of 2" in text
     (table,) = [t for t in [tables.train_table(busy)] if t is not None]
     # the MHA run recorded no contention (a run from before it was recorded): '-', not a count of 0
-    assert [row[[c.name for c in table.columns].index("contended")] for row in table.rows] == [None, 1]
+    assert [row[[c.name for c in table.columns].index("contended")] for row in table.rows] == [None, "1 of 1"]
 
 
 def _hogs(n: int) -> list[subprocess.Popen]:
@@ -99,3 +99,86 @@ def test_a_run_beside_a_cpu_hog_is_flagged_and_its_difference_not_called(tmp_pat
     text = _throughput(_pair(tmp_path / "report", res.model_dump(mode="json"),
                              mha_step_s=res.timing.step_s.median / 5))
     assert "not called: 1 of 2 runs contended" in text and "slower" not in text and "faster" not in text
+
+
+def test_a_contended_figure_is_marked_on_its_cell_and_the_quiet_ones_are_not(tmp_path):
+    """The mark sits on the contended point's timed cells (markdown and HTML render Table.formatted), the runs
+    column beside `runs` says how many, and the note says what the mark means."""
+    busy = _pair(tmp_path / "busy", _flagged(synth.train_result(synth.steps(0.0125, 20)), True))
+    table = tables.train_table(busy)
+    names = [c.full for c in table.columns]
+    assert names.index("runs contended") == names.index("runs") + 1 < names.index("tokens/s median")
+    cells = table.formatted()
+    mha_row, mla_row = cells
+    for col in ("tokens/s median", "tokens/s p10–p90"):
+        i = names.index(col)
+        assert mla_row[i].endswith(tables.CONTENDED_MARK) and not mha_row[i].endswith(tables.CONTENDED_MARK)
+    assert table.rows[1][names.index("tokens/s median")] == table.column("tokens/s median")[1] > 0  # still a number
+    assert table.note.startswith(f"{tables.CONTENDED_MARK}: a contended figure")
+    quiet = tables.train_table(_pair(tmp_path / "quiet", _flagged(synth.train_result(synth.steps(0.0125, 20)), False)))
+    assert not quiet.marked and tables.CONTENDED_MARK not in quiet.note
+    assert [row[names.index("runs contended")] for row in quiet.formatted()] == ["-", "none"]
+
+
+def test_the_report_files_show_the_mark_and_the_plots_ring_the_point(tmp_path):
+    from scaletool.report import plots
+    from scaletool.report.render import build_report
+
+    busy = tmp_path / "busy"
+    _pair(busy, _flagged(synth.train_result(synth.steps(0.0125, 20)), True))
+    res = build_report([busy], tmp_path / "report")
+    md = (tmp_path / "report" / "report.md").read_text()
+    html = (tmp_path / "report" / "report.html").read_text()
+    assert tables.CONTENDED_MARK in md and tables.CONTENDED_MARK in html
+    ringed = [p for p in plots.train_plots(data.load([busy])) if p is not None and plots.CONTENDED_CAPTION in p.caption]
+    assert "tokens_per_s_vs_compression" in {p.key for p in ringed}  # MFU has no CPU peak: no MFU plot here
+    assert res.findings and any("not called: 1 of 2 runs contended" in f for f in res.findings)
+
+
+def test_the_tokens_per_s_plot_draws_mha_as_a_reference_line(tmp_path):
+    from scaletool.report import plots
+
+    rs = _pair(tmp_path / "quiet", _flagged(synth.train_result(synth.steps(0.0125, 20)), False))
+    (plot,) = [p for p in plots.train_plots(rs) if p is not None and p.key == "tokens_per_s_vs_compression"]
+    assert "Dashed: MHA's tokens/s." in plot.caption and plots.CONTENDED_CAPTION not in plot.caption
+
+
+def test_prediction_findings_leave_contended_points_out_and_say_so(tmp_path):
+    from scaletool.report import prediction
+
+    s = synth.Sweep(tmp_path / "gpu")
+    quiet = synth.train_result(synth.steps(0.010, 20), device="cuda")
+    quiet["metrics"]["predict/tokens_per_s"] = 26_000.0
+    busy = _flagged({**quiet, "metrics": {**quiet["metrics"], "predict/tokens_per_s": 150_000.0}}, True)
+    s.add("attention=mha", {"model.attention": "mha"}, synth.mha(), "train", quiet, index=0)
+    s.add("attention=mla kv_lora_rank=8", {"model.attention": "mla"}, synth.mla(8), "train", busy, index=1)
+    rs = data.load([tmp_path / "gpu"])
+    (text, *_) = prediction.prediction_findings(rs)
+    assert text.startswith("Step-time model against 1 GPU point(s)")
+    assert "1 contended point(s) left out (attention=mla kv_lora_rank=8)" in text
+    table = prediction.prediction_table(rs)
+    err = [c.full for c in table.columns].index("predicted vs measured")
+    assert table.formatted()[1][err].endswith(tables.CONTENDED_MARK) and not table.formatted()[0][err].endswith("⚠")
+
+
+def test_gqa_points_are_judged_against_mha_too(tmp_path):
+    s = synth.Sweep(tmp_path / "kinds")
+    s.add("attention=mha", {"model.attention": "mha"}, synth.mha(), "train",
+          synth.train_result(synth.steps(0.010, 20)), index=0)
+    gqa = synth.recipe(**{**synth.AS_MHA, "model.attention": "gqa", "model.n_kv_heads": 2})
+    s.add("attention=gqa", {"model.attention": "gqa"}, gqa, "train", synth.train_result(synth.steps(0.008, 20)), index=1)
+    texts = [f for f in findings.throughput_crossover(data.load([tmp_path / "kinds"])) if "GQA" in f]
+    assert len(texts) == 1 and texts[0].startswith("Training throughput, GQA against MHA (")
+    assert "GQA with 2 KV heads (2.00× less KV cache): +25.0% (faster)" in texts[0]
+
+
+def test_gqa_decode_points_are_judged_against_mha_too(tmp_path):
+    s = synth.Sweep(tmp_path / "dec")
+    mha = synth.decode_result([synth.decode_point("mha", 64, synth.steps(0.010, 20), synth.steps(0.05, 5))])
+    gqa = synth.decode_result([synth.decode_point("gqa", 64, synth.steps(0.008, 20), synth.steps(0.05, 5))])
+    s.add("attention=mha", {"model.attention": "mha"}, synth.mha(), "decode", mha, index=0)
+    s.add("attention=gqa", {"model.attention": "gqa"},
+          synth.recipe(**{**synth.AS_MHA, "model.attention": "gqa", "model.n_kv_heads": 2}), "decode", gqa, index=1)
+    (text,) = findings.decode_speed(data.load([tmp_path / "dec"]))
+    assert text.startswith("Decode throughput, GQA against MHA (intermediate_size 192): context 64 (MHA batch 1: ")
+    assert "GQA with 2 KV heads: +25.0% (faster)" in text
