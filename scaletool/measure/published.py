@@ -4,9 +4,11 @@ The table (``profiles/published-runs.tsv``, one row per published measurement, t
 ``source``) gives each run's model dimensions, sequence length, global and micro batch, GPU count and card,
 parallel layout, activation checkpointing, precision, compile and the measured tokens/s per GPU. Each row scaletool
 can express becomes a recipe (:func:`express`) predicted with the shipped (or datasheet-default) calibration of
-its card at 8 GPUs per node; each row it cannot express is listed with the reason (pipeline or context
-parallelism, FP8 all-gather, a micro-batch the source does not state, a card without a profile). The rows are data
-to predict: nothing in the model or the calibrations is fitted to them.
+its card at 8 GPUs per node, through the prediction ``estimate`` and ``plan`` use (pipeline layouts by
+:mod:`scaletool.analytic.pipeline`); each row it cannot express is listed with the reason (tensor parallelism with
+pipeline stages, DualPipe, context parallelism, FP8 all-gather or another project's FP8 recipe, a micro-batch the
+source does not state, a card without a profile). The rows are data to predict: nothing in the model or the
+calibrations is fitted to them.
 """
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ import statistics
 from pathlib import Path
 
 from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration
-from scaletool.analytic.step import predict_step
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.measure.hardware import load_profiles, profile_named
+from scaletool.measure.prediction import predict
 from scaletool.resources import data_dir
 
 COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",
@@ -122,9 +124,10 @@ def _precision(text: str) -> tuple[str, str]:
     t = text.lower()
     if "all-gather" in t:
         raise NotExpressible("FP8 all-gather (float8 parameters gathered by FSDP2): not modelled")
-    if "te" in re.findall(r"[a-z]+", t) or "fp8 mixed" in t:
+    fp8 = "float8" in t or "fp8" in t
+    if fp8 and ("te" in re.findall(r"[a-z]+", t) or "fp8 mixed" in t):
         raise NotExpressible("Transformer Engine / DeepSeek FP8 recipes: not scaletool's torchao FP8")
-    if "float8" in t or "fp8" in t:
+    if fp8:
         return "bf16", "tensorwise"  # torchao's default recipe, what torchtitan's float8 runs use
     if "fp16" in t:
         return "fp16", "none"
@@ -133,9 +136,39 @@ def _precision(text: str) -> tuple[str, str]:
     raise NotExpressible(f"precision {text[:40]!r}")
 
 
+def _search(pattern: str, text: str, what: str) -> int:
+    m = re.search(pattern, text, re.IGNORECASE)
+    if not m:
+        raise NotExpressible(f"{what} not stated ({text[:40]!r})")
+    return int(m.group(1))
+
+
+def _deepseek_v3(row: dict, L: int, d: int, H: int) -> dict:
+    """DeepSeek-V3's MLA and DeepSeekMoE from the row's columns (kv_heads: ``MLA (kv_lora R, rope r)``; ffn:
+    ``dense F (k layers) / expert f``; model: ``MoE Ee top-k``) and the family's fixed widths and routing, which
+    the table does not repeat: q_lora_rank 1536, no-RoPE and value head dims 128, one shared expert, sigmoid
+    top-k renormalised and scaled by 2.5, 4 of 8 expert groups (its config.json, as recipes/deepseek-v3.yaml).
+    No aux loss and no bias update: the published runs balance the experts' load (a balanced gate)."""
+    kv, ffn, name = row["kv_heads"], row["ffn"], row["model"]
+    return {"attention": "mla", "kv_lora_rank": _search(r"kv_lora\s*(\d{1,6})\b", kv, "MLA's KV latent width"),
+            "qk_rope_head_dim": _search(r"rope\s*(\d{1,6})\b", kv, "MLA's RoPE head dim"),
+            "q_lora_rank": 1536, "qk_nope_head_dim": 128, "v_head_dim": 128, "rope_theta": 10000.0, "norm": "rmsnorm",
+            "ffn": "moe", "intermediate_size": _search(r"dense\s*(\d{1,7})\b", ffn, "the dense FFN width"),
+            "first_k_dense_replace": _search(r"\((\d{1,4})\s*layers?\)", ffn, "the dense layers"),
+            "moe_intermediate_size": _search(r"expert\s*(\d{1,7})\b", ffn, "the expert width"),
+            "n_routed_experts": _search(r"(\d{1,6})\s*e\b", name, "the routed experts"),
+            "num_experts_per_tok": _search(r"top-(\d{1,4})\b", name, "the experts per token"),
+            "n_shared_experts": 1, "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+            "n_group": 8, "topk_group": 4}
+
+
 def _model(row: dict) -> dict:
     name = row["model"]
     L, d, H = _integer(row, "layers"), _integer(row, "hidden"), _integer(row, "heads")
+    common = {"d_model": d, "n_layers": L, "n_heads": H, "vocab_size": _integer(row, "vocab"),
+              "max_seq_len": _integer(row, "seq_len")}
+    if name.lower().startswith("deepseek-v3"):
+        return common | _deepseek_v3(row, L, d, H)
     if not (row["kv_heads"].isascii() and row["kv_heads"].isdigit()):
         raise NotExpressible(f"attention {row['kv_heads'][:30]!r} with a MoE FFN: not a dense model of the table's form")
     kv = _integer(row, "kv_heads")
@@ -153,16 +186,41 @@ def _model(row: dict) -> dict:
     return model
 
 
-def express(row: dict) -> dict:
-    """The recipe, GPU count, card and approximations of a published row; NotExpressible with the reason."""
+def _pipeline(layout: str) -> tuple[int, str, int]:
+    """(pipeline ranks, schedule, virtual stages per rank) of the layout column: ``PPn`` alone is 1F1B (torchtitan's
+    and Megatron's default), ``PPn`` with ``VPk`` interleaved 1F1B with k model chunks a rank."""
+    pp, vp = _degree(layout, "PP"), _degree(layout, "VP")
+    if pp == 1:
+        return 1, "1f1b", 1
+    return (pp, "interleaved-1f1b", vp) if vp > 1 else (pp, "1f1b", 1)
+
+
+def _layout_problems(row: dict) -> list[str]:
+    """What the layout column asks for that scaletool's layouts do not have, one reason each."""
     layout = row["layout"]
-    pp = _degree(layout, "PP")
-    if row["pp_row"].strip().lower() == "yes" or pp > 1:
-        raise NotExpressible("pipeline parallelism" + (f" (PP{pp})" if pp > 1 else ""))
-    cp = _degree(layout, "CP")
+    pp, tp, cp = _degree(layout, "PP"), _degree(layout, "TP"), _degree(layout, "CP")
+    problems = []
+    if "dualpipe" in layout.lower():
+        problems.append(f"DualPipe (PP{pp}, DeepSeek's bidirectional schedule): not one of scaletool's pipeline schedules")
+    elif row["pp_row"].strip().lower() == "yes" and pp == 1:
+        problems.append("pipeline parallelism of a degree the layout does not state")
+    if pp > 1 and tp > 1:
+        problems.append(f"tensor parallelism with pipeline stages (TP{tp} × PP{pp}): not composed")
     if cp > 1:
-        raise NotExpressible(f"context parallelism (CP{cp})")
-    dtype, float8 = _precision(row["precision"])
+        problems.append(f"context parallelism (CP{cp})")
+    return problems
+
+
+def express(row: dict) -> dict:
+    """The recipe, GPU count, card and approximations of a published row; NotExpressible with the reasons."""
+    layout = row["layout"]
+    problems = _layout_problems(row)
+    try:
+        dtype, float8 = _precision(row["precision"])
+    except NotExpressible as e:
+        problems.append(str(e))
+    if problems:
+        raise NotExpressible("; ".join(problems))
     if not row["micro_batch"].strip().isdigit():
         raise NotExpressible("micro-batch not stated by the source")
     if "megatron" in layout.lower():
@@ -171,19 +229,32 @@ def express(row: dict) -> dict:
         raise NotExpressible(f"layout {layout[:40]!r}: not an FSDP layout")
     N, m, gbs = _integer(row, "n_gpus"), _integer(row, "micro_batch"), _integer(row, "global_batch_seqs")
     tp = _degree(layout, "TP")
-    if N % tp:
-        raise NotExpressible(f"TP{tp} does not divide {N} GPUs")
-    dp = N // tp
+    pp, schedule, vp = _pipeline(layout)
+    ep = _degree(layout, "EP")
+    if N % (tp * pp):
+        degrees = " × ".join(f"{k}{v}" for k, v in (("TP", tp), ("PP", pp)) if v > 1)
+        raise NotExpressible(f"{degrees} does not divide {N} GPUs")
+    dp = N // (tp * pp)
     if gbs % (m * dp):
         raise NotExpressible(f"global batch {gbs} is not micro-batch {m} x {dp} data-parallel ranks x an accumulation")
     ac, note = _checkpointing(row["act_ckpt"])
     compiled = row["compile"].strip().lower().startswith("yes")
     model = _model(row) | {"dtype": dtype}
-    train = {"seq_len": model["max_seq_len"], "micro_batch_size": m, "grad_accum_steps": gbs // (m * dp),
-             "activation_checkpointing": ac, "compile": compiled, "float8": float8}
+    if pp > 1:  # a pipeline step is the rank's whole batch cut into pipeline micro-batches of m sequences
+        train = {"micro_batch_size": gbs // dp, "grad_accum_steps": 1}
+    else:
+        train = {"micro_batch_size": m, "grad_accum_steps": gbs // (m * dp)}
+    train |= {"seq_len": model["max_seq_len"], "activation_checkpointing": ac, "compile": compiled, "float8": float8}
     if ac == "selective":
         train["selective_every"] = 2
     parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp}
+    if pp > 1:
+        parallel |= {"pipeline_parallel": pp, "pipeline_schedule": schedule, "pipeline_virtual_stages": vp,
+                     "pipeline_microbatches": gbs // (dp * m)}
+    if ep > 1:
+        if model.get("ffn") != "moe":
+            raise NotExpressible(f"expert parallelism (EP{ep}) of a model without experts")
+        parallel |= {"expert_parallel": True, "expert_parallel_degree": ep}
     try:
         recipe = recipe_from_dict({"model": model, "train": train, "parallel": parallel}, f"published {row['id']}")
     except RecipeError as e:
@@ -191,6 +262,8 @@ def express(row: dict) -> dict:
     notes = [note] if note else []
     if float8 != "none":
         notes.append("FP8 GEMMs at twice the bf16 curve (no calibration measured an FP8 rate)")
+    if re.search(r"deepep|\bte\b", layout, re.IGNORECASE):
+        notes.append("Transformer Engine / DeepEP kernels as scaletool's own (grouped GEMMs, all-to-all)")
     return {"recipe": recipe, "world_size": N, "card": _card(row["gpu"]), "notes": notes}
 
 
@@ -222,7 +295,7 @@ def validate_published(paths: list[Path] | None = None) -> dict:
             except (NotExpressible, RecipeError) as e:
                 skipped.append({"id": row["id"], "model": row["model"], "reason": str(e), "source": row["source"]})
                 continue
-            pred = predict_step(x["recipe"], cal, world_size=x["world_size"], gpus_per_node=GPUS_PER_NODE)
+            pred = predict(x["recipe"], cal, world_size=x["world_size"], gpus_per_node=GPUS_PER_NODE)
             N = x["world_size"]
             rows.append({"id": row["id"], "model": row["model"], "card": x["card"], "calibration": cal.name,
                          "gpus": N, "nodes": max(1, N // GPUS_PER_NODE), "layout": row["layout"],
