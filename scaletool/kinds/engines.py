@@ -51,26 +51,20 @@ def _or_list(names: list[str]) -> str:
 class EngineKind:
     """One value of ``parallel.engine``.
 
-    ``keys``: ``parallel.*`` keys only this engine reads (set under another engine, they are errors).
-    ``distributed``: runs in a process group (False: one process, only at world size 1: :meth:`runs_on`).
-    ``autocast``: computes by autocast over fp32 weights. ``casts_weights``: each micro-batch makes 16-bit
-    copies of fp32 weights (autocast, FSDP2's mixed precision; not DeepSpeed's 16-bit weights).
-    ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model``: one graph, the loss in it, or
-    ``block``: each block, communication hooks between compiled regions); ``compiles_module``: the engine compiles
-    the whole module itself whatever ``compile_scope`` says (DeepSpeed's ``engine.compile``).
-    ``layouts``: the parallel layouts it composes with (``tensor_parallel``, ``expert_parallel``,
-    ``pipeline_parallel``).
-    ``zero_stages``: the ZeRO stages it takes (``parallel.zero_stage``),
-    ``table_stages`` those the engine table and the plan show. ``optimizer_sharded_from`` /
-    ``gradients_sharded_from``: the least stage at which the optimizer states (fp32 master, m, v) and the
-    gradients are sharded over the data-parallel ranks (None: never; 0: always, for an engine without
-    stages). ``float8``: composes with ``train.float8``; ``float8_all_gather``:
-    gathers Float8Linear weights in FP8 under ``train.float8=tensorwise`` (FSDP2). ``weight_cast_step``: takes
-    ``train.weight_cast=step`` (one process, gradients accumulated by the engine itself). ``package``: the
-    library whose version a training result records. ``quick_on_cpu``: starts in seconds on the CPU over
-    gloo, so ``plan --verify`` tries it there (DeepSpeed's start-up takes minutes). ``rules``: the engine's own recipe rules,
-    ``rules(recipe, world_size)`` -> problem lines (world size None: not known yet). ``parts``: the
-    callables of :data:`PARTS` the floors above provide (:meth:`provide`, :meth:`part`).
+    ``keys``: ``parallel.*`` keys only this engine reads. ``distributed``: runs in a process group (False: one
+    process, only at world size 1: :meth:`runs_on`). ``autocast``: computes by autocast over fp32 weights;
+    ``casts_weights``: each micro-batch makes 16-bit copies of fp32 weights (not DeepSpeed's 16-bit weights).
+    ``auto_compile_scope``: what ``train.compile_scope=auto`` compiles (``model``: one graph with the loss;
+    ``block``: each block); ``compiles_module``: the engine compiles the whole module itself (DeepSpeed).
+    ``layouts``: the layouts it composes with (``tensor_parallel``, ``expert_parallel``, ``pipeline_parallel``,
+    ``data_parallel_replicate``). ``zero_stages``: the ZeRO stages it takes, ``table_stages`` those the tables
+    and the plan show. ``optimizer_sharded_from`` / ``gradients_sharded_from``: the least stage at which the
+    optimizer states and the gradients are sharded (None: never; 0: always). ``float8``: composes with
+    ``train.float8``; ``float8_all_gather``: gathers Float8Linear weights in FP8 (FSDP2). ``weight_cast_step``:
+    takes ``train.weight_cast=step``. ``package``: the library a training result records the version of.
+    ``quick_on_cpu``: starts in seconds on the CPU over gloo (``plan --verify`` tries it there). ``rules``:
+    ``rules(recipe, world_size)`` -> problem lines. ``parts``: the callables of :data:`PARTS` the floors above
+    provide (:meth:`provide`, :meth:`part`).
     """
 
     name: str
