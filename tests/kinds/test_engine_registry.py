@@ -19,8 +19,8 @@ from scaletool.engines.single import SingleEngine
 from scaletool.hf import load_recipe
 from scaletool.kinds.engines import ENGINES, EngineKind, engine_kind, engines_for, register_engine, unregister_engine
 
-PKG = Path(__file__).resolve().parents[1] / "scaletool"
-TINY = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml")
+PKG = Path(__file__).resolve().parents[2] / "scaletool"
+TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")
 TOY_BUFFER = 3 * 2**20  # the toy engine's own buffer, so its memory is told apart from single's
 TOY_HOST_S = 0.25  # its host seconds per micro-batch, so its step time is told apart too
 

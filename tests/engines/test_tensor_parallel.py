@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo): TP=2 (two ranks) and FSDP2 × TP 2×2 (four ranks) against ``single``.
 
-One torchrun job per layout (tests/train/tp_worker.py) trains every attention kind of the tiny recipe
+One torchrun job per layout (tests/engines/tp_worker.py) trains every attention kind of the tiny recipe
 through ``scaletool.api.train``: with the same seed and the same global batch (8 sequences per step:
 one data-parallel rank × 8, or two × 4) the loss and gradient-norm curves equal the one-process run's to
 float32 summation-order noise, which any mistake in a plan (a head split the wrong way, a replicated

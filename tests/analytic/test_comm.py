@@ -1,6 +1,6 @@
 """The analytic Communication section on exact small cases: ring volumes, one tensor-parallel rank's model,
 tensor parallelism's and the data-parallel engines' collectives (the TP=2 and 2×2 numbers here are the
-ones tests/train/test_tensor_parallel.py measures on gloo), ZeRO's published ratios, and per-GPU memory
+ones tests/engines/test_tensor_parallel.py measures on gloo), ZeRO's published ratios, and per-GPU memory
 under FSDP2 × tensor parallelism."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from scaletool.analytic.params import moe_params, param_counts
 from scaletool.analytic.timeline import MemoryInputs
 from scaletool.config import load_recipe, recipe_from_dict
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 TINY = str(RECIPES / "tiny.yaml")  # MLA: d_model 64, 2 layers, 4 heads, kv_lora_rank 32, rope 8, FFN 192, vocab 256, fp32
 
 

@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel test job (started by tests/train/test_tensor_parallel.py under torchrun).
+"""One rank of the tensor-parallel test job (started by tests/engines/test_tensor_parallel.py under torchrun).
 
 ``tp_worker.py RECIPE OUT JOBS MEASURE``: JOBS is a JSON mapping of job name -> ``--set`` overrides.
 Every rank trains each job through ``scaletool.api.train`` into ``OUT/<name>`` (one process start for
