@@ -21,7 +21,6 @@ from scaletool.config import Recipe, RecipeError, apply_overrides, recipe_from_d
 from scaletool.errors import positive_finite, positive_int
 from scaletool.hf import load_recipe
 from scaletool.measure.hardware import DEFAULT_HARDWARE
-from scaletool.train.run import TRAIN_CHILD_ENV, WANDB_ENV, default_out  # noqa: F401 (the train run's names, here too)
 
 RecipeLike = str | Path | Recipe
 
@@ -386,6 +385,8 @@ def profile(recipe: RecipeLike, *, overrides: Sequence[str] = (), out: str | Pat
     world = nproc_per_node or launcher_env()["world_size"]
     if r.profile.ranks != "all" and max(r.profile.ranks) >= world:
         raise RecipeError(f"profile.ranks: {r.profile.ranks} names ranks beyond the world size {world}")
+    from scaletool.train.run import default_out
+
     out = Path(out or default_out(recipe))
     result = train(recipe, overrides=overrides, settings=settings, out=out, nproc_per_node=nproc_per_node, quiet=quiet)
     if launcher_env()["rank"] != 0:

@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
 from scaletool.kinds.engines import engine_kind
-from scaletool.train.resume import Resume
+
+if TYPE_CHECKING:  # the module stays torch-free to import: `scaletool train --help` and api need only its names
+    from scaletool.train.resume import Resume
 
 #: set by a parent that starts local ranks for their process: they write summary.json and leave the
 #: verdict (exit status, error lines, --json output) to the parent
@@ -53,9 +55,9 @@ class TrainRequest:
     source: str | Path | Recipe
     out: Path | None
     launcher: Mapping[str, Any]
+    resume: Resume
     overrides: tuple[str, ...] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
-    resume: Resume = Resume.NEVER
     peak_tflops: float | None = None
     measure: bool = True
     nproc_per_node: int | None = None
@@ -181,6 +183,8 @@ def train_local_ranks(req: TrainRequest):
     with cannot_write(out, "the run directory"):  # before any rank starts
         out.mkdir(parents=True, exist_ok=True)
         recipe, overrides = _rank_inputs(req, out)
+    from scaletool.train.resume import Resume
+
     flag = {Resume.NEVER: False, Resume.AUTO: "auto", Resume.REQUIRED: True}[req.resume]
     spec = LaunchSpec(recipe, str(out), nproc_per_node=nproc, overrides=overrides, peak_tflops=req.peak_tflops,
                       resume=flag, measure=req.measure)

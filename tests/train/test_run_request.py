@@ -49,7 +49,8 @@ def _request(source, tmp_path, **kw) -> TrainRequest:
     settings = kw.pop("settings", {})
     overrides = kw.pop("overrides", ())
     return TrainRequest(recipe=api.resolve(source, overrides, settings), source=source, out=tmp_path / "run",
-                        launcher=launcher_env(), overrides=tuple(overrides), settings=settings, **kw)
+                        launcher=launcher_env(), resume=kw.pop("resume", Resume.NEVER), overrides=tuple(overrides),
+                        settings=settings, **kw)
 
 
 def test_a_request_is_frozen(tmp_path):
