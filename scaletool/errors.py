@@ -9,10 +9,12 @@
 - :func:`echo`, :func:`shorten`: a value from user input (a path, a key), cut for a one-line message.
 - :func:`cannot_write`: a write that fails (full or read-only disk, a path under a file) as one line.
 - :func:`validation_lines`: a pydantic ``ValidationError`` as one line per problem.
+- :func:`positive_int`, :func:`positive_finite`: a library argument checked at the edge (one line when not).
 """
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import reprlib
@@ -170,3 +172,19 @@ def validation_lines(exc: Any, source: str, *, root: str = "", known: Callable[[
         msg = (messages or {}).get(err["type"]) or err["msg"].removeprefix("Value error, ")
         lines.append(f"{source}: {where}: {msg}{f' (got {echo(got)})' if shown else ''}")
     return lines
+
+
+def positive_int(name: str, value: Any) -> int:
+    """``value`` when it is an int >= 1 (not a bool), else a RecipeError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{name}: expected a positive integer, got {str(value)[:40]!r}")
+    return value
+
+
+def positive_finite(name: str, value: Any) -> float | None:
+    """None, or a finite number > 0 as a float (a NaN or infinite peak or budget would pass every comparison)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise RecipeError(f"{name}: expected a finite number > 0, got {str(value)[:40]!r}")
+    return float(value)

@@ -8,6 +8,7 @@ callers hand in the section names.
 from __future__ import annotations
 
 import difflib
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -144,6 +145,12 @@ def parse_override(item: str) -> tuple[str, Any]:
             raise
         value = raw  # not YAML: the text itself (validation says if a string does not fit)
     return key, value
+
+
+def override_text(key: str, value: Any) -> str:
+    """``key=value`` with the value as JSON, which :func:`parse_override` reads back as the same value: how a
+    typed setting crosses a process boundary (a child's ``--set``) without being re-spelled by hand."""
+    return f"{key}={json.dumps(value)}"
 
 
 def set_dotted(raw: dict, key: str, value: Any, sections: Sequence[str]) -> None:

@@ -68,11 +68,11 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
       scaletool estimate mha-1b --set train.float8=tensorwise   # FP8 GEMMs
       scaletool estimate llama3-8b --gpus 64 --inter-node-gb-s 45
     """
-    if tensor_parallel is not None:
-        overrides = (*overrides, f"parallel.engine={tensor_parallel_engine()}", f"parallel.tensor_parallel={tensor_parallel}")
+    settings = {} if tensor_parallel is None else {"parallel.engine": tensor_parallel_engine(),
+                                                     "parallel.tensor_parallel": tensor_parallel}
     shape = {"train.seq_len": seq_len, "train.micro_batch_size": micro_batch}
-    overrides = (*overrides, *(f"{k}={v}" for k, v in shape.items() if v is not None))
-    r = api.resolve(recipe, overrides)
+    settings.update((k, v) for k, v in shape.items() if v is not None)
+    r = api.resolve(recipe, overrides, settings)
     est = api.estimate(r, tokens=tokens, world_size=world_size, hardware=hardware, inter_node_gb_s=inter_node_gb_s,
                        gpus_per_node=gpus_per_node, calibration=calibration)
     deliver(est, as_json)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import click
 
-from scaletool.api import TRAIN_CHILD_ENV as CHILD_ENV  # noqa: F401 (what `scaletool launch` sets for its ranks)
-from scaletool.api import WANDB_ENV
-from scaletool.api import default_out as _default_out
 from scaletool.cli.options import PositiveFloat, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import stdout_to_stderr
+from scaletool.train.run import TRAIN_CHILD_ENV as CHILD_ENV  # noqa: F401 (what `scaletool launch` sets for its ranks)
+from scaletool.train.run import WANDB_ENV
+from scaletool.train.run import default_out as _default_out
 
 
 def default_out(recipe: str) -> Path:

@@ -9,7 +9,8 @@
 - :mod:`scaletool.report.plots`: matplotlib (Agg) plots with p10–p90 error bars, drawn only where the
   data has two x values.
 - :mod:`scaletool.report.dynamics`: the training-dynamics study, for monitored train runs: outcomes,
-  loss, entropy and effective-rank curves, and the stated training-dynamics claims judged against the data.
+  loss, entropy and effective-rank curves; :mod:`scaletool.report.dynamics_findings`: the stated
+  training-dynamics claims judged against the data.
 - :mod:`scaletool.report.findings`: sentences computed from the data; throughput differences only
   beyond the noise.
 - :mod:`scaletool.report.results_csv`: results.csv from the typed rows.

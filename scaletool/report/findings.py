@@ -16,7 +16,7 @@ from collections import defaultdict
 from scaletool.fmt import pct
 from scaletool.report.claims import claim_findings
 from scaletool.report.data import ResultsSet, Row
-from scaletool.report.dynamics import dynamics_findings
+from scaletool.report.dynamics_findings import dynamics_findings
 from scaletool.report.prediction import prediction_findings
 from scaletool.report.tables import (
     count_table,

@@ -9,6 +9,7 @@ from tiny_variants import tiny_cfg, tiny_model
 from scaletool import api
 from scaletool.config import load_recipe
 from scaletool.decode.bench import DecodeSettings, plan_points, run_decode
+from scaletool.decode.setup import decode_model
 from scaletool.decode.sizing import check_memory, memory_fit
 from scaletool.errors import RecipeError
 from scaletool.model.attention import DecodeMode
@@ -135,7 +136,7 @@ def test_trust_checkpoint_reaches_a_loader_that_takes_it(monkeypatch):
 
     monkeypatch.setattr(ckpt, "load_model_weights", loader)
     r = load_recipe(RECIPES / "tiny.yaml")
-    model = api._decode_model(r, torch.device("cpu"), 0, "some/dir", True)
+    model = decode_model(r, torch.device("cpu"), 0, api.checkpoint_weights("some/dir", True))
     assert seen == {"path": "some/dir", "trust": True} and not model.training
 
 

@@ -20,7 +20,8 @@ from report_synth import loss_curve as losses
 
 from scaletool import api
 from scaletool.report import data, dynamics, findings, tables
-from scaletool.report.dynamics import ENTROPY, RANK, Run, dynamics_findings, study
+from scaletool.report.dynamics import ENTROPY, RANK, Run, study
+from scaletool.report.dynamics_findings import dynamics_findings
 
 
 def claim(rs: data.ResultsSet, start: str) -> str:

@@ -22,7 +22,6 @@ import copy
 import hashlib
 import json
 import math
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,92 +29,46 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
-    ValidationInfo,
-    field_validator,
     model_validator,
 )
 
+from scaletool.config.base import (  # noqa: F401 (the schema's names, importable from scaletool.config as before)
+    ATTENTION_NAMES,
+    BYTE_VOCAB,
+    DTYPE_BYTES,
+    INT64,
+    MAX_EXPERTS,
+    MAX_HEADS,
+    MAX_LAYERS,
+    MAX_SEQ_LEN,
+    MAX_VOCAB,
+    MAX_WEIGHTS,
+    MAX_WIDTH,
+    SECTIONS,
+    _derive,
+    _Section,
+    _takes,
+    _width,
+)
+from scaletool.config.sections import (  # noqa: F401
+    DataConfig,
+    MonitorConfig,
+    ParallelConfig,
+    ProfileConfig,
+    TrainConfig,
+)
 from scaletool.errors import RecipeError, echo, shorten, validation_lines
 from scaletool.kinds import attention as attention_kinds
 from scaletool.kinds.attention import attention_kind, position_kind
-from scaletool.kinds.engines import DEFAULT_ENGINE, engine_names, engine_problems, layout_problems
+from scaletool.kinds.engines import engine_problems, layout_problems
 from scaletool.kinds.float8 import float8_problems
-from scaletool.kinds.pipeline import SCHEDULE_NAMES, pipeline_problems
+from scaletool.kinds.pipeline import pipeline_problems
 from scaletool.resources import RECIPE, find_recipe
 from scaletool.yaml_input import check_tree, parse_override, read_yaml, set_dotted
 from scaletool.yaml_input import key_text as _key_text
-
-SECTIONS = ("model", "train", "parallel", "data", "profile")
-ATTENTION_NAMES = tuple(attention_kinds.ATTENTION_KINDS)
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# data.source=text: 256 byte ids + <|endoftext|> (scaletool.train.data.ByteTokenizer; a test keeps them equal)
-BYTE_VOCAB = 257
-
-# Size limits. Each is far above any published model (widest d_model ~16k-25k, deepest ~1,000 layers,
-# longest context ~10M tokens, most experts ~1M in PEER, ~2·10^12 weights) and low enough that no weight
-# tensor's element count overflows int64 and that `count` builds the layers in seconds.
-MAX_LAYERS = 4096
-MAX_WIDTH = 2**20       # d_model, head dims, latent ranks, FFN widths, regression features
-MAX_HEADS = 2**16
-MAX_EXPERTS = 2**20
-MAX_VOCAB = 2**32       # token ids are at most uint32
-MAX_SEQ_LEN = 2**24     # the RoPE table holds max_seq_len rows
-MAX_WEIGHTS = 10**15    # bound on the weights of one model (see weights_bound)
-INT64 = 2**63
-
-def _takes(annotation: Any, kind: type) -> bool:
-    """Whether a field annotated ``annotation`` takes values of ``kind`` (bool, int, float) as such."""
-    if annotation is Any or annotation is kind:
-        return True
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal:
-        return any(type(a) is kind for a in args)
-    return any(_takes(a, kind) for a in args)  # unions, Annotated, Optional
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=False, frozen=False, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _strict_kinds(cls, value: Any, info: ValidationInfo) -> Any:
-        """Booleans are not numbers and numbers are not booleans: YAML reads yes/no/on/off as booleans,
-        and pydantic would take ``n_layers: yes`` as 1 and ``enabled: 2`` as true."""
-        field = cls.model_fields.get(info.field_name or "")
-        if field is None or isinstance(value, type) or not isinstance(value, (bool, int, float)):
-            return value
-        if isinstance(value, bool) and not _takes(field.annotation, bool):
-            raise ValueError("a boolean is not a number or text here (YAML reads true/false, yes/no and on/off as "
-                             "booleans)")
-        if not isinstance(value, bool) and _takes(field.annotation, bool) and not (
-                _takes(field.annotation, int) or _takes(field.annotation, float)):
-            raise ValueError("expected true or false, not a number")
-        return value
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _int64(cls, value: Any) -> Any:
-        """Every integer fits int64 (torch's index type): a step count or seed of 10**30 fails here, not in torch."""
-        if isinstance(value, int) and not isinstance(value, bool) and not -INT64 <= value < INT64:
-            raise ValueError("must fit a 64-bit integer")
-        return value
-
-
-def _derive(cfg: BaseModel, key: str, value: Any) -> None:
-    """Set a derived field without marking it as given: ``model_dump(exclude_unset=True)`` stays what
-    the user wrote, so re-validating it with one key changed derives the others afresh."""
-    cfg.__dict__[key] = value
-
-
-def _width(default: int | None, description: str = "", zero_ok: bool = False) -> Any:
-    """A width or rank field: positive (or >= 0), at most MAX_WIDTH."""
-    bound = {"ge": 0} if zero_ok else {"gt": 0}
-    return Field(default, le=MAX_WIDTH, description=description, **bound)
-
 
 MOE_FIELDS = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "moe_intermediate_size",
               "first_k_dense_replace", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
@@ -362,172 +315,6 @@ def expert_capacity(cfg: ModelConfig, tokens: int) -> int:
     most ``tokens`` (an expert sees each token at most once). GShard §2.2 / Switch Transformer §2.2."""
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     return min(tokens, math.ceil(cfg.capacity_factor * tokens * k / E))
-
-
-class TrainConfig(_Section):
-    steps: int = Field(20, gt=0, description="optimizer steps")
-    micro_batch_size: int = Field(4, gt=0, description="sequences per rank per micro-step")
-    grad_accum_steps: int = Field(1, gt=0)
-    seq_len: int | None = Field(None, gt=0, description="default model.max_seq_len")
-    lr: float = Field(3e-4, gt=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine floor as a fraction of lr")
-    warmup_steps: int = Field(2, ge=0, description="linear learning-rate warm-up steps")
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    grad_clip: float = Field(1.0, ge=0, description="max global grad norm; 0 = off")
-    activation_checkpointing: Literal["none", "full", "selective"] = "none"
-    selective_every: int = Field(2, gt=0, description="selective checkpointing: every n-th block")
-    compile: bool = False
-    compile_scope: Literal["auto", "model", "block"] = Field(
-        "auto", description="torch.compile the whole model or each block; auto: model on engine=single, "
-        "block on sharded engines (communication hooks stay between compiled regions)")
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = Field(
-        "default", description="torch.compile's mode, with train.compile: reduce-overhead wraps each compiled "
-        "region in CUDA graphs (no per-kernel launch cost); max-autotune-no-cudagraphs autotunes matmuls")
-    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
-        "auto", description="auto: cuDNN first when q/k and v head dims differ (MLA), else flash")
-    float8: Literal["none", "tensorwise", "rowwise"] = Field(
-        "none", description="FP8 GEMMs for the blocks' linear layers (torchao's float8 training; engines single, "
-        "ddp, fsdp; model.dtype=bf16; CUDA capability >= 8.9): tensorwise (one scale per tensor; FSDP2 all-gathers "
-        "fp8 weights) or rowwise (a scale per row, closer to bf16); wants train.compile for its speed")
-    weight_cast: Literal["micro-batch", "step"] = Field(
-        "micro-batch", description="when the linear layers' 16-bit weight copies are made under autocast: "
-        "micro-batch (autocast casts at every forward) or step (engine=single: once per optimizer step, each "
-        "micro-batch's 16-bit weight gradient added into the fp32 one in one kernel; the same numbers, fewer "
-        "casts with train.grad_accum_steps > 1)")
-    seed: int = 1234
-    measure_warmup_steps: int = Field(2, ge=0, description="steps excluded from throughput and MFU")
-    log_every: int = Field(1, gt=0)
-    checkpoint_every: int = Field(0, ge=0, description="save every n steps; 0 = never")
-    fused_optimizer: bool | None = Field(None, description="default: fused AdamW on CUDA")
-
-
-def _engine_enum(schema: dict) -> None:
-    schema["enum"] = list(engine_names())  # the registry as it is when the schema is written
-
-
-def _quoted_or(names: tuple[str, ...]) -> str:
-    quoted = [f"'{n}'" for n in names]
-    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-
-
-class ParallelConfig(_Section):
-    engine: str = Field(DEFAULT_ENGINE, json_schema_extra=_engine_enum,
-                        description="the training engine (scaletool.kinds.engines)")
-    zero_stage: int = Field(1, ge=0, le=3, description="deepspeed ZeRO stage")
-    reshard_after_forward: bool = True
-    cpu_offload: bool = Field(False, description="fsdp: CPUOffloadPolicy for params, grads and optimizer")
-    reduce_scatter_every: Literal["step", "micro-batch"] = Field(
-        "step", description="fsdp with train.grad_accum_steps > 1: reduce-scatter the gradients once per optimizer "
-        "step (gradient sync off until the last micro-batch; FSDP2 holds every gradient unsharded in fp32 between "
-        "micro-batches) or after every micro-batch (sharded gradients only; that many times the traffic)")
-    offload_optimizer: bool = Field(False, description="deepspeed: optimizer state on the CPU")
-    offload_params: bool = Field(False, description="deepspeed ZeRO-3: parameters on the CPU")
-    world_size: int = Field(1, gt=0, description="ranks assumed by `estimate` (train uses the real one)")
-    nnodes: int = Field(1, gt=0)
-    nproc_per_node: int = Field(1, gt=0)
-    deepspeed: dict[str, Any] = Field(default_factory=dict, description="passed through as DeepSpeed config")
-    collective_timeout_s: int = Field(600, gt=0, description="process-group init and every collective: a rank "
-                                      "that waits longer for its peers fails with an error naming it")
-    expert_parallel: bool = Field(False, description="fsdp, ffn=moe: split the routed experts over the data-parallel "
-                                  "ranks (each keeps n_routed_experts / expert_parallel_degree of them); tokens move "
-                                  "by all-to-all, a variable number per expert with moe_dispatch=dropless")
-    expert_parallel_degree: int = Field(0, ge=0, description="expert_parallel: ranks in each expert-parallel group "
-                                        "(consecutive ranks; it divides the data-parallel ranks and n_routed_experts), "
-                                        "experts replicated across the groups; 0 = every data-parallel rank")
-    tensor_parallel: int = Field(1, gt=0, le=MAX_HEADS, description="fsdp: ranks that split every layer's heads and FFN "
-                                 "width (Megatron-style, with sequence parallelism); FSDP2 shards over the "
-                                 "world_size / tensor_parallel data-parallel ranks")
-    async_tp: bool = Field(False, description="tensor_parallel > 1 with train.compile on CUDA: inductor fuses each "
-                           "all-gather with the matmul it feeds and each matmul with its reduce-scatter, overlapping "
-                           "them chunk by chunk over symmetric memory")
-    tp_local_ops: bool = Field(False, description="tensor_parallel > 1: the same split with every op inside a block "
-                               "on local tensors (parameters stay DTensors), saving DTensor's per-op host dispatch")
-    data_parallel_replicate: int = Field(1, gt=0, description="fsdp: HSDP, FSDP2 on a 2-D (replicate, shard) mesh: "
-                                         "states sharded over world_size / data_parallel_replicate ranks (a node), "
-                                         "replicated across this many groups (nodes); gradient shards all-reduced "
-                                         "across them")
-    fsdp_on_one_rank: bool = Field(False, description="fsdp with tensor_parallel = world size (pure tensor parallelism): "
-                                   "wrap FSDP2 anyway, over its one-rank data mesh, where it shards nothing and costs "
-                                   "host time per block; off, the split model trains directly under autocast")
-    pipeline_parallel: int = Field(1, gt=0, le=MAX_LAYERS, description="fsdp: pipeline ranks (torch.distributed."
-                                   "pipelining); FSDP2 shards each stage over world_size / pipeline_parallel ranks")
-    pipeline_schedule: Literal[SCHEDULE_NAMES] = Field(
-        "1f1b", description="pipeline_parallel > 1: gpipe, 1f1b, interleaved-1f1b (pipeline_virtual_stages >= 2), "
-        "interleaved-zb or zbv (zero bubble; where the installed torch has them)")
-    pipeline_virtual_stages: int = Field(1, gt=0, le=MAX_LAYERS, description="model chunks per pipeline rank "
-                                         "(interleaved schedules: >= 2; zbv: 2)")
-    pipeline_microbatches: int | None = Field(None, gt=0, description="pipeline micro-batches that "
-                                              "train.micro_batch_size splits into; default one sequence each")
-
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, value: str) -> str:
-        """One of the registered engines (a registry, not a Literal: an engine registered later is accepted)."""
-        names = engine_names()
-        if value not in names:
-            raise ValueError(f"Input should be {_quoted_or(names)}")
-        return value
-
-    @field_validator("deepspeed")
-    @classmethod
-    def _plain_json(cls, value: dict[str, Any]) -> dict[str, Any]:
-        """The passthrough becomes DeepSpeed's JSON config: string keys, finite numbers, no YAML dates or sets."""
-        stack: list[tuple[str, Any]] = [("", value)]
-        while stack:
-            where, v = stack.pop()
-            if isinstance(v, dict):
-                for k, sub in v.items():
-                    if not isinstance(k, str):
-                        raise ValueError(f"{where + ': ' if where else ''}key {echo(k)} is not a string")
-                    stack.append((f"{where}.{_key_text(k)}" if where else _key_text(k), sub))
-            elif isinstance(v, list):
-                stack.extend((f"{where}[{i}]", sub) for i, sub in enumerate(v))
-            elif isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"{where}: {v} is not a finite number")
-            elif not isinstance(v, (str, int, float, bool, type(None))):
-                raise ValueError(f"{where}: a {type(v).__name__} is not a JSON value")
-        return value
-
-    def pure_tensor_parallel(self, world_size: int, tensor_parallel: int | None = None) -> bool:
-        """Tensor parallelism (``tensor_parallel``, default this section's) over all ``world_size`` ranks, one
-        data-parallel rank: engines.fsdp trains it without FSDP2 unless ``fsdp_on_one_rank``, and the
-        estimates follow the same rule."""
-        tp = self.tensor_parallel if tensor_parallel is None else tensor_parallel
-        return 1 < tp == world_size and not self.fsdp_on_one_rank
-
-
-class DataConfig(_Section):
-    source: Literal["synthetic", "text", "tokens", "csv"] = Field(
-        "synthetic", description="lm: synthetic | text | tokens; regression: synthetic | csv")
-    path: str | None = None
-    token_dtype: Literal["uint16", "uint32"] = "uint16"
-    num_samples: int = Field(4096, gt=0, description="synthetic regression series")
-
-
-class MonitorConfig(_Section):
-    enabled: bool = False
-    every: int = Field(10, gt=0, description="measure after every n-th step (and after the last)")
-    batch_size: int = Field(2, gt=0, description="sequences in the probe micro-batch (at most train.micro_batch_size)")
-    entropy_threshold: float = Field(0.5, ge=0, description="warn when a layer's mean attention entropy (nats) falls below")
-    rank_threshold: float = Field(0.1, ge=0, le=1, description="warn when a layer's effective rank / min(seq_len, "
-                                  "d_model) falls below")
-
-
-class ProfileConfig(_Section):
-    enabled: bool = Field(False, description="run torch.profiler and write traces and the operator breakdown")
-    wait: int = Field(1, ge=0, description="schedule: steps skipped first")
-    warmup: int = Field(1, ge=0, description="schedule: steps traced but discarded")
-    active: int = Field(2, gt=0, description="schedule: steps recorded per cycle")
-    repeat: int = Field(1, ge=0, description="schedule: cycles (0 = until training ends)")
-    ranks: list[int] | Literal["all"] = Field("all", description="ranks that profile")
-    record_shapes: bool = False
-    with_stack: bool = False
-    with_flops: bool = False
-    profile_memory: bool = Field(False, description="allocation events in the trace")
-    memory_snapshot: bool = Field(False, description="CUDA: a memory snapshot for pytorch.org/memory_viz")
-    monitors: MonitorConfig = Field(default_factory=MonitorConfig)
 
 
 class Recipe(_Section):
