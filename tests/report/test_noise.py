@@ -196,7 +196,7 @@ def test_a_result_its_kind_refuses_is_left_out_with_a_warning(tmp_path):
     s = _train_pair(tmp_path, 0.0125)
     lines = (s / "results.jsonl").read_text().splitlines()
     rec = json.loads(lines[1])
-    rec["result"] = {"kind": "report", "schema_version": 99}
+    rec["result"] = {"kind": "train", "schema_version": 99}
     (s / "results.jsonl").write_text("\n".join([lines[0], json.dumps(rec)]) + "\n")
     res = api.report([s], tmp_path / "out")
     assert len(res.warnings) == 1 and "written by a newer scaletool" in res.warnings[0]
