@@ -64,7 +64,7 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), settings: Map
         if problems:
             raise RecipeError(problems[0] + " (set --world-size)")
     if hardware is not None:
-        from scaletool.measure.prediction import engine_predictions
+        from scaletool.predict.prediction import engine_predictions
 
         est["prediction"] = engine_predictions(r, est["memory"]["world_size"], hardware, inter_node_gb_s, gpus_per_node,
                                                calibration)
@@ -82,7 +82,7 @@ def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
     calib = None
     if hardware is not None:
         from scaletool.measure.hardware import profile_named
-        from scaletool.measure.prediction import calibration_for_device
+        from scaletool.predict.prediction import calibration_for_device
 
         prof = profile_named(hardware)
         calib = calibration_for_device(prof.device, prof)

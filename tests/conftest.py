@@ -39,7 +39,7 @@ MEASURED_SLOW = frozenset({
     "tests/decode/test_steps.py::test_the_compile_sees_programmatic_dependent_launch_as_asked",
     "tests/kernels/test_mla_decode.py::test_the_kernel_is_a_custom_operator_with_a_fake_implementation",
     "tests/kernels/test_mla_tuning.py::test_the_dry_run_prints_the_pruned_grid_without_a_gpu",
-    "tests/measure/test_calibrate.py::test_bad_input_is_one_error_line",
+    "tests/predict/test_calibrate.py::test_bad_input_is_one_error_line",
     "tests/plan/test_plan.py::test_attention_variants_are_planned_too",
     "tests/plan/test_plan.py::test_verify_runs_the_best_layouts_here_and_measures_them",
     "tests/report/test_dynamics.py::test_the_report_draws_the_section",

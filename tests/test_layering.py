@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"report"},
     {"profile", "sweep", "plan"},
     {"train", "decode", "launch"},
+    {"predict"},  # the step model's lookups, calibration, validation against recorded and published runs
     {"engines", "measure"},
     {"model", "analytic", "hf"},
     {"config", "kernels"},

@@ -52,7 +52,7 @@ def runs(models: list[str], seqs: int = 1, gpus: int = 4):
 def predicted(model: str, sets: list[str], gpus: int = 4) -> dict:
     from scaletool.analytic.pipeline import pipeline_step, stage_memory
     from scaletool.config import load_recipe
-    from scaletool.measure.prediction import calibration_for_device, predict
+    from scaletool.predict.prediction import calibration_for_device, predict
 
     r = load_recipe(f"recipes/{model}.yaml", sets)
     prof = card_profile()

@@ -5,7 +5,7 @@ a saturating curve of the GEMM's smallest dimension, the fused attention kernel'
 HBM copy bandwidth, the element-wise traffic factors, bus bandwidth per collective and group size
 (intra-node; one inter-node figure) and the host overheads. Where no calibration exists,
 :func:`default_calibration` scales a hardware profile's datasheet peaks by the ratios measured on the
-H100 SXM. Torch-free: the measuring side is ``scaletool.measure.calibrate``.
+H100 SXM. Torch-free: the measuring side is ``scaletool.predict.calibrate``.
 """
 from __future__ import annotations
 

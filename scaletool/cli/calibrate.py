@@ -61,7 +61,7 @@ def summary_lines(res: dict) -> list[str]:
     both together, by engine, and the runs outside the model with the reason."""
     import statistics
 
-    from scaletool.measure.validation import OUTSIDE
+    from scaletool.predict.validation import OUTSIDE
 
     def line(what: str, rows: list[dict]) -> str | None:
         errs = [abs(r["rel_error"]) for r in rows]
@@ -80,7 +80,7 @@ def summary_lines(res: dict) -> list[str]:
 
 
 def _group(r: dict) -> str:
-    """The by-engine key of scaletool.measure.validation.summarize."""
+    """The by-engine key of scaletool.predict.validation.summarize."""
     return r["engine"] + (" compiled" if r["compiled"] else "")
 
 
@@ -199,7 +199,7 @@ def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recip
     if published:
         if calibration:
             raise RecipeError("--calibration does not go with --published: each published row uses its card's")
-        from scaletool.measure.published import validate_published
+        from scaletool.predict.published import validate_published
 
         res = validate_published(list(paths) if paths else None)
         deliver(res, as_json)
@@ -207,7 +207,7 @@ def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recip
             _print_published(res)
         return res
     if validate:
-        from scaletool.measure.validation import validate as run_validation
+        from scaletool.predict.validation import validate as run_validation
 
         res = run_validation(list(paths) if paths else None, calibration)
         deliver(res, as_json)
@@ -261,9 +261,9 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
     from scaletool.analytic.calibration import calibration_from_dict
     from scaletool.errors import RecipeError, shorten
     from scaletool.fmt import write_atomic
-    from scaletool.measure.calibrate import calibrate as measure
-    from scaletool.measure.calibrate import card_name
-    from scaletool.measure.calibrate_comm import job_layout, measure_collectives, measure_in_job
+    from scaletool.predict.calibrate import calibrate as measure
+    from scaletool.predict.calibrate import card_name
+    from scaletool.predict.calibrate_comm import job_layout, measure_collectives, measure_in_job
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("--device cuda: no CUDA device here (use --device cpu)")

@@ -6,9 +6,9 @@ import math
 from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES
 from scaletool.config import Recipe, RecipeError
 from scaletool.measure.hardware import profile_named
-from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.commands import command_line, launch_argv
 from scaletool.plan.search import Request, search
+from scaletool.predict.prediction import calibration_for_device
 
 #: GPUs per node assumed when --gpus-per-node is not given (the HGX/DGX node)
 DEFAULT_GPUS_PER_NODE = 8
@@ -73,7 +73,7 @@ def make_request(gpus: int, gpus_per_node: int | None, hardware: str, *, global_
 
 def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: Request, progress=None) -> dict:
     """The plan as the fields of :class:`~scaletool.results.plan.PlanResult` (without verification)."""
-    from scaletool.measure.prediction import predict as predict_layout
+    from scaletool.predict.prediction import predict as predict_layout
 
     def predict(r, lay):  # the one prediction per layout that estimate and train's summary also make
         return predict_layout(r, req.calibration, req.gpus, req.gpus_per_node)

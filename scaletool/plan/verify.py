@@ -21,9 +21,9 @@ from pathlib import Path
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
 from scaletool.kinds.engines import engine_kind, table_engines
-from scaletool.measure.prediction import calibration_for_device
 from scaletool.plan.build import make_plan, make_request
 from scaletool.plan.commands import command_line, describe, layout_sets
+from scaletool.predict.prediction import calibration_for_device
 from scaletool.stats import rel_error
 
 #: steps of a verification run, and how many of them are warm-up (not measured)

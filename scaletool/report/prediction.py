@@ -26,7 +26,7 @@ def _repredict(r: Row, cache: dict) -> tuple[float, str, str] | None:
     from scaletool.analytic.step import predict_step
     from scaletool.errors import RecipeError
     from scaletool.measure.hardware import profile_named
-    from scaletool.measure.prediction import calibration_for_device
+    from scaletool.predict.prediction import calibration_for_device
 
     res = r.result
     name = res.hardware_profile

@@ -135,7 +135,7 @@ class EstimateResult(Result):
     kv_cache: KVCache
     attention_scores: AttentionScores
     memory: Memory
-    #: the step-time model per engine on one card (scaletool.measure.prediction.engine_predictions):
+    #: the step-time model per engine on one card (scaletool.predict.prediction.engine_predictions):
     #: hardware, calibration, world_size and rows of label, activation_checkpointing (the lightest that fits the
     #: card; null, with null figures and bound "does not fit", where none does), step_s, tokens_per_s(_per_gpu),
     #: mfu, hfu, bound

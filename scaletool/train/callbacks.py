@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
     from scaletool.config import Recipe
     from scaletool.engines import DistEnv, Engine
-    from scaletool.measure.metrics import MetricsWriter
     from scaletool.results.train import TrainResult
+    from scaletool.train.metrics import MetricsWriter
 
 
 @dataclass

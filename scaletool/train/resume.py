@@ -20,11 +20,11 @@ from enum import Enum
 from pathlib import Path
 
 from scaletool.errors import RecipeError, shorten
-from scaletool.measure.metrics import METRICS_FILE
 from scaletool.resources import read_bounded
 from scaletool.results.base import ResultLoadError
 from scaletool.results.train import TrainResult, load_train_summary
 from scaletool.train.checkpoint import checkpoint_dirs, newest_intact
+from scaletool.train.metrics import METRICS_FILE
 
 
 class Resume(str, Enum):

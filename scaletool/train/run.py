@@ -78,7 +78,7 @@ class TrainRequest:
 
 def wandb_options(spec: str | None):
     """``offline`` / ``online`` / ``mode:project`` (or the parent's :data:`WANDB_ENV`) -> WandbOptions (None: off)."""
-    from scaletool.measure.metrics import WandbOptions, import_wandb
+    from scaletool.train.metrics import WandbOptions, import_wandb
 
     spec = spec or os.environ.get(WANDB_ENV) or None
     if spec is None:

@@ -158,7 +158,7 @@ def _prediction(r: RunRecord, measured: float | None) -> tuple[dict, dict]:
     with the calibration that matches the device (the CPU's is a placeholder), against the measured rate."""
     from scaletool.errors import RecipeError, describe
     from scaletool.measure.hardware import load_profiles
-    from scaletool.measure.prediction import calibration_for_device, predict
+    from scaletool.predict.prediction import calibration_for_device, predict
 
     keys = ("predict/step_s", "predict/tokens_per_s", "predict/tokens_per_s_per_gpu", "predict/mfu",
             "predict/rel_error_tokens_per_s")

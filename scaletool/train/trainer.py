@@ -37,7 +37,6 @@ from scaletool.errors import cannot_write, describe
 from scaletool.kinds.float8 import float8_warnings
 from scaletool.measure.contention import Probe, is_contended
 from scaletool.measure.hardware import peak_for
-from scaletool.measure.metrics import MetricsWriter, WandbOptions
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.results.train import TrainResult
 from scaletool.threads import pin_threads
@@ -45,6 +44,7 @@ from scaletool.train.callbacks import Callback, StepState, TrainInfo
 from scaletool.train.checkpoint import Checkpointer
 from scaletool.train.clock import Clock, synchronize
 from scaletool.train.data import make_source
+from scaletool.train.metrics import MetricsWriter, WandbOptions
 from scaletool.train.progress import StepProgress
 from scaletool.train.resume import Resume, Start, load_checkpoint, plan_start
 from scaletool.train.schedule import lr_at

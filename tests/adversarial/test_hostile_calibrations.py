@@ -143,7 +143,7 @@ def test_a_file_called_cpu_here_is_not_the_cpu_calibration(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     (tmp_path / "cpu").write_text(content)
     (tmp_path / "h100-sxm").write_text(content)
-    from scaletool.measure.prediction import CPU_NOTE, cpu_calibration
+    from scaletool.predict.prediction import CPU_NOTE, cpu_calibration
 
     assert cpu_calibration().source == CPU_NOTE
     assert load_calibration("h100-sxm").file.endswith(str(Path("profiles", "calibrations", "h100-sxm.yaml")))
@@ -159,7 +159,7 @@ def test_a_file_called_cpu_here_is_not_the_cpu_calibration(tmp_path, monkeypatch
 def test_a_finished_run_keeps_its_summary_when_the_prediction_fails(tmp_path, monkeypatch):
     """Whatever the prediction hits (here a TypeError from inside the model), the trained steps are recorded
     and the prediction's error is in the summary."""
-    import scaletool.measure.prediction as prediction
+    import scaletool.predict.prediction as prediction
 
     def broken(*a, **k):
         raise TypeError("unsupported operand type(s) for *: 'str' and 'float'")

@@ -96,7 +96,7 @@ def test_text_from_a_result_file_is_printed_escaped(tmp_path):
 
 
 def test_a_fifo_among_the_committed_results_is_a_skipped_line_not_a_wait(tmp_path, monkeypatch):
-    import scaletool.measure.validation as validation
+    import scaletool.predict.validation as validation
 
     fifo = tmp_path / "planted.json"
     os.mkfifo(fifo)

@@ -31,7 +31,7 @@ def test_stdout_on_dev_full_is_one_error_line(tmp_path, args):
     (lambda d: d, "is a directory"),
 ])
 def test_calibrate_out_that_cannot_take_the_file_is_refused_before_measuring(tmp_path, monkeypatch, make, expected):
-    import scaletool.measure.calibrate as measuring
+    import scaletool.predict.calibrate as measuring
 
     def never(*a, **k):
         raise AssertionError("measured before the output path was checked")

@@ -98,8 +98,8 @@ def test_estimate_and_plan_predict_one_rate_for_the_same_layout(gpus):
     """The predicted tokens/s of each listed layout is what estimate predicts for the recipe its command sets,
     and what calibrate --validate's predict_step gives for that recipe as it would run (its compile setting)."""
     from scaletool.analytic.step import predict_step
-    from scaletool.measure.prediction import calibration_for_device
     from scaletool.plan.build import hardware_profile
+    from scaletool.predict.prediction import calibration_for_device
 
     plan = _cli("plan", QWEN, "--gpus", str(gpus), "--seq-len", "4096", "--top", "8")
     prof = hardware_profile(plan["hardware"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scaletool.measure.validation import HOST_BOUND_S, summarize, validate
+from scaletool.predict.validation import HOST_BOUND_S, summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)

@@ -237,7 +237,7 @@ def test_estimate_predicts_the_step_of_every_engine_beside_memory():
     """One prediction per memory-table engine at the world size, each the step model's for that engine."""
     from scaletool.analytic.step import predict_step
     from scaletool.measure.hardware import profile_named
-    from scaletool.measure.prediction import calibration_for_device
+    from scaletool.predict.prediction import calibration_for_device
 
     est = cli_json("estimate", str(RECIPES / "mla-1b.yaml"), "--world-size", "8", "--hardware", "h200")
     pred = est["prediction"]

@@ -179,7 +179,7 @@ def test_decode_marks_a_contended_figure_and_keeps_headers_whole_at_80_columns()
 
 def test_a_contended_step_line_marks_its_rate():
     from scaletool.fmt import CONTENDED_MARK
-    from scaletool.measure.metrics import console_line
+    from scaletool.train.metrics import console_line
 
     busy = console_line(7, {"loss/train": 5.0, "throughput/tokens_per_s": 1234.0, "contention/contended": 1.0})
     quiet = console_line(7, {"loss/train": 5.0, "throughput/tokens_per_s": 1234.0, "contention/contended": 0.0})

@@ -11,9 +11,9 @@ from conftest import RECIPES
 
 from scaletool.config import load_recipe
 from scaletool.engines import init_distributed, make_engine
-from scaletool.measure.metrics import MetricsWriter
 from scaletool.profile.monitors import DynamicsMonitor, attention_entropy, effective_rank, update_ratio
 from scaletool.results.train import TrainResult
+from scaletool.train.metrics import MetricsWriter
 
 
 def test_attention_entropy_of_known_distributions():

@@ -13,7 +13,7 @@ from scaletool.analytic.step import predict_step
 from scaletool.cli import main
 from scaletool.config import recipe_from_dict
 from scaletool.measure.hardware import profile_named
-from scaletool.measure.prediction import calibration_for_device
+from scaletool.predict.prediction import calibration_for_device
 from scaletool.report import data
 from scaletool.report.prediction import points, prediction_table
 

@@ -12,9 +12,9 @@ from scaletool.analytic.zero3 import block_params
 from scaletool.config import load_recipe
 from scaletool.engines.deepspeed import deepspeed_config
 from scaletool.measure.hardware import peak_for
-from scaletool.measure.metrics import MetricsWriter
 from scaletool.measure.nvml import NvmlSampler
 from scaletool.train.data import ByteTokenizer, make_source
+from scaletool.train.metrics import MetricsWriter
 from scaletool.train.schedule import lr_at
 
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.yaml")

@@ -6,7 +6,7 @@ import math
 
 from scaletool import api
 from scaletool.config import load_recipe
-from scaletool.measure.prediction import CPU_NOTE, cpu_calibration, predict
+from scaletool.predict.prediction import CPU_NOTE, cpu_calibration, predict
 
 FAST = ["train.steps=5", "train.measure_warmup_steps=1", "train.log_every=1"]
 

@@ -24,7 +24,7 @@ from scaletool.analytic.calibration import Calibration, calibration_for, default
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.measure.hardware import load_profiles, profile_named
-from scaletool.measure.prediction import predict
+from scaletool.predict.prediction import predict
 from scaletool.resources import data_dir
 
 COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",

@@ -17,7 +17,7 @@ from scaletool.analytic.calibration import load_calibration
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.errors import RecipeError
-from scaletool.measure.calibrate_comm import REPS, job_layout
+from scaletool.predict.calibrate_comm import REPS, job_layout
 
 
 def _free_port() -> int:

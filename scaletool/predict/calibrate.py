@@ -1,6 +1,6 @@
 """Measure the rates the step-time model reads on this machine's card(s): GEMMs at the recipe's shapes and
 a few square sizes, fused causal attention forward + backward at its head dims, HBM copy bandwidth, and
-the collectives' bus bandwidth (``scaletool.measure.calibrate_comm``). Each figure is a median with
+the collectives' bus bandwidth (``scaletool.predict.calibrate_comm``). Each figure is a median with
 p10/p90 and n over timed repetitions, warm-up excluded. The result is a calibration YAML that
 ``scaletool.analytic.load_calibration`` reads.
 """
@@ -194,7 +194,7 @@ def _base_calibration(card: str, gpu: bool) -> Calibration:
 
 def _collectives(comm: dict, base: Calibration) -> dict:
     """Bus GB/s per op and group size inside a node: the measured medians, else the base calibration's figures;
-    across nodes (a job over several nodes, :func:`scaletool.measure.calibrate_comm.measure_in_job`): the
+    across nodes (a job over several nodes, :func:`scaletool.predict.calibrate_comm.measure_in_job`): the
     all-reduce's over one rank per node (the rails), else the base calibration's figure."""
     measured = comm.get("ops", {})
     table = {}

@@ -11,7 +11,7 @@ from conftest import run_cli
 from scaletool.analytic.calibration import load_calibration
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
-from scaletool.measure.calibrate import REPS, fit_gemm_curve
+from scaletool.predict.calibrate import REPS, fit_gemm_curve
 
 
 @pytest.mark.distributed
@@ -65,7 +65,7 @@ def test_bad_input_is_one_error_line(tmp_path, args, says):
 
 
 def test_validate_prints_predicted_against_measured_for_given_results(tmp_path):
-    from scaletool.measure.validation import committed_paths
+    from scaletool.predict.validation import committed_paths
 
     path = next(p for p in committed_paths() if p.name == "mha-1b-single.json")
     res = run_cli("calibrate", "--validate", str(path), "--json")

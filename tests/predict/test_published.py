@@ -13,7 +13,7 @@ import pytest
 
 from scaletool.errors import RecipeError
 from scaletool.measure.hardware import profile_named
-from scaletool.measure.published import COLUMNS, express, read_table, shipped_table, validate_published
+from scaletool.predict.published import COLUMNS, express, read_table, shipped_table, validate_published
 
 #: (median, worst) |relative error| stated in docs/prediction.md, by group
 STATED = {"all": (0.185, 0.584), "one_node": (0.212, 0.382), "multi_node": (0.149, 0.584)}
