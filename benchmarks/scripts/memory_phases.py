@@ -151,7 +151,8 @@ def measure_cell(cell: Cell, env, steps: int) -> dict:
     the larger over the measured steps; ``per_step`` keeps every step, the warm-up step first."""
     import torch
 
-    from scaletool import analytic
+    from scaletool.analytic.memory import recipe_memory
+    from scaletool.analytic.timeline import PHASES
     from scaletool.config import load_recipe
     from scaletool.engines import make_engine
 
@@ -173,7 +174,7 @@ def measure_cell(cell: Cell, env, steps: int) -> dict:
     resident = meter.allocated()
     for h in undo:
         h() if callable(h) else h.remove()
-    est = analytic.recipe_memory(recipe, env.world_size)
+    est = recipe_memory(recipe, env.world_size)
     marks = list(per_step[-1])
     if engine.name == "deepspeed" and hasattr(engine.engine, "destroy"):
         engine.engine.destroy()
@@ -183,8 +184,8 @@ def measure_cell(cell: Cell, env, steps: int) -> dict:
     def above(x):
         return None if x is None or baseline is None else x - baseline
 
-    per_step = [{phase: above(s.get(phase)) for phase in analytic.PHASES} for s in per_step]
-    measured = {phase: max(s[phase] for s in per_step[1:]) if meter.cuda else None for phase in analytic.PHASES}
+    per_step = [{phase: above(s.get(phase)) for phase in PHASES} for s in per_step]
+    measured = {phase: max(s[phase] for s in per_step[1:]) if meter.cuda else None for phase in PHASES}
     peaks = [v for v in measured.values() if v is not None]
     return {"rank": env.rank, "baseline_bytes": baseline, "built_bytes": above(built), "resident_bytes": above(resident),
             # what the deleted engine left allocated: the next cell runs in a fresh process when this is not 0
@@ -294,7 +295,7 @@ def recompute_estimate(cell: dict, deepspeed_defaults: bool = False) -> dict:
     """The current analytic estimate for a cell (so the table follows the model without re-measuring).
     ``deepspeed_defaults``: the cell ran under DeepSpeed's own ZeRO settings (recorded before scaletool
     derived them from the model), and is estimated with those."""
-    from scaletool import analytic
+    from scaletool.analytic.memory import recipe_memory
     from scaletool.analytic.zero3 import deepspeed_as_ran
     from scaletool.config import load_recipe
 
@@ -303,7 +304,7 @@ def recompute_estimate(cell: dict, deepspeed_defaults: bool = False) -> dict:
     if deepspeed_defaults and recipe.parallel.engine == "deepspeed":
         ds = deepspeed_as_ran(recipe.parallel.deepspeed, recipe.parallel.zero_stage)
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"deepspeed": ds})})
-    est = analytic.recipe_memory(recipe, c.world_size)
+    est = recipe_memory(recipe, c.world_size)
     return {k: est[k] for k in ("phases", "phase", "total_bytes", "backward_peak_at")}
 
 

@@ -18,7 +18,8 @@ LAYOUTS = {"fsdp-x2": (2, 1), "tp2": (2, 2), "fsdp-x4": (4, 1), "tp4": (4, 4), "
 
 
 def analytic(recipes: list[str]) -> None:
-    from scaletool import analytic as an
+    from scaletool.analytic.comm import communication
+    from scaletool.analytic.memory import tensor_parallel_memory
     from scaletool.config import load_recipe
     from scaletool.fmt import gib
     for recipe in recipes:
@@ -27,8 +28,8 @@ def analytic(recipes: list[str]) -> None:
                 mb = 8 if regime == "rank8" else 8 * tp // world
                 r = load_recipe(f"recipes/{recipe}.yaml", ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}",
                                                             f"train.micro_batch_size={mb}", "train.compile=false"])
-                mem = an.tensor_parallel_memory(r, world, tp)
-                c = an.communication(r, world, tp)
+                mem = tensor_parallel_memory(r, world, tp)
+                c = communication(r, world, tp)
                 print(f"{recipe:7} {regime:7} {name:7} mb={mb} peak={gib(mem['total_bytes'])} "
                       f"act={gib(mem['activations_bytes'])} wire/GPU/step tp={gib(c['tp_wire_bytes'])} "
                       f"dp={gib(c['dp_wire_bytes'])}")

@@ -27,7 +27,7 @@ def choose() -> tuple[int, int]:
     """The smallest L (then micro-batch) where FSDP2 needs checkpointing on this card and TP=2 does not."""
     import torch
 
-    from scaletool import analytic
+    from scaletool.analytic.memory import tensor_parallel_memory
     from scaletool.config import load_recipe
     cap = torch.cuda.get_device_properties(0).total_memory
 
@@ -35,7 +35,7 @@ def choose() -> tuple[int, int]:
         r = load_recipe("recipes/llama3-8b.yaml", ["parallel.engine=fsdp", f"parallel.tensor_parallel={tp}",
                         "parallel.world_size=2", f"model.n_layers={L}", f"train.micro_batch_size={mb}",
                         f"train.activation_checkpointing={ac}"])
-        return analytic.tensor_parallel_memory(r, 2, tp)["total_bytes"]
+        return tensor_parallel_memory(r, 2, tp)["total_bytes"]
     return next(((L, mb) for mb in (1, 2, 4) for L in range(8, 33, 2)
                  if est(L, mb, 1, "none") > 1.02 * cap and est(L, mb, 2, "none") < 0.85 * cap), (24, 1))
 

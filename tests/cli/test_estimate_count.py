@@ -260,7 +260,7 @@ def test_estimate_predicts_the_step_of_every_engine_beside_memory():
 
 
 def test_estimate_with_an_unknown_card_is_one_line():
-    res = CliRunner().invoke(main, ["estimate", "tiny", "--hardware", "h900"])
+    res = CliRunner().invoke(main, ["estimate", "tiny", "--hardware", "h2000"])
     assert res.exit_code == 2 and res.stdout == ""
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: hardware 'h900': unknown; did you mean 'H200'?")
+    assert len(lines) == 1 and lines[0].startswith("error: hardware 'h2000': unknown; did you mean 'H200'?")

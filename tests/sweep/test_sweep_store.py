@@ -59,7 +59,7 @@ def test_foreign_and_hand_edited_lines_are_skipped_with_one_warning_each(tmp_pat
     assert len(warnings) == len(bad)
     assert all(f":{n}:" in w for n, w in zip(range(2, 2 + len(bad)), warnings))
     text = "\n".join(warnings)
-    for needle in ("label", "mode", "result.params", "status", "unreadable line"):
+    for needle in ("label", "mode", "result: params", "status", "unreadable line"):
         assert needle in text
     assert "<b>" not in text and "<i>" not in text  # never the hostile input itself
 

@@ -57,15 +57,15 @@ MOE = ["model.ffn=moe", "model.n_routed_experts=16", "model.num_experts_per_tok=
     (["train.compile_scope=block"], 50.98),
 ])
 def test_a_whole_model_compile_is_set_against_the_compiled_estimate(sets, measured_gib):
-    """mla-1b with 16 experts top-2 on one H100 (results/moe-speed-h100): the whole-model compile's peak is
-    within 3% of the compiled estimate (the eager one is 11-14% over it); a per-block compile's against the
-    eager estimate, which it is within 3% of."""
+    """mla-1b with 16 experts top-2 on one H100 (results/moe-speed-h100): the summary sets the peak against the
+    one estimate of the layout, compiled as it compiles (the whole model, or each block): within 3% of it; the
+    whole-model compile's peak is over 10% under the eager estimate."""
     recipe = load_recipe(ROOT / "recipes" / "mla-1b.yaml", [*MOE, *sets])
     peak = int(measured_gib * 2**30)
     r = SimpleNamespace(recipe=recipe, env=SimpleNamespace(world_size=1), reports=[_rank(0, peak, peak)])
     metrics, section = _memory(r)
     whole = sets[0] == "train.compile_scope=model"
-    assert section["analytic"] == recipe_memory(recipe, 1, compiled=whole)
+    assert section["analytic"] == recipe_memory(recipe, 1)
     assert abs(metrics["memory/analytic_rel_error"]) < 0.03
-    eager = recipe_memory(recipe, 1)["total_bytes"]
+    eager = recipe_memory(recipe, 1, compiled=False)["total_bytes"]
     assert not whole or peak / eager - 1 < -0.10

@@ -77,7 +77,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from scaletool import analytic
+from scaletool.analytic.comm import tensor_parallel_config, tensor_parallel_replicated
+from scaletool.analytic.flops import flops_per_token
+from scaletool.analytic.params import param_counts
 from scaletool.config import ModelConfig, Recipe, RecipeError, load_recipe
 from scaletool.stats import compare, settled_start, spread
 
@@ -515,9 +517,9 @@ def plan(args) -> tuple[Recipe, dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not args.dry_run and world % args.tp:
         raise RecipeError(f"--tp {args.tp}: does not divide the world size {world} (torchrun --nproc-per-node)")
-    ours = analytic.flops_per_token(cfg, T)
+    ours = flops_per_token(cfg, T)
     doc = {"recipe": str(args.recipe), "overrides": args.overrides, "torchtitan_model": shapes,
-           "params": {"scaletool_analytic": analytic.param_counts(cfg)["total"]},
+           "params": {"scaletool_analytic": param_counts(cfg)["total"]},
            "flops_per_token": {"scaletool_causal": ours["train_causal"], "scaletool_full": ours["train_full"]}}
     if args.only == "scaletool" and not args.dry_run:  # torchtitan neither runs nor needs importing
         return recipe, doc
@@ -570,8 +572,8 @@ def tp_shares(cfg: ModelConfig, tp: int, attn_backend: str) -> dict:
             theirs = torchtitan_config(cfg, attn_backend, tp).build()
         theirs.parallelize(dims)
         return {"tp": tp, "scaletool": shares(ours), "torchtitan": shares(theirs),
-                "analytic_local": analytic.param_counts(analytic.tensor_parallel_config(cfg, tp))["total"],
-                "analytic_replicated": sum(analytic.tensor_parallel_replicated(cfg))}
+                "analytic_local": param_counts(tensor_parallel_config(cfg, tp))["total"],
+                "analytic_replicated": sum(tensor_parallel_replicated(cfg))}
     finally:
         tt_dims.device_type = device_type
         dist.destroy_process_group()
