@@ -68,7 +68,7 @@ def _failure_message(failure) -> str:
 def _is_consequence(line: str) -> bool:
     """A rank that failed because a peer did: its collective errored or timed out (see :func:`describe`), or
     it was stopped by a signal, as the agent stops every rank once one has failed."""
-    return "communication error" in line or "communication timed out" in line or "Stopped: stopped by SIG" in line
+    return "communication error" in line or "communication timed out" in line or "stopped by SIG" in line
 
 
 def _failure_line(rank: int, f) -> str:
@@ -80,6 +80,9 @@ def _failure_line(rank: int, f) -> str:
         sig = signal.Signals(-f.exitcode).name if -f.exitcode in signal.valid_signals() else str(-f.exitcode)
         hint = " (killed from outside: the host's OOM killer, a scheduler or a user)" if sig == "SIGKILL" else ""
         return f"error: {who}: killed by {sig}{hint}"
+    stop = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGINT: "SIGINT"}.get(f.exitcode)
+    if stop is not None:  # the trainer's clean stop on the agent's signal: it ended the step, then exited 128 + N
+        return f"error: {who}: stopped by {stop} (exit status {f.exitcode})"
     return f"error: {who}: exited with status {f.exitcode}; its output is above"
 
 

@@ -50,6 +50,16 @@ def test_the_killed_rank_comes_before_the_rank_the_agent_stopped_after_it(tmp_pa
     assert lines[1].endswith("Stopped: stopped by SIGTERM") and len(lines) == 2
 
 
+def test_the_killed_rank_comes_before_a_rank_that_stopped_cleanly_on_the_agents_sigterm(tmp_path):
+    """A survivor that ends its step on the agent's SIGTERM exits 143 with no error file: a consequence, said so."""
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=128 + signal.SIGTERM, error_file=str(tmp_path / "a")),
+                1: ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "b"))}
+    failures[0].timestamp, failures[1].timestamp = 100, 101
+    lines = child_failure_lines(ChildFailedError("scaletool", failures))
+    assert lines[0].startswith("error: rank 1 (local rank 1, pid 11): killed by SIGKILL")
+    assert lines[1] == "error: rank 0 (local rank 0, pid 10): stopped by SIGTERM (exit status 143)" and len(lines) == 2
+
+
 def _pids_with(marker: str, rank: str) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
