@@ -25,6 +25,7 @@ from functools import lru_cache
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import Calibration
 from scaletool.analytic.flops import attention_flops_per_token
+from scaletool.analytic.host import eager_dispatch_s
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
 from scaletool.config import ModelConfig, Recipe
@@ -335,6 +336,10 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
     compute = gas * m * per_mb
     per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
+    # an eager stage's blocks are issued from Python: a micro-batch's slot is at least the host's issue time
+    # (analytic.host), the device waiting where its work is shorter (FSDP2's hooks are in ``host`` below)
+    issue = eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib)
+    per_mb = max(per_mb, issue)
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
@@ -354,7 +359,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
                                               + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
     busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
     return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
-            "fsdp_exposed_s": fsdp_s, "host_s": host, **ep_terms, "busy_s": busy}
+            "fsdp_exposed_s": fsdp_s, "host_s": host, "eager_dispatch_s": gas * m * issue, **ep_terms, "busy_s": busy}
 
 
 def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,

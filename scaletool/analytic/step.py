@@ -18,6 +18,7 @@ from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
+from scaletool.analytic.host import eager_dispatch_s
 from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
@@ -196,11 +197,14 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     # --- end expert parallelism
     device = sum(compute_terms.values()) + sum(memory_terms.values()) + exposed + host
     dispatch = _tp_dispatch(local, tp, gas, compiled, p.async_tp, calib, pure=p.pure_tensor_parallel(N, tp))
-    step = max(device, dispatch + host)
+    # eager blocks issued from Python (analytic.host); tensor parallelism's fitted dispatch already counts them
+    eager = 0.0 if tp > 1 else eager_dispatch_s(local, range(local.n_layers), gas, kind.autocast, compiled, calib)
+    step = max(device, dispatch + eager + host)
     terms = {**compute_terms, **memory_terms, "comm/tp_exposed_s": tp_exposed, "comm/dp_exposed_s": dp_exposed,
-             **totals, **ep_terms, "host_overhead_s": host, "tp_dispatch_s": dispatch}
+             **totals, **ep_terms, "host_overhead_s": host, "tp_dispatch_s": dispatch, "eager_dispatch_s": eager}
     bounds = {"compute": sum(compute_terms.values()), "memory bandwidth": sum(memory_terms.values()),
-              "exposed communication": exposed, "host dispatch (tensor parallelism)": dispatch}
+              "exposed communication": exposed, "host dispatch (tensor parallelism)": dispatch,
+              "host dispatch (eager)": eager + host if eager and eager + dispatch + host > device else 0.0}
     global_tokens = tokens * gas * dp
     model_flops, hw_flops = _flops(cfg, T, tokens, global_tokens, c["recompute_fraction"])
     peak = calib.peak_tflops * 1e12
@@ -215,6 +219,10 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
     assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib) + ep_notes
+    if eager:
+        assumptions.append(f"eager: {eager / gas / local.n_layers * 1e3:.2f} ms of host issue time per block and "
+                           "micro-batch (calibrated, analytic.host), overlapped with the device's work; the step is "
+                           "the larger of the two")
     return {
         "engine": engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "gpus_per_node": G,
         "compiled": bool(compiled), "micro_batch_size": B, "grad_accum_steps": gas, "seq_len": T,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
 from scaletool.analytic.flops import gemm_shapes
+from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from
 from scaletool.stats import spread
 
 WARMUP, REPS = 3, 10
@@ -153,6 +154,8 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     batch = max(recipe.train.micro_batch_size if recipe else 8, 1) if gpu else 1
     attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, seq, batch, device, dtype)]
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
+    # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
+    host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
     card = card_name(device)
     base = _base_calibration(card, gpu)
     comm = comm or {}
@@ -169,14 +172,16 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         "attention_tflops": {f"{a['qk']}/{a['v']}": a["tflops"]["median"] for a in attention}
         | {"default": attention[0]["tflops"]["median"]},
         "hbm_gb_s": hbm["gb_s"]["median"],
-        "elementwise": dict(base.elementwise), "overheads": dict(base.overheads),
+        "elementwise": dict(base.elementwise), "overheads": dict(base.overheads) | (overheads_from(host) if host else {}),
         "collectives": collectives,
         "measured": {"command": command, "date": date, "card": card, "torch": version, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "warmup": WARMUP, "reps": REPS, "gemm": gemms,
                      "attention": attention, "hbm": hbm, "collectives": comm.get("ops", {}),
+                     **({"host_dispatch": host} if host else {}),
                      **({"collectives_inter_node": comm["inter_node"], "collectives_world": comm.get("world", {}),
                          "nodes": comm.get("nodes"), "per_node": comm.get("per_node")} if comm.get("inter_node") else {}),
-                     "fitted_elsewhere": "elementwise factors and overheads: copied from " + base.source},
+                     "fitted_elsewhere": "elementwise factors and overheads (but the eager block issue times "
+                                         "measured here): copied from " + base.source},
     }
 
 

@@ -35,6 +35,12 @@ def test_calibrate_on_cpu_with_two_processes_writes_a_calibration_the_model_read
         assert m["collectives"][op]["2"]["bus_gb_s"]["n"] == REPS, op
         assert cal.bus_bandwidth(op, 2) > 0
     assert cal.collectives["source"].startswith("measured gloo over 2")
+    # the tiny recipe's eager block issue time, both ways an engine runs it, became overheads the model reads
+    host = m["host_dispatch"]
+    assert host["attention"] == "mla" and host["blocks"] == [1, 3]
+    for mode in ("autocast", "bf16"):
+        assert cal.overheads[f"eager_{mode}_block_mla_s"] == pytest.approx(host[mode]["block_s"], abs=1e-6)
+        assert host["per_process"][0][mode]["block_s"]["n"] > 1
     recipe = load_recipe("tiny", ["parallel.engine=ddp"])
     pred = predict_step(recipe, cal, world_size=2)
     assert pred["step_s"] > 0 and pred["terms"]["comm/dp.all_reduce_total_s"] > 0
