@@ -247,6 +247,24 @@ def walk_records(root: str | Path) -> list[Record]:
     return [out[p] for p in sorted(out)]
 
 
+def glob(root: str | Path, pattern: str) -> list[Path]:
+    """The records under ``root`` (loose or bundled, by the paths they have unpacked) whose path relative to
+    ``root`` matches ``pattern`` part by part (``fnmatch`` in each part, as many parts: ``decode/h100-*/*.json``),
+    sorted. What ``root.glob(pattern)`` gave before the records were bundled."""
+    import fnmatch
+
+    want = pattern.split("/")
+    if "**" in want:
+        raise ValueError("records.glob matches part by part; walk_records gives every record under a root")
+    root = Path(root)
+    out = []
+    for r in walk_records(root):
+        parts = r.path.relative_to(root).parts
+        if len(parts) == len(want) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts, want)):
+            out.append(r.path)
+    return out
+
+
 def find(path: str | Path) -> Record | None:
     """The record whose path (unpacked) is ``path``: the loose file, or the entry of the bundle in the nearest
     folder above it that holds one; None when neither has it."""

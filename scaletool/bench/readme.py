@@ -2,11 +2,13 @@
 
 A run folder (``benchmarks/results/STUDY/CARD-DATE[-LABEL]/``, or any ``--out`` of the runner) holds the
 records a study left: the runner's ``runs.jsonl`` (each command, its status and the environment it ran
-in, the commit included), the commands' result files, and for runs older than the runner's records a
+in, the commit included), the commands' result files (committed packed in the folder's ``records.jsonl.xz``,
+read through :mod:`scaletool.records` as if loose), and for runs older than the runner's records a
 ``provenance.json`` naming the commit. The README says which commit and cards, lists the commands and
 summarises each record (tokens/s with its spread and count for a training result, the record counts of a
-sweep file); nothing in it is typed by hand, so it is regenerated, never edited. Notes about a study (its
-question, what was tried and not adopted) live in the study's own ``README.md`` one level up.
+sweep file; a bundled one links the bundle); nothing in it is typed by hand, so it is regenerated, never
+edited. Notes about a study (its question, what was tried and not adopted) live in the study's own
+``README.md`` one level up.
 """
 from __future__ import annotations
 
