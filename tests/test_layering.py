@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"yaml_input"},  # the bounded safe YAML loader and dotted overrides, below the recipe schema
     {"results"},
     {"stats"},
+    {"records"},  # the run folders' record files, loose or in their xz bundle: every reader of benchmarks/results
     {"errors", "fmt", "threads", "resources", "__init__"},
 ]
 #: same-layer imports that are part of the design: (importer, imported)

@@ -1,5 +1,6 @@
-"""``python -m scaletool.bench STUDY [--out DIR] [--only NAME,...] [--list] [--dry-run] [--allow-dirty]`` and
-``python -m scaletool.bench readme RUNDIR... | --all [--check]``."""
+"""``python -m scaletool.bench STUDY [--out DIR] [--only NAME,...] [--list] [--dry-run] [--allow-dirty]``,
+``python -m scaletool.bench readme RUNDIR... | --all [--check]``, ``python -m scaletool.bench pack RUNDIR... | --all``
+and ``python -m scaletool.bench unpack RUNDIR --to DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from scaletool import records
 from scaletool.bench import readme
 from scaletool.bench.runner import gpu_count, plan, run_study
 from scaletool.bench.study import StudyError, load_study, study_names
+from scaletool.errors import RecipeError
 
 EPILOG = """\
 examples:
@@ -21,6 +24,8 @@ examples:
   python -m scaletool.bench tp-2gpu --deadline 540   # resumable
   python -m scaletool.bench readme benchmarks/results/decode/h100-2026-11-26
   python -m scaletool.bench readme --all --check
+  python -m scaletool.bench pack benchmarks/results/decode/h100-2026-11-26
+  python -m scaletool.bench unpack benchmarks/results/decode/h100-2026-11-26 --to /tmp/decode
 
 A study is benchmarks/studies/STUDY.yaml (or a path to such a
 file). Its commands run one after the other, each in its own process;
@@ -28,7 +33,33 @@ rerunning resumes: a command whose result exists is skipped. OUT/runs.jsonl
 records each command with the card, date, torch and CUDA versions and the
 commit: a tree that differs from its commit is refused, or with
 --allow-dirty its difference is written beside the runs (tree-SHA.diff).
-'readme' writes a run folder's README.md from its records."""
+'readme' writes a run folder's README.md from its records; 'pack' moves a run
+folder's record files into its records.jsonl.xz (the step before committing
+it), 'unpack' writes them out again."""
+
+PACK_EPILOG = f"""\
+examples:
+  python -m scaletool.bench pack runs/bench/decode
+  python -m scaletool.bench pack benchmarks/results/decode/h100-2026-11-26
+  python -m scaletool.bench pack --all
+
+Moves each folder's loose record files ({', '.join(records.RECORD_SUFFIXES)}, subfolders
+included; provenance.json stays loose) into one xz-compressed file,
+{records.BUNDLE}: one JSON line per file, its path and its exact text.
+The bundle is read back and compared before a loose file is removed; a
+loose file that differs from its bundled copy is refused. A folder with a
+README.md has it regenerated. Every reader of benchmarks/results reads the
+bundle as if it were unpacked."""
+
+UNPACK_EPILOG = f"""\
+examples:
+  python -m scaletool.bench unpack benchmarks/results/decode/h100-2026-11-26 --to /tmp/decode
+  python -m scaletool.bench unpack path/to/{records.BUNDLE} --to out
+
+Writes every file of the bundle under DIR, byte for byte, and nothing
+elsewhere: a bundle holding an absolute path, '..' or a name that is not a
+record is refused whole, no file is written through a symbolic link, and a
+file already in DIR is kept when it is the same and refused when it differs."""
 
 
 def printable(text: str) -> str:
@@ -82,19 +113,75 @@ def _readme(argv: list[str]) -> int:
             return 2
     stale = []
     for d in dirs:
-        if args.check:
-            current = d / readme.README
-            if not current.is_file() or current.is_symlink() or current.read_text() != readme.generate(d):
-                stale.append(d)
-            continue
         try:
+            if args.check:
+                current = d / readme.README
+                if not current.is_file() or current.is_symlink() or current.read_text() != readme.generate(d):
+                    stale.append(d)
+                continue
             readme.write(d)
+        except RecipeError as e:
+            print(f"error: {printable(e.problems[0])}", file=sys.stderr)
+            return 2
         except OSError as e:
             print(f"error: {printable(str(e.filename or d))}: {e.strerror or e}", file=sys.stderr)
             return 2
     for d in stale:
         print(f"{printable(str(d))}: README.md differs from its records; run python -m scaletool.bench readme {d}")
     return 1 if stale else 0
+
+
+def _pack(argv: list[str]) -> int:
+    p = _Parser(prog="python -m scaletool.bench pack", epilog=PACK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                description=f"Move each run folder's record files into its {records.BUNDLE}.")
+    p.add_argument("dirs", nargs="*", type=Path, metavar="RUNDIR", help="a run folder (a study's --out)")
+    p.add_argument("--all", action="store_true", help="every run folder under benchmarks/results")
+    args = p.parse_args(argv)
+    if bool(args.dirs) == args.all:
+        p.error("name run folders, or --all")
+    dirs = readme.run_dirs() if args.all else args.dirs
+    for d in dirs:
+        if d.is_symlink() or not d.is_dir():
+            print(f"error: {printable(str(d))}: not a directory", file=sys.stderr)
+            return 2
+    try:
+        for d in dirs:
+            done = records.pack(d)
+            if (d / readme.README).is_file() and not (d / readme.README).is_symlink():
+                readme.write(d)  # it lists the files and where they are
+            if done.added:
+                print(printable(f"{d}: {done.added} file(s), {done.loose_bytes:,} bytes, packed; {records.BUNDLE} "
+                                f"holds {done.files} in {done.bundle_bytes:,} bytes"))
+    except RecipeError as e:
+        print(f"error: {printable(e.problems[0])}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {printable(str(e.filename or ''))}: {printable(str(e.strerror or e))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _unpack(argv: list[str]) -> int:
+    p = _Parser(prog="python -m scaletool.bench unpack", epilog=UNPACK_EPILOG,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                description=f"Write the record files of a run folder's {records.BUNDLE} under DIR.")
+    p.add_argument("src", type=Path, metavar="RUNDIR", help=f"a run folder holding {records.BUNDLE}, or the bundle itself")
+    p.add_argument("--to", type=Path, metavar="DIR", required=True, help="where to write them (made if missing)")
+    args = p.parse_args(argv)
+    bundle = args.src if args.src.name == records.BUNDLE else args.src / records.BUNDLE
+    if not bundle.exists() and not bundle.is_symlink():
+        print(f"error: {printable(str(args.src))}: holds no {records.BUNDLE}", file=sys.stderr)
+        return 2
+    try:
+        written = records.unpack(args.src, args.to)
+    except RecipeError as e:
+        print(f"error: {printable(e.problems[0])}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {printable(str(e.filename or args.to))}: {printable(str(e.strerror or e))}", file=sys.stderr)
+        return 2
+    print(printable(f"{args.to}: {len(written)} file(s) written"))
+    return 0
 
 
 def _list_studies() -> int:
@@ -118,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["readme"]:
         return _readme(argv[1:])
+    if argv[:1] == ["pack"]:
+        return _pack(argv[1:])
+    if argv[:1] == ["unpack"]:
+        return _unpack(argv[1:])
     args = _parser().parse_args(argv)
     if args.study is None:
         if args.list:
@@ -150,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         return run_study(study, out, only, log=lambda line: print(printable(line), file=sys.stderr, flush=True),
                          deadline_s=args.deadline, allow_dirty=args.allow_dirty)
-    except StudyError as e:
+    except (StudyError, RecipeError) as e:  # RecipeError: a bundled input that cannot be read
         for problem in e.problems:
             print(f"error: {printable(problem)}", file=sys.stderr)
         return 2

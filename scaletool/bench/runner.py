@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from scaletool import records
 from scaletool.bench.study import ROOT, Command, Study, StudyError
 from scaletool.errors import echo
 from scaletool.fmt import open_state, refuse_link
@@ -63,10 +64,11 @@ def plan(study: Study, out: Path, only: list[str] | None = None) -> list[Planned
 
 
 def _done(result: Path) -> bool:
+    """A result is there: a folder, a non-empty file, or a file already packed into the run folder's bundle."""
     try:
         return result.is_dir() or result.stat().st_size > 0
     except OSError:
-        return False
+        return records.exists(result)
 
 
 def gpu_count() -> int:
@@ -218,8 +220,12 @@ def _run_one(study: Study, p: Planned, out: Path, env_record: dict, left_s: floa
         timeout, status_on_timeout = left_s, "deadline"
     for src, dst in c.inputs:  # never over a link's target: a planted link is refused, not followed
         target = _inside(out, Path(dst).parent) / Path(dst).name
-        with open(ROOT / src, "rb") as source, _open_out(target) as copy:
-            shutil.copyfileobj(source, copy)
+        if (ROOT / src).exists():
+            with open(ROOT / src, "rb") as source, _open_out(target) as copy:
+                shutil.copyfileobj(source, copy)
+        else:  # a committed record packed into its run folder's bundle
+            with _open_out(target) as copy:
+                copy.write(records.read_record(ROOT / src).encode("utf-8"))
     _inside(out, Path(c.result).parent)
     logs = _inside(out, Path("logs"))
     partial = p.result.with_name(p.result.name + ".partial") if c.stdout else logs / f"{c.name}.stdout"

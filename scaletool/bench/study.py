@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from scaletool import records
 from scaletool.cli import COMMANDS
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.resources import read_bounded
@@ -281,7 +282,7 @@ def _check_argv(argv: list[str], where: str) -> list[str]:
 
 def _repo_file(rel: str) -> bool:
     p = Path(rel)
-    return not p.is_absolute() and ".." not in p.parts and (ROOT / p).exists()
+    return not p.is_absolute() and ".." not in p.parts and ((ROOT / p).exists() or records.exists(ROOT / p))
 
 
 def _did_you_mean(word: str, choices) -> str:

@@ -161,7 +161,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
               help="Where to measure GEMMs, attention and HBM.")
 @click.option("--validate", "validate", is_flag=True,
               help="Instead of measuring: re-predict recorded training results (PATHS, default the committed "
-                   "ones) and print predicted against measured tokens/s per GPU.")
+                   "ones; a run folder's records.jsonl.xz stands for the results it holds) and print predicted "
+                   "against measured tokens/s per GPU.")
 @click.option("--published", is_flag=True, help="With --validate: predict other projects' published training "
               "runs instead (the shipped table, or PATHS: tables of the same tab-separated columns) at their model, "
               "card, GPU count and layout, and list the rows scaletool cannot express with the reason.")

@@ -1,6 +1,7 @@
 """Predicted against measured: every GPU training result re-predicted with its card's calibration.
 
-Reads ``train`` result files (``result.json``) and sweep record files (``*.results.jsonl``); a run counts
+Reads ``train`` result files (``result.json``) and sweep record files (``*.results.jsonl``), loose or in a run
+folder's bundle of records (``records.jsonl.xz``, read through :mod:`scaletool.records`); a run counts
 when it completed on a GPU and recorded ``throughput/tokens_per_s_per_gpu``. The card comes from the
 result's environment (its GPU name matched to a hardware profile, then to the shipped calibration of
 that profile), the world size from the environment, the layout from the recorded recipe. A run given twice
@@ -21,17 +22,38 @@ from scaletool.errors import RecipeError, echo, shorten
 from scaletool.fmt import printable
 from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
+from scaletool.records import BUNDLE, read_bundle, read_record, walk_records
 from scaletool.resources import data_dir, read_bounded
 
-#: the committed GPU training results, relative to the repository root
-COMMITTED = ("benchmarks/results/**/*.json", "benchmarks/results/**/*.results.jsonl")
+#: the committed GPU training results, relative to the repository root: train results and sweep record files,
+#: loose or in their run folder's bundle (:mod:`scaletool.records`)
+COMMITTED = "benchmarks/results"
+
+
+def _committed_kind(path: Path) -> bool:
+    return path.suffix == ".json" or path.name.endswith(".results.jsonl")
 
 
 def committed_paths() -> list[Path]:
-    """The committed results: not the ``runs/`` folders a study's runs leave beside them (git ignores them; the
-    study's own copy of each result is what is committed)."""
+    """The committed results, each by the path it has unpacked (most are in a run folder's bundle): not the
+    ``runs/`` folders a study's runs leave beside them (git ignores them; the study's own copy of each result
+    is what is committed)."""
     root = data_dir("recipes").resolve().parent  # the checkout: recipes/ beside benchmarks/
-    return sorted(p for pat in COMMITTED for p in root.glob(pat) if "runs" not in p.relative_to(root).parts[:-1])
+    return [r.path for r in walk_records(root / COMMITTED)
+            if _committed_kind(r.path) and "runs" not in r.path.relative_to(root).parts[:-1]]
+
+
+def _given(paths: list[Path]) -> list[tuple[Path, str | None]]:
+    """(path, text) of each file named: a bundle (``records.jsonl.xz``) stands for the result files it holds,
+    read from it (text given); any other file is read when its runs are (text None)."""
+    out: list[tuple[Path, str | None]] = []
+    for path in map(Path, paths):
+        if path.name == BUNDLE:
+            entries = read_bundle(path)
+            out += [(path.parent / rel, entries[rel]) for rel in entries if _committed_kind(Path(rel))]
+        else:
+            out.append((path, None))
+    return out
 
 
 #: a result file is a few KiB, a sweep's record file a few MiB; larger is the wrong file
@@ -48,11 +70,15 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _runs_in(path: Path) -> list[tuple[str, dict]]:
-    """(label, train result) of every completed GPU training run the file holds. The file is read only if it
-    is a regular file of at most :data:`MAX_RESULT_BYTES` (a FIFO or /dev/zero is refused, never waited on
-    or read without end); NaN and Infinity, which are not JSON, make a record unreadable."""
-    text = read_bounded(path, MAX_RESULT_BYTES, "a training result").decode("utf-8")
+def _runs_in(path: Path, text: str | None = None) -> list[tuple[str, dict]]:
+    """(label, train result) of every completed GPU training run the file holds (``text``: its text, read from a
+    bundle). The file is read only if it is a regular file of at most :data:`MAX_RESULT_BYTES` (a FIFO or
+    /dev/zero is refused, never waited on or read without end); NaN and Infinity, which are not JSON, make a
+    record unreadable."""
+    if text is None:
+        text = read_bounded(path, MAX_RESULT_BYTES, "a training result").decode("utf-8")
+    elif len(text) > MAX_RESULT_BYTES:
+        raise RecipeError(f"{shorten(str(path))}: larger than {MAX_RESULT_BYTES >> 20} MiB; a training result is a few KiB")
     if path.suffix == ".jsonl":
         out = []
         for line in text.splitlines():
@@ -130,12 +156,11 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
     """Every run's predicted and measured tokens/s per GPU, the relative error, and its distribution
     overall and by engine (median and worst |error|, n)."""
     named = paths is not None
-    paths = committed_paths() if paths is None else paths
     profiles, cache, rows, skipped, seen, duplicates = load_profiles(), {}, [], [], {}, []
     forced = load_calibration(calibration) if calibration else None
-    for path in paths:
+    for path, text in (_given(paths) if named else [(p, None) for p in committed_paths()]):
         try:
-            runs = _runs_in(Path(path))
+            runs = _runs_in(Path(path), text if named else read_record(path))
         except RecipeError as e:  # not a regular file, too large
             if named:
                 raise

@@ -19,6 +19,7 @@ from test_hostile_validation import RUN
 
 from scaletool.analytic.calibration import load_calibration
 from scaletool.cli import main
+from scaletool.records import read_record
 
 SHIPPED = ROOT / "profiles" / "calibrations" / "h100-sxm.yaml"
 
@@ -87,11 +88,19 @@ BAD = {
 }
 
 
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """The committed result as a file of its own (``unpack`` writes it out of its run folder's bundle): PATHS take files."""
+    path = tmp_path_factory.mktemp("result") / RUN.name
+    path.write_text(read_record(RUN))
+    return path
+
+
 @pytest.mark.parametrize("name", BAD)
-def test_a_calibration_figure_out_of_kind_or_range_is_one_line_naming_it(tmp_path, name):
+def test_a_calibration_figure_out_of_kind_or_range_is_one_line_naming_it(tmp_path, run, name):
     change, key = BAD[name]
     path = _calibration(tmp_path, change)
-    lines, _ = invoke(["calibrate", "--validate", "--calibration", str(path), str(RUN)], within=tmp_path)
+    lines, _ = invoke(["calibrate", "--validate", "--calibration", str(path), str(run)], within=tmp_path)
     assert len(lines) == 1 and str(path) in lines[0] and key in lines[0], lines
 
 
@@ -118,18 +127,18 @@ BOMB = "a: &a [1,1,1,1,1,1,1,1,1]\n" + "".join(f"{c}: &{c} [{', '.join(['*' + p]
     (_file("bin.yaml", b"\xff\xfe\x00"), "UTF-8"),
     (_file("list.yaml", "- 1\n"), "a calibration is a mapping"),
 ])
-def test_a_calibration_file_that_is_not_one_is_refused_without_waiting(tmp_path, make, expected):
+def test_a_calibration_file_that_is_not_one_is_refused_without_waiting(tmp_path, run, make, expected):
     path = make(tmp_path)
-    lines, _ = invoke(["calibrate", "--validate", "--calibration", str(path), str(RUN)])
+    lines, _ = invoke(["calibrate", "--validate", "--calibration", str(path), str(run)])
     assert expected in " ".join(lines), lines
 
 
-def test_a_valid_calibration_path_is_read_and_named(tmp_path):
+def test_a_valid_calibration_path_is_read_and_named(tmp_path, run):
     path = _calibration(tmp_path, lambda d: None)
     path.write_text(path.read_text() + "# an exponent float without a dot is a number, as YAML 1.2 reads it\n")
     path.write_text(path.read_text().replace("\n  step_s: 0.0\n", "\n  step_s: 1e-3\n"))
     assert load_calibration(str(path)).overheads["step_s"] == 1e-3
-    res = CliRunner().invoke(main, ["calibrate", "--validate", "--calibration", str(path), str(RUN), "--json"])
+    res = CliRunner().invoke(main, ["calibrate", "--validate", "--calibration", str(path), str(run), "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.stdout)["runs"]
     assert len(rows) == 1 and rows[0]["calibration"] == "H100 SXM"
@@ -137,7 +146,7 @@ def test_a_valid_calibration_path_is_read_and_named(tmp_path):
 
 
 @pytest.mark.parametrize("content", ["name: [1]\n", "not: a calibration\n"])
-def test_a_file_called_cpu_here_is_not_the_cpu_calibration(tmp_path, monkeypatch, content):
+def test_a_file_called_cpu_here_is_not_the_cpu_calibration(tmp_path, run, monkeypatch, content):
     """`scaletool calibrate --device cpu --out cpu` once made ./cpu the CPU calibration of every later
     command run here (and a broken one a traceback): names are looked up among the shipped files only."""
     monkeypatch.chdir(tmp_path)
@@ -152,7 +161,7 @@ def test_a_file_called_cpu_here_is_not_the_cpu_calibration(tmp_path, monkeypatch
         res = CliRunner().invoke(main, args)
         assert res.exit_code in (0, 2) and "Traceback" not in res.output, res.output
         assert res.exit_code == 0 or all(ln.startswith("error: ") for ln in res.stderr.splitlines()), res.stderr
-    res = CliRunner().invoke(main, ["calibrate", "--validate", "--calibration", "cpu", str(RUN)])
+    res = CliRunner().invoke(main, ["calibrate", "--validate", "--calibration", "cpu", str(run)])
     assert res.exit_code == 2 and re.match(r"error: unknown calibration 'cpu'", res.stderr), res.stderr
 
 

@@ -16,11 +16,12 @@ from hostile import files_under, invoke
 from test_hostile_validation import RUN
 
 from scaletool.cli import main
+from scaletool.records import read_record
 
 
 def _with(change):
     def make(d: Path) -> Path:
-        data = json.loads(RUN.read_text())
+        data = json.loads(read_record(RUN))
         change(data)
         path = d / "r.json"
         path.write_text(json.dumps(data))

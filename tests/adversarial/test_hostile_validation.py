@@ -11,12 +11,13 @@ from click.testing import CliRunner
 from hostile import ROOT, files_under, invoke
 
 from scaletool.cli import main
+from scaletool.records import read_record
 
 RUN = ROOT / "benchmarks" / "results" / "mfu-cast-once" / "h100-2026-11-27-1" / "mha-1b-single-mb16-accum4-step.json"
 
 
 def _result(tmp_path: Path, name: str, change=None) -> Path:
-    data = json.loads(RUN.read_text())
+    data = json.loads(read_record(RUN))  # loose or in its run folder's bundle
     if change:
         change(data)
     path = tmp_path / name
@@ -101,4 +102,4 @@ def test_a_result_with_odd_step_metrics_falls_back_to_its_own_throughput(tmp_pat
     res = CliRunner().invoke(main, ["calibrate", "--validate", str(path), "--json"])
     assert res.exit_code == 0, res.output
     (run,) = json.loads(res.stdout)["runs"]
-    assert run["measured_tokens_per_s_per_gpu"] == json.loads(RUN.read_text())["metrics"]["throughput/tokens_per_s_per_gpu"]
+    assert run["measured_tokens_per_s_per_gpu"] == json.loads(read_record(RUN))["metrics"]["throughput/tokens_per_s_per_gpu"]

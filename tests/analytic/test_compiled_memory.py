@@ -10,6 +10,7 @@ from scaletool.analytic.calibration import load_calibration
 from scaletool.analytic.memory import compiled_memory, recipe_memory
 from scaletool.analytic.step import fits
 from scaletool.config import load_recipe, recipe_from_dict
+from scaletool.records import read_record
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 ONE, TWO = "single-gpu/h100-2026-11-26", "two-gpu/2xh200-2026-11-26"
@@ -17,7 +18,7 @@ GIB = 2**30
 
 
 def _run(name):
-    d = json.loads((RESULTS / name).read_text())
+    d = json.loads(read_record(RESULTS / name))  # loose or in its run folder's bundle
     return recipe_from_dict(d["recipe"]), d["environment"]["world_size"], d["memory"]["measured_peak_allocated_bytes"]
 
 

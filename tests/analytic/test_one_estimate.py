@@ -13,6 +13,7 @@ from scaletool.analytic.memory import compile_scope, memory_inputs, recipe_memor
 from scaletool.cli import main
 from scaletool.config import recipe_from_dict
 from scaletool.hf import load_recipe
+from scaletool.records import read_record
 
 QWEN = str(Path(__file__).resolve().parents[1] / "hf_configs" / "qwen2.5-1.5b.json")
 COMPILED_4GPU = Path(__file__).resolve().parents[2] / "benchmarks/results/engines-4gpu/4xh200-2026-11-27-compiled"
@@ -74,7 +75,7 @@ def test_zero3_compiled_is_counted_as_eager_and_holds_the_measured_peak(name):
     """ZeRO-3 compiled keeps what eager keeps (its hooks cut the graph at every module and run eagerly): on 4 H200s
     the measured peaks (mla-1b micro-batch 8, Qwen2.5-1.5B micro-batch 4 at T=4,096, tied head) lie 0-3% under the
     estimate, never over it."""
-    d = json.loads((COMPILED_4GPU / name).read_text())
+    d = json.loads(read_record(COMPILED_4GPU / name))
     r = recipe_from_dict(d["recipe"])
     assert memory_inputs(r).compile_scope == "module" and not memory_inputs(r).compiled
     est, measured = recipe_memory(r, 4)["total_bytes"], d["memory"]["measured_peak_allocated_bytes"]

@@ -1,5 +1,6 @@
-"""The committed results: one folder per run (STUDY/CARD-DATE[-LABEL]), each naming the commit it ran and
-with a README generated from its records; nothing generated that can be regenerated (HTML, PNG, logs)."""
+"""The committed results: one folder per run (STUDY/CARD-DATE[-LABEL]), each naming the commit it ran, its record
+files packed in one xz bundle, and with a README generated from its records; nothing generated that can be
+regenerated (HTML, PNG, logs); the tracked bytes under 5 MB (issue 42)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 
+from scaletool import records
 from scaletool.bench import readme
 
 RUNS = readme.run_dirs()
@@ -30,6 +32,29 @@ def test_each_run_is_named_by_card_and_date_names_its_commit_and_has_its_generat
     for p in run.rglob("*"):
         assert not re.fullmatch(r"call[0-9]+.*", p.name), p  # calls are runs, not folders inside one
         assert p.suffix not in (".html", ".png", ".log", ".stderr"), p
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_each_run_keeps_its_records_packed_and_its_readme_links_resolve(run):
+    loose = [p for p in run.rglob("*") if p.is_file() and records.is_record_name(p.name)]
+    assert loose == [], f"loose record files: run python -m scaletool.bench pack {run.relative_to(ROOT)}"
+    assert (run / records.BUNDLE).is_file() or not any(records.records(run)), run
+    rels = [r.rel for r in records.records(run)]  # the bundle reads, whole and checked
+    assert rels == sorted(rels) and all(records.path_problem(r) is None for r in rels if r != "provenance.json")
+    for md in [run / readme.README, run.parent / readme.README]:
+        for target in re.findall(r"\]\(([^)\s#]+)", md.read_text() if md.is_file() else ""):
+            if not re.match(r"^[a-z]+:", target):
+                assert (md.parent / target).exists(), f"{md.relative_to(ROOT)}: {target}: no such file"
+
+
+def test_the_tracked_bytes_stay_under_5_mb():
+    """Issue 42: a clone stays small. Record files are committed packed (python -m scaletool.bench pack)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    paths = [ROOT / p for p in listed.stdout.decode().split("\0") if p]
+    total = sum(p.lstat().st_size for p in paths if p.exists() or p.is_symlink())
+    assert total < 5_000_000, f"{total:,} tracked bytes"
 
 
 def test_the_study_folders_hold_runs_and_notes_only():

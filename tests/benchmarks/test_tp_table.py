@@ -3,11 +3,12 @@ their ratios again, and a failed command of a study shows with its first error l
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
 from conftest import ROOT
+
+from scaletool import records
 
 RESULTS = ROOT / "benchmarks" / "results" / "tp-2gpu" / "2xh200-2026-11-26"
 
@@ -22,10 +23,10 @@ def table(out) -> str:
 def test_the_committed_results_give_their_ratios_and_modes(tmp_path):
     out = tmp_path / "study"
     (out / "tp2").mkdir(parents=True)
-    for p in RESULTS.glob("m*.json"):
-        shutil.copy(p, out / "tp2" / p.name)
+    for p in records.glob(RESULTS, "m*.json"):  # loose or in the run folder's bundle
+        (out / "tp2" / p.name).write_text(records.read_record(p))
     (out / "runs" / "x").mkdir(parents=True)  # a run's own summary is no result of the study
-    shutil.copy(RESULTS / "mha-tp2-eager.json", out / "runs" / "x" / "mha-tp2-eager.json")
+    (out / "runs" / "x" / "mha-tp2-eager.json").write_text(records.read_record(RESULTS / "mha-tp2-eager.json"))
     text = table(out)
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith(("mha-", "mla-"))}
     assert len(rows) == 10
@@ -37,8 +38,8 @@ def test_the_committed_results_give_their_ratios_and_modes(tmp_path):
 
 def test_a_failed_command_shows_its_first_error_line(tmp_path):
     (tmp_path / "logs").mkdir()
-    records = [{"command": "mha-1b-tp2-compiled-ro", "status": "failed"}, {"command": "table", "status": "ok"}]
-    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = [{"command": "mha-1b-tp2-compiled-ro", "status": "failed"}, {"command": "table", "status": "ok"}]
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (tmp_path / "logs" / "mha-1b-tp2-compiled-ro.stderr").write_text(
         "step 1\nerror: rank 1 exited with status 1\nerror: CUDA graphs: a collective cannot be captured\n")
     text = table(tmp_path)
@@ -60,7 +61,7 @@ def test_a_peer_result_shows_both_sides_and_their_ratio(tmp_path):
 
 
 def test_a_run_without_per_step_timing_shows_its_window_rate(tmp_path):
-    d = json.loads((RESULTS / "mha-tp2-compiled.json").read_text())
+    d = json.loads(records.read_record(RESULTS / "mha-tp2-compiled.json"))
     d["timing"]["tokens_per_s"], d["tokens_per_s"] = None, 120_000.0  # --no-measure: the window's rate only
     (tmp_path / "tp2").mkdir()
     (tmp_path / "tp2" / "mha-tp2-compiled-nomeasure.json").write_text(json.dumps(d))

@@ -6,12 +6,13 @@ import json
 import pytest
 from conftest import ROOT
 
+from scaletool import records
 from scaletool.results import ResultLoadError, load_result
 from scaletool.results.decode import DecodeResult
 
 RESULTS = ROOT / "benchmarks" / "results"
 OLD = [RESULTS / "decode" / "h200-2026-11-26" / f"{name}.json" for name in ("mha-1b", "mla-1b", "mla-1b-torch", "mla-1b-naive")]
-NEW = sorted(p for p in RESULTS.glob("decode/h[12]00-*/m[hl]a-1b-*.json") if p not in OLD)
+NEW = [p for p in records.glob(RESULTS, "decode/h[12]00-*/m[hl]a-1b-*.json") if p not in OLD]  # loose or bundled
 
 
 def _fixture_decode_results():
@@ -21,7 +22,7 @@ def _fixture_decode_results():
 
 @pytest.mark.parametrize("path", OLD, ids=[p.name for p in OLD])
 def test_the_committed_h200_benchmark_results_load(path):
-    old = json.loads(path.read_text())
+    old = json.loads(records.read_record(path))
     assert "kind" not in old  # written by the untyped decode
     res = load_result({**old, "kind": "decode"}, str(path))
     assert isinstance(res, DecodeResult) and res.schema_version == 2
@@ -32,7 +33,7 @@ def test_the_committed_h200_benchmark_results_load(path):
 
 @pytest.mark.parametrize("path", NEW, ids=[p.name for p in NEW])
 def test_the_committed_typed_results_load_as_they_are(path):
-    res = load_result(json.loads(path.read_text()), str(path))
+    res = load_result(json.loads(records.read_record(path)), str(path))
     assert isinstance(res, DecodeResult) and res.points and all(p.decode_step_s.n >= 3 for p in res.points)
 
 

@@ -11,6 +11,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+from scaletool.records import read_record
+
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
 DRIVER = ROOT / "benchmarks" / "scripts" / "memory_phases.py"
@@ -40,8 +42,9 @@ def test_plan_gives_engines_that_outlive_themselves_a_process_per_cell(driver):
     assert sum(1 for job in jobs if job[0].label == "zero1" and job[0].world_size == 2) == 1
 
 
-def test_table_of_the_committed_result(driver):
-    recs = driver.load_records(RESULT)
+def test_table_of_the_committed_result(driver, tmp_path):
+    (tmp_path / RESULT.name).write_text(read_record(RESULT))  # from its run folder's bundle, as unpack gives it
+    recs = driver.load_records(tmp_path / RESULT.name)
     views, md = driver.render_table(recs)
     assert len(views) == 88 and md.count("\n| m") == 88
     assert "Peak within ±10% in 79 of 81 valid cells" in md

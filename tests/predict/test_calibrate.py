@@ -72,8 +72,11 @@ def test_bad_input_is_one_error_line(tmp_path, args, says):
 
 def test_validate_prints_predicted_against_measured_for_given_results(tmp_path):
     from scaletool.predict.validation import committed_paths
+    from scaletool.records import read_record
 
-    path = next(p for p in committed_paths() if p.name == "mha-1b-single.json")
+    committed = next(p for p in committed_paths() if p.name == "mha-1b-single.json")
+    path = tmp_path / committed.name  # as unpack writes it from its run folder's bundle
+    path.write_text(read_record(committed))
     res = run_cli("calibrate", "--validate", str(path), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import report_synth as synth
 from report_md import md_row, md_section
 
 from scaletool import api
+from scaletool.records import read_record
 from scaletool.report import data, findings, tables
 from scaletool.report.plots import line_plot
 from scaletool.report.render import all_tables
@@ -157,10 +157,10 @@ def test_old_gpu_results_get_their_spread_from_the_step_history(tmp_path):
     the timing by the warm-up rule new runs use, and tokens/s from the median step."""
     src = ROOT / "benchmarks" / "results" / "mla-compression" / "h200-2026-11-26" / "mla-compression.results.jsonl"
     (tmp_path / "mla").mkdir()
-    shutil.copy(src, tmp_path / "mla" / "results.jsonl")
+    (tmp_path / "mla" / "results.jsonl").write_text(read_record(src))  # from its run folder's bundle
     rs = data.load([tmp_path / "mla"])
     assert not rs.warnings
-    raw = {(r["label"], r["mode"]): r for r in map(json.loads, src.read_text().splitlines())}
+    raw = {(r["label"], r["mode"]): r for r in map(json.loads, read_record(src).splitlines())}
     for row in rs.ok("train"):
         s = raw[(row.label, "train")]["result"]
         times = s["history"]["step_time_s"]

@@ -3,11 +3,11 @@ group by setup, so compiled and eager FSDP2, or ZeRO-3 with and without a DeepSp
 stand in for each other's one-GPU baseline, and each row is also set against engine single on one GPU."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
+from scaletool.records import read_record
 from scaletool.report import data, findings, tables
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -20,7 +20,8 @@ def study(tmp_path_factory) -> data.ResultsSet:
     for n in (1, 2, 4):
         d = root / f"scaling-{n}gpu"
         d.mkdir()
-        shutil.copy(RESULTS / "scaling" / "4xh100-2026-11-26" / f"scaling-{n}gpu-4xh100.results.jsonl", d / "results.jsonl")
+        src = RESULTS / "scaling" / "4xh100-2026-11-26" / f"scaling-{n}gpu-4xh100.results.jsonl"
+        (d / "results.jsonl").write_text(read_record(src))  # from its run folder's bundle
         dirs.append(d)
     return data.load(dirs)
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import ROOT
 from sweep_helpers import AS_MHA, write_sweep
 
-from scaletool import api
+from scaletool import api, records
 from scaletool.cli import main
 from scaletool.results import base, registered
 from scaletool.results.sweep import SweepRecord, load_record
@@ -77,8 +77,9 @@ def test_the_cli_warns_and_goes_on(tmp_path, estimate_kind):
 
 def test_old_lines_load_as_the_first_of_one_repeat():
     old = 0
-    for path in [*ROOT.glob("tests/report/fixtures/*/results.jsonl"), *ROOT.glob("benchmarks/results/*/*/*.results.jsonl")]:
-        lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    for path in [*ROOT.glob("tests/report/fixtures/*/results.jsonl"),
+                 *records.glob(ROOT / "benchmarks" / "results", "*/*/*.results.jsonl")]:  # loose or bundled
+        lines = [json.loads(x) for x in records.read_record(path).splitlines() if x.strip()]
         for n, raw in enumerate(lines, 1):
             rec = load_record(raw, f"{path}:{n}")
             old += "repeat" not in raw

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletool import records
 from scaletool.results import ResultLoadError, load_result
 from scaletool.results.train import TrainResult, load_train_summary, timing_of
 from scaletool.stats import settled_start
@@ -15,10 +16,10 @@ pytestmark = pytest.mark.slow  # real processes or full training runs: left out 
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 # the schema-1 train summaries of the first single-run studies, and every committed sweep record
-OLD_SUMMARIES = sorted(p for study in ("single-gpu", "two-gpu", "moe") for p in (BENCH / "results" / study).glob("*/*.json")
-                       if "loss_first" in p.read_text())
-OLD_RECORDS = [(p.name, i, rec["result"]) for p in sorted((BENCH / "results").glob("*/*/*.results.jsonl"))
-               for i, rec in enumerate(map(json.loads, p.read_text().splitlines()))
+OLD_SUMMARIES = [p for study in ("single-gpu", "two-gpu", "moe") for p in records.glob(BENCH / "results" / study, "*/*.json")
+                 if "loss_first" in records.read_record(p)]
+OLD_RECORDS = [(p.name, i, rec["result"]) for p in records.glob(BENCH / "results", "*/*/*.results.jsonl")
+               for i, rec in enumerate(map(json.loads, records.read_record(p).splitlines()))
                if rec.get("mode") == "train" and rec.get("result")]
 
 
@@ -28,7 +29,7 @@ def test_there_are_old_documents_to_load():
 
 @pytest.mark.parametrize("path", OLD_SUMMARIES, ids=lambda p: p.name)
 def test_schema_1_summaries_load_in_todays_convention(path):
-    raw = json.loads(path.read_text())
+    raw = json.loads(records.read_record(path))
     r = load_train_summary(raw, str(path))
     assert isinstance(r, TrainResult) and r.schema_version == 2 and r.kind == "train" and r.status == raw["status"]
     times = [t for s, t in zip(raw["history"]["step"], raw["history"]["step_time_s"]) if s >= raw["start_step"]]

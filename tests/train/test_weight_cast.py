@@ -175,10 +175,12 @@ def test_the_estimate_holds_every_gradient_through_an_accumulated_step_as_measur
     import json
     from pathlib import Path
 
+    from scaletool.records import read_record
+
     runs = Path(TINY).parents[1] / "benchmarks" / "results" / "mfu-cast-once" / "h100-2026-11-27-3"
     mha = str(Path(TINY).with_name("mha-1b.yaml"))
     for cast in ("micro-batch", "step"):
-        measured = json.loads((runs / f"mha-1b-single-mb24-accum4-{cast}.json").read_text())["peak_memory_bytes"]
+        measured = json.loads(read_record(runs / f"mha-1b-single-mb24-accum4-{cast}.json"))["peak_memory_bytes"]
         r = load_recipe(mha, ["train.micro_batch_size=24", "train.grad_accum_steps=4", f"train.weight_cast={cast}"])
         one = load_recipe(mha, ["train.micro_batch_size=24", f"train.weight_cast={cast}"])
         est, est_one = recipe_memory(r, 1, compiled=True), recipe_memory(one, 1, compiled=True)
