@@ -34,7 +34,7 @@ LAYERS: list[set[str]] = [
     {"results"},
     {"stats"},
     {"records"},  # the run folders' record files, loose or in their xz bundle: every reader of benchmarks/results
-    {"errors", "fmt", "threads", "resources", "__init__"},
+    {"errors", "fmt", "threads", "resources", "allocator", "__init__"},
 ]
 #: same-layer imports that are part of the design: (importer, imported)
 ALLOWED_SIDEWAYS: set[tuple[str, str]] = {

@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from scaletool import __version__
+from scaletool.allocator import allocator_defaults
 from scaletool.cli.options import RESULT_FILE_KEY
 from scaletool.errors import RecipeError
 
@@ -156,6 +157,7 @@ def main(ctx: click.Context, result_file: Path | None) -> None:
     `scaletool docs recipes` is the recipe reference, `scaletool docs` lists every page;
     `scaletool hardware` lists the accelerator peaks.
     """
+    allocator_defaults()  # expandable segments for this process and every one it starts (scaletool.allocator)
     if result_file is not None:
         if not result_file.parent.is_dir():
             raise RecipeError(f"--result-file {result_file}: directory {result_file.parent} does not exist")

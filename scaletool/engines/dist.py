@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from scaletool.allocator import allocator_defaults
 from scaletool.kinds.engines import engine_kind
 
 
@@ -48,6 +49,7 @@ def init_distributed(engine: str, timeout_s: int | None = None, join_timeout_s: 
     ``join_timeout_s`` bounds only the wait for every rank to reach the store at MASTER_ADDR:MASTER_PORT
     (:func:`join_store`), for launchers without a rendezvous of their own (the DeepSpeed launcher).
     """
+    allocator_defaults()  # before this process's first CUDA allocation (scaletool.allocator)
     le = launcher_env()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", le["local_rank"]) if cuda else torch.device("cpu")
