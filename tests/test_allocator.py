@@ -14,7 +14,7 @@ def test_the_cli_sets_expandable_segments_and_keeps_a_users_setting():
     env = {k: v for k, v in os.environ.items() if k != ENV}
     code = ("import os, sys; from scaletool.cli import main\n"
             "try:\n    main(['hardware', '--json'], standalone_mode=False)\nfinally:\n"
-            "    print('ALLOC=' + os.environ.get('%s', '-'))" % ENV)
+            f"    print('ALLOC=' + os.environ.get('{ENV}', '-'))")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.splitlines()[-1] == "ALLOC=" + DEFAULT
