@@ -37,12 +37,14 @@ def validation_lines(res: dict, width: int) -> list[str]:
     (said once, above the group's runs), each run's name folded, never cut, its figures beside it."""
     from scaletool.fmt import si
 
-    run_w = max(16, width - 52)
-    lines = [f"{'run':<{run_w}} {'engine':<10} {'GPUs':>4} {'mode':<5} {'meas.':>6} {'pred.':>6} {'error':>7} bound"]
     groups: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     for r in res["runs"]:
         head, name = _where(printable(r["run"]))
         groups.setdefault((head, printable(r.get("calibration") or r["card"])), []).append((name, r))
+    # as wide as the longest run name needs, at most what the width leaves (piped output is 1000 columns wide)
+    longest = max((len(name.removesuffix(".json")) for rows in groups.values() for name, _ in rows), default=0)
+    run_w = max(16, min(width - 52, longest + 2))
+    lines = [f"{'run':<{run_w}} {'engine':<10} {'GPUs':>4} {'mode':<5} {'meas.':>6} {'pred.':>6} {'error':>7} bound"]
     for (head, card), rows in groups.items():
         lines.append(textwrap.shorten(f"{head or 'results'} ({card})", width, placeholder="…"))
         for name, r in rows:
