@@ -23,8 +23,9 @@ from __future__ import annotations
 from scaletool.engines.base import Engine, check_recipe, make_engine, startup_notes
 from scaletool.engines.dist import DistEnv, agree, data_parallel, init_distributed, launcher_env
 
-# each engine's module provides its kind's constructor (scaletool.kinds.engines) when imported; DeepSpeed's
-# module imports DeepSpeed itself only when an engine is built
+# each engine's module provides its kind's constructor (scaletool.kinds.engines) when imported; the shipped ones
+# here, any other by its name when first built (scaletool.engines.base.engine_kind); DeepSpeed's module imports
+# DeepSpeed itself only when an engine is built
 from scaletool.engines import ddp, deepspeed, fsdp, pipeline, single  # noqa: E402, F401  isort: skip
 
 __all__ = ["DistEnv", "Engine", "agree", "check_recipe", "data_parallel", "init_distributed", "launcher_env",

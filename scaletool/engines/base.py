@@ -1,6 +1,8 @@
 """The loop's view of an engine, the factory that builds one, and the launch-time recipe checks."""
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -10,7 +12,8 @@ import torch.nn as nn
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.config import Recipe, RecipeError
 from scaletool.engines.dist import DistEnv
-from scaletool.kinds.engines import engine_kind, launch_problems
+from scaletool.kinds.engines import EngineKind, launch_problems
+from scaletool.kinds.engines import engine_kind as _registered
 from scaletool.kinds.pipeline import pipeline_world_problems
 
 
@@ -59,6 +62,18 @@ class Engine(ABC):
         another model shape is a RecipeError naming the tensor and both shapes."""
 
 
+def engine_kind(name: str) -> EngineKind:
+    """The registered engine ``name`` with its torch parts provided: an engine's module is found by the engine's
+    name, ``scaletool/engines/<name>.py``, and imported the first time its parts are asked for (that import
+    runs its ``provide(constructor=...)``), so a new engine needs no line in this package's ``__init__``; an
+    engine registered with its parts from elsewhere (a test, a plugin) is used as it is."""
+    kind = _registered(name)
+    module = f"{__package__}.{name}"
+    if not kind.has("constructor") and name.isidentifier() and importlib.util.find_spec(module) is not None:
+        importlib.import_module(module)
+    return kind
+
+
 def startup_notes(recipe: Recipe, env: DistEnv) -> list[str]:
     """Lines worth saying before the engine is built: slow one-time work it is about to do."""
     kind = engine_kind(recipe.parallel.engine)
@@ -72,7 +87,7 @@ def make_engine(recipe: Recipe, env: DistEnv) -> Engine:
     check_runtime(recipe, env.device)  # no FP8 on this device, or no torchao: one line each, before building
     t = recipe.train
     model = build_model(recipe.model, env.device, seed=t.seed, sdpa_backend=t.sdpa_backend)
-    # provided by the engine's module, which the package imports (scaletool/engines/__init__.py); pipeline
-    # stages by scaletool.engines.pipeline for the engines they compose with (kinds.pipeline)
+    # provided by the engine's module (engine_kind above imports it by the engine's name); pipeline stages by
+    # scaletool.engines.pipeline for the engines they compose with (kinds.pipeline)
     part = "pipeline_constructor" if recipe.parallel.pipeline_parallel > 1 else "constructor"
     return engine_kind(recipe.parallel.engine).part(part)(model, recipe, env)

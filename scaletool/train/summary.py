@@ -27,7 +27,7 @@ import torch.distributed as dist
 from scaletool.analytic.memory import recipe_memory
 from scaletool.config import Recipe
 from scaletool.engines import DistEnv
-from scaletool.kinds.engines import engine_kind
+from scaletool.engines.base import engine_kind
 from scaletool.measure.contention import RULE, summarize
 from scaletool.measure.hardware import Peak
 from scaletool.measure.nvml import NvmlSampler

@@ -94,6 +94,28 @@ def test_shipped_engines_have_every_part_and_no_module_path_strings():
     assert not re.search(r'"scaletool\.[\w.]+:\w+"', text) and "importlib" not in text
 
 
+def test_an_engines_module_is_found_by_the_engines_name(monkeypatch):
+    """A new engine's torch module needs no import line in scaletool/engines/__init__.py: its parts are provided
+    when scaletool/engines/<name>.py is imported by name, the first time the engine's parts are asked for."""
+    import sys
+
+    from scaletool.engines import base
+
+    ddp = engine_kind("ddp")
+    # as if scaletool.engines.ddp had never been imported: no constructor, the module not loaded
+    monkeypatch.delitem(ddp.parts, "constructor")
+    monkeypatch.delitem(sys.modules, "scaletool.engines.ddp")
+    assert not ddp.has("constructor")
+    got = base.engine_kind("ddp")
+    assert got is ddp and ddp.has("constructor") and ddp.part("constructor").__module__ == "scaletool.engines.ddp"
+    # an engine without a module of its name (registered with its parts elsewhere) is left as it is
+    bare = register_engine(EngineKind("bare_engine_without_module"))
+    try:
+        assert base.engine_kind("bare_engine_without_module") is bare and not bare.has("constructor")
+    finally:
+        unregister_engine("bare_engine_without_module")
+
+
 def test_no_engine_name_is_compared_outside_the_kinds():
     """Engines are told apart by their kinds' attributes: no ``== "fsdp"`` or ``!= "single"`` in the package
     outside scaletool/kinds (launchers are not engines: ``launcher == "deepspeed"`` names DeepSpeed's
