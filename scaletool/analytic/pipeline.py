@@ -15,8 +15,9 @@ Torch-free and IO-free, like the rest of :mod:`scaletool.analytic`. With p pipel
   the first stage's embedding output and the last stage's logits and loss.
 - **Step time** (:func:`pipeline_step`): each rank's compute at the calibrated rates (the output layer on the
   last rank only), the bubble (the other ranks' micro-batch times over ``v``, ``(p - 1)/v`` slots where stages
-  are equal, times the schedule's idle share of a slot), the fill's and drain's point-to-point sends, FSDP2 per stage, optimizer and host; the
-  rank with the most work bounds the step and is named.
+  are equal, times the schedule's idle share of a slot), the fill's and drain's point-to-point sends, FSDP2
+  per stage, optimizer and host; a micro-batch at least its eager blocks' issue time (:mod:`.host`); the rank
+  with the most work bounds the step and is named.
 """
 from __future__ import annotations
 
@@ -387,12 +388,9 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     ranks = [_rank_terms(recipe, r, layers, memory[r], N, G, compiled, calib)
              for r, layers in enumerate(rank_layers(recipe, split))]
     bound = max(ranks, key=lambda x: x["busy_s"])
-    # the fill and the drain: the bounding rank idles while the micro-batches pass through the other ranks, each
-    # at its own pace (the critical path of 1F1B, (m - 1)·S_max + Σ S_r; (p - 1)·S for equal stages), v chunks a
-    # rank shortening each pass v-fold
-    slots = [x["micro_batch_s"] for x in ranks]
-    slot = max(slots)
-    bubble = gas * (sum(slots) - slot) / v * schedule_kind(sched).bubble_work
+    # fill and drain: the other ranks' slots, each at its own pace (1F1B's critical path (m - 1)·S_max + Σ S_r), / v
+    slot = max(x["micro_batch_s"] for x in ranks)
+    bubble = gas * (sum(x["micro_batch_s"] for x in ranks) - slot) / v * schedule_kind(sched).bubble_work
     # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
     # activation (forward) or its gradient (backward), d 16-bit numbers per token; a boundary between nodes
     # (min(1, dp/G) of them once the pipeline spans nodes) at the inter-node bandwidth

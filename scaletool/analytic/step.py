@@ -121,9 +121,9 @@ def _flops(cfg: ModelConfig, T: int, tokens: int, global_tokens: int, frac: floa
 
 
 def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: int, dispatch: float, compiled: bool,
-                  N: int, G: int, calib: Calibration) -> list[str]:
+                  N: int, G: int, calib: Calibration, eager: float = 0.0) -> list[str]:
     """The assumptions that only some recipes' options add: FP8, casts once per step, tensor parallelism's
-    host dispatch, several nodes."""
+    host dispatch, eager blocks' issue time, several nodes."""
     t, p, kind = recipe.train, recipe.parallel, kind_with_forms(recipe.parallel.engine)
     gas, tp = t.grad_accum_steps, p.tensor_parallel if kind.distributed else 1
     assumptions: list[str] = []
@@ -148,6 +148,10 @@ def _option_notes(recipe: Recipe, local: ModelConfig, tokens: int, cast_once: in
                               "not modelled" if p.tp_local_ops else "")
                            + ("; pure tensor parallelism (no FSDP2): FSDP2's per-block hooks taken off"
                               if p.pure_tensor_parallel(N, tp) else ""))
+    if eager:
+        assumptions.append(f"eager: {eager / gas / local.n_layers * 1e3:.2f} ms of host issue time per block and "
+                           "micro-batch (calibrated, analytic.host), overlapped with the device's work; the step is "
+                           "the larger of the two")
     if N > G:
         c = calib.collectives
         assumptions.append(f"{G} GPUs per node; collectives across nodes at {c['inter_node_gb_s']:g} GB/s bus bandwidth "
@@ -218,11 +222,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
     ]
-    assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib) + ep_notes
-    if eager:
-        assumptions.append(f"eager: {eager / gas / local.n_layers * 1e3:.2f} ms of host issue time per block and "
-                           "micro-batch (calibrated, analytic.host), overlapped with the device's work; the step is "
-                           "the larger of the two")
+    assumptions += _option_notes(recipe, local, tokens, cast_once, dispatch, compiled, N, G, calib, eager) + ep_notes
     return {
         "engine": engine, "world_size": N, "tensor_parallel": tp, "data_parallel": dp, "gpus_per_node": G,
         "compiled": bool(compiled), "micro_batch_size": B, "grad_accum_steps": gas, "seq_len": T,
