@@ -61,7 +61,11 @@ def main() -> int:
                 f.flush()
                 if n == max(counts):
                     overheads.update(overheads_from(m))
-                print(name, n, {k: round(m[k]["block_s"] * 1e3, 3) for k in ("autocast", "bf16")}, "ms/block", flush=True)
+                if "skipped" in m:
+                    print(name, n, m["skipped"], flush=True)
+                else:
+                    print(name, n, {k: round(m[k]["block_s"] * 1e3, 3) for k in ("autocast", "bf16")}, "ms/block",
+                          flush=True)
     (a.out / "overheads.yaml").write_text("".join(f"{k}: {v}\n" for k, v in sorted(overheads.items())))
     return 0
 

@@ -147,6 +147,12 @@ def _print_calibration(cal: dict, out: Path) -> None:
         con.print(f"  {op}: " + ", ".join(f"{r} ranks {v:.4g} GB/s" for r, v in sorted(t.items())), highlight=False)
     con.print(f"across nodes: {c['inter_node_gb_s']:.4g} GB/s per GPU ({c.get('inter_node_source', 'assumed')})",
               highlight=False)
+    host = cal["measured"].get("host_dispatch")
+    if host and "skipped" in host:
+        con.print(f"eager block issue time: {host['skipped']}", highlight=False)
+    elif host:
+        per = ", ".join(f"{mode} {host[mode]['block_s'] * 1e3:.3g} ms" for mode in ("autocast", "bf16") if mode in host)
+        con.print(f"eager block issue time ({host['processes']} process(es) at once): {per} per block", highlight=False)
     con.print(f"wrote {out}", highlight=False)
 
 

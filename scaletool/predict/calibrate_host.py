@@ -98,10 +98,43 @@ def _worker(rank: int, cfg, seq_len: int, out_dir: str, modes: tuple[str, ...]) 
     Path(out_dir, f"{rank}.json").write_text(json.dumps(res))
 
 
+#: bytes per parameter the probe holds at its larger block count: fp32 weight and gradient, the 16-bit copy
+PROBE_BYTES_PER_PARAM = 10
+#: the share of the device's memory the probe may take (on the CPU: of CPU_PROBE_BYTES)
+PROBE_MEMORY_SHARE = 0.3
+CPU_PROBE_BYTES = 2 << 30
+
+
+def probe_bytes(cfg) -> int:
+    """What the probe's larger model (its most blocks, the embedding and the head) holds, in bytes."""
+    from scaletool.analytic.params import param_counts
+
+    largest = cfg.model_copy(update={"n_layers": max(BLOCKS), "first_k_dense_replace": 0})
+    return PROBE_BYTES_PER_PARAM * param_counts(largest)["total"]
+
+
+def too_large(cfg, device: torch.device) -> str | None:
+    """Why the probe does not run on ``device`` for this model (its blocks do not fit the share it may take),
+    or None. DeepSeek-V3's three MoE blocks hold 36 B parameters: more than a card."""
+    if device.type == "cuda":
+        budget = PROBE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+    else:
+        budget = PROBE_MEMORY_SHARE * CPU_PROBE_BYTES
+    need = probe_bytes(cfg)
+    if need <= budget:
+        return None
+    return (f"not measured: {max(BLOCKS)} blocks of this model hold {need / 2**30:.1f} GiB, over the "
+            f"{budget / 2**30:.1f} GiB the probe may take on {device.type}; the base calibration's figures stand")
+
+
 def measure_block_dispatch(recipe, device: torch.device, processes: int = 1, modes: tuple[str, ...] = MODES) -> dict:
     """The recipe's eager block host time per ``mode``; on ``processes`` GPUs at once (their medians' median,
-    every process's figure kept), or one process on ``device``."""
+    every process's figure kept), or one process on ``device``. A model whose blocks do not fit the probe's
+    share of memory is not probed: the result says so (``skipped``) and gives no figures."""
     cfg, T = recipe.model, recipe.seq_len
+    reason = too_large(cfg, device)
+    if reason:
+        return {"skipped": reason, "attention": cfg.attention, "moe": cfg.ffn == "moe"}
     if processes <= 1 or device.type != "cuda":
         per = [probe(cfg, T, device, modes)]
     else:
@@ -118,6 +151,6 @@ def measure_block_dispatch(recipe, device: torch.device, processes: int = 1, mod
 
 
 def overheads_from(measured: dict) -> dict:
-    """The calibration's overhead entries a :func:`measure_block_dispatch` result gives."""
+    """The calibration's overhead entries a :func:`measure_block_dispatch` result gives (none when skipped)."""
     return {measured[m]["key"]: round(measured[m]["block_s"], 6) for m in MODES if m in measured}
 

@@ -13,7 +13,7 @@ from scaletool.analytic.host import block_dispatch_s, eager_dispatch_s, overhead
 from scaletool.analytic.pipeline import pipeline_step
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
-from scaletool.predict.calibrate_host import overheads_from, probe
+from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from, probe, probe_bytes
 
 
 def _calib(**ov):
@@ -83,3 +83,22 @@ def test_a_pipeline_stage_slot_is_at_least_its_issue_time():
     # the bounding rank's 4 micro-batches of its blocks at 20 ms each, and the bubble grows with the slot
     assert slow["terms"]["pipeline/busy_s"] >= 4 * 4 * 0.02
     assert slow["terms"]["pipeline/bubble_s"] > base["terms"]["pipeline/bubble_s"]
+
+
+def test_a_model_whose_blocks_do_not_fit_is_not_probed_and_says_why():
+    big = load_recipe("deepseek-v3")
+    # three of DeepSeek-V3's MoE blocks with the embedding and the head: about 36 B parameters
+    assert probe_bytes(big.model) > 300e9
+    res = measure_block_dispatch(big, torch.device("cpu"))
+    assert res["skipped"].startswith("not measured: 3 blocks of this model hold") and "autocast" not in res
+    assert overheads_from(res) == {}
+
+
+def test_calibrate_says_the_issue_time_it_measured(tmp_path):
+    from conftest import run_cli
+
+    out = tmp_path / "cal.yaml"
+    res = run_cli("calibrate", "--device", "cpu", "--recipe", "tiny", "--out", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("eager block issue time"))
+    assert "(1 process(es) at once): autocast" in line and line.endswith("ms per block")
