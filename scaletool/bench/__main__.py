@@ -97,12 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _readme(argv: list[str]) -> int:
-    p = _Parser(prog="python -m scaletool.bench readme",
-                description="Write each run folder's README.md from its records (runs.jsonl, provenance.json, results).")
+def _run_folders(p: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[Path]] | None:
+    """The run folders a subcommand names (RUNDIR... or --all), each an existing directory, not a link; None
+    after one error line when one is not."""
     p.add_argument("dirs", nargs="*", type=Path, metavar="RUNDIR", help="a run folder (a study's --out)")
     p.add_argument("--all", action="store_true", help="every run folder under benchmarks/results")
-    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each README that differs")
     args = p.parse_args(argv)
     if bool(args.dirs) == args.all:
         p.error("name run folders, or --all")
@@ -110,7 +109,18 @@ def _readme(argv: list[str]) -> int:
     for d in dirs:
         if d.is_symlink() or not d.is_dir():
             print(f"error: {printable(str(d))}: not a directory", file=sys.stderr)
-            return 2
+            return None
+    return args, dirs
+
+
+def _readme(argv: list[str]) -> int:
+    p = _Parser(prog="python -m scaletool.bench readme",
+                description="Write each run folder's README.md from its records (runs.jsonl, provenance.json, results).")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each README that differs")
+    got = _run_folders(p, argv)
+    if got is None:
+        return 2
+    args, dirs = got
     stale = []
     for d in dirs:
         try:
@@ -134,16 +144,10 @@ def _readme(argv: list[str]) -> int:
 def _pack(argv: list[str]) -> int:
     p = _Parser(prog="python -m scaletool.bench pack", epilog=PACK_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                 description=f"Move each run folder's record files into its {records.BUNDLE}.")
-    p.add_argument("dirs", nargs="*", type=Path, metavar="RUNDIR", help="a run folder (a study's --out)")
-    p.add_argument("--all", action="store_true", help="every run folder under benchmarks/results")
-    args = p.parse_args(argv)
-    if bool(args.dirs) == args.all:
-        p.error("name run folders, or --all")
-    dirs = readme.run_dirs() if args.all else args.dirs
-    for d in dirs:
-        if d.is_symlink() or not d.is_dir():
-            print(f"error: {printable(str(d))}: not a directory", file=sys.stderr)
-            return 2
+    got = _run_folders(p, argv)
+    if got is None:
+        return 2
+    _, dirs = got
     try:
         for d in dirs:
             done = records.pack(d)
