@@ -88,17 +88,22 @@ def test_training_gives_autocasts_numbers_bit_for_bit(tmp_path, compiled):
     sets = [*BF16, f"train.compile={str(compiled).lower()}", "train.checkpoint_every=6"]
     base = _train(tmp_path, "micro", sets)
     step = _train(tmp_path, "step", [*sets, "train.weight_cast=step"])
-    assert step.history.loss == base.history.loss and step.history.grad_norm == base.history.grad_norm
     log = (tmp_path / "step" / "train.log").read_text()
     assert "weight_cast step: 15 linear weights keep a 16-bit copy" in log  # 7 per block and the head
     assert "weight_cast" not in (tmp_path / "micro" / "train.log").read_text()
     a, b = (_weights(tmp_path / n / "checkpoints" / "step_6") for n in ("micro", "step"))
     assert a.keys() == b.keys()
-    # the compiled embedding backward on the CPU adds rows with atomics, in no fixed order: two runs of the
-    # same recipe differ there by ~1e-9 (no linear layer is involved); every other tensor is bit for bit
-    loose = {"tok_embeddings.weight"} if compiled else set()
-    assert [k for k in a if k not in loose and not torch.equal(a[k], b[k])] == []
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in loose)
+    if not compiled:  # eager on the CPU is deterministic: bit for bit
+        assert step.history.loss == base.history.loss and step.history.grad_norm == base.history.grad_norm
+        assert [k for k in a if not torch.equal(a[k], b[k])] == []
+        return
+    # compiled: the embedding backward on the CPU adds rows with atomics, in no fixed order, so two runs of the
+    # same recipe differ there by ~1e-9, and the layers that read the embedding's output inherit that in their
+    # last bits, run by run. A stale 16-bit copy (the defect this guards) moves weights by the order of the
+    # update, lr 3e-3: a thousand times the tolerance
+    assert step.history.loss == pytest.approx(base.history.loss, rel=1e-5, abs=0)
+    assert step.history.grad_norm == pytest.approx(base.history.grad_norm, rel=1e-5, abs=0)
+    assert [k for k in a if not torch.allclose(a[k], b[k], rtol=0, atol=3e-6)] == []
 
 
 def test_a_resumed_run_refreshes_the_copies_from_the_checkpoint(tmp_path):
