@@ -1,5 +1,5 @@
 """train.weight_cast=step: the recipe rules, the numbers against autocast's per-micro-batch casts (bit for
-bit, eager and compiled, through a checkpoint and a resume), which layers it takes, and the memory estimate;
+bit eager, within 3e-6 compiled, through a checkpoint and a resume), which layers it takes, and the memory estimate;
 with it, what gradient accumulation holds (single: every fp32 gradient; FSDP2: every one unsharded, in fp32)."""
 from __future__ import annotations
 
