@@ -1,7 +1,7 @@
 """The host's issue time in eager mode: seconds per block that bound a step whose device work is smaller.
 
 Each op of an eager block's forward and backward is launched from Python; the device runs ahead only while its
-queue holds work, so a micro-batch whose blocks take less device time than the host needs to issue them runs at
+queue holds work, so a micro-batch whose blocks' GPU work is shorter than the host's time to issue them runs at
 the host's pace (PyTorch's performance tuning guide: "CPU-bound" small batches; the reason CUDA graphs and
 ``torch.compile`` exist). The figure per block is measured, not fitted to step times: ``scaletool calibrate
 --recipe R`` runs the recipe's block at one sequence of at most 128 tokens, at one and at three blocks, in a loop

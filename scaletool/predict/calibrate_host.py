@@ -73,9 +73,9 @@ def probe(cfg, seq_len: int, device: torch.device, modes: tuple[str, ...] = MODE
     times at each block count; one process, one device."""
     T = min(seq_len, MAX_TOKENS)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=gen).to(device) if cfg.task == "lm" else None
-    if tokens is None:
+    if cfg.task != "lm":
         raise ValueError("the host-dispatch probe runs language models (model.task=lm)")
+    tokens = torch.randint(0, cfg.vocab_size, (1, T), generator=gen).to(device)
     result = {}
     for mode in modes:
         times = {}
@@ -113,9 +113,12 @@ def probe_bytes(cfg) -> int:
     return PROBE_BYTES_PER_PARAM * param_counts(largest)["total"]
 
 
-def too_large(cfg, device: torch.device) -> str | None:
-    """Why the probe does not run on ``device`` for this model (its blocks do not fit the share it may take),
-    or None. DeepSeek-V3's three MoE blocks hold 36 B parameters: more than a card."""
+def not_probed(cfg, device: torch.device) -> str | None:
+    """Why the probe does not run on ``device`` for this model, or None: it runs language models only (a
+    regression head's input is features, not tokens), and only where its blocks fit the share of memory it may
+    take (DeepSeek-V3's three MoE blocks hold 36 B parameters: more than a card)."""
+    if cfg.task != "lm":
+        return "not measured: the probe runs language models (model.task=lm); the base calibration's figures stand"
     if device.type == "cuda":
         budget = PROBE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
     else:
@@ -132,7 +135,7 @@ def measure_block_dispatch(recipe, device: torch.device, processes: int = 1, mod
     every process's figure kept), or one process on ``device``. A model whose blocks do not fit the probe's
     share of memory is not probed: the result says so (``skipped``) and gives no figures."""
     cfg, T = recipe.model, recipe.seq_len
-    reason = too_large(cfg, device)
+    reason = not_probed(cfg, device)
     if reason:
         return {"skipped": reason, "attention": cfg.attention, "moe": cfg.ffn == "moe"}
     if processes <= 1 or device.type != "cuda":
@@ -152,5 +155,6 @@ def measure_block_dispatch(recipe, device: torch.device, processes: int = 1, mod
 
 def overheads_from(measured: dict) -> dict:
     """The calibration's overhead entries a :func:`measure_block_dispatch` result gives (none when skipped)."""
-    return {measured[m]["key"]: round(measured[m]["block_s"], 6) for m in MODES if m in measured}
+    # a difference of two timings: noise on a busy host can take it below zero, which means none measurable
+    return {measured[m]["key"]: max(0.0, round(measured[m]["block_s"], 6)) for m in MODES if m in measured}
 

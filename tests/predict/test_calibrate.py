@@ -39,7 +39,7 @@ def test_calibrate_on_cpu_with_two_processes_writes_a_calibration_the_model_read
     host = m["host_dispatch"]
     assert host["attention"] == "mla" and host["blocks"] == [1, 3]
     for mode in ("autocast", "bf16"):
-        assert cal.overheads[f"eager_{mode}_block_mla_s"] == pytest.approx(host[mode]["block_s"], abs=1e-6)
+        assert cal.overheads[f"eager_{mode}_block_mla_s"] == pytest.approx(max(0.0, host[mode]["block_s"]), abs=1e-6)
         assert host["per_process"][0][mode]["block_s"]["n"] > 1
     recipe = load_recipe("tiny", ["parallel.engine=ddp"])
     pred = predict_step(recipe, cal, world_size=2)
