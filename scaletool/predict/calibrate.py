@@ -20,6 +20,9 @@ from scaletool.stats import spread
 WARMUP, REPS = 3, 10
 #: a timed GPU sample lasts at least this long (the call repeated), so launch overhead does not count
 MIN_SAMPLE_S = 0.005
+#: a GEMM that takes less than this is left out of the rate curve's fit: it times the launch and one partial
+#: wave of tiles, not the rate of a training GEMM (tokens × d at thousands of tokens take hundreds of µs)
+MIN_FIT_GEMM_S = 50e-6
 
 
 def time_fn(fn, device: torch.device, warmup: int = WARMUP, reps: int = REPS, min_sample_s: float = 0.0) -> list[float]:
@@ -80,7 +83,9 @@ def fit_gemm_curve(points: list[dict]) -> dict:
     """Fit rate = R·s/(s+h), s the smallest dimension, to median rates: 1/rate = 1/R + (h/R)/s is linear
     in 1/s, fitted by least squares on the relative error (each point weighted by its rate squared, so
     that the fast large shapes count as much as the slow small ones); a degenerate fit keeps the fastest
-    rate and h = 1."""
+    rate and h = 1. Points faster than ``MIN_FIT_GEMM_S`` are left out while two others remain."""
+    timed = [p for p in points if 2 * p["m"] * p["n"] * p["k"] / (p["tflops"]["median"] * 1e12) >= MIN_FIT_GEMM_S]
+    points = timed if len(timed) >= 2 else points
     xs = [1 / min(p["m"], p["n"], p["k"]) for p in points]
     rates = [p["tflops"]["median"] for p in points]
     ys = [1 / r for r in rates]

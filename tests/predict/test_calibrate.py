@@ -55,6 +55,16 @@ def test_gemm_curve_fit_recovers_a_saturating_rate():
     assert fit_gemm_curve(flat)["half_dim"] == 1.0
 
 
+def test_gemm_curve_fit_leaves_out_launch_bound_points():
+    """A 1024³ GEMM timed at 117 TFLOP/s (18 µs: the launch, not the rate) does not drag the curve down."""
+    pts = [{"m": s, "n": s, "k": s, "tflops": {"median": 800 * s / (s + 300)}} for s in (2048, 4096, 8192)]
+    fast = {"m": 1024, "n": 1024, "k": 1024, "tflops": {"median": 117.0}}
+    fit = fit_gemm_curve([*pts, fast])
+    assert fit["max_tflops"] == pytest.approx(800, rel=1e-6) and fit["half_dim"] == pytest.approx(300, rel=1e-6)
+    kept = fit_gemm_curve([pts[0], fast])  # one timed point left: all are kept, the fast one pulls the curve
+    assert kept["max_tflops"] < 0.9 * fit["max_tflops"]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--device", "cpu", "--out", "{tmp}"], "is a directory"),
     (["--device", "cpu", "--set", "train.micro_batch_size=2"], "--set needs --recipe"),
