@@ -55,7 +55,9 @@ class Progress:
 @click.option("--attention-variants", is_flag=True, help="Also plan the model with each other attention kind.")
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Layouts listed.")
 @click.option("--verify", type=click.IntRange(min=0), default=0, metavar="K",
-              help="Run the best K layouts that fit this machine for a few steps; predicted vs measured.")
+              help="Run the best K layouts that fit this machine for a few steps; predicted vs measured, each on "
+              "stderr as it finishes. Interrupted (Ctrl-C, SIGTERM): the run stops, what finished is delivered, "
+              "the rest is marked not run, exit status 130.")
 @set_option
 @json_option
 def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, global_batch_tokens: int | None,
@@ -91,12 +93,14 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
                        inter_node_gb_s=inter_node_gb_s, calibration=calibration,
                        attention_variants=attention_variants, top=top, verify=verify,
                        progress=prog.search,
-                       verify_progress=None if as_json else prog.line)
+                       verify_progress=prog.line)
     finally:
         prog.done()
     deliver(res, as_json)
     if not as_json:
         print_plan(res)
+    if any(v.status == "not run" for v in res.verify or ()):
+        raise SystemExit(130)  # interrupted: the layouts verified so far were delivered above
     return res
 
 

@@ -88,20 +88,61 @@ def train_argv(name: str, overrides: tuple[str, ...], recipe: Recipe, row: dict,
     return argv
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM while layouts were being verified."""
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a verification run and everything it started (torchrun and its ranks share its session)."""
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.communicate(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _run(argv: list[str]) -> tuple[dict | None, str | None]:
-    """(the train result, None) or (None, why it failed in one line)."""
+    """(the train result, None) or (None, why it failed in one line); on an interruption the run (its whole
+    process group) is stopped and ``Interrupted`` raised."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+        stdout, stderr = proc.communicate(timeout=VERIFY_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        _stop(proc)
         return None, f"did not finish within {VERIFY_TIMEOUT_S} s"
+    except (KeyboardInterrupt, Interrupted):
+        _stop(proc)
+        raise Interrupted from None
     try:
-        doc = json.loads(proc.stdout) if proc.stdout.strip() else None
+        doc = json.loads(stdout) if stdout.strip() else None
     except json.JSONDecodeError:
         doc = None
     if proc.returncode != 0 or doc is None:
-        return doc, failure_line(proc.stderr, proc.returncode)
+        return doc, failure_line(stderr, proc.returncode)
     return doc, None
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted
+
+
+def outcome_line(v: dict) -> str:
+    """One verified layout in a line: measured beside predicted, or why it did not run."""
+    head = f"verify {v['rank']}: {v['layout']}: "
+    m = v["measured_tokens_per_s"]
+    if not m:
+        return head + f"{v['status']}: {v['message'] or 'no measurement'}"
+    line = head + f"{m['median']:,.0f} tok/s (p10-p90 {m['p10']:,.0f}-{m['p90']:,.0f}, n={m['n']}), predicted " \
+                  f"{v['rel_error_tokens_per_s']:+.1%}"
+    if v["measured_peak_memory_bytes"]:
+        line += f"; {v['measured_peak_memory_bytes'] / 2**30:.2f} GiB, estimate {v['rel_error_memory']:+.1%}"
+    return line
 
 
 #: the last line of a Python traceback: ``module.Name: message`` (or the bare name)
@@ -126,7 +167,7 @@ def failure_line(stderr: str, returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command: str) -> dict:
+def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command: str, status: str | None = None) -> dict:
     timing = (doc or {}).get("timing") or {}
     rate = timing.get("tokens_per_s")
     peak = (doc or {}).get("peak_memory_bytes")
@@ -135,7 +176,7 @@ def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command:
             "measured_tokens_per_s": rate, "rel_error_tokens_per_s": rel_error(predicted, rate["median"]) if rate else None,
             "predicted_memory_bytes": row["memory_bytes"], "measured_peak_memory_bytes": peak,
             "rel_error_memory": rel_error(row["memory_bytes"], peak) if peak else None,
-            "status": (doc or {}).get("status") or "failed", "message": why, "command": command}
+            "status": status or (doc or {}).get("status") or "failed", "message": why, "command": command}
 
 
 def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None,
@@ -158,12 +199,32 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
                      "a placeholder, so the prediction's error is not meaningful here; memory is measured on CUDA only "
                      "(the allocator's peak)")
     out = []
-    with tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
-        for row in plan["layouts"]:
-            argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
-            if progress is not None:
-                progress(f"verify {row['rank']}/{len(plan['layouts'])}: {describe(row)}")
-            doc, why = _run(argv)
-            shown = command_line(["scaletool", *argv[3:]])
-            out.append(_verified(row, machine["ranks"], doc, why, shown))
+    try:  # SIGTERM as SIGINT: the layouts verified so far are kept, the rest marked not run
+        previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    except ValueError:  # not the main thread
+        previous = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
+            layouts = plan["layouts"]
+            for i, row in enumerate(layouts):
+                argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
+                shown = command_line(["scaletool", *argv[3:]])
+                if progress is not None:
+                    progress(f"verify {row['rank']}/{len(layouts)}: {describe(row)}")
+                try:
+                    doc, why = _run(argv)
+                except (KeyboardInterrupt, Interrupted):
+                    for rest in layouts[i:]:
+                        rest_argv = train_argv(name, overrides, recipe, rest, machine["ranks"], Path(tmp) / "-")
+                        out.append(_verified(rest, machine["ranks"], None, "interrupted before it finished",
+                                             command_line(["scaletool", *rest_argv[3:]]), status="not run"))
+                    notes.append(f"interrupted during layout {row['rank']}: {len(layouts) - i} of {len(layouts)} "
+                                 "not run")
+                    break
+                out.append(_verified(row, machine["ranks"], doc, why, shown))
+                if progress is not None:
+                    progress(outcome_line(out[-1]))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return out, notes

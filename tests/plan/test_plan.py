@@ -202,6 +202,46 @@ def test_verify_runs_the_best_layouts_here_and_measures_them(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the runs went to a temporary directory, removed
 
 
+def test_verify_interrupted_keeps_what_it_measured_and_stops_the_run(tmp_path):
+    """SIGTERM while the second layout trains: the first layout's measurement is delivered, the second and the
+    rest are marked not run, exit status 130, and no process of the stopped run is left (a real subprocess)."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import ROOT
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "scaletool", "plan", "tiny", "--gpus", "2", "--verify", "3", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    seen = []
+    for line in proc.stderr:  # each layout: a line before it, a line with its outcome after it
+        seen.append(line)
+        if line.startswith("verify 2/"):
+            break
+    else:
+        pytest.fail("".join(seen))
+    time.sleep(1)  # the second run has started (its outcome is not awaited: it is stopped either way)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen) + err
+    doc = json.loads(out)
+    first, *rest = doc["verify"]
+    assert seen[1].startswith("verify 1: ") and "tok/s" in seen[1]
+    assert first["status"] == "completed" and first["measured_tokens_per_s"]["n"] >= 1
+    assert len(rest) == 2 and all(v["status"] == "not run" and v["measured_tokens_per_s"] is None for v in rest)
+    assert any(n.startswith("interrupted during layout 2: 2 of 3 not run") for n in doc["verify_notes"])
+    leftover = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if str(tmp_path) in cmd:
+            leftover.append(cmd)
+    assert leftover == [] and list(tmp_path.glob("scaletool-verify-*")) == []  # its temporary runs removed
+
+
 def test_progress_line_goes_to_stderr_once_the_search_is_slow(capsys):
     from scaletool.cli.plan import Progress
 
