@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from scaletool.config import Recipe
@@ -92,18 +93,72 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM while layouts were being verified."""
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop a verification run and everything it started (torchrun and its ranks share its session)."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc's parent links; empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
         try:
-            os.killpg(proc.pid, sig)
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-        try:
-            proc.communicate(timeout=wait)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """Stop a verification run and everything it started: SIGTERM to its process group (its torchrun agent
+    passes it on to the ranks, which may run in sessions of their own), SIGKILL to the run after ``grace_s``,
+    then the same two steps for whatever of its process tree outlived it; returns once all are gone, so the
+    next layout finds the GPUs free."""
+    tree = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:  # wait, not communicate: a rank that outlives the run holds the pipes open
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        tree |= _descendants(proc.pid)
+        _signal_all([proc.pid], signal.SIGKILL)
+        proc.wait()
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = {pid for pid in tree if _alive(pid)}
+        _signal_all(alive, sig)
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 10)
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = {pid for pid in alive if _alive(pid)}
+        if not alive:
             return
-        except subprocess.TimeoutExpired:
-            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _run(argv: list[str]) -> tuple[dict | None, str | None]:

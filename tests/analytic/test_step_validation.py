@@ -86,10 +86,12 @@ def test_dropless_moe_is_predicted_and_the_capacity_dispatch_stays_a_visible_fai
 
 def test_tiny_host_bound_runs_stay_visible(runs):
     """The two loss-curve runs (an 8-layer, 512-wide model, eager, steps of 25 ms and more) are predicted at
-    7 ms of device work: their steps are the host's kernel launches, which the model does not charge. Kept
-    out of the tolerances and visible here; a model that learns the launch rate should bring them in."""
-    tiny = [r for r in runs if _host_bound(r)]
-    assert len(tiny) == 2 and all(r["rel_error"] > 1.0 for r in tiny), [(r["run"], r["rel_error"]) for r in tiny]
+    7 ms of device work: their steps are the host's. With the eager block issue time measured on an H100 host
+    (2026-11-28) the bf16 run is predicted within 50% (it was +254% without); the FP8 run's swapped layers issue
+    more ops than the bf16 block the probe times, so it stays far off. Both kept out of the tolerances."""
+    tiny = {r["run"].rsplit("/", 1)[-1]: r["rel_error"] for r in runs if _host_bound(r)}
+    assert set(tiny) == {"loss-none.json", "loss-tensorwise.json"}, tiny
+    assert abs(tiny["loss-none.json"]) < 0.5 and tiny["loss-tensorwise.json"] > 1.0, tiny
 
 
 def test_async_tensor_parallelism_is_not_modelled_and_says_so(runs):

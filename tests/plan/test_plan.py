@@ -242,6 +242,25 @@ def test_verify_interrupted_keeps_what_it_measured_and_stops_the_run(tmp_path):
     assert leftover == [] and list(tmp_path.glob("scaletool-verify-*")) == []  # its temporary runs removed
 
 
+def test_a_stopped_verification_takes_its_whole_process_tree_with_it():
+    """A run whose rank sits in a session of its own and ignores SIGTERM (as a torchrun worker in a long compile
+    can): stopping the run leaves no process of it behind (real processes, real signals)."""
+    import subprocess
+
+    from scaletool.plan.verify import _alive, _stop
+
+    rank = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+            "time.sleep(600)")
+    agent = ("import subprocess, sys, time; "
+             f"c = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True, stdout=subprocess.PIPE); "
+             "c.stdout.readline(); print(c.pid, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    worker = int(proc.stdout.readline())
+    assert _alive(worker)
+    _stop(proc, grace_s=2)
+    assert proc.returncode is not None and not _alive(worker)
+
+
 def test_progress_line_goes_to_stderr_once_the_search_is_slow(capsys):
     from scaletool.cli.plan import Progress
 
