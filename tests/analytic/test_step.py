@@ -27,8 +27,11 @@ def h100() -> Calibration:
 def test_terms_add_up_to_the_step(h100):
     out = predict_step(recipe("mha-1b", "train.compile=false"), h100)
     terms = out["terms"]
-    parts = [v for k, v in terms.items() if not k.endswith("_total_s")]
-    assert sum(parts) == pytest.approx(out["step_s"])
+    # the device's terms add up; the host's issue time (eager blocks, TP dispatch) is the other bound of the step
+    issue = ("eager_dispatch_s", "tp_dispatch_s")
+    parts = [v for k, v in terms.items() if not k.endswith("_total_s") and k not in issue]
+    assert terms["eager_dispatch_s"] > 0  # the H100 calibration has a measured eager issue time
+    assert out["step_s"] == pytest.approx(max(sum(parts), sum(terms[k] for k in issue) + terms["host_overhead_s"]))
     assert out["tokens_per_s"] == pytest.approx(8 * 2048 / out["step_s"])
     assert out["tokens_per_s_per_gpu"] == out["tokens_per_s"]
     assert terms["gemm_backward_s"] == pytest.approx(2 * terms["gemm_forward_s"])
