@@ -363,9 +363,39 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
             "fsdp_exposed_s": fsdp_s, "host_s": host, "eager_dispatch_s": gas * m * issue, **ep_terms, "busy_s": busy}
 
 
+def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp: int, ep: int, G: int) -> list[str]:
+    """What :func:`pipeline_step` assumed, in words."""
+    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
+    assumptions = [
+        f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
+        f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v_idle * kind.bubble_work:.2g} "
+        "micro-batch slots of the slowest rank per schedule step"
+        + (f" (torch's {kind.torch_class} on {P} ranks idles as one chunk a rank does, measured on 4; the design: "
+           f"{(P - 1) / v * kind.bubble_work:.2g})" if v_idle != v else ""),
+        "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped"
+        + (f"; {crossing:.0%} of the stage boundaries between nodes" if crossing else ""),
+        f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
+        "per micro-batch",
+    ]
+    if ep > 1:
+        assumptions.append(
+            f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"
+            + (", across nodes" if ep > G else ", within a node") + "): every all-to-all exposed; the routed "
+            "experts' GEMMs at the grouped shape (every group rank's rows per local expert)"
+            + (f"; the busiest rank receives {ep_analytic.EXPERT_IMBALANCE:g}x the mean routed rows"
+               if cfg.moe_dispatch == "dropless" else "")
+            + (f"; expert gradients all-reduced over {dp // ep} replicas" if dp > ep else ""))
+    return assumptions
+
+
 def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None = None,
-                  gpus_per_node: int | None = None, compiled: bool | None = None) -> dict:
+                  gpus_per_node: int | None = None, compiled: bool | None = None, designed_bubble: bool = False) -> dict:
     """Predicted step time of the recipe's pipeline layout, every term shown, the bounding rank named.
+
+    The bubble is the one torch's schedule realises (:meth:`ScheduleKind.realised_chunks`: interleaved 1F1B on
+    4 or more ranks idles as plain 1F1B does); ``designed_bubble``: the schedule's published one instead, for
+    another project's implementation (the published-runs validation).
 
     Ranks are laid out pipeline-outermost (:mod:`scaletool.engines.pipeline`): a stage's ``dp`` data-parallel
     ranks are consecutive, so FSDP2's collectives cross nodes only when ``dp`` exceeds a node, and a stage
@@ -390,7 +420,9 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     bound = max(ranks, key=lambda x: x["busy_s"])
     # fill and drain: the other ranks' slots, each at its own pace (1F1B's critical path (m - 1)·S_max + Σ S_r), / v
     slot = max(x["micro_batch_s"] for x in ranks)
-    bubble = gas * (sum(x["micro_batch_s"] for x in ranks) - slot) / v * schedule_kind(sched).bubble_work
+    kind = schedule_kind(sched)
+    v_idle = kind.realised_chunks(P, v, designed_bubble)
+    bubble = gas * (sum(x["micro_batch_s"] for x in ranks) - slot) / v_idle * kind.bubble_work
     # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
     # activation (forward) or its gradient (backward), d 16-bit numbers per token; a boundary between nodes
     # (min(1, dp/G) of them once the pipeline spans nodes) at the inter-node bandwidth
@@ -408,23 +440,7 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     peak = calib.peak_tflops * 1e12
     ep_keys = ("comm/ep.all_to_all_s", "ep/imbalance_s", "ep/host_sync_s", "ep/expert_gemm_shape_s",
                "comm/ep.replica_all_reduce_s")
-    assumptions = [
-        f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
-        f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v * schedule_kind(sched).bubble_work:.2g} "
-        "micro-batch slots of the slowest rank per schedule step",
-        "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped"
-        + (f"; {crossing:.0%} of the stage boundaries between nodes" if crossing else ""),
-        f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
-        "per micro-batch",
-    ]
-    if ep > 1:
-        assumptions.append(
-            f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"
-            + (", across nodes" if ep > G else ", within a node") + "): every all-to-all exposed; the routed "
-            "experts' GEMMs at the grouped shape (every group rank's rows per local expert)"
-            + (f"; the busiest rank receives {ep_analytic.EXPERT_IMBALANCE:g}x the mean routed rows"
-               if cfg.moe_dispatch == "dropless" else "")
-            + (f"; expert gradients all-reduced over {dp // ep} replicas" if dp > ep else ""))
+    assumptions = _assumptions(recipe, kind, v_idle, m, crossing, dp, ep, G)
     return {
         "engine": p.engine, "world_size": N, "pipeline_parallel": P, "virtual_stages": v, "schedule": sched,
         "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "expert_parallel": ep, "gpus_per_node": G,
