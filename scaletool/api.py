@@ -145,13 +145,15 @@ def hardware(device_name: str | None = None):
 def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_per_node: int | None = None,
          hardware: str = DEFAULT_HARDWARE, global_batch_tokens: int | None = None, seq_len: int | None = None,
          price_per_gpu_hour: float | None = None, attention_variants: bool = False, top: int = 5, verify: int = 0,
-         progress=None, verify_progress=None, inter_node_gb_s: float | None = None, calibration: str | None = None):
+         progress=None, verify_progress=None, inter_node_gb_s: float | None = None, calibration: str | None = None,
+         verify_out: str | Path | None = None):
     """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,
     each with its ``scaletool launch`` command; ``verify`` K runs the best K that fit this machine for a
     few steps and sets measured beside predicted. Returns a :class:`~scaletool.results.plan.PlanResult`.
     ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run and with its outcome after it.
     ``inter_node_gb_s``: the bus bandwidth per GPU across nodes (GB/s), in place of the calibration's;
-    ``calibration``: a shipped calibration's name or a file's path, in place of the card's."""
+    ``calibration``: a shipped calibration's name or a file's path, in place of the card's; ``verify_out``: a new
+    or empty directory the verified runs stay in (one per layout), else they go to a temporary one."""
     from scaletool.analytic.calibration import load_calibration
     from scaletool.plan.build import make_plan, make_request
     from scaletool.results.plan import PlanResult
@@ -167,13 +169,16 @@ def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_p
                        calibration=load_calibration(calibration) if calibration else None)
     if verify < 0:
         raise RecipeError(f"verify: {verify}: give the number of layouts to run (0: none)")
+    if verify_out is not None and not verify:
+        raise RecipeError("--verify-out needs --verify K: it keeps the runs --verify makes")
     name = str(recipe) if isinstance(recipe, (str, Path)) else "recipe.yaml"
     result = make_plan(r, name, tuple(overrides), req, progress)
     if verify:
-        from scaletool.plan.verify import verify_locally
+        from scaletool.plan.verify import prepare_keep_dir, verify_locally
 
+        keep = prepare_keep_dir(Path(verify_out)) if verify_out is not None else None
         result["verify"], result["verify_notes"] = verify_locally(r, name, tuple(overrides), verify, verify_progress,
-                                                                  asked=req)
+                                                                  asked=req, keep=keep)
     return PlanResult.model_validate(result)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 import time
 
+from pathlib import Path
+
 import click
 
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
@@ -58,12 +60,15 @@ class Progress:
               help="Run the best K layouts that fit this machine for a few steps; predicted vs measured, each on "
               "stderr as it finishes. Interrupted (Ctrl-C, SIGTERM): the run stops, what finished is delivered, "
               "the rest is marked not run, exit status 130.")
+@click.option("--verify-out", type=click.Path(path_type=Path), metavar="DIR",
+              help="Keep each verified layout's run in DIR/layout<rank> (a new or empty directory; its summary.json "
+              "is what `scaletool calibrate --validate` re-predicts) [default: a temporary directory, removed].")
 @set_option
 @json_option
 def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, global_batch_tokens: int | None,
          seq_len: int | None, price_per_gpu_hour: float | None, inter_node_gb_s: float | None, calibration: str | None,
          attention_variants: bool,
-         top: int, verify: int, overrides: tuple[str, ...], as_json: bool):
+         top: int, verify: int, verify_out: Path | None, overrides: tuple[str, ...], as_json: bool):
     """Plan RECIPE on --gpus GPUs: the layouts that fit, fastest first.
 
     \b
@@ -82,7 +87,7 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
           --global-batch-tokens 16777216 --price-per-gpu-hour 2.5
       scaletool plan mla-1b --gpus 16 --attention-variants --top 3
       scaletool plan deepseek-v3 --gpus 2048 --top 3
-      scaletool plan tiny --gpus 2 --verify 2
+      scaletool plan tiny --gpus 2 --verify 2 --verify-out runs/verify
     """
     from scaletool import api
 
@@ -91,7 +96,7 @@ def plan(recipe: str, gpus: int, gpus_per_node: int | None, hardware: str, globa
         res = api.plan(recipe, gpus=gpus, overrides=overrides, gpus_per_node=gpus_per_node, hardware=hardware,
                        global_batch_tokens=global_batch_tokens, seq_len=seq_len, price_per_gpu_hour=price_per_gpu_hour,
                        inter_node_gb_s=inter_node_gb_s, calibration=calibration,
-                       attention_variants=attention_variants, top=top, verify=verify,
+                       attention_variants=attention_variants, top=top, verify=verify, verify_out=verify_out,
                        progress=prog.search,
                        verify_progress=prog.line)
     finally:

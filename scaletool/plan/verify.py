@@ -17,10 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from scaletool.config import Recipe
-from scaletool.errors import RecipeError
+from scaletool.errors import RecipeError, shorten
 from scaletool.kinds.engines import engine_kind, table_engines
 from scaletool.plan.build import make_plan, make_request
 from scaletool.plan.commands import command_line, describe, layout_sets
@@ -234,10 +235,27 @@ def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command:
             "status": status or (doc or {}).get("status") or "failed", "message": why, "command": command}
 
 
+def prepare_keep_dir(path: Path) -> Path:
+    """``--verify-out``: a new or empty directory for the verified runs, created; a RecipeError (one line) for
+    a file, a directory with something in it, or one that cannot be made."""
+    shown = shorten(str(path))
+    if path.exists() and not path.is_dir():
+        raise RecipeError(f"--verify-out {shown}: not a directory")
+    try:
+        if path.is_dir() and any(path.iterdir()):
+            raise RecipeError(f"--verify-out {shown}: not empty; each layout's run goes to {shown}/layoutN, so "
+                              "name a new or empty directory")
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"--verify-out {shown}: {e.strerror or e}") from None
+    return path
+
+
 def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int, progress=None,
-                   asked=None) -> tuple[list, list]:
+                   asked=None, keep: Path | None = None) -> tuple[list, list]:
     """Run the best ``k`` layouts that fit this machine (``asked``: the plan's request, whose global batch per
-    GPU and attention variants carry over); (the verified rows, notes on what was assumed)."""
+    GPU and attention variants carry over); (the verified rows, notes on what was assumed). ``keep``: a
+    directory (:func:`prepare_keep_dir`) the runs stay in, ``keep/layout<rank>``; else a temporary one."""
     machine = local_machine()
     try:
         plan = local_plan(recipe, name, overrides, k, machine, asked)
@@ -259,7 +277,10 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
     except ValueError:  # not the main thread
         previous = None
     try:
-        with tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
+        if keep is not None:
+            notes.append(f"each layout's run kept in {keep}/layout<rank> (its summary.json is what "
+                         "`scaletool calibrate --validate` re-predicts)")
+        with nullcontext(str(keep)) if keep is not None else tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
             layouts = plan["layouts"]
             for i, row in enumerate(layouts):
                 argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")

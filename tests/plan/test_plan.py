@@ -202,6 +202,30 @@ def test_verify_runs_the_best_layouts_here_and_measures_them(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the runs went to a temporary directory, removed
 
 
+def test_verify_out_keeps_each_run_and_refuses_a_used_directory(tmp_path):
+    """--verify-out DIR: each verified layout's run stays in DIR/layout<rank> with its summary.json (what
+    calibrate --validate reads); a directory with something in it, a file, or no --verify: one error line, exit 2,
+    nothing run or written."""
+    keep = tmp_path / "kept"
+    proc = run_cli("plan", "tiny", "--gpus", "1", "--verify", "1", "--verify-out", str(keep), "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    summary = json.loads((keep / "layout1" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["kind"] == "train"
+    assert doc["verify"][0]["measured_tokens_per_s"]["median"] == pytest.approx(summary["timing"]["tokens_per_s"]["median"])
+    assert any(str(keep) in n and "calibrate --validate" in n for n in doc["verify_notes"])
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine\n")
+    for argv, needle in ((["--verify", "1", "--verify-out", str(keep)], "not empty"),
+                         (["--verify", "1", "--verify-out", str(a_file)], "not a directory"),
+                         (["--verify-out", str(tmp_path / "new")], "needs --verify")):
+        res = CliRunner().invoke(main, ["plan", "tiny", "--gpus", "1", *argv], prog_name="scaletool")
+        lines = res.stderr.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert sorted(p.name for p in keep.iterdir()) == ["layout1"] and a_file.read_text() == "mine\n"
+    assert not (tmp_path / "new").exists()
+
+
 def test_verify_interrupted_keeps_what_it_measured_and_stops_the_run(tmp_path):
     """SIGTERM while the second layout trains: the first layout's measurement is delivered, the second and the
     rest are marked not run, exit status 130, and no process of the stopped run is left (a real subprocess)."""
