@@ -137,11 +137,9 @@ def zero_step(ctx: StepContext) -> EngineStepTerms:
     """DeepSpeed ZeRO at its stage.
 
     ZeRO-1/2: the gradients' reduce-scatter after the backward and the updated parameters' all-gather after
-    the step are on the critical path; its step's work on the rank's partition (``zero12_step_s`` at one rank,
-    divided by the data-parallel ranks): deepspeed/runtime/zero/stage_1_and_2.py flattens the partition's
-    gradients to fp32, walks its tensors for the norm and the unscaling, and copies the updated fp32 partition
-    to the 16-bit one, all in proportion to the partition. A constant per step fitted the one-GPU runs but
-    under-predicted every 2- and 4-GPU run by 2-8%.
+    the step are on the critical path; its step's work on the rank's partition (``zero12_step_s`` at one rank
+    over the data-parallel ranks: stage_1_and_2.py flattens the partition's gradients to fp32, walks its
+    tensors for the norm and unscaling, copies the fp32 partition to the 16-bit one; docs/prediction.md).
 
     ZeRO-3 (deepspeed/runtime/zero/stage3.py, as scaletool configures it): parameter gathers prefetched up to
     ``stage3_prefetch_bucket_size`` elements ahead (``zero_overlap``, as FSDP2), and the gradients
