@@ -282,24 +282,24 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
                          "`scaletool calibrate --validate` re-predicts)")
         with nullcontext(str(keep)) if keep is not None else tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
             layouts = plan["layouts"]
-            for i, row in enumerate(layouts):
-                argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
-                shown = command_line(["scaletool", *argv[3:]])
-                if progress is not None:
-                    progress(f"verify {row['rank']}/{len(layouts)}: {describe(row)}")
-                try:
+            try:  # wherever the signal lands (a run, a progress line, between layouts), what finished is kept
+                for row in layouts:
+                    argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
+                    if progress is not None:
+                        progress(f"verify {row['rank']}/{len(layouts)}: {describe(row)}")
                     doc, why = _run(argv)
-                except (KeyboardInterrupt, Interrupted):
-                    for rest in layouts[i:]:
-                        rest_argv = train_argv(name, overrides, recipe, rest, machine["ranks"], Path(tmp) / "-")
-                        out.append(_verified(rest, machine["ranks"], None, "interrupted before it finished",
-                                             command_line(["scaletool", *rest_argv[3:]]), status="not run"))
-                    notes.append(f"interrupted during layout {row['rank']}: {len(layouts) - i} of {len(layouts)} "
-                                 "not run")
-                    break
-                out.append(_verified(row, machine["ranks"], doc, why, shown))
-                if progress is not None:
-                    progress(outcome_line(out[-1]))
+                    out.append(_verified(row, machine["ranks"], doc, why, command_line(["scaletool", *argv[3:]])))
+                    if progress is not None:
+                        progress(outcome_line(out[-1]))
+            except (KeyboardInterrupt, Interrupted):
+                done = len(out)
+                for rest in layouts[done:]:
+                    rest_argv = train_argv(name, overrides, recipe, rest, machine["ranks"], Path(tmp) / "-")
+                    out.append(_verified(rest, machine["ranks"], None, "interrupted before it finished",
+                                         command_line(["scaletool", *rest_argv[3:]]), status="not run"))
+                if done < len(layouts):
+                    notes.append(f"interrupted during layout {layouts[done]['rank']}: {len(layouts) - done} of "
+                                 f"{len(layouts)} not run")
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
