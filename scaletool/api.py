@@ -150,7 +150,8 @@ def plan(recipe: RecipeLike, *, gpus: int, overrides: Sequence[str] = (), gpus_p
     """The layouts of ``recipe`` on ``gpus`` GPUs of ``hardware`` that fit, ranked by predicted tokens/s,
     each with its ``scaletool launch`` command; ``verify`` K runs the best K that fit this machine for a
     few steps and sets measured beside predicted. Returns a :class:`~scaletool.results.plan.PlanResult`.
-    ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run and with its outcome after it.
+    ``progress(done, total)`` is called during the search, ``verify_progress(line)`` before each run and with
+    its outcome after it.
     ``inter_node_gb_s``: the bus bandwidth per GPU across nodes (GB/s), in place of the calibration's;
     ``calibration``: a shipped calibration's name or a file's path, in place of the card's; ``verify_out``: a new
     or empty directory the verified runs stay in (one per layout), else they go to a temporary one."""
