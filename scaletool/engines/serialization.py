@@ -112,12 +112,30 @@ def _corrupt(path: Path, err: BaseException) -> RecipeError:
                        f"{_reason(err)})")
 
 
+@contextmanager
+def _quiet_interpreter_reports():
+    """Garbage that makes the unpickler fail mid-object can also make CPython print a report of its own on the
+    way out (a BYTEARRAY8 of an impossible length: "SystemError: deallocated bytearray object has exported
+    buffers", through ``PyErr_Print``, i.e. ``sys.excepthook``; others through ``sys.unraisablehook``): held
+    back here, since the failure itself becomes the one error line."""
+    import sys
+
+    hooks = sys.excepthook, sys.unraisablehook
+    sys.excepthook = lambda *args: None
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        yield
+    finally:
+        sys.excepthook, sys.unraisablehook = hooks
+
+
 def read_dcp_metadata(ckpt_dir: str | Path, trust: bool = False) -> dcp_metadata.Metadata:
     """The ``.metadata`` of a DCP checkpoint directory, unpickled with DCP's own classes only."""
     path = Path(ckpt_dir) / ".metadata"
     try:
         data = path.read_bytes()
-        md = pickle.loads(data) if trust else _RestrictedUnpickler(io.BytesIO(data), _dcp_globals()).load()
+        with _quiet_interpreter_reports():
+            md = pickle.loads(data) if trust else _RestrictedUnpickler(io.BytesIO(data), _dcp_globals()).load()
     except pickle.UnpicklingError as e:
         raise _refusal(path, e) from None
     except (Exception, RecursionError) as e:  # cut short or garbage: pickle raises many types
