@@ -368,7 +368,7 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
     assumptions = [
-        f"pipeline {sched} ({schedule_kind(sched).source}): {P} ranks × {v} chunks, {m} micro-batches of "
+        f"pipeline {sched} ({kind.source}): {P} ranks × {v} chunks, {m} micro-batches of "
         f"{t.micro_batch_size // m} sequences; idle {(P - 1) / v_idle * kind.bubble_work:.2g} "
         "micro-batch slots of the slowest rank per schedule step"
         + (f" (torch's {kind.torch_class} on {P} ranks idles as one chunk a rank does, measured on 4; the design: "

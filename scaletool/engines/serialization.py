@@ -23,6 +23,7 @@ import io
 import pathlib
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -118,8 +119,6 @@ def _quiet_interpreter_reports():
     way out (a BYTEARRAY8 of an impossible length: "SystemError: deallocated bytearray object has exported
     buffers", through ``PyErr_Print``, i.e. ``sys.excepthook``; others through ``sys.unraisablehook``): held
     back here, since the failure itself becomes the one error line."""
-    import sys
-
     hooks = sys.excepthook, sys.unraisablehook
     sys.excepthook = lambda *args: None
     sys.unraisablehook = lambda unraisable: None

@@ -94,18 +94,26 @@ class Interrupted(Exception):
     """SIGINT or SIGTERM while layouts were being verified."""
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first, then the parent's pid), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def _descendants(pid: int) -> set[int]:
     """Every live process below ``pid`` (from /proc's parent links; empty where there is no /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
+        fields = _stat(entry) if entry.isdigit() else None
+        if fields is not None and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(entry))
     out, todo = set(), [pid]
     while todo:
@@ -152,14 +160,6 @@ def _stop(proc: subprocess.Popen, grace_s: float = 30) -> None:
             alive = {pid for pid in alive if _alive(pid)}
         if not alive:
             return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _run(argv: list[str]) -> tuple[dict | None, str | None]:
@@ -282,9 +282,13 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
                          "`scaletool calibrate --validate` re-predicts)")
         with nullcontext(str(keep)) if keep is not None else tempfile.TemporaryDirectory(prefix="scaletool-verify-") as tmp:
             layouts = plan["layouts"]
+
+            def argv_of(row: dict) -> list[str]:
+                return train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
+
             try:  # wherever the signal lands (a run, a progress line, between layouts), what finished is kept
                 for row in layouts:
-                    argv = train_argv(name, overrides, recipe, row, machine["ranks"], Path(tmp) / f"layout{row['rank']}")
+                    argv = argv_of(row)
                     if progress is not None:
                         progress(f"verify {row['rank']}/{len(layouts)}: {describe(row)}")
                     doc, why = _run(argv)
@@ -294,9 +298,8 @@ def verify_locally(recipe: Recipe, name: str, overrides: tuple[str, ...], k: int
             except (KeyboardInterrupt, Interrupted):
                 done = len(out)
                 for rest in layouts[done:]:
-                    rest_argv = train_argv(name, overrides, recipe, rest, machine["ranks"], Path(tmp) / "-")
                     out.append(_verified(rest, machine["ranks"], None, "interrupted before it finished",
-                                         command_line(["scaletool", *rest_argv[3:]]), status="not run"))
+                                         command_line(["scaletool", *argv_of(rest)[3:]]), status="not run"))
                 if done < len(layouts):
                     notes.append(f"interrupted during layout {layouts[done]['rank']}: {len(layouts) - done} of "
                                  f"{len(layouts)} not run")
