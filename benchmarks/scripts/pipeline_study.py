@@ -1,7 +1,7 @@
 """Pipeline stages against FSDP2 alone on 4 (or 2) GPUs: measured beside predicted, and the measured bubble.
 
     python benchmarks/scripts/pipeline_study.py OUT [--models mla-1b,mha-1b,llama3-8b] [--gpus 4|2]
-        [--seqs-per-microbatch S] [--dry-run]
+        [--seqs-per-microbatch S] [--only NAME,...] [--set KEY=VALUE ...] [--suffix TEXT] [--dry-run]
 
 For each model (llama3-8b cut to 8 blocks so that FSDP2 × 4 fits an 80 GB card at its own sequence length), the layouts
 FSDP2 × 4, PP = 4 and PP = 2 × FSDP2 = 2, under 1F1B and interleaved 1F1B (2 chunks per rank), at 4 and 8
@@ -13,6 +13,9 @@ prediction (analytic.pipeline: step, tokens/s per GPU, peak memory per stage, bu
 the measured bubble fraction from the two micro-batch counts: with t(m) = m·s + b (s one micro-batch's work on
 the slowest rank, b the time that does not grow with m), s = (t(8) − t(4))/4, b = t(4) − 4·s, bubble(m) = b / t(m);
 the predicted bubble derived the same way from the two predicted step times, beside the pipeline's idle share.
+``--only`` keeps the runs whose names contain one of the given parts (``pp2x2-interleaved``); ``--set`` adds
+overrides to every run (a variant, for example ``parallel.reshard_after_forward=false``) and ``--suffix`` marks
+their names, so a variant and its baseline sit side by side in one OUT from one call.
 Expected wall time on 4 H100: about 4 minutes per model (--models picks).
 """
 from __future__ import annotations
@@ -40,14 +43,21 @@ def layouts(gpus: int) -> dict[str, list[str]]:
     return out
 
 
-def runs(models: list[str], seqs: int = 1, gpus: int = 4):
+def runs(models: list[str], seqs: int = 1, gpus: int = 4, only: tuple[str, ...] = (), extra: tuple[str, ...] = (),
+         suffix: str = ""):
     """(name, model, overrides) of every run; ``seqs`` sequences per pipeline micro-batch (FSDP2 alone: the same
-    8 x ``seqs`` sequences per step over its ranks)."""
+    8 x ``seqs`` sequences per step over its ranks); ``only``: the names holding one of these parts; ``extra``:
+    overrides added to each run, whose name is marked ``-suffix``."""
     for model in models:
         for layout, sets in layouts(gpus).items():
             for m in ((4, 8) if "{m}" in layout else (None,)):
                 name = f"{model}-{layout.format(m=m)}"
-                yield name, model, [s.format(m=m, b=(m or 1) * seqs, f=8 // gpus * seqs) for s in MODELS[model] + COMMON + sets]
+                if only and not any(part in name for part in only):
+                    continue
+                sets_m = [s.format(m=m, b=(m or 1) * seqs, f=8 // gpus * seqs) for s in MODELS[model] + COMMON + sets]
+                # the suffix goes before the micro-batch count, so that -m4/-m8 still pair for the bubble
+                tag = f"-{suffix}" if suffix else ""
+                yield (name.replace(f"-m{m}", f"{tag}-m{m}") if m else name + tag), model, [*sets_m, *extra]
 
 
 def predicted(model: str, sets: list[str], gpus: int = 4) -> dict:
@@ -103,15 +113,25 @@ def main() -> None:
     ap.add_argument("--seqs-per-microbatch", type=int, default=1, choices=range(1, 65), metavar="S",
                     help="sequences in each pipeline micro-batch (default 1; larger keeps each stage's work off the host's "
                          "dispatch bound)")
+    ap.add_argument("--only", default="", metavar="NAME,...",
+                    help="only the runs whose names contain one of these parts (e.g. pp2x2-interleaved,fsdp4)")
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override added to every run (repeatable)")
+    ap.add_argument("--suffix", default="", help="marks each run's name (-SUFFIX; a variant beside its baseline)")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args()
+    if a.suffix and not all(c.isalnum() or c in "-_." for c in a.suffix):
+        sys.exit("error: --suffix: letters, digits, '-', '_' and '.' only (it names run folders)")
+    if any("=" not in x for x in a.extra):
+        sys.exit("error: --set takes KEY=VALUE")
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         sys.exit(f"error: unknown model {unknown[0]!r}; one of {', '.join(MODELS)}")
     a.out.mkdir(parents=True, exist_ok=True)
     records = {}
-    for name, model, sets in runs(models, a.seqs_per_microbatch, a.gpus):
+    only = tuple(x for x in a.only.split(",") if x)
+    for name, model, sets in runs(models, a.seqs_per_microbatch, a.gpus, only, tuple(a.extra), a.suffix):
         cmd = [sys.executable, "-m", "scaletool", "train", f"recipes/{model}.yaml", "--out", str(a.out / name), "--json",
                "--nproc-per-node", str(a.gpus), *[x for s in sets for x in ("--set", s)]]
         if a.dry_run:
