@@ -80,7 +80,7 @@ class EngineSettings:
 
 
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,
-                                          compiled: bool = False) -> float:
+                                          compiled: bool = False, autocast_block: bool = False) -> float:
     """Bytes autograd keeps per token in one block, eager mode (or ``compiled``), mixed precision.
 
     Counted tensor by tensor (residual stream of ``res`` bytes, 16-bit matmul inputs): each norm
@@ -97,6 +97,10 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     installed torch): each norm still keeps its input and its 16-bit output (the output is the next
     matmul's input); SwiGLU keeps gate, up and their product (3 of i: only silu(gate) is recomputed);
     attention saves what fused SDPA needs either way. GELU/ReLU keep the eager count (not measured compiled).
+    ``autocast_block``: each block compiled alone over fp32 weights under autocast (DDP's per-block compile):
+    its dense SwiGLU keeps the eager four tensors of i. Measured: DDP compiled, mla-1b micro-batch 35 on 2 × H200
+    and mha-1b micro-batch 19 on 4 × H100 (benchmarks/results/plan-verify/) each held 181–183 KB a token more
+    than three of i give, 16 × 2·i = 180 KB; the whole model compiled under autocast (single) keeps three.
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     norms = 2 * (res * d + a * d)
@@ -108,7 +112,7 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
                + a * kept * cfg.n_shared_experts * i)
     else:
         glu = cfg.ffn in ("swiglu", "moe")
-        ffn = a * cfg.intermediate_size * ((3 if compiled else 4) if glu else 2)
+        ffn = a * cfg.intermediate_size * ((3 if compiled and not autocast_block else 4) if glu else 2)
     return norms + attn + ffn
 
 
@@ -167,6 +171,7 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
     norms = pc["per_layer"]["norms"]
     moe = moe_params(cfg) if cfg.n_moe_layers else None
     copy = 2 if autocast and mixed else 0  # bytes of autocast's 16-bit weight copy per matmul parameter
+    autocast_block = autocast and mixed and inputs.compiled and inputs.compile_scope == "block"
     ac = inputs.activation_checkpointing
     dense_layers = L - cfg.n_moe_layers
     blocks = []
@@ -177,8 +182,8 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         largest = max(max(attn.values()), moe["routed"] // 3 if is_moe else ffn // (3 if cfg.ffn in ("swiglu", "moe") else 2))
         gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
         copied = (moe["routed"] if is_moe and cfg.moe_dispatch != "dropless" else 0) if cast_once else attn_matmul + ffn
-        full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled)
-                + copy * copied)
+        full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled,
+                                                               autocast_block=autocast_block) + copy * copied)
         ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)
         blocks.append(_Unit(f"block {i}", attn_total + norms + ffn, largest, gathered,
                             saved=tokens * res * d if ckpt else full, live=full, temp=0.0, checkpointed=ckpt))
