@@ -344,23 +344,27 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
-    # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism):
-    # 16-bit all-gather per forward and backward, fp32 reduce-scatter once per schedule step; hidden under
-    # the stage's compute but the first gather
-    fsdp_s = 0.0
+    # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism).
+    # torch's schedule keeps the blocks gathered after each backward (set_reshard_after_backward(False)): with
+    # reshard_after_forward a block is gathered again after each forward, about twice a micro-batch, else once
+    # a schedule step; those gathers hide under the stage's compute but the first block's. The fp32
+    # reduce-scatter runs once, after the stage's last backward (the stage's perform_reduce_grad), with no
+    # compute left to hide under: :func:`pipeline_step` charges what the drain does not cover
+    fsdp_s = final_rs = 0.0
     sharded = params - routed
     if dp > 1:
         bw = calib.bus_bandwidth("all_gather", dp, dp > G)
-        gathers = (2 if p.reshard_after_forward else 1) * m
+        gathers = 2 * m if p.reshard_after_forward else 1
         ag = gathers * 2 * sharded * (dp - 1) / dp / bw
-        rs = 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
+        final_rs = gas * 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
         block = max(1, len(layers))
-        fsdp_s = gas * (max(0.0, ag + rs - m * per_mb) + (ag / gathers) / block)
+        fsdp_s = gas * (max(0.0, ag - m * per_mb) + (ag / gathers) / block)
     host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
                                               + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
     busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
     return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
-            "fsdp_exposed_s": fsdp_s, "host_s": host, "eager_dispatch_s": gas * m * issue, **ep_terms, "busy_s": busy}
+            "fsdp_exposed_s": fsdp_s, "fsdp_final_reduce_scatter_s": final_rs, "host_s": host,
+            "eager_dispatch_s": gas * m * issue, **ep_terms, "busy_s": busy}
 
 
 def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp: int, ep: int, G: int) -> list[str]:
@@ -375,8 +379,11 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
            f"{(P - 1) / v * kind.bubble_work:.2g})" if v_idle != v else ""),
         "point-to-point: the fill's and drain's sends exposed, the steady state's overlapped"
         + (f"; {crossing:.0%} of the stage boundaries between nodes" if crossing else ""),
-        f"FSDP2 over {dp} data-parallel ranks per stage: gathers hidden under the stage's compute but the first "
-        "per micro-batch",
+        f"FSDP2 over {dp} data-parallel ranks per stage: "
+        + ("blocks gathered again after each forward (parallel.reshard_after_forward), " if p.reshard_after_forward
+           else "blocks gathered once a step, ")
+        + "hidden under the stage's compute but the first; the fp32 reduce-scatter after the stage's last backward, "
+        "exposed where the drain does not cover it",
     ]
     if ep > 1:
         assumptions.append(
@@ -432,7 +439,11 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     send = message * ((1 - crossing) / calib.bus_bandwidth("all_reduce", 2, False)
                       + crossing / calib.bus_bandwidth("all_reduce", 2, True))
     p2p = gas * 2 * (P * v - 1) * send
-    step = bound["busy_s"] + bubble + p2p
+    # each stage's final reduce-scatter starts after its last backward; rank r's comes r backward slots
+    # (two thirds of a micro-batch's slot, a chunk's share under interleaving) before the first stage's, which ends
+    # the schedule: what the drain does not cover is exposed
+    final_rs = max(x["fsdp_final_reduce_scatter_s"] - x["rank"] * gas * 2 / 3 * slot / v for x in ranks)
+    step = bound["busy_s"] + bubble + p2p + max(0.0, final_rs)
     global_tokens = t.micro_batch_size * T * gas * dp
     ac = t.activation_checkpointing
     frac = 1.0 if ac == "full" else (cfg.n_layers // t.selective_every / cfg.n_layers if ac == "selective" else 0.0)
@@ -449,7 +460,8 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
         "ranks": ranks, "bounding_rank": bound["rank"],
         "terms": {"pipeline/busy_s": bound["busy_s"], "pipeline/bubble_s": bubble, "pipeline/p2p_exposed_s": p2p,
                   "compute_s": bound["compute_s"], "optimizer_s": bound["optimizer_s"],
-                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "host_overhead_s": bound["host_s"],
+                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "comm/dp_final_reduce_scatter_s": max(0.0, final_rs),
+                  "host_overhead_s": bound["host_s"],
                   **{k: bound[k] for k in ep_keys}},
         "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),
         "step_s": step, "tokens_per_step": global_tokens, "tokens_per_s": global_tokens / step,
