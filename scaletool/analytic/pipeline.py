@@ -242,10 +242,13 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         states = sum(_state_bytes(cfg, i, dp, ep) for i in layers) + STATE_BYTES_PER_PARAM * ends / dp
         # what FSDP2 gathers of a block (its routed experts are local under expert parallelism)
         sharded = [layer_params(cfg, i) - (routed_params(cfg, i) if ep > 1 else 0) for i in layers]
-        # the 16-bit copies FSDP2 gathers: current and prefetched block, or (no reshard after the forward)
-        # every block of the stage from its forward to its backward; expert parallelism casts one layer's local
-        # experts to 16 bits as it runs them
-        gathered = a * (2 * max(sharded, default=0) if p.reshard_after_forward else sum(sharded))
+        # the 16-bit copies FSDP2 gathers: every block of the stage, whatever reshard_after_forward says, since
+        # torch's schedule turns resharding after the backward off for all but the last micro-batch
+        # (set_reshard_after_backward(False)): a block gathered for a backward stays so until its next forward,
+        # and by the end of a backward every block of the chunk is gathered; the chunk's own parameters
+        # (embedding, final norm, head) are a root unit never resharded after the forward
+        # (scaletool.engines.pipeline). Expert parallelism casts one layer's local experts to 16 bits as it runs them
+        gathered = a * (sum(sharded) + ends)
         moe_here = sum(1 for i in layers if _is_moe(cfg, i))
         if ep > 1 and moe_here:
             gathered += a * moe_params(cfg)["routed"] / ep
@@ -263,9 +266,12 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
             ep_bytes = (flight * len(saved) * ep_analytic.activation_extra_bytes(cfg, tokens, ep, t.compile)
                         + ep_analytic.transient_bytes(cfg, tokens, ep))
         embed_out = a * tokens * cfg.d_model * flight if first else 0.0
-        # the logits (16-bit), their fp32 copy for the loss and its gradient: one micro-batch at a time under
-        # 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe keeps m
-        logits = (a + 8) * tokens * cfg.vocab_size * (m if p.pipeline_schedule == "gpipe" else 1) if last else 0.0
+        # at the loss's backward: the 16-bit logits (the stage's output, which torch's schedule keeps for the
+        # backward), log_softmax's saved fp32 output, and NLL's and log_softmax's fp32 gradients: one micro-batch
+        # at a time under 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe
+        # keeps m micro-batches' logits and saved outputs
+        held = (a + 4) * (m if p.pipeline_schedule == "gpipe" else 1)
+        logits = (held + 8) * tokens * cfg.vocab_size if last else 0.0
         p2p = 4 * a * tokens * cfg.d_model * v  # receive and send buffers, activations and gradients, per chunk
         activations = flight * per_mb + recompute + embed_out + logits + ep_bytes
         total = states + gathered + activations + p2p
