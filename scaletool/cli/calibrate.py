@@ -15,7 +15,8 @@ from scaletool.fmt import printable
 
 
 def _short_engine(engine: str) -> str:
-    return engine.replace("deepspeed ZeRO-", "zero").replace(" TP", " tp")
+    return (engine.replace("deepspeed ZeRO-", "zero").replace(" TP", " tp").replace(" PP", " pp")
+            .replace(" interleaved-1f1b", "i").replace(" 1f1b", "").replace(" gpipe", "g"))
 
 
 #: the step's bound in a word (scaletool.analytic.step's bounds)
@@ -46,13 +47,15 @@ def validation_lines(res: dict, width: int) -> list[str]:
     run_w = max(16, min(width - 52, longest + 2))
     lines = [f"{'run':<{run_w}} {'engine':<10} {'GPUs':>4} {'mode':<5} {'meas.':>6} {'pred.':>6} {'error':>7} bound"]
     for (head, card), rows in groups.items():
-        lines.append(textwrap.shorten(f"{head or 'results'} ({card})", width, placeholder="…"))
+        # a long folder wraps (its path stays whole to copy)
+        lines += textwrap.wrap(f"{head or 'results'} ({card})", width, break_long_words=True, break_on_hyphens=False)
         for name, r in rows:
             parts = textwrap.wrap(name.removesuffix(".json"), run_w - 2, break_long_words=True, break_on_hyphens=False) or [""]
             bound = str(r["bound"])
+            word = "stage " + bound.split()[-1] if bound.startswith("pipeline rank") else BOUND_WORD.get(bound, bound.split()[0])
             figures = (f"{_short_engine(r['engine'])[:10]:<10} {r['world_size']:>4} {'comp' if r['compiled'] else 'eager':<5} "
                        f"{si(r['measured_tokens_per_s_per_gpu']):>6} {si(r['predicted_tokens_per_s_per_gpu']):>6} "
-                       f"{r['rel_error']:>+7.1%} {BOUND_WORD.get(bound, bound.split()[0])}")
+                       f"{r['rel_error']:>+7.1%} {word}")
             lines.append(f"  {parts[0]:<{run_w - 2}} {figures}")
             lines += [f"  {p}" for p in parts[1:]]
     return lines

@@ -15,13 +15,13 @@ import statistics
 from pathlib import Path
 
 from scaletool.analytic.calibration import Calibration, calibration_for, load_calibration
-from scaletool.analytic.step import predict_step
 from scaletool.analytic.zero3 import deepspeed_as_ran
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.fmt import printable
 from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
+from scaletool.predict.prediction import predict
 from scaletool.records import BUNDLE, read_bundle, read_record, walk_records
 from scaletool.resources import data_dir, read_bounded
 
@@ -192,7 +192,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                 continue
             world = 1 if env.get("world_size") is None else env["world_size"]  # absent: one process
             try:
-                pred = predict_step(recipe, cal, world_size=world)
+                pred = predict(recipe, cal, world)  # a pipeline run by its stages (analytic.pipeline)
             except (RecipeError, ValueError, ArithmeticError) as e:  # a layout the model refuses at this size
                 skipped.append(f"{label}: cannot be predicted ({printable(shorten(str(e), 200))})")
                 continue
@@ -275,7 +275,8 @@ def _engine(recipe) -> str:
     p = recipe.parallel
     kind = engine_kind(p.engine)
     name = f"{p.engine} {kind.title(p.zero_stage)}" if kind.zero_stages else p.engine
-    return name + (f" TP{p.tensor_parallel}" if p.tensor_parallel > 1 else "")
+    pp = f" PP{p.pipeline_parallel} {p.pipeline_schedule}" if p.pipeline_parallel > 1 else ""
+    return name + (f" TP{p.tensor_parallel}" if p.tensor_parallel > 1 else "") + pp
 
 
 def summarize(rows: list[dict]) -> dict:
