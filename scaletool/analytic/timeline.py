@@ -97,10 +97,9 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     installed torch): each norm still keeps its input and its 16-bit output (the output is the next
     matmul's input); SwiGLU keeps gate, up and their product (3 of i: only silu(gate) is recomputed);
     attention saves what fused SDPA needs either way. GELU/ReLU keep the eager count (not measured compiled).
-    ``autocast_block``: each block compiled alone over fp32 weights under autocast (DDP's per-block compile):
-    its dense SwiGLU keeps the eager four tensors of i. Measured: DDP compiled, mla-1b micro-batch 35 on 2 × H200
-    and mha-1b micro-batch 19 on 4 × H100 (benchmarks/results/plan-verify/) each held 181–183 KB a token more
-    than three of i give, 16 × 2·i = 180 KB; the whole model compiled under autocast (single) keeps three.
+    ``autocast_block`` (a block compiled alone over fp32 weights under autocast, DDP): a dense SwiGLU keeps
+    eager's four of i, measured on 2 DDP runs (benchmarks/results/plan-verify/README.md: 181–183 KB a token over
+    three, 16 × 2·i = 180 KB); the whole model compiled under autocast (single) keeps three.
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     norms = 2 * (res * d + a * d)
