@@ -101,7 +101,10 @@ def measured(summary: dict, gpus: int = 4) -> dict:
     return {"step_s": spread(times), "tokens_per_s_per_gpu": spread(tps),
             "card": (summary.get("hardware") or {}).get("profile"),
             "contended": summary.get("contention", {}).get("contended"),
-            "peak_memory_bytes": summary.get("peak_memory_bytes"), "memory": summary.get("memory", {}).get("measured")}
+            "peak_memory_bytes": summary.get("peak_memory_bytes"),
+            # each rank's peak beside its own stage's estimate (ranks pipeline-outermost: stage = rank // dp)
+            "per_rank": [{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "stage_estimate_bytes")}
+                         for x in (summary.get("memory") or {}).get("per_rank", [])]}
 
 
 def main() -> None:

@@ -135,8 +135,16 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
         return max(vals) if vals else None
 
     peak_alloc, run_peak = most("peak_allocated_bytes"), most("run_peak_allocated_bytes")
-    # the one estimate of this layout (compiled as the engine compiles it), the figure estimate and plan give
-    est = recipe_memory(r.recipe, r.env.world_size)
+    # the one estimate of this layout (compiled as the engine compiles it), the figure estimate and plan give:
+    # under pipeline stages the largest stage's, and each rank beside its own stage's
+    stage_bytes: dict[int, int] = {}
+    if r.recipe.parallel.pipeline_parallel > 1:
+        from scaletool.analytic.pipeline import pipeline_estimate
+        est, block = pipeline_estimate(r.recipe, r.env.world_size)
+        dp = r.env.world_size // r.recipe.parallel.pipeline_parallel  # ranks pipeline-outermost: rank // dp
+        stage_bytes = {rank: block["stages"][rank // dp]["total_bytes"] for rank in range(r.env.world_size)}
+    else:
+        est = recipe_memory(r.recipe, r.env.world_size)
 
     def rel(x):
         return rel_error(x or None, est["total_bytes"])
@@ -148,8 +156,10 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
                "memory/run_peak_allocated_bytes": run_peak, "memory/analytic_rel_error_run": rel(run_peak)}
     section = {"measured_peak_allocated_bytes": peak_alloc, "measured_run_peak_allocated_bytes": run_peak,
                "analytic": est, "rel_error": rel(peak_alloc), "rel_error_run": rel(run_peak),
-               "per_rank": [{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "run_peak_allocated_bytes",
-                                                   "peak_reserved_bytes", "resident_bytes")} for x in r.reports]}
+               "per_rank": [{**{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "run_peak_allocated_bytes",
+                                                     "peak_reserved_bytes", "resident_bytes")},
+                             **({"stage_estimate_bytes": stage_bytes[x["rank"]]} if x.get("rank") in stage_bytes else {})}
+                            for x in r.reports]}
     return metrics, section
 
 
