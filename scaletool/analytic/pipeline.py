@@ -448,8 +448,8 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     # each stage's final reduce-scatter starts after its last backward; rank r's comes r backward slots
     # (two thirds of a micro-batch's slot, a chunk's share under interleaving) before the first stage's, which ends
     # the schedule: what the drain does not cover is exposed
-    final_rs = max(x["fsdp_final_reduce_scatter_s"] - x["rank"] * gas * 2 / 3 * slot / v for x in ranks)
-    step = bound["busy_s"] + bubble + p2p + max(0.0, final_rs)
+    final_rs = max(0.0, *(x["fsdp_final_reduce_scatter_s"] - x["rank"] * gas * 2 / 3 * slot / v for x in ranks))
+    step = bound["busy_s"] + bubble + p2p + final_rs
     global_tokens = t.micro_batch_size * T * gas * dp
     ac = t.activation_checkpointing
     frac = 1.0 if ac == "full" else (cfg.n_layers // t.selective_every / cfg.n_layers if ac == "selective" else 0.0)
@@ -466,7 +466,7 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
         "ranks": ranks, "bounding_rank": bound["rank"],
         "terms": {"pipeline/busy_s": bound["busy_s"], "pipeline/bubble_s": bubble, "pipeline/p2p_exposed_s": p2p,
                   "compute_s": bound["compute_s"], "optimizer_s": bound["optimizer_s"],
-                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "comm/dp_final_reduce_scatter_s": max(0.0, final_rs),
+                  "comm/dp_exposed_s": bound["fsdp_exposed_s"], "comm/dp_final_reduce_scatter_s": final_rs,
                   "host_overhead_s": bound["host_s"],
                   **{k: bound[k] for k in ep_keys}},
         "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),

@@ -137,12 +137,12 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
     peak_alloc, run_peak = most("peak_allocated_bytes"), most("run_peak_allocated_bytes")
     # the one estimate of this layout (compiled as the engine compiles it), the figure estimate and plan give:
     # under pipeline stages the largest stage's, and each rank beside its own stage's
-    stage_bytes: dict[int, int] = {}
+    stages, dp = [], 1
     if r.recipe.parallel.pipeline_parallel > 1:
         from scaletool.analytic.pipeline import pipeline_estimate
         est, block = pipeline_estimate(r.recipe, r.env.world_size)
-        dp = r.env.world_size // r.recipe.parallel.pipeline_parallel  # ranks pipeline-outermost: rank // dp
-        stage_bytes = {rank: block["stages"][rank // dp]["total_bytes"] for rank in range(r.env.world_size)}
+        stages = block["stages"]
+        dp = r.env.world_size // r.recipe.parallel.pipeline_parallel  # ranks pipeline-outermost: stage rank // dp
     else:
         est = recipe_memory(r.recipe, r.env.world_size)
 
@@ -158,7 +158,8 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
                "analytic": est, "rel_error": rel(peak_alloc), "rel_error_run": rel(run_peak),
                "per_rank": [{**{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "run_peak_allocated_bytes",
                                                      "peak_reserved_bytes", "resident_bytes")},
-                             **({"stage_estimate_bytes": stage_bytes[x["rank"]]} if x.get("rank") in stage_bytes else {})}
+                             **({"stage_estimate_bytes": stages[x["rank"] // dp]["total_bytes"]}
+                                if stages and x.get("rank") is not None else {})}
                             for x in r.reports]}
     return metrics, section
 
