@@ -30,6 +30,27 @@ DATASHEET_RATIOS = {"gemm_max": 0.83, "attention": 0.30, "hbm": 0.895, "bus": 0.
 FP8_OVER_BF16 = 2.0
 
 
+#: The sequence length an attention rate is read at when none is given (where single-T calibrations measured it).
+ATTENTION_REFERENCE_SEQ = 2048
+
+
+def attention_at(entry, seq: int | None = None) -> float:
+    """TFLOP/s of one head-dims entry of ``attention_tflops`` at sequence length ``seq``: a number is the rate at
+    every T; a ``{T: rate}`` mapping (keys ints or digit strings, as YAML and JSON give them) is interpolated
+    linearly in log2 T between the measured lengths and held at the nearest one beyond them."""
+    if not isinstance(entry, dict):
+        return float(entry)
+    points = sorted((int(t), float(r)) for t, r in entry.items())
+    x = math.log2(max(1, seq if seq is not None else ATTENTION_REFERENCE_SEQ))
+    if x <= math.log2(points[0][0]):
+        return points[0][1]
+    for (t0, r0), (t1, r1) in zip(points, points[1:]):
+        if x <= math.log2(t1):
+            w = (x - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+            return r0 + w * (r1 - r0)
+    return points[-1][1]
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Rates of one card (+ its interconnect). Rates are TFLOP/s and GB/s (10^9 bytes/s)."""
@@ -72,18 +93,19 @@ class Calibration:
         s = max(1.0, min(m, n, k))
         return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
 
-    def attention_rate(self, qk_dim: int, v_dim: int) -> float:
-        """FLOP/s (causal convention) of fused SDPA forward + backward at these head dims."""
+    def attention_rate(self, qk_dim: int, v_dim: int, seq: int | None = None) -> float:
+        """FLOP/s (causal convention) of fused SDPA forward + backward at these head dims and sequence length.
+        An entry is one rate, or ``{T: rate}`` measured at several T: interpolated in log T between them, the
+        nearest measured T's rate beyond their range; ``seq`` None reads it at :data:`ATTENTION_REFERENCE_SEQ`."""
         table = self.attention_tflops
         key = f"{qk_dim}/{v_dim}"
         if key in table:
-            return float(table[key]) * 1e12
+            return attention_at(table[key], seq) * 1e12
         dims = [k for k in table if k != "default"]
-        if dims:  # the nearest measured head dims
+        if dims and "default" not in table:  # the nearest measured head dims
             near = min(dims, key=lambda k: abs(int(k.split("/")[0]) - qk_dim) + abs(int(k.split("/")[1]) - v_dim))
-            if "default" not in table:
-                return float(table[near]) * 1e12
-        return float(table.get("default", next(iter(table.values())))) * 1e12
+            return attention_at(table[near], seq) * 1e12
+        return attention_at(table.get("default", next(iter(table.values()))), seq) * 1e12
 
     def bus_bandwidth(self, op: str, ranks: int, inter_node: bool = False) -> float:
         """Bytes/s of bus bandwidth (NCCL's convention) for ``op`` over ``ranks`` ranks."""
@@ -102,6 +124,8 @@ class Calibration:
 #: Ranges a calibration's figures must lie in: far beyond any card (an exa-FLOP/s card, a PB/s link), so a
 #: real measurement always passes and a corrupt one (1e308, a negative rate) never reaches the model.
 MAX_TFLOPS = 1e6
+#: The longest sequence an attention rate may be keyed by.
+MAX_SEQ = 1 << 24
 MAX_GB_S = 1e7
 MAX_HALF_DIM = 1e7
 MAX_GIB = 1e6
@@ -188,7 +212,17 @@ def _check_attention(source: str, table, problems: list[str]) -> None:
             problems.append(f"{source}: attention_tflops: {echo(k)} is not 'qk/v' head dims (e.g. '128/128') or "
                             "'default'")
             continue
-        _positive(f"{source}: attention_tflops.{k}", v, problems)
+        if not isinstance(v, dict):
+            _positive(f"{source}: attention_tflops.{k}", v, problems)
+            continue
+        if not v:
+            problems.append(f"{source}: attention_tflops.{k}: a rate, or a mapping of sequence lengths to rates")
+        for t, r in v.items():
+            if not (isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= MAX_SEQ) and not (
+                    isinstance(t, str) and t.isascii() and t.isdigit() and 1 <= int(t[:9]) <= MAX_SEQ):
+                problems.append(f"{source}: attention_tflops.{k}: {echo(t)} is not a sequence length (1..{MAX_SEQ})")
+                continue
+            _positive(f"{source}: attention_tflops.{k}.{t}", r, problems)
 
 
 def _check_collectives(source: str, c, problems: list[str]) -> None:

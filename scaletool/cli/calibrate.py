@@ -142,7 +142,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
     con.print(f"GEMM: {g['max_tflops']:.4g} TFLOP/s x s/(s+{g['half_dim']:.0f}) over {len(g['points'])} shapes",
               highlight=False)
     for k, v in cal["attention_tflops"].items():
-        con.print(f"attention {k}: {v:.4g} TFLOP/s (causal, forward + backward)", highlight=False)
+        rates = ", ".join(f"{r:.4g} at T={t}" for t, r in sorted(v.items())) if isinstance(v, dict) else f"{v:.4g}"
+        con.print(f"attention {k}: {rates} TFLOP/s (causal, forward + backward)", highlight=False)
     con.print(f"HBM copy: {cal['hbm_gb_s']:.4g} GB/s", highlight=False)
     c = cal["collectives"]
     con.print(f"collectives ({c['source']}):", highlight=False)
@@ -185,7 +186,8 @@ def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recip
               overrides: tuple[str, ...], device: str,
               validate: bool, published: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
     """Measure this machine's rates for the step-time model and write a calibration YAML: GEMM rates
-    (the recipe's shapes and square sizes), causal attention, HBM copy, collective bus bandwidth over
+    (the recipe's shapes and square sizes), causal attention (on a GPU at T from 1,024 to 16,384 and
+    the recipe's), HBM copy, collective bus bandwidth over
     2..N local processes, and the recipe's eager block issue time (on every GPU at once). Each figure
     is a median with p10/p90 and n, warm-up excluded; card, date, torch version and this command are
     kept in the file. On a CPU it measures small sizes with gloo (what CI runs).

@@ -1,5 +1,6 @@
 """Measure the rates the step-time model reads on this machine's card(s): GEMMs at the recipe's shapes and
-a few square sizes, fused causal attention forward + backward at its head dims, HBM copy bandwidth, and
+a few square sizes, fused causal attention forward + backward at its head dims (on a GPU at several sequence
+lengths, the rate climbing with T), HBM copy bandwidth, and
 the collectives' bus bandwidth (``scaletool.predict.calibrate_comm``). Each figure is a median with
 p10/p90 and n over timed repetitions, warm-up excluded. The result is a calibration YAML that
 ``scaletool.analytic.load_calibration`` reads.
@@ -20,6 +21,10 @@ from scaletool.stats import spread
 WARMUP, REPS = 3, 10
 #: a timed GPU sample lasts at least this long (the call repeated), so launch overhead does not count
 MIN_SAMPLE_S = 0.005
+#: Sequence lengths fused attention is timed at on a GPU (besides the recipe's), at ATTENTION_TOKENS tokens a call
+#: (more when the recipe's micro-batch has more)
+ATTENTION_SEQS = (1024, 2048, 4096, 8192, 16384)
+ATTENTION_TOKENS = 32768
 #: a GEMM that takes less than this is left out of the rate curve's fit: it times the launch and one partial
 #: wave of tiles, not the rate of a training GEMM (tokens × d at thousands of tokens take hundreds of µs)
 MIN_FIT_GEMM_S = 50e-6
@@ -157,7 +162,12 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     heads, qk, v = (cfg.n_heads, cfg.qk_head_dim, cfg.v_dim) if cfg else (16, 128, 128)
     seq = (recipe.seq_len if recipe else 2048) if gpu else min(128, recipe.seq_len if recipe else 128)
     batch = max(recipe.train.micro_batch_size if recipe else 8, 1) if gpu else 1
-    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, seq, batch, device, dtype)]
+    # on a GPU at several T (the rate climbs with T: benchmarks/results/attention-seq), the same tokens per call
+    seqs, tokens = (sorted({*ATTENTION_SEQS, seq}), max(seq * batch, ATTENTION_TOKENS)) if gpu else ([seq], seq)
+    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, T, max(1, tokens // T), device, dtype)
+                 for T in seqs]
+    entry = (attention[0]["tflops"]["median"] if len(attention) == 1
+             else {a["seq"]: a["tflops"]["median"] for a in attention})
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
     # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
     host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
@@ -174,8 +184,7 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         "peak_tflops": peak, "memory_gib": (torch.cuda.get_device_properties(device).total_memory / 2**30) if gpu else None,
         "gemm_tflops": {**curve, "points": [{"m": g["m"], "n": g["n"], "k": g["k"], "tflops": g["tflops"]["median"]}
                                             for g in gemms]},
-        "attention_tflops": {f"{a['qk']}/{a['v']}": a["tflops"]["median"] for a in attention}
-        | {"default": attention[0]["tflops"]["median"]},
+        "attention_tflops": {f"{qk}/{v}": entry, "default": entry},
         "hbm_gb_s": hbm["gb_s"]["median"],
         "elementwise": dict(base.elementwise), "overheads": dict(base.overheads) | (overheads_from(host) if host else {}),
         "collectives": collectives,
