@@ -335,7 +335,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     hbm, ov = calib.hbm_gb_s * 1e9, calib.overheads
     local = _stage_cfg(cfg, layers)
     c = _compute(local, cfg, engine_kind(p.engine), tokens, T, t.activation_checkpointing, t.selective_every,
-                 compiled, calib)
+                 compiled, calib, head_eager=compiled)  # stages compile each block alone (engines.pipeline)
     per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
     if owners[-1] != r:
         per_mb -= _head_seconds(cfg, tokens, compiled, calib)

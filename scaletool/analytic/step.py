@@ -30,11 +30,22 @@ ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the
 CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-batch (autocast, FSDP2's cast)
 
 
+def head_compiled(kind: EngineKind, compiled: bool, compile_scope: str = "auto") -> bool:
+    """Whether the output head and the loss run compiled: the whole model compiled (``train.compile_scope`` model,
+    ``single``'s default, DeepSpeed's own ``engine.compile``), not each block alone (DDP's, FSDP2's and the
+    pipeline stages' default, where the embedding, the head and the loss run eager)."""
+    scope = kind.auto_compile_scope if compile_scope == "auto" else compile_scope
+    return compiled and (kind.compiles_module or scope == "model")
+
+
 def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int, T: int, ac: str, every: int,
-             compiled: bool, calib: Calibration, float8: str = "none", cast_once: int = 0) -> dict:
+             compiled: bool, calib: Calibration, float8: str = "none", cast_once: int = 0,
+             head_eager: bool = False) -> dict:
     """Seconds of one micro-batch on one rank: GEMMs (train.float8: the swapped ones at the FP8 rate, plus
     their casts' traffic), attention, element-wise traffic, recomputation. ``cast_once``: matmul parameters
-    whose 16-bit copy is made once per step instead (train.weight_cast=step; the caller counts that cast)."""
+    whose 16-bit copy is made once per step instead (train.weight_cast=step; the caller counts that cast).
+    ``head_eager``: the blocks compiled but the head and the loss not (:func:`head_compiled`): the logits'
+    element-wise traffic at the eager factor."""
     L = local.n_layers
     shapes = gemm_shapes(local, tokens)
     heads = ("lm_head", "head")
@@ -45,19 +56,20 @@ def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int
     fwd_blocks = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name not in heads)
     fwd_head = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name in heads)
     att_flops = attention_flops_per_token(local, T, causal=cfg.task == "lm") * tokens
-    att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim)
+    att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim, T)
     frac = 1.0 if ac == "full" else ((L // every) / L if ac == "selective" else 0.0)
     dense, moe = L - local.n_moe_layers, local.n_moe_layers
     act = (dense * _activation_bytes_per_token_per_layer(local)
            + (moe * _activation_bytes_per_token_per_layer(local, moe=True) if moe else 0)) / L
     hbm = calib.hbm_gb_s * 1e9
     factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
+    head_factor = calib.elementwise["eager_bytes_factor"] if head_eager else factor
     V = local.vocab_size if cfg.task == "lm" else 0
     weights = sum(n * k * c for _, m, n, k, c in shapes)  # this rank's matmul weights (every routed expert)
     casts = CAST_BYTES_PER_PARAM * (weights - cast_once) if kind.casts_weights else 0.0
     if float8 != "none":
         casts += fp8_cast_bytes(shapes, rowwise=float8 == "rowwise")
-    elementwise = (factor * tokens * (L * act + 4 * V) + casts) / hbm
+    elementwise = (factor * tokens * L * act + head_factor * tokens * 4 * V + casts) / hbm
     fwd_share = 1 / 3  # the forward's share of element-wise work, recomputed with the forward
     recompute = frac * (fwd_blocks + att_flops / att_rate + fwd_share * factor * tokens * L * act / hbm)
     return {"gemm_forward": fwd_blocks + fwd_head, "gemm_backward": 2 * (fwd_blocks + fwd_head),
@@ -178,7 +190,8 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
     cast_once = cast_once_params(local) if t.weight_cast == "step" and casts_once(engine, cfg.dtype, t.float8) else 0
-    c = _compute(local, cfg, kind, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once)
+    c = _compute(local, cfg, kind, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once,
+                 head_eager=compiled and not head_compiled(kind, compiled, t.compile_scope))
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]
     sharded_states, sharded_grads = kind.shards_optimizer(p.zero_stage), kind.shards_gradients(p.zero_stage)
@@ -217,7 +230,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"GEMM rate {g['max_tflops']:.0f} TFLOP/s x s/(s+{g['half_dim']:.0f}), s the smallest GEMM dimension; "
         "backward = 2 x forward at the same shapes",
         f"attention {c['att_rate'] / 1e12:.0f} TFLOP/s (fused SDPA forward + backward, head dims "
-        f"{local.qk_head_dim}/{local.v_dim})",
+        f"{local.qk_head_dim}/{local.v_dim}, T={T:,})",
         f"element-wise traffic {c['factor']:g} x eager saved activations + logits at {calib.hbm_gb_s:.0f} GB/s "
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",
