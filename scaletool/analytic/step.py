@@ -19,6 +19,7 @@ from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
 from scaletool.analytic.host import eager_dispatch_s
+from scaletool.analytic.memory import compile_scope
 from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
@@ -30,22 +31,14 @@ ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the
 CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-batch (autocast, FSDP2's cast)
 
 
-def head_compiled(kind: EngineKind, compiled: bool, compile_scope: str = "auto") -> bool:
-    """Whether the output head and the loss run compiled: the whole model compiled (``train.compile_scope`` model,
-    ``single``'s default, DeepSpeed's own ``engine.compile``), not each block alone (DDP's, FSDP2's and the
-    pipeline stages' default, where the embedding, the head and the loss run eager)."""
-    scope = kind.auto_compile_scope if compile_scope == "auto" else compile_scope
-    return compiled and (kind.compiles_module or scope == "model")
-
-
 def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int, T: int, ac: str, every: int,
              compiled: bool, calib: Calibration, float8: str = "none", cast_once: int = 0,
              head_eager: bool = False) -> dict:
     """Seconds of one micro-batch on one rank: GEMMs (train.float8: the swapped ones at the FP8 rate, plus
     their casts' traffic), attention, element-wise traffic, recomputation. ``cast_once``: matmul parameters
     whose 16-bit copy is made once per step instead (train.weight_cast=step; the caller counts that cast).
-    ``head_eager``: the blocks compiled but the head and the loss not (:func:`head_compiled`): the logits'
-    element-wise traffic at the eager factor."""
+    ``head_eager``: the blocks compiled but the head and the loss not (compile scope ``block``,
+    :func:`scaletool.analytic.memory.compile_scope`): the logits' element-wise traffic at the eager factor."""
     L = local.n_layers
     shapes = gemm_shapes(local, tokens)
     heads = ("lm_head", "head")
@@ -185,13 +178,17 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
     if N % tp:
         raise ValueError(f"tensor_parallel={tp} does not divide world_size={N}")
     dp, G = N // tp, gpus_per_node or min(N, 8)
-    compiled = t.compile if compiled is None else compiled
+    # what runs compiled (memory.compile_scope, the rule the memory estimate reads): each block alone (DDP, FSDP2:
+    # the embedding, head and loss eager), the whole model, or ZeRO-3's module, whose gathering hooks run eagerly
+    # and leave it eager's speed (mla-1b on 4 H200s: 67.9k compiled against 66.7k eager tokens/s per GPU)
+    scope = compile_scope(p.engine, t.compile if compiled is None else compiled, t.compile_scope, p.zero_stage)
+    compiled = scope in ("model", "block")
     B, T, gas, ac = t.micro_batch_size, recipe.seq_len, t.grad_accum_steps, t.activation_checkpointing
     tokens = B * T
     local = tensor_parallel_config(cfg, tp)
     cast_once = cast_once_params(local) if t.weight_cast == "step" and casts_once(engine, cfg.dtype, t.float8) else 0
     c = _compute(local, cfg, kind, tokens, T, ac, t.selective_every, compiled, calib, t.float8, cast_once,
-                 head_eager=compiled and not head_compiled(kind, compiled, t.compile_scope))
+                 head_eager=scope == "block")
     hbm = calib.hbm_gb_s * 1e9
     psi = param_counts(local)["total"]
     sharded_states, sharded_grads = kind.shards_optimizer(p.zero_stage), kind.shards_gradients(p.zero_stage)
