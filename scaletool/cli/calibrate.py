@@ -187,14 +187,13 @@ def calibrate(out: Path | None, gpus: int, message_mib: tuple[float, ...], recip
               validate: bool, published: bool, calibration: str | None, paths: tuple[Path, ...], as_json: bool):
     """Measure this machine's rates for the step-time model and write a calibration YAML: GEMM rates
     (the recipe's shapes and square sizes), causal attention (on a GPU at T from 1,024 to 16,384 and
-    the recipe's), HBM copy, collective bus bandwidth over
-    2..N local processes, and the recipe's eager block issue time (on every GPU at once). Each figure
-    is a median with p10/p90 and n, warm-up excluded; card, date, torch version and this command are
-    kept in the file. On a CPU it measures small sizes with gloo (what CI runs).
+    the recipe's), HBM copy, collective bus bandwidth over 2..N local processes, and the recipe's eager
+    block issue time (on every GPU at once). Each figure is a median with p10/p90 and n, warm-up
+    excluded; card, date, torch version and this command are kept in the file. On a CPU it measures
+    small sizes with gloo (what CI runs).
 
-    Under torchrun over several nodes it measures the collectives inside
-    each node and across them (one rank per node: the inter-node bus
-    bandwidth per GPU that estimate and plan use); rank 0 writes the file.
+    Under torchrun over several nodes it measures the collectives inside each node and across them (one
+    rank per node: the inter-node bus bandwidth per GPU that estimate and plan use); rank 0 writes it.
 
     \b
     Examples:
