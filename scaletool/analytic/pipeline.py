@@ -282,13 +282,17 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
     return rows
 
 
-def _head_seconds(cfg: ModelConfig, tokens: int, compiled: bool, calib: Calibration) -> float:
-    """One micro-batch's output layer on the last rank: its GEMM forward and backward (3 × forward) and the
-    logits' element-wise traffic, as :func:`scaletool.analytic.step._compute` counts them."""
+def _head_seconds(cfg: ModelConfig, tokens: int, calib: Calibration, casts_weights: bool) -> float:
+    """One micro-batch's output layer on the last rank: its GEMM forward and backward (3 × forward), the
+    logits' element-wise traffic and its weight's 16-bit cast, as :func:`scaletool.analytic.step._compute` counts
+    them: the logits at the eager factor compiled or not (a stage compiles each block alone; the head and the
+    loss run eager)."""
+    from scaletool.analytic.step import CAST_BYTES_PER_PARAM
+
     V, d = cfg.vocab_size, cfg.d_model
     gemm = 3 * 2 * tokens * V * d / calib.gemm_rate(tokens, V, d)
-    factor = calib.elementwise["compiled_bytes_factor" if compiled else "eager_bytes_factor"]
-    return gemm + factor * tokens * 4 * V / (calib.hbm_gb_s * 1e9)
+    traffic = calib.elementwise["eager_bytes_factor"] * tokens * 4 * V
+    return gemm + (traffic + (CAST_BYTES_PER_PARAM * V * d if casts_weights else 0)) / (calib.hbm_gb_s * 1e9)
 
 
 def _expert_terms(recipe: Recipe, layers: list[int], tokens: int, micro_batches: int, ep: int, dp: int, G: int,
@@ -338,7 +342,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
                  compiled, calib, head_eager=compiled)  # stages compile each block alone (engines.pipeline)
     per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
     if owners[-1] != r:
-        per_mb -= _head_seconds(cfg, tokens, compiled, calib)
+        per_mb -= _head_seconds(cfg, tokens, calib, engine_kind(p.engine).casts_weights)
     ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
     # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
     compute = gas * m * per_mb

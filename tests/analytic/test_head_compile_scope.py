@@ -38,3 +38,20 @@ def test_deepspeed_compiled_is_whole_model_compiled_but_zero3_is_eager(stage):
     else:
         assert comp["step_s"] < eager["step_s"]
         assert comp["terms"]["elementwise_s"] < eager["terms"]["elementwise_s"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_pipeline_stage_without_the_head_pays_nothing_for_the_vocabulary(compiled):
+    """Stages compile each block alone, so the head's traffic is charged at the eager factor on the last rank and
+    taken off every other rank at the same factor: the other ranks' compute does not move with the vocabulary."""
+    cal = shipped_calibration("h200")
+
+    def ranks(vocab):
+        sets = ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "parallel.pipeline_microbatches=4",
+                "train.micro_batch_size=4", f"train.compile={str(compiled).lower()}", f"model.vocab_size={vocab}"]
+        from scaletool.predict.prediction import predict
+        return predict(load_recipe("recipes/mla-1b.yaml", sets), cal, world_size=2)["ranks"]
+    small, large = ranks(32000), ranks(36000)
+    assert small[0]["layers"] == large[0]["layers"]  # the same split: a vocabulary this close does not move it
+    assert small[0]["compute_s"] == pytest.approx(large[0]["compute_s"], rel=1e-12)
+    assert large[-1]["compute_s"] > small[-1]["compute_s"]
