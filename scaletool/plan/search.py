@@ -85,6 +85,18 @@ def variants(recipe: Recipe, wanted: bool) -> tuple[dict[str, Recipe], dict[str,
     return out, skipped
 
 
+def _modes(engine: str, stage: int, compiled: tuple[bool, ...], notes: list[str]) -> tuple[bool, ...]:
+    """The compile modes worth listing for an engine: both, but DeepSpeed ZeRO-3's compiled form where eager is
+    searched too (its gathering hooks run eagerly, ``analytic.memory.compile_scope``: the same prediction and
+    memory as eager, after a compile)."""
+    if stage >= 3 and engine_kind(engine).compiles_module and False in compiled and True in compiled:
+        line = "ZeRO-3 compiled not listed apart: its hooks run eagerly, so it is predicted as its eager layout"
+        if line not in notes:
+            notes.append(line)
+        return (False,)
+    return compiled
+
+
 def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[Family]:
     """Every engine × tensor-parallel degree × checkpointing × compile combination for one variant."""
     degrees, why = tensor_parallel_degrees(recipe, req.gpus, req.gpus_per_node)
@@ -100,11 +112,12 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
         if req.labels is not None and label not in req.labels:
             continue
         layouts = engine_kind(engine).layouts
+        modes = _modes(engine, stage, req.compiled, notes)
         for tp in degrees if "tensor_parallel" in layouts else [1]:
             for deg in [1, *eps] if "expert_parallel" in layouts and tp == 1 else [1]:
                 ep_on, ep_deg = deg > 1, (0 if deg == req.gpus else deg)
                 out += [Family(kind, label, engine, stage, tp, ac, c, ep_on, ep_deg if ep_on else 0)
-                        for ac in CHECKPOINTING for c in req.compiled]
+                        for ac in CHECKPOINTING for c in modes]
     staged = engines_with("pipeline_parallel")
     if req.pipeline and m.task == "lm" and staged and (req.labels is None or staged[0] in req.labels):
         out += pipeline_families(recipe, req, kind, notes)

@@ -131,3 +131,16 @@ def test_verify_reports_a_failed_layout_in_one_line_and_goes_on(tmp_path, monkey
     assert failed["status"] == "failed" and failed["measured_tokens_per_s"] is None
     assert failed["message"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert ran["status"] == "completed" and ran["message"] is None and ran["measured_tokens_per_s"]["n"] >= 1
+
+
+def test_zero3_compiled_is_not_listed_beside_its_eager_twin():
+    """ZeRO-3 under engine.compile runs its gathering hooks eagerly: predicted and estimated as its eager layout,
+    so the plan lists the eager one and says why (it searched both modes)."""
+    from scaletool.config import load_recipe as load
+    from scaletool.plan.search import Request, families
+    notes: list[str] = []
+    req = Request(gpus=4, gpus_per_node=4, hardware="H200", card_bytes=140 << 30, calibration=None)
+    fams = families(load("recipes/mla-1b.yaml", []), req, "mla", notes)
+    zero3 = [f for f in fams if f.engine == "deepspeed" and f.zero_stage == 3]
+    assert zero3 and not any(f.compiled for f in zero3)
+    assert any(f.compiled for f in fams if f.zero_stage in (1, 2)) and any("ZeRO-3 compiled" in n for n in notes)
