@@ -208,7 +208,7 @@ def validate(paths: list[Path] | None = None, calibration: str | None = None) ->
                          "float8": recipe.train.float8,
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
-                         "world_size": pred["world_size"], "compiled": pred["compiled"],
+                         "world_size": pred["world_size"], "compiled": recipe.train.compile,  # what ran
                          "attention": recipe.model.attention, "measured_tokens_per_s_per_gpu": measured,
                          "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
