@@ -1,10 +1,14 @@
 """Shared test helpers: paths, a recipe writer, and a subprocess runner for the real CLI."""
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,21 @@ RECIPES = ROOT / "recipes"
 # model recipes only: recipes/quickstart.yaml is the quickstart's sweep file
 MODEL_RECIPES = sorted(p for p in RECIPES.glob("*.yaml") if "grid:" not in p.read_text())
 
+
+
+@functools.cache
+def unpacked_fixture(name: str) -> Path:
+    """A committed report fixture (``tests/report/fixtures/NAME``) as the report reads a results directory: its
+    loose files and its packed records (``records.jsonl.xz``, committed packed as benchmark results are: the
+    repository stays under 5 MB) written out, once per process, into a temporary copy removed at exit."""
+    src = ROOT / "tests" / "report" / "fixtures" / name
+    dst = Path(tempfile.mkdtemp(prefix=f"fixture-{name}-")) / name
+    atexit.register(shutil.rmtree, dst.parent, True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("records.jsonl.xz"))
+    if (src / "records.jsonl.xz").is_file():
+        from scaletool import records
+        records.unpack(src, dst)
+    return dst
 
 #: Tests marked slow by measurement rather than by what they start: the slowest of ``python -m pytest -m "not slow"
 #: --durations`` on a 2-core machine (2026-11-27, 1-minute load 5-9: each above 3.5 s there; docs/testing.md),

@@ -52,8 +52,7 @@ def memory_columns(r, est) -> EngineColumns:
         for row in est.memory.engines:
             if row.activation_checkpointing == ac:
                 cells.setdefault(row.label, []).extend([size(row.total_bytes), PHASE_SHORT[row.phase]])
-    compiled = (";\ncompiled: single and ZeRO-1/2 the whole model, DDP and FSDP2 each block, ZeRO-3 as eager\n"
-                "(its gathering hooks run eagerly)") \
+    compiled = ";\ncompiled: single, ZeRO-1/2 whole model; DDP, FSDP2 per block; ZeRO-3 eager" \
         if r.train.compile else ""
     note = (f"Peak memory per GPU at world size {est.memory.world_size}, micro-batch {r.train.micro_batch_size}×"
             f"{est.seq_len}, AdamW{compiled};\nat: the phase that sets it, the backward (bwd) or the optimizer step (step).")

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hostile import RECIPES, ROOT, invoke
+from conftest import unpacked_fixture
+from hostile import RECIPES, invoke
 
 from scaletool.fmt import LINK_REFUSED, NOT_REGULAR, open_state, write_atomic
 
-REPORT_FIXTURE = ROOT / "tests" / "report" / "fixtures" / "tiny"
+REPORT_FIXTURE = unpacked_fixture("tiny")
 VICTIM = "precious data\n"
 
 

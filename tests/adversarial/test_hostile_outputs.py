@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import fill
+from conftest import fill, unpacked_fixture
 from hostile import invoke
 
 from scaletool import api
@@ -20,7 +20,7 @@ from scaletool.errors import RecipeError
 
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
-FIXTURE = Path(__file__).resolve().parents[1] / "report" / "fixtures" / "tiny"
+FIXTURE = unpacked_fixture("tiny")
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hostile import ROOT
+from conftest import unpacked_fixture
 
 from scaletool.cli import main
 
-FIXTURE = ROOT / "tests" / "report" / "fixtures" / "tiny"
+FIXTURE = unpacked_fixture("tiny")
 BREAKDOWN = next(FIXTURE.rglob("breakdown.json")).relative_to(FIXTURE)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, unpacked_fixture
 
 from scaletool import records
 from scaletool.results import ResultLoadError, load_result
@@ -16,7 +16,7 @@ NEW = [p for p in records.glob(RESULTS, "decode/h[12]00-*/m[hl]a-1b-*.json") if 
 
 
 def _fixture_decode_results():
-    lines = (ROOT / "tests" / "report" / "fixtures" / "tiny" / "results.jsonl").read_text().splitlines()
+    lines = (unpacked_fixture("tiny") / "results.jsonl").read_text().splitlines()
     return [r["result"] for r in map(json.loads, lines) if r.get("mode") == "decode" and r.get("result")]
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import report_synth as synth
+from conftest import unpacked_fixture
 from report_browser import Browser, find_chromium
 
 from scaletool import api
 
 pytestmark = pytest.mark.slow  # real processes or full training runs: left out of -m "not slow"
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 WIDTH = 1400
 
 LAYOUT = """(() => {
@@ -57,7 +57,7 @@ def chromium_or_skip() -> str:
 def page(tmp_path_factory):
     exe = chromium_or_skip()
     d = tmp_path_factory.mktemp("browser")
-    res = api.report([FIXTURES / "price", synth.showcase(d / "showcase"), synth.dynamics_showcase(d / "dynamics")],
+    res = api.report([unpacked_fixture("price"), synth.showcase(d / "showcase"), synth.dynamics_showcase(d / "dynamics")],
                      d / "out")
     with Browser(exe, width=WIDTH) as b:
         b.load(Path(res.report_html))

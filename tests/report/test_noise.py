@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import report_synth as synth
+from conftest import unpacked_fixture
 from report_md import md_row, md_section
 
 from scaletool import api
@@ -265,7 +266,7 @@ def test_figures_the_report_computes_are_listed_and_recorded_ones_are_not(tmp_pa
     md = Path(res.report_md).read_text()
     assert "## Computed, not recorded" in md and "## Computed, not recorded" not in Path(res.report_html).read_text()
     assert "Computed, not recorded</h2>" in Path(res.report_html).read_text()
-    rs = data.load([Path(__file__).resolve().parent / "fixtures" / "tiny"])
+    rs = data.load([unpacked_fixture("tiny")])
     est = {r.label: r for r in rs.ok("estimate")}
     trained = [r for r in rs.ok("train") if r.label in est]
     assert trained and all(r.kv == est[r.label].result.kv_cache.model_dump() for r in trained) and not rs.recomputed

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import unpacked_fixture
 from report_md import md_row, md_section
 
 from scaletool.cli import main
 from scaletool.report import data, tables
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-TINY, PRICE = FIXTURES / "tiny", FIXTURES / "price"
+TINY, PRICE = unpacked_fixture("tiny"), unpacked_fixture("price")
 HOSTILE = "<script>alert(1)</script>"
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 from click.testing import CliRunner
-from conftest import ROOT
+from conftest import ROOT, unpacked_fixture
 from sweep_helpers import AS_MHA, write_sweep
 
 from scaletool import api, records
@@ -77,7 +77,7 @@ def test_the_cli_warns_and_goes_on(tmp_path, estimate_kind):
 
 def test_old_lines_load_as_the_first_of_one_repeat():
     old = 0
-    for path in [*ROOT.glob("tests/report/fixtures/*/results.jsonl"),
+    for path in [unpacked_fixture("tiny") / "results.jsonl", unpacked_fixture("price") / "results.jsonl",
                  *records.glob(ROOT / "benchmarks" / "results", "*/*/*.results.jsonl")]:  # loose or bundled
         lines = [json.loads(x) for x in records.read_record(path).splitlines() if x.strip()]
         for n, raw in enumerate(lines, 1):
@@ -87,7 +87,7 @@ def test_old_lines_load_as_the_first_of_one_repeat():
                                                            ("sweep_record", raw["repeat"], raw["repeats"]))
             assert rec.key == raw["key"] and rec.result == raw.get("result")
     assert old > 100  # the committed results from before repeats existed
-    recs, warnings = read_records(ROOT / "tests" / "report" / "fixtures" / "tiny")
+    recs, warnings = read_records(unpacked_fixture("tiny"))
     assert recs and not warnings and all(r["schema_version"] == SweepRecord.SCHEMA_VERSION for r in recs)
 
 
