@@ -13,6 +13,7 @@ from pathlib import Path
 
 from scaletool import api
 from scaletool.engines import float8
+from scaletool.engines.dist import end_worker_process, leave_distributed
 
 
 def main(recipe: str, out: Path, mode: str) -> None:
@@ -35,3 +36,5 @@ def main(recipe: str, out: Path, mode: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+    leave_distributed()
+    end_worker_process()  # skips the native teardown gloo's threads intermittently abort (engines.dist)

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from scaletool.config import load_recipe
-from scaletool.engines.dist import init_distributed
+from scaletool.engines.dist import end_worker_process, init_distributed, leave_distributed
 from scaletool.engines.fsdp import FSDPEngine
 from scaletool.model import build_model
 
@@ -43,4 +43,5 @@ params = sum(p.numel() for p in engine.model.parameters())  # DTensor numel: the
 if env.rank == 0:
     print(json.dumps({**held, "dtypes": sorted(held["dtypes"]), "sharded_grads_between": sharded, "params": params,
                       "grad_norm": norm}))
-torch.distributed.destroy_process_group()
+leave_distributed()
+end_worker_process()  # skips the native teardown gloo's threads intermittently abort (engines.dist)
