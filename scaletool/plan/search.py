@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+from scaletool.analytic.memory import compile_scope
 from scaletool.analytic.step import fits
 from scaletool.config import Recipe, RecipeError
 from scaletool.kinds.engines import engine_kind, engines_for, engines_with
@@ -89,7 +90,7 @@ def _modes(engine: str, stage: int, compiled: tuple[bool, ...], notes: list[str]
     """The compile modes worth listing for an engine: both, but DeepSpeed ZeRO-3's compiled form where eager is
     searched too (its gathering hooks run eagerly, ``analytic.memory.compile_scope``: the same prediction and
     memory as eager, after a compile)."""
-    if stage >= 3 and engine_kind(engine).compiles_module and False in compiled and True in compiled:
+    if compile_scope(engine, True, "auto", stage) == "module" and False in compiled and True in compiled:
         line = "ZeRO-3 compiled not listed apart: its hooks run eagerly, so it is predicted as its eager layout"
         if line not in notes:
             notes.append(line)
