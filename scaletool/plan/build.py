@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES
+from scaletool.analytic.step import ALLOCATOR_RESERVE_FRACTION, ALLOCATOR_RESERVE_MIN_BYTES, MEDIAN_ABS_ERROR
 from scaletool.config import Recipe, RecipeError
 from scaletool.measure.hardware import profile_named
 from scaletool.plan.commands import command_line, launch_argv
@@ -89,15 +89,38 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
         row["argv"] = launch_argv(recipe_arg, overrides, given, row, req.gpus, req.gpus_per_node)
         row["command"] = command_line(row["argv"])
         row["command_problems"] = []
+    close = within_error(top)
     return {"recipe": recipe_arg, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
             "nodes": req.gpus // req.gpus_per_node, "hardware": req.hardware, "card_bytes": req.card_bytes,
             "seq_len": recipe.seq_len, "global_batch_tokens": req.global_batch_tokens,
             "price_per_gpu_hour": req.price_per_gpu_hour, "calibration": req.calibration.name,
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
             "pipeline_comparison": found["pipeline_comparison"],
-            "assumptions": assumptions(req) + found["assumptions"], "notes": found["notes"],
-            "left_out": found["left_out"],
+            "assumptions": assumptions(req) + found["assumptions"],
+            "notes": found["notes"] + order_notes(close, req.gpus == req.gpus_per_node),
+            "within_error": close, "left_out": found["left_out"],
             "elapsed_s": found["elapsed_s"]}
+
+
+def within_error(top: list[dict], error: float = MEDIAN_ABS_ERROR) -> list[int]:
+    """The ranks (1-based) of the listed layouts predicted within ``error`` of the best one's tokens/s per GPU,
+    the best included, when there are two or more: the prediction does not settle their order."""
+    rates = [row["prediction"]["tokens_per_s_per_gpu"] for row in top]
+    if not rates or not rates[0] or rates[0] <= 0:
+        return []
+    close = [i + 1 for i, r in enumerate(rates) if r and r >= rates[0] * (1 - error)]
+    return close if len(close) > 1 else []
+
+
+def order_notes(close: list[int], one_node: bool) -> list[str]:
+    """One line saying which listed layouts the prediction does not order, and (on one node, where
+    ``--verify`` runs them) how to settle it."""
+    if not close:
+        return []
+    ranks = ", ".join(f"#{r}" for r in close)
+    how = f" (--verify {max(close)} measures it on such a node)" if one_node else ""
+    return [f"{ranks} are predicted within {100 * MEDIAN_ABS_ERROR:.1f}% of the best, the model's median error on the "
+            f"committed runs: the prediction does not settle their order{how}"]
 
 
 def assumptions(req: Request) -> list[str]:

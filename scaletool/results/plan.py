@@ -98,6 +98,8 @@ class PlanResult(Result):
                                              "without (ranks, tokens/s per GPU, MFU, speedup); null unless both fit")
     assumptions: list[str]
     notes: list[str] = []
+    within_error: list[int] = Field([], description="ranks of the listed layouts predicted within the model's median "
+                                    "|error| of the best (the best included): the prediction does not settle their order")
     left_out: list[dict] = Field([], description="layouts not offered because launch would refuse them or the installed "
                                  "versions cannot run them: layout (engine, tensor parallelism, checkpointing, mode, or a "
                                  "listed micro-batch), label, and the reason (one line)")

@@ -394,3 +394,29 @@ def test_estimate_of_a_pipeline_recipe_is_per_stage_and_refuses_stages_that_do_n
     assert bad.stderr.strip().splitlines() == [
         "error: parallel.pipeline_parallel: 2 does not divide the world size 3 (pipeline ranks × data-parallel ranks) "
         "(set --world-size)"]
+
+
+def test_layouts_predicted_within_the_models_error_are_said_to_be_unordered():
+    """The listed layouts whose predicted tokens/s lie within the model's median |error| of the best are named
+    in --json (``within_error``) and in a note; none when the first stands apart; the verify hint only where
+    --verify can run them (one node)."""
+    from scaletool.analytic.step import MEDIAN_ABS_ERROR
+    from scaletool.plan.build import order_notes, within_error
+
+    def rows(*rates):
+        return [{"prediction": {"tokens_per_s_per_gpu": r}} for r in rates]
+    e = MEDIAN_ABS_ERROR
+    assert within_error(rows(100.0, 100.0 * (1 - e / 2), 100.0 * (1 - 2 * e))) == [1, 2]
+    assert within_error(rows(100.0, 100.0 * (1 - 2 * e))) == []  # the first stands apart
+    assert within_error(rows(100.0)) == [] and within_error([]) == [] and within_error(rows(0.0, 0.0)) == []
+    assert "--verify 3" in order_notes([1, 2, 3], True)[0] and "--verify" not in order_notes([1, 2], False)[0]
+    assert order_notes([], True) == []
+
+    plan = _plan("mla-1b", "--gpus", "4", "--gpus-per-node", "4", "--hardware", "h200")
+    best = plan["layouts"][0]["prediction"]["tokens_per_s_per_gpu"]
+    expect = [row["rank"] for row in plan["layouts"]
+              if row["prediction"]["tokens_per_s_per_gpu"] >= best * (1 - MEDIAN_ABS_ERROR)]
+    assert plan["within_error"] == (expect if len(expect) > 1 else [])
+    assert len(plan["within_error"]) > 1  # ZeRO-1 and ZeRO-2 are predicted alike: never ordered by the model
+    (note,) = [n for n in plan["notes"] if "does not settle their order" in n]
+    assert note.startswith(", ".join(f"#{r}" for r in plan["within_error"]))
