@@ -1,13 +1,15 @@
 """Fused causal attention's rate against sequence length: SDPA forward + backward at the head dims of the committed
 models, T from 512 to 16,384 at a fixed token count per call, through the kernel priority training uses.
 
-    python benchmarks/scripts/attention_seq.py OUT [--dims 128/128,192/128] [--heads 32,16] [--seqs 512,...,16384]
+    python benchmarks/scripts/attention_seq.py OUT [--dims 128/128,192/128] [--heads 32,16] [--kv-heads 8,16]
+        [--seqs 512,...,16384]
 
 Each point is :func:`scaletool.predict.calibrate.measure_attention` (the measurement ``scaletool calibrate`` makes at
 the recipe's T): FLOPs in the causal convention, 3 warm-up calls then timed samples, median with p10/p90 and n.
 OUT/attention-seq.jsonl gets one record per (dims, heads, T); the card, torch and date come first. It answers
 whether one rate per head-dim pair (measured at T = 2,048) holds at T = 8,192, where Llama-3's published and
-committed runs train. Expected wall time on one H100/H200: under a minute.
+committed runs train, and (``--kv-heads``, GQA and MQA as training attends them, ``enable_gqa``) whether fewer key/value
+heads change it. Expected wall time on one H100/H200: under a minute per dims pair.
 """
 from __future__ import annotations
 
@@ -33,13 +35,18 @@ def main() -> int:
     ap.add_argument("out", type=Path)
     ap.add_argument("--dims", default="128/128,192/128", help="q·k/v head dims, comma-separated")
     ap.add_argument("--heads", default="32,16", help="heads per dims pair, comma-separated (one per --dims)")
+    ap.add_argument("--kv-heads", default=None, help="key/value heads per dims pair (default: as many as --heads)")
     ap.add_argument("--seqs", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--tokens", type=int, default=32768, help="batch × T per call (default 32,768)")
     a = ap.parse_args()
     dims = [tuple(_ints(d.replace("/", ","), "--dims")) for d in a.dims.split(",") if d]
     heads, seqs = _ints(a.heads, "--heads"), _ints(a.seqs, "--seqs")
-    if len(heads) != len(dims) or any(len(d) != 2 for d in dims):
-        print("error: --heads needs one count per --dims pair (QK/V)", file=sys.stderr)
+    kv = heads if a.kv_heads is None else _ints(a.kv_heads, "--kv-heads")
+    if len(heads) != len(dims) or len(kv) != len(dims) or any(len(d) != 2 for d in dims):
+        print("error: --heads and --kv-heads need one count per --dims pair (QK/V)", file=sys.stderr)
+        return 2
+    if any(h % g for h, g in zip(heads, kv)):
+        print("error: --kv-heads: each must divide its --heads count", file=sys.stderr)
         return 2
     import torch
 
@@ -54,13 +61,13 @@ def main() -> int:
         f.write(json.dumps({"card": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                             "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}) + "\n")
         spin_up(dev, 2.0)
-        for (qk, v), h in zip(dims, heads):
+        for (qk, v), h, g in zip(dims, heads, kv):
             for T in seqs:
-                r = measure_attention(h, qk, v, T, max(1, a.tokens // T), dev, torch.bfloat16)
+                r = measure_attention(h, qk, v, T, max(1, a.tokens // T), dev, torch.bfloat16, kv_heads=g)
                 f.write(json.dumps(r) + "\n")
                 f.flush()
                 t = r["tflops"]
-                print(f"{qk}/{v} H={h} T={T:>6} B={r['batch']:>3}: {t['median']:.1f} TFLOP/s "
+                print(f"{qk}/{v} H={h} KV={g} T={T:>6} B={r['batch']:>3}: {t['median']:.1f} TFLOP/s "
                       f"(p10 {t['p10']:.1f}, p90 {t['p90']:.1f}, n={t['n']})", flush=True)
     return 0
 

@@ -106,27 +106,42 @@ def fit_gemm_curve(points: list[dict]) -> dict:
 
 
 def measure_attention(heads: int, qk: int, v: int, seq: int, batch: int, device: torch.device,
-                      dtype: torch.dtype) -> dict:
+                      dtype: torch.dtype, kv_heads: int | None = None) -> dict:
     """Causal SDPA forward + backward, FLOPs in the causal convention (3 × 2·B·H·T²·(qk+v)/2), through the
-    kernel priority training uses (``sdpa_backend: auto``: cuDNN first where q/k and v dims differ)."""
+    kernel priority training uses (``sdpa_backend: auto``: cuDNN first where q/k and v dims differ).
+    ``kv_heads``: fewer key/value heads than query heads (GQA, MQA), attended as training does
+    (``enable_gqa``); the FLOPs are the query heads' either way."""
     from contextlib import nullcontext
 
     from torch.nn.attention import sdpa_kernel
 
     from scaletool.model.attention import sdpa_backends
 
+    kv = heads if kv_heads is None else kv_heads
+    if kv < 1 or heads % kv:
+        raise ValueError(f"{kv} key/value heads do not divide {heads} query heads")
     q = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(batch, heads, seq, qk, device=device, dtype=dtype, requires_grad=True)
-    val = torch.randn(batch, heads, seq, v, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, kv, seq, qk, device=device, dtype=dtype, requires_grad=True)
+    val = torch.randn(batch, kv, seq, v, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(batch, heads, seq, v, device=device, dtype=dtype)
     backends = sdpa_backends("auto", qk, v) if device.type == "cuda" else None
 
     def step():
         with sdpa_kernel(backends, set_priority=True) if backends else nullcontext():
-            F.scaled_dot_product_attention(q, k, val, is_causal=True).backward(grad)
+            F.scaled_dot_product_attention(q, k, val, is_causal=True, enable_gqa=kv != heads).backward(grad)
     flops = 3 * 2 * batch * heads * seq * seq * (qk + v) / 2
     secs = time_fn(step, device, min_sample_s=MIN_SAMPLE_S if device.type == "cuda" else 0.0)
-    return {"heads": heads, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, secs)}
+    return {"heads": heads, "kv_heads": kv, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, secs)}
+
+
+def kv_heads_of(cfg, heads: int) -> int:
+    """The key/value heads the recipe's attention runs with ``heads`` query heads (fewer on the CPU path):
+    GQA's and MQA's group size kept where it fits; MHA and MLA (its keys expanded per head) attend with all."""
+    if cfg is None or cfg.attention not in ("gqa", "mqa") or not cfg.n_kv_heads:
+        return heads
+    group = max(1, cfg.n_heads // cfg.n_kv_heads)
+    kv = max(1, heads // group)
+    return kv if heads % kv == 0 else 1
 
 
 def measure_hbm(nbytes: int, device: torch.device) -> dict:
@@ -164,7 +179,8 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     batch = max(recipe.train.micro_batch_size if recipe else 8, 1) if gpu else 1
     # on a GPU at several T (the rate climbs with T: benchmarks/results/attention-seq), the same tokens per call
     seqs, tokens = (sorted({*ATTENTION_SEQS, seq}), max(seq * batch, ATTENTION_TOKENS)) if gpu else ([seq], seq)
-    attention = [measure_attention(heads if gpu else min(heads, 4), qk, v, T, max(1, tokens // T), device, dtype)
+    heads = heads if gpu else min(heads, 4)
+    attention = [measure_attention(heads, qk, v, T, max(1, tokens // T), device, dtype, kv_heads=kv_heads_of(cfg, heads))
                  for T in seqs]
     entry = (attention[0]["tflops"]["median"] if len(attention) == 1
              else {a["seq"]: a["tflops"]["median"] for a in attention})

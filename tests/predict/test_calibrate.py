@@ -106,3 +106,31 @@ def test_validate_with_no_training_run_says_where_runs_come_from(tmp_path):
     text = run_cli("calibrate", "--validate", str(other))
     assert text.returncode == 0, text.stderr
     assert "no GPU training run to re-predict" in text.stdout and "PATHS" in text.stdout
+
+
+def test_attention_is_timed_with_the_recipes_key_value_heads(monkeypatch):
+    """GQA and MQA recipes attend with fewer key/value heads (``enable_gqa``); the calibration times that
+    kernel, not an MHA-shaped one, and records the heads it used. On the CPU the query heads are cut to 4 and
+    the group size kept where it fits."""
+    import torch
+
+    from scaletool.predict import calibrate as cal_mod
+
+    with pytest.raises(ValueError, match="do not divide"):
+        cal_mod.measure_attention(4, 16, 16, 16, 1, torch.device("cpu"), torch.float32, kv_heads=3)
+    r = cal_mod.measure_attention(4, 16, 16, 16, 1, torch.device("cpu"), torch.float32, kv_heads=2)
+    assert r["kv_heads"] == 2 and r["heads"] == 4 and r["tflops"]["n"] > 0
+    assert cal_mod.measure_attention(4, 16, 16, 16, 1, torch.device("cpu"), torch.float32)["kv_heads"] == 4
+
+    llama, mha = load_recipe("llama3-8b").model, load_recipe("mha-1b").model
+    assert cal_mod.kv_heads_of(llama, 32) == 8 and cal_mod.kv_heads_of(llama, 4) == 1
+    assert cal_mod.kv_heads_of(mha, 16) == 16 and cal_mod.kv_heads_of(load_recipe("mla-1b").model, 16) == 16
+    assert cal_mod.kv_heads_of(None, 16) == 16
+
+    seen = []
+    real = cal_mod.measure_attention
+    monkeypatch.setattr(cal_mod, "measure_attention", lambda *a, **k: seen.append(k) or real(*a, **k))
+    monkeypatch.setattr(cal_mod, "measure_block_dispatch", lambda *a, **k: None)  # another test's subject
+    out = cal_mod.calibrate(torch.device("cpu"), recipe=load_recipe("tiny", ["model.attention=gqa", "model.n_kv_heads=2"]))
+    assert seen and all(k.get("kv_heads") == 2 for k in seen)
+    assert [a["kv_heads"] for a in out["measured"]["attention"]] == [2] * len(seen)
