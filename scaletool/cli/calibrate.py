@@ -121,7 +121,7 @@ def _print_published(res: dict) -> None:
         t.add_column(col, justify="left" if col in ("id", "card", "ckpt", "mode") else "right", no_wrap=True)
     for r in res["rows"]:
         mode = ("comp" if r["compiled"] else "eager") + (" fp8" if r["float8"] != "none" else "")
-        t.add_row(escape(r["id"]), escape(r["card"]), str(r["gpus"]), r["activation_checkpointing"], mode,
+        t.add_row(escape(printable(r["id"])), escape(printable(r["card"])), str(r["gpus"]), r["activation_checkpointing"], mode,
                   f"{r['measured_tokens_per_s_per_gpu']:,.0f}", f"{r['predicted_tokens_per_s_per_gpu']:,.0f}",
                   f"{r['rel_error']:+.1%}")
     con.print(t)
@@ -131,7 +131,8 @@ def _print_published(res: dict) -> None:
             con.print(f"{title}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
                       f"n={s['n']}", highlight=False)
     for r in res["not_expressible"]:
-        con.print(f"not expressible: {escape(r['id'])} ({escape(r['model'][:20])}): {escape(r['reason'])}", highlight=False)
+        con.print(f"not expressible: {escape(printable(r['id']))} ({escape(printable(r['model'][:20]))}): "
+                  f"{escape(printable(r['reason']))}", highlight=False)
     con.print("sources: the table's source column (--json lists each row's)", highlight=False)
 
 

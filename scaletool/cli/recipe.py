@@ -9,6 +9,7 @@ import yaml
 from scaletool.cli.options import deliver, json_option, recipe_argument, set_option
 from scaletool.config import SWITCHES, Recipe, RecipeError
 from scaletool.errors import echo, shorten
+from scaletool.fmt import printable
 from scaletool.hf import load_recipe
 from scaletool.results.recipe import RecipeResult
 
@@ -147,3 +148,44 @@ def from_hf(config_json: str, output: str | None, drop: tuple[str, ...]) -> dict
     else:
         click.echo(text, nl=False)
     return raw
+
+
+@recipe.command("from-published")
+@click.argument("row_id", metavar="ID")
+@click.option("-o", "--output", metavar="RECIPE", help="Write the recipe here (default stdout).")
+@click.option("--table", type=click.Path(dir_okay=False), metavar="TSV",
+              help="A published-runs table of the same columns (default: the shipped one).")
+def from_published(row_id: str, output: str | None, table: str | None) -> dict:
+    """Write the recipe of another project's published run ID (a row of `calibrate --validate --published`):
+    its model, sequence length, micro-batch, accumulation, checkpointing, precision, compile and layout, as
+    that command predicts it, so the same shape can be trained and measured here.
+
+    The row's GPU count is parallel.world_size; to train it on fewer GPUs set that key to the ranks you
+    start (FSDP2's work per GPU is the same). A row scaletool cannot express is an error with the reason.
+
+    \b
+    Examples:
+      scaletool recipe from-published TT1 -o tt1.yaml
+      scaletool train tt1.yaml --nproc-per-node 4 --set parallel.world_size=4
+      scaletool recipe from-published MP3 --table my-runs.tsv
+    """
+    from scaletool.predict.published import NotExpressible, express, published_row
+
+    out = _output_path(output) if output else None
+    row = published_row(row_id, Path(table) if table else None)
+    try:
+        x = express(row)
+    except NotExpressible as e:
+        raise RecipeError(f"published row {printable(row['id'])}: scaletool cannot express it: {printable(e)}") from None
+    f = {k: printable(v) for k, v in row.items()}  # the table's text in comments: every line break escaped
+    text = (f"# {f['model']} as published ({f['n_gpus']} x {f['gpu']}, {f['layout']}: {f['tok_s_per_gpu']} "
+            f"tokens/s per GPU)\n# source: {f['source']}\n"
+            f"# written by `scaletool recipe from-published {f['id']}`; "
+            f"{printable('; '.join(x['notes'])) or 'as published'}\n")
+    text += yaml.safe_dump(x["raw"], sort_keys=False, width=100, allow_unicode=True)
+    if out is not None:
+        _write_atomically(out, text)
+        click.echo(f"wrote {output}", err=True)
+    else:
+        click.echo(text, nl=False)
+    return x["raw"]

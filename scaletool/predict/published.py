@@ -66,16 +66,20 @@ def read_table(path: Path) -> list[dict]:
     except UnicodeDecodeError:
         raise RecipeError(f"{name}: not UTF-8 text") from None
     reader = csv.DictReader(io.StringIO(text), delimiter="\t", quoting=csv.QUOTE_NONE)
-    header = reader.fieldnames or []
-    missing = [c for c in COLUMNS if c not in header]
-    if missing:
-        raise RecipeError(f"{name}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
-                          f"(a published-runs table has the tab-separated columns {', '.join(COLUMNS)})")
-    rows = []
-    for i, row in enumerate(reader, start=2):
-        if None in row or any(row.get(c) is None for c in COLUMNS):
-            raise RecipeError(f"{name}: line {i}: {len(header)} columns expected, got a different number")
-        rows.append({c: row[c].strip() for c in COLUMNS})
+    try:
+        header = reader.fieldnames or []
+        missing = [c for c in COLUMNS if c not in header]
+        if missing:
+            raise RecipeError(f"{name}: missing column{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                              f"(a published-runs table has the tab-separated columns {', '.join(COLUMNS)})")
+        rows = []
+        for i, row in enumerate(reader, start=2):
+            if None in row or any(row.get(c) is None for c in COLUMNS):
+                raise RecipeError(f"{name}: line {i}: {len(header)} columns expected, got a different number")
+            rows.append({c: row[c].strip() for c in COLUMNS})
+    except csv.Error:  # a carriage return inside a field, a NUL: the reader stops before counting that line
+        raise RecipeError(f"{name}: line {reader.line_num + 1}: not a tab-separated row (a line break or NUL inside a "
+                          "field)") from None
     return rows
 
 
@@ -255,8 +259,9 @@ def express(row: dict) -> dict:
         if model.get("ffn") != "moe":
             raise NotExpressible(f"expert parallelism (EP{ep}) of a model without experts")
         parallel |= {"expert_parallel": True, "expert_parallel_degree": ep}
+    raw = {"model": model, "train": train, "parallel": parallel}
     try:
-        recipe = recipe_from_dict({"model": model, "train": train, "parallel": parallel}, f"published {row['id']}")
+        recipe = recipe_from_dict(raw, f"published {row['id']}")
     except RecipeError as e:
         raise NotExpressible(f"scaletool's recipe rules: {e.problems[0] if e.problems else e}") from None
     notes = [note] if note else []
@@ -264,7 +269,19 @@ def express(row: dict) -> dict:
         notes.append("FP8 GEMMs at twice the bf16 curve (no calibration measured an FP8 rate)")
     if re.search(r"deepep|\bte\b", layout, re.IGNORECASE):
         notes.append("Transformer Engine / DeepEP kernels as scaletool's own (grouped GEMMs, all-to-all)")
-    return {"recipe": recipe, "world_size": N, "card": _card(row["gpu"]), "notes": notes}
+    return {"recipe": recipe, "raw": raw, "world_size": N, "card": _card(row["gpu"]), "notes": notes}
+
+
+def published_row(row_id: str, path: Path | None = None) -> dict:
+    """The row ``row_id`` of a published-runs table (the shipped one by default); a RecipeError naming the
+    table's ids when there is none."""
+    table = path or shipped_table()
+    rows = read_table(table)
+    for row in rows:
+        if row["id"] == row_id:
+            return row
+    ids = ", ".join(r["id"] for r in rows[:40]) + (", ..." if len(rows) > 40 else "")
+    raise RecipeError(f"published row {shorten(row_id, 40)!r}: not in {shorten(str(table))} (its rows: {ids})")
 
 
 def _calibration(card: str, profiles, cache: dict) -> Calibration:

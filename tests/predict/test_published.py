@@ -153,3 +153,67 @@ def test_a_row_scaletool_cannot_use_is_listed_with_its_reason(tmp_path, column, 
     out = validate_published([tmp_path / "one.tsv"])
     assert not out["rows"] and len(out["not_expressible"]) == 1
     assert says in out["not_expressible"][0]["reason"]
+
+
+def _recipe_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "scaletool", "recipe", "from-published", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd)
+
+
+def test_from_published_writes_the_recipe_the_validation_predicts(tmp_path):
+    """`recipe from-published ID` writes the recipe `calibrate --validate --published` predicts for the row: loaded
+    back it is the same recipe, so the same prediction; the header names the row and its source."""
+    from scaletool.config import load_recipe
+    from scaletool.predict.published import published_row
+
+    res = _recipe_cli("TT1", "-o", str(tmp_path / "tt1.yaml"))
+    assert res.returncode == 0, res.stderr
+    text = (tmp_path / "tt1.yaml").read_text()
+    assert text.startswith("# Llama-3.1-8B as published (8 x H100") and "torchtitan" in text.splitlines()[1]
+    x = express(published_row("TT1"))
+    assert load_recipe(str(tmp_path / "tt1.yaml")).to_dict() == x["recipe"].to_dict()
+    assert _recipe_cli("TT1").stdout == text  # stdout without -o
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ZZ9"], "published row 'ZZ9': not in"),
+    (["NV1"], "published row NV1: scaletool cannot express it: context parallelism (CP2)"),
+    (["TT1", "-o", "{tmp}"], "is a directory"),
+    (["TT1", "--table", "{tmp}/absent.tsv"], "absent.tsv"),
+])
+def test_from_published_bad_input_is_one_error_line_and_writes_nothing(tmp_path, args, says):
+    res = _recipe_cli(*[a.replace("{tmp}", str(tmp_path)) for a in args], cwd=tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "real_accelerator" not in ln]
+    assert res.returncode == 2 and not res.stdout, res.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_published_keeps_a_hostile_tables_text_in_comments(tmp_path):
+    """A field with YAML line breaks and a key after them stays inside the header's comments: the recipe is
+    the row's, no key the field spells is read."""
+    from scaletool.config import load_recipe
+
+    row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "MP1"))
+    row["source"] = "x\rtrain: {steps: 1}"  # a carriage return ends no TSV field: the table is refused
+    _write(tmp_path / "cr.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    res = _recipe_cli("MP1", "--table", str(tmp_path / "cr.tsv"), "-o", str(tmp_path / "cr.yaml"))
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and "real_accelerator" not in ln]
+    assert res.returncode == 2 and len(lines) == 1 and "line 2: not a tab-separated row" in lines[0], res.stderr
+    assert not (tmp_path / "cr.yaml").exists()
+    row["source"] = "x\u2028train:\u2028  steps: 1\x85parallel: {engine: ddp}"  # YAML's other line breaks
+    row["model"] = "MPT\u2029model: {d_model: 8}"
+    _write(tmp_path / "evil.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    res = _recipe_cli("MP1", "--table", str(tmp_path / "evil.tsv"), "-o", str(tmp_path / "mp1.yaml"))
+    assert res.returncode == 0, res.stderr
+    r = load_recipe(str(tmp_path / "mp1.yaml"))
+    assert r.model.d_model == 2048 and r.parallel.engine == "fsdp" and r.train.steps != 1
+    row["id"], row["source"] = "E\x1b]0;x\x07", "S\x1b[2J"  # a terminal's title and clear-screen sequences
+    bad = dict(row, id="F\x1b[2J", model="M\x1b[2J")  # a model family scaletool does not know: refused
+    _write(tmp_path / "esc.tsv", COLUMNS, [[r[c] for c in COLUMNS] for r in (row, bad)])
+    shown = _recipe_cli(row["id"], "--table", str(tmp_path / "esc.tsv")).stdout
+    assert "\x1b" not in shown and "\\x1b]0;x" in shown and "\\x1b[2J" in shown
+    refused = _recipe_cli(bad["id"], "--table", str(tmp_path / "esc.tsv"))
+    assert refused.returncode == 2 and "\x1b" not in refused.stderr and "F\\x1b[2J" in refused.stderr
+    listed = _cli("--validate", "--published", str(tmp_path / "esc.tsv")).stdout
+    assert "\x1b" not in listed and "F\\x1b[2J" in listed
