@@ -30,7 +30,7 @@ OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p,
 ACCUMULATE_BYTES_PER_PARAM = 8  # an accumulated micro-batch: read and write the fp32 gradient
 CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-batch (autocast, FSDP2's cast)
 #: the model's median |error| in tokens/s per GPU over the committed dense bf16 GPU runs (`scaletool calibrate
-#: --validate`; README and docs/prediction.md state it, tests/analytic/test_step_validation.py keeps it in step):
+#: --validate`; README and docs/prediction.md state it, tests/cli/test_one_answer_80_columns.py keeps it in step):
 #: predictions closer than this do not settle which layout is faster
 MEDIAN_ABS_ERROR = 0.028
 

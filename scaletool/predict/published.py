@@ -23,6 +23,7 @@ from pathlib import Path
 from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
+from scaletool.fmt import printable
 from scaletool.measure.hardware import load_profiles, profile_named
 from scaletool.predict.prediction import predict
 from scaletool.resources import data_dir
@@ -280,7 +281,7 @@ def published_row(row_id: str, path: Path | None = None) -> dict:
     for row in rows:
         if row["id"] == row_id:
             return row
-    ids = ", ".join(r["id"] for r in rows[:40]) + (", ..." if len(rows) > 40 else "")
+    ids = ", ".join(printable(r["id"]) for r in rows[:40]) + (", ..." if len(rows) > 40 else "")
     raise RecipeError(f"published row {shorten(row_id, 40)!r}: not in {shorten(str(table))} (its rows: {ids})")
 
 

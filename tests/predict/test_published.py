@@ -215,5 +215,7 @@ def test_from_published_keeps_a_hostile_tables_text_in_comments(tmp_path):
     assert "\x1b" not in shown and "\\x1b]0;x" in shown and "\\x1b[2J" in shown
     refused = _recipe_cli(bad["id"], "--table", str(tmp_path / "esc.tsv"))
     assert refused.returncode == 2 and "\x1b" not in refused.stderr and "F\\x1b[2J" in refused.stderr
+    unknown = _recipe_cli("ZZ9", "--table", str(tmp_path / "esc.tsv"))  # the error lists the table's ids
+    assert unknown.returncode == 2 and "\x1b" not in unknown.stderr and "E\\x1b]0;x" in unknown.stderr
     listed = _cli("--validate", "--published", str(tmp_path / "esc.tsv")).stdout
     assert "\x1b" not in listed and "F\\x1b[2J" in listed
