@@ -67,8 +67,11 @@ def _failure_message(failure) -> str:
 
 def _is_consequence(line: str) -> bool:
     """A rank that failed because a peer did: its collective errored or timed out (see :func:`describe`), or
-    it was stopped by a signal, as the agent stops every rank once one has failed."""
-    return "communication error" in line or "communication timed out" in line or "stopped by SIG" in line
+    it was stopped or killed by SIGTERM or SIGINT, as the agent stops every rank once one has failed (a rank
+    that the agent's SIGTERM reaches after its trainer has returned, while it reports a peer's failure, dies
+    of it with the default action)."""
+    return ("communication error" in line or "communication timed out" in line or "stopped by SIG" in line
+            or line.endswith(("killed by SIGTERM", "killed by SIGINT")))
 
 
 def _failure_line(rank: int, f) -> str:

@@ -60,6 +60,27 @@ def test_the_killed_rank_comes_before_a_rank_that_stopped_cleanly_on_the_agents_
     assert lines[1] == "error: rank 0 (local rank 0, pid 10): stopped by SIGTERM (exit status 143)" and len(lines) == 2
 
 
+def test_the_killed_rank_comes_before_a_rank_the_agents_sigterm_killed(tmp_path):
+    """A survivor that the agent's SIGTERM reaches after its trainer returned (while it reports the peer's
+    failure) dies of the signal, stamped in the same second as the death: a consequence, not the cause."""
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "a")),
+                1: ProcessFailure(local_rank=1, pid=11, exitcode=-signal.SIGKILL, error_file=str(tmp_path / "b"))}
+    failures[0].timestamp = failures[1].timestamp = 100
+    lines = child_failure_lines(ChildFailedError("scaletool", failures))
+    assert lines[0].startswith("error: rank 1 (local rank 1, pid 11): killed by SIGKILL")
+    assert lines[1] == "error: rank 0 (local rank 0, pid 10): killed by SIGTERM" and len(lines) == 2
+
+
+def test_ranks_all_killed_by_sigterm_name_the_earliest_first(tmp_path):
+    """A scheduler's SIGTERM to every rank: no other cause, so the earliest is first."""
+    failures = {r: ProcessFailure(local_rank=r, pid=10 + r, exitcode=-signal.SIGTERM, error_file=str(tmp_path / "x"))
+                for r in (0, 1)}
+    failures[0].timestamp, failures[1].timestamp = 101, 100
+    lines = child_failure_lines(ChildFailedError("scaletool", failures))
+    assert lines == ["error: rank 1 (local rank 1, pid 11): killed by SIGTERM",
+                     "error: rank 0 (local rank 0, pid 10): killed by SIGTERM"]
+
+
 def _pids_with(marker: str, rank: str) -> list[int]:
     found = []
     for d in Path("/proc").iterdir():
