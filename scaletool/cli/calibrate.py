@@ -130,10 +130,31 @@ def _print_published(res: dict) -> None:
         if s["n"]:
             con.print(f"{title}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
                       f"n={s['n']}", highlight=False)
+    _print_published_memory(res)
     for r in res["not_expressible"]:
         con.print(f"not expressible: {escape(printable(r['id']))} ({escape(printable(r['model'][:20]))}): "
                   f"{escape(printable(r['reason']))}", highlight=False)
     con.print("sources: the table's source column (--json lists each row's)", highlight=False)
+
+
+def _print_published_memory(res: dict) -> None:
+    """The rows that state their peak memory: published (the allocator's reserved peak, as torchtitan logs it)
+    against the estimated (allocated) peak, and whether the plan would call the run fitting its card."""
+    from rich.markup import escape
+
+    rows = [r for r in res["rows"] if "memory_rel_error" in r]
+    if not rows:
+        return
+    con = console()
+    con.print("peak memory per GPU, published (reserved) vs estimated (allocated):", highlight=False)
+    for r in rows:
+        fit = {True: "fits", False: "said not to fit", None: "card size unknown"}[r["memory_fits"]]
+        con.print(f"  {escape(printable(r['id']))}: {r['published_memory_gib']:.1f} vs {r['estimated_memory_gib']:.1f} "
+                  f"GiB ({r['memory_rel_error']:+.1%}), {fit}", highlight=False)
+    m = res["summary"]["memory"]
+    con.print(f"memory: median |error| {m['median_abs_error']:.1%}, worst {m['worst_abs_error']:.1%}, n={m['n']}"
+              + (f"; said not to fit but ran: {', '.join(m['called_not_fitting'])}" if m["called_not_fitting"] else ""),
+              highlight=False)
 
 
 def _print_calibration(cal: dict, out: Path) -> None:
@@ -178,7 +199,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
                    "against measured tokens/s per GPU.")
 @click.option("--published", is_flag=True, help="With --validate: predict other projects' published training "
               "runs instead (the shipped table, or PATHS: tables of the same tab-separated columns) at their model, "
-              "card, GPU count and layout, and list the rows scaletool cannot express with the reason.")
+              "card, GPU count and layout, set a row's stated peak memory ('mem 82.4 GiB' in its notes) beside "
+              "the estimate, and list the rows scaletool cannot express with the reason.")
 @click.option("--calibration", metavar="NAME|PATH", help="With --validate: use this calibration for every run "
               "(default: the one of each run's card). A PATH has a '/' or ends in .yaml; a NAME is a shipped one.")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))

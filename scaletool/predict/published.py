@@ -9,6 +9,11 @@ its card at 8 GPUs per node, through the prediction ``estimate`` and ``plan`` us
 pipeline stages, DualPipe, context parallelism, FP8 all-gather or another project's FP8 recipe, a micro-batch the
 source does not state, a card without a profile). The rows are data to predict: nothing in the model or the
 calibrations is fitted to them.
+
+Where a row's notes state the run's peak memory (``mem 82.4 GiB``: torchtitan logs the allocator's peak
+*reserved* memory), the estimated peak per GPU (the allocated peak ``estimate`` and ``plan`` give, the largest
+stage's under pipeline stages) is set beside it with its relative error and the fit decision on the card: a row
+that ran is one the plan must call fitting.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.fmt import printable
 from scaletool.measure.hardware import load_profiles, profile_named
-from scaletool.predict.prediction import predict
+from scaletool.predict.prediction import _peak_bytes, predict
 from scaletool.resources import data_dir
 
 COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",
@@ -285,6 +290,30 @@ def published_row(row_id: str, path: Path | None = None) -> dict:
     raise RecipeError(f"published row {shorten(row_id, 40)!r}: not in {shorten(str(table))} (its rows: {ids})")
 
 
+_MEMORY = re.compile(r"\bmem(?:ory)?\s+(\d{1,4}(?:\.\d{1,3})?)\s*GiB\b", re.IGNORECASE)
+
+
+def published_memory_gib(row: dict) -> float | None:
+    """The peak memory per GPU a row's notes state (``mem 82.4 GiB``, the first such figure), or None."""
+    m = _MEMORY.search(row.get("notes") or "")
+    value = float(m.group(1)) if m else 0.0
+    return value if value > 0 else None
+
+
+def _memory_fields(x: dict, row: dict, profile) -> dict:
+    """The row's published and estimated peak memory per GPU, the relative error and the fit decision; {} when the
+    row states none."""
+    from scaletool.analytic.step import fits
+
+    published = published_memory_gib(row)
+    if published is None:
+        return {}
+    est = _peak_bytes(x["recipe"], x["world_size"])
+    return {"published_memory_gib": published, "estimated_memory_gib": est / 2**30,
+            "memory_rel_error": est / 2**30 / published - 1,
+            "memory_fits": bool(fits(est, profile.memory_bytes)[0]) if profile.memory_bytes else None}
+
+
 def _calibration(card: str, profiles, cache: dict) -> Calibration:
     if card not in cache:
         prof = profile_named(card, profiles)
@@ -323,8 +352,14 @@ def validate_published(paths: list[Path] | None = None) -> dict:
                          "measured_tokens_per_s_per_gpu": measured,
                          "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
-                         "notes": x["notes"], "source": row["source"]})
+                         "notes": x["notes"], "source": row["source"]}
+                        | _memory_fields(x, row, profile_named(x["card"], profiles)))
     one = [r for r in rows if r["nodes"] == 1]
     many = [r for r in rows if r["nodes"] > 1]
+    mem = [r for r in rows if "memory_rel_error" in r]
+    memory = {"n": len(mem), "convention": "estimated allocated peak against the published (reserved) peak",
+              "median_abs_error": statistics.median(abs(r["memory_rel_error"]) for r in mem) if mem else None,
+              "worst_abs_error": max((abs(r["memory_rel_error"]) for r in mem), default=None),
+              "called_not_fitting": [r["id"] for r in mem if r["memory_fits"] is False]}
     return {"rows": rows, "not_expressible": skipped,
-            "summary": {"all": _stats(rows), "one_node": _stats(one), "multi_node": _stats(many)}}
+            "summary": {"all": _stats(rows), "one_node": _stats(one), "multi_node": _stats(many), "memory": memory}}

@@ -13,11 +13,20 @@ import pytest
 
 from scaletool.errors import RecipeError
 from scaletool.measure.hardware import profile_named
-from scaletool.predict.published import COLUMNS, express, read_table, shipped_table, validate_published
+from scaletool.predict.published import (
+    COLUMNS,
+    express,
+    published_memory_gib,
+    read_table,
+    shipped_table,
+    validate_published,
+)
 
 #: (median, worst) |relative error| stated in docs/prediction.md, by group
 STATED = {"all": (0.185, 0.584), "one_node": (0.212, 0.382), "multi_node": (0.149, 0.584)}
 MARGIN = 0.02
+#: (median, worst) |relative error| of the estimated peak memory against the rows that state theirs
+STATED_MEMORY = (0.041, 0.053)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +68,28 @@ def test_error_distribution_no_worse_than_stated(result, group):
     assert s["n"] >= (4 if group == "multi_node" else 10)
     assert s["median_abs_error"] <= median + MARGIN
     assert s["worst_abs_error"] <= worst + MARGIN
+
+
+def test_peak_memory_of_the_rows_that_state_it_is_estimated_within_ten_percent_and_called_fitting(result):
+    """torchtitan's rows state the allocator's reserved peak; the estimate (the allocated peak plan and estimate
+    give) is within the issue's ±10% of it and calls every run that ran fitting its card."""
+    rows = {r["id"]: r for r in result["rows"] if "memory_rel_error" in r}
+    assert sorted(rows) == ["TT1", "TT2", "TT3", "TT4"]
+    assert rows["TT1"]["published_memory_gib"] == 82.4 and rows["TT4"]["published_memory_gib"] == 62.0
+    assert all(abs(r["memory_rel_error"]) <= 0.10 and r["memory_fits"] is True for r in rows.values())
+    m = result["summary"]["memory"]
+    assert m["n"] == 4 and m["called_not_fitting"] == []
+    assert m["median_abs_error"] <= STATED_MEMORY[0] + MARGIN and m["worst_abs_error"] <= STATED_MEMORY[1] + MARGIN
+    assert "MP1" not in rows  # no memory stated: no memory fields
+
+
+@pytest.mark.parametrize("notes, gib", [
+    ("mem 82.4 GiB; TPS read at step 90", 82.4), ("eager 5605; fp8 8380; Memory 62 GiB", 62.0),
+    ("mem 0 GiB", None), ("mem nan GiB", None), ("mem -3 GiB", None), ("mem 12 GB", None), ("", None),
+    ("remem 5 GiB", None), ("mem 1e9 GiB", None),
+])
+def test_the_published_memory_is_read_from_the_notes_only_as_a_positive_gib_figure(notes, gib):
+    assert published_memory_gib({"notes": notes}) == gib
 
 
 def test_a_pipeline_row_is_predicted_through_the_pipeline_model(result):
@@ -127,6 +158,18 @@ def test_a_users_table_is_predicted_row_by_row(tmp_path):
     out = validate_published([tmp_path / "mine.tsv"])
     assert [r["id"] for r in out["rows"]] == ["MP1"] and out["rows"][0]["nodes"] == 2
     assert [r["id"] for r in out["not_expressible"]] == ["NV1"]
+    assert "memory_rel_error" not in out["rows"][0] and out["summary"]["memory"]["n"] == 0
+
+
+def test_the_cli_sets_the_stated_memory_beside_the_estimate(tmp_path):
+    row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "MP1"), notes="mem 50 GiB")
+    _write(tmp_path / "m.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    res = _cli("--validate", "--published", str(tmp_path / "m.tsv"))
+    assert res.returncode == 0, res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("  MP1: 50.0 vs "))
+    est = validate_published([tmp_path / "m.tsv"])["rows"][0]["estimated_memory_gib"]
+    assert line == f"  MP1: 50.0 vs {est:.1f} GiB ({est / 50 - 1:+.1%}), fits"
+    assert "memory: median |error|" in res.stdout
 
 
 def test_published_goes_with_validate_only():
