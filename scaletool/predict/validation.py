@@ -152,12 +152,14 @@ def calibration_of(gpu_name: str, profiles=None, cache: dict | None = None) -> C
     return cache[gpu_name]
 
 
-def validate(paths: list[Path] | None = None, calibration: str | None = None) -> dict:
+def validate(paths: list[Path] | None = None, calibration: str | Calibration | None = None) -> dict:
     """Every run's predicted and measured tokens/s per GPU, the relative error, and its distribution
-    overall and by engine (median and worst |error|, n)."""
+    overall and by engine (median and worst |error|, n). ``calibration`` (a shipped name, a YAML's path or a
+    :class:`Calibration`) predicts every run; by default each run's card's."""
     named = paths is not None
     profiles, cache, rows, skipped, seen, duplicates = load_profiles(), {}, [], [], {}, []
-    forced = load_calibration(calibration) if calibration else None
+    forced = calibration if isinstance(calibration, Calibration) else load_calibration(calibration) if calibration \
+        else None
     for path, text in (_given(paths) if named else [(p, None) for p in committed_paths()]):
         try:
             runs = _runs_in(Path(path), text if named else read_record(path))
