@@ -25,6 +25,7 @@ from functools import lru_cache
 
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import Calibration
+from scaletool.analytic.comm import tensor_parallel_config, tensor_parallel_replicated
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.host import eager_dispatch_s
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
@@ -224,15 +225,19 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
     With expert parallelism (:func:`expert_degree` > 1) a MoE block's routed experts stay out of FSDP2: their
     states split over the expert-parallel ranks, their 16-bit copy made per layer, and the busiest rank's extra
     routed rows and all-to-all buffers (:mod:`scaletool.analytic.expert_parallel`) added."""
-    cfg, t, p = recipe.model, recipe.train, recipe.parallel
-    P, v = p.pipeline_parallel, p.pipeline_virtual_stages
+    t, p = recipe.train, recipe.parallel
+    P, v, tp = p.pipeline_parallel, p.pipeline_virtual_stages, p.tensor_parallel
+    # tensor parallelism within each stage: what one rank of its group holds (heads, FFN width and vocabulary
+    # split; analytic.comm.tensor_parallel_config), the residual stream sequence-sharded between the sub-layers
+    cfg = tensor_parallel_config(recipe.model, tp)
     split = split or stage_split(recipe, world_size)
     m = pipeline_microbatches(recipe)
-    dp = max(1, world_size // P)
+    dp = max(1, world_size // (P * tp))
     ep = expert_degree(recipe, world_size)
     tokens = t.micro_batch_size // m * recipe.seq_len
     pc = param_counts(cfg)
     a = 2 if cfg.dtype != "fp32" else 4
+    shard = 1 - 1 / tp  # the share of a sequence-parallel tensor another rank of the group holds
     rows = []
     owners = chunk_ranks(p.pipeline_schedule, P, v)
     for r, layers in enumerate(rank_layers(recipe, split)):
@@ -255,6 +260,10 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
         per_mb = tokens * sum(layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
                               for i in layers)
+        if tp > 1:  # sequence parallelism: each block's norm inputs (a checkpointed block's one input) sharded
+            kept = sum(1 if layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
+                       <= a * cfg.d_model else 2 for i in layers) + (1 if last else 0)
+            per_mb -= tokens * a * cfg.d_model * kept * shard
         recompute = 0.0
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
             recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a)
@@ -265,14 +274,15 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
                 cfg, i, t.activation_checkpointing, t.selective_every) > a * cfg.d_model]
             ep_bytes = (flight * len(saved) * ep_analytic.activation_extra_bytes(cfg, tokens, ep, t.compile)
                         + ep_analytic.transient_bytes(cfg, tokens, ep))
-        embed_out = a * tokens * cfg.d_model * flight if first else 0.0
+        embed_out = a * tokens * cfg.d_model * flight / tp if first else 0.0
         # at the loss's backward: the 16-bit logits (the stage's output, which torch's schedule keeps for the
         # backward), log_softmax's saved fp32 output, and NLL's and log_softmax's fp32 gradients: one micro-batch
         # at a time under 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe
         # keeps m micro-batches' logits and saved outputs
         held = (a + 4) * (m if p.pipeline_schedule == "gpipe" else 1)
         logits = (held + 8) * tokens * cfg.vocab_size if last else 0.0
-        p2p = 4 * a * tokens * cfg.d_model * v  # receive and send buffers, activations and gradients, per chunk
+        # receive and send buffers, activations and gradients, per chunk (this rank's sequence shard under TP)
+        p2p = 4 * a * tokens * cfg.d_model * v / tp
         activations = flight * per_mb + recompute + embed_out + logits + ep_bytes
         total = states + gathered + activations + p2p
         rows.append({"rank": r, "layers": layers, "params": params, "first": first, "last": last,
@@ -325,31 +335,66 @@ def _expert_terms(recipe: Recipe, layers: list[int], tokens: int, micro_batches:
     return {**zero, "comm/ep.all_to_all_s": a2a, **terms, "comm/ep.replica_all_reduce_s": sync}
 
 
+def _tp_seconds(recipe: Recipe, local: ModelConfig, first: bool, last: bool, tokens: int, G: int,
+                calib: Calibration) -> tuple[float, float]:
+    """Tensor parallelism's collectives on one pipeline rank (``local``: its blocks as one rank of the group holds
+    them), as :func:`scaletool.analytic.comm.tensor_parallel_communication` counts them for a whole model: (seconds
+    per pipeline micro-batch: each block's sub-layer all-gathers and reduce-scatters forward, backward and
+    recomputed, the first stage's embedding and the last stage's final norm and loss parallelism; seconds per
+    step: the replicated weights' partial gradients, one all-reduce each). The group is ``tp`` consecutive ranks."""
+    from scaletool.analytic.network import group_seconds
+
+    tp, t = recipe.parallel.tensor_parallel, recipe.train
+    if tp == 1:
+        return 0.0, 0.0
+    L, ac = local.n_layers, t.activation_checkpointing
+    recomputed = L if ac == "full" else (L // t.selective_every if ac == "selective" else 0)
+    per_op = 4 * L + 2 * recomputed + (1 if first else 0) + (1 if last else 0)
+    message = tokens * local.d_model * local.dtype_bytes
+    per_node = min(tp, G)
+
+    def seconds(op: str, nbytes: float) -> float:
+        return group_seconds(calib, op, nbytes, tp, per_node)["seconds"]
+
+    mb = per_op * (seconds("all_gather", message) + seconds("reduce_scatter", message))
+    if last:  # loss parallelism: max, sum of exponentials, target logit (fp32, one number per token each)
+        mb += 3 * seconds("all_reduce", tokens * 4)
+    replicated = tensor_parallel_replicated(local)  # the stage's blocks' (and its norm's) replicated weights
+    grad_bytes = 4 if t.grad_accum_steps > 1 else local.dtype_bytes
+    step = sum(seconds("all_reduce", n * grad_bytes) for n in replicated)
+    return mb, step
+
+
 def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, G: int, compiled: bool,
                 calib: Calibration) -> dict:
     """One pipeline rank's seconds per optimizer step (:func:`pipeline_step`): its micro-batches' compute and
     expert-parallel terms, optimizer, exposed FSDP2 within the stage, host, and their sum ``busy_s``."""
-    from scaletool.analytic.step import _compute
+    from scaletool.analytic.step import _compute, _tp_dispatch
 
-    cfg, t, p = recipe.model, recipe.train, recipe.parallel
+    t, p = recipe.train, recipe.parallel
     P, m, T, gas = p.pipeline_parallel, pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
-    dp, ep = N // P, expert_degree(recipe, N)
+    tp = p.tensor_parallel
+    cfg = tensor_parallel_config(recipe.model, tp)  # one rank of the stage's tensor-parallel group
+    dp, ep = N // (P * tp), expert_degree(recipe, N)
     tokens = t.micro_batch_size // m * T
     owners = chunk_ranks(p.pipeline_schedule, P, p.pipeline_virtual_stages)
     hbm, ov = calib.hbm_gb_s * 1e9, calib.overheads
     local = _stage_cfg(cfg, layers)
-    c = _compute(local, cfg, engine_kind(p.engine), tokens, T, t.activation_checkpointing, t.selective_every,
-                 compiled, calib, head_eager=compiled)  # stages compile each block alone (engines.pipeline)
+    c = _compute(local, recipe.model, engine_kind(p.engine), tokens, T, t.activation_checkpointing,
+                 t.selective_every, compiled, calib, head_eager=compiled)  # stages compile each block alone
     per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
     if owners[-1] != r:
         per_mb -= _head_seconds(cfg, tokens, calib, engine_kind(p.engine).casts_weights)
+    tp_mb, tp_step = _tp_seconds(recipe, local, owners[0] == r, owners[-1] == r, tokens, G, calib)
+    per_mb += tp_mb  # tensor parallelism's collectives: on the critical path (analytic.step: no overlap)
     ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
     # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share
     compute = gas * m * per_mb
     per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
     # an eager stage's blocks are issued from Python: a micro-batch's slot is at least the host's issue time
     # (analytic.host), the device waiting where its work is shorter (FSDP2's hooks are in ``host`` below)
-    issue = eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib)
+    issue = (_tp_dispatch(local, tp, 1, compiled, p.async_tp, calib) if tp > 1  # its fitted figure counts them
+             else eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib))
     per_mb = max(per_mb, issue)
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
@@ -362,19 +407,21 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     # compute left to hide under: :func:`pipeline_step` charges what the drain does not cover
     fsdp_s = final_rs = 0.0
     sharded = params - routed
-    if dp > 1:
-        bw = calib.bus_bandwidth("all_gather", dp, dp > G)
+    if dp > 1:  # the stage's data-parallel ranks, tp apart: across nodes when the stage is wider than a node
+        across = dp * tp > G
+        bw = calib.bus_bandwidth("all_gather", dp, across)
         gathers = 2 * m if p.reshard_after_forward else 1
         ag = gathers * 2 * sharded * (dp - 1) / dp / bw
-        final_rs = gas * 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, dp > G)
+        final_rs = gas * 4 * sharded * (dp - 1) / dp / calib.bus_bandwidth("reduce_scatter", dp, across)
         block = max(1, len(layers))
         fsdp_s = gas * (max(0.0, ag - m * per_mb) + (ag / gathers) / block)
     host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
                                               + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
-    busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"]
+    busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"] + tp_step
     return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
+            "tp_exposed_s": gas * m * tp_mb + tp_step, "tp_dispatch_s": gas * m * issue if tp > 1 else 0.0,
             "fsdp_exposed_s": fsdp_s, "fsdp_final_reduce_scatter_s": final_rs, "host_s": host,
-            "eager_dispatch_s": gas * m * issue, **ep_terms, "busy_s": busy}
+            "eager_dispatch_s": gas * m * issue if tp == 1 else 0.0, **ep_terms, "busy_s": busy}
 
 
 def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp: int, ep: int, G: int) -> list[str]:
@@ -395,6 +442,11 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
         + "hidden under the stage's compute but the first; the fp32 reduce-scatter after the stage's last backward, "
         "exposed where the drain does not cover it",
     ]
+    if p.tensor_parallel > 1:
+        assumptions.append(
+            f"tensor parallelism over {p.tensor_parallel} consecutive ranks within each stage (sequence-parallel): "
+            "every collective on the critical path; the stage boundary carries each rank's sequence shard; the "
+            "host's issue time per block as the fitted TP dispatch")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"
@@ -422,10 +474,10 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
 
     cfg, t, p = recipe.model, recipe.train, recipe.parallel
     P, v, sched = p.pipeline_parallel, p.pipeline_virtual_stages, p.pipeline_schedule
-    N = world_size or p.world_size
-    if N % P:
-        raise ValueError(f"pipeline_parallel={P} does not divide world_size={N}")
-    dp, G = N // P, gpus_per_node or min(N, 8)
+    N, tp = world_size or p.world_size, p.tensor_parallel
+    if N % (P * tp):
+        raise ValueError(f"pipeline_parallel={P} × tensor_parallel={tp} does not divide world_size={N}")
+    dp, G = N // (P * tp), gpus_per_node or min(N, 8)
     ep = expert_degree(recipe, N)
     compiled = t.compile if compiled is None else compiled
     m, T, gas = pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
@@ -441,11 +493,12 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     v_idle = kind.realised_chunks(P, v, designed_bubble)
     bubble = gas * (sum(x["micro_batch_s"] for x in ranks) - slot) / v_idle * kind.bubble_work
     # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
-    # activation (forward) or its gradient (backward), d 16-bit numbers per token; a boundary between nodes
-    # (min(1, dp/G) of them once the pipeline spans nodes) at the inter-node bandwidth
+    # activation (forward) or its gradient (backward), d 16-bit numbers per token (a rank's sequence shard under
+    # tensor parallelism, its group's ranks sending theirs at once); a boundary between nodes (min(1, dp·tp/G) of
+    # them once the pipeline spans nodes) at the inter-node bandwidth
     a = 2 if cfg.dtype != "fp32" else 4
-    crossing = min(1.0, dp / G) if N > G else 0.0
-    message = a * tokens * cfg.d_model
+    crossing = min(1.0, dp * tp / G) if N > G else 0.0
+    message = a * tokens * cfg.d_model / tp
     send = message * ((1 - crossing) / calib.bus_bandwidth("all_reduce", 2, False)
                       + crossing / calib.bus_bandwidth("all_reduce", 2, True))
     p2p = gas * 2 * (P * v - 1) * send
@@ -464,13 +517,14 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     assumptions = _assumptions(recipe, kind, v_idle, m, crossing, dp, ep, G)
     return {
         "engine": p.engine, "world_size": N, "pipeline_parallel": P, "virtual_stages": v, "schedule": sched,
-        "microbatches": m, "data_parallel": dp, "tensor_parallel": 1, "expert_parallel": ep, "gpus_per_node": G,
+        "microbatches": m, "data_parallel": dp, "tensor_parallel": tp, "expert_parallel": ep, "gpus_per_node": G,
         "compiled": bool(compiled), "micro_batch_size": t.micro_batch_size, "grad_accum_steps": gas, "seq_len": T,
         "activation_checkpointing": t.activation_checkpointing, "split": [list(s) for s in split],
         "ranks": ranks, "bounding_rank": bound["rank"],
         "terms": {"pipeline/busy_s": bound["busy_s"], "pipeline/bubble_s": bubble, "pipeline/p2p_exposed_s": p2p,
                   "compute_s": bound["compute_s"], "optimizer_s": bound["optimizer_s"],
                   "comm/dp_exposed_s": bound["fsdp_exposed_s"], "comm/dp_final_reduce_scatter_s": final_rs,
+                  "comm/tp_exposed_s": bound["tp_exposed_s"], "tp_dispatch_s": bound["tp_dispatch_s"],
                   "host_overhead_s": bound["host_s"],
                   **{k: bound[k] for k in ep_keys}},
         "bubble_fraction": bubble / step, "bubble_fraction_balanced": bubble_fraction(sched, P, v, m),
@@ -502,11 +556,13 @@ def pipeline_estimate(recipe: Recipe, world_size: int, calib: Calibration | None
            "activations_per_token_per_layer_bytes": 0, "transient_bytes": buffers,
            "total_bytes": top["total_bytes"], "phases": {"backward": backward, "optimizer_step": step},
            "phase": "backward", "backward_peak_at": f"largest pipeline stage, rank {top['rank']}",
-           "label": f"fsdp pp{p.pipeline_parallel}", "activation_checkpointing": recipe.train.activation_checkpointing}
+           "label": f"fsdp pp{p.pipeline_parallel}" + (f" tp{p.tensor_parallel}" if p.tensor_parallel > 1 else ""),
+           "activation_checkpointing": recipe.train.activation_checkpointing}
     m = pipeline_microbatches(recipe)
     block = {"pipeline_parallel": p.pipeline_parallel, "schedule": p.pipeline_schedule,
              "virtual_stages": p.pipeline_virtual_stages, "microbatches": m,
-             "data_parallel": world_size // p.pipeline_parallel, "expert_parallel": expert_degree(recipe, world_size),
+             "data_parallel": world_size // (p.pipeline_parallel * p.tensor_parallel),
+             "tensor_parallel": p.tensor_parallel, "expert_parallel": expert_degree(recipe, world_size),
              "split": [list(s) for s in split], "stages": stages, "memory_bound_stage": top["rank"],
              "bubble_fraction_balanced": bubble_fraction(p.pipeline_schedule, p.pipeline_parallel,
                                                          p.pipeline_virtual_stages, m)}

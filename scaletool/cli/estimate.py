@@ -80,7 +80,7 @@ def estimate(recipe: str, overrides: tuple[str, ...], tokens: int | None, seq_le
         print_summary(r, est, console(), own=own_attention(recipe, overrides, r))
     elif not as_json:
         print_estimate(r, est, console())
-        if r.parallel.tensor_parallel > 1:
+        if r.parallel.tensor_parallel > 1 and r.parallel.pipeline_parallel == 1:  # stages: per stage, below
             print_tensor_parallel(est, console())
         print_prediction(r, est, console())
     if not as_json and r.parallel.pipeline_parallel > 1:
@@ -103,7 +103,8 @@ def print_pipeline(r, world: int, console: Console) -> None:
     split = stage_split(r, world)
     m = pipeline_microbatches(r)
     t = Table(title=f"Pipeline: {p.pipeline_parallel} ranks × {p.pipeline_virtual_stages} chunks, {p.pipeline_schedule}, "
-              f"{m} micro-batches; FSDP2 over {world // p.pipeline_parallel} per stage", title_justify="left")
+              f"{m} micro-batches; FSDP2 over {world // (p.pipeline_parallel * p.tensor_parallel)} per stage"
+              + (f" × tensor parallelism over {p.tensor_parallel}" if p.tensor_parallel > 1 else ""), title_justify="left")
     for c in ("rank", "blocks", "holds", "in flight", "memory"):
         t.add_column(c, justify="left" if c in ("blocks", "holds") else "right", no_wrap=c != "blocks")
     for row in stage_memory(r, world, split):

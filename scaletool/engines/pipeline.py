@@ -1,10 +1,16 @@
-"""Pipeline stages (``parallel.pipeline_parallel`` > 1): ``torch.distributed.pipelining`` over FSDP2, as
-torchtitan composes them.
+"""Pipeline stages (``parallel.pipeline_parallel`` > 1): ``torch.distributed.pipelining`` over FSDP2, with
+tensor parallelism inside each stage (``parallel.tensor_parallel``), as torchtitan composes them.
 
 The ranks form a ``("pp", "dp")`` mesh, pipeline outermost (a stage's data-parallel ranks are
-consecutive, one node's where they fit). The model is built whole (same seed as every other engine, so
-the weights equal a one-rank run's), then cut into the p·v chunks :func:`scaletool.analytic.pipeline.stage_split`
-chooses from the per-layer time and memory model; this rank keeps its chunks (:class:`StageModule`: the first
+consecutive, one node's where they fit); with tensor parallelism a ``("pp", "dp", "tp")`` mesh, a tensor-parallel
+group consecutive ranks. Each chunk is split by :func:`~scaletool.engines.tp.apply_tensor_parallel` (the parts it
+holds) before anything else; inside, the residual stream is a sequence-sharded DTensor, and across the stage
+boundary each rank sends and receives its plain sequence shard; the last chunk's logits leave vocabulary-sharded and
+the loss is parallel over them (``loss_parallel`` around the schedule's step, whose backward needs it too).
+
+The model is built whole (same seed as every other engine, so the weights equal a one-rank run's), then cut
+into the p·v chunks :func:`scaletool.analytic.pipeline.stage_split` chooses from the per-layer time and memory
+model; this rank keeps its chunks (:class:`StageModule`: the first
 holds the embedding, the last the final norm and output layer) and lets the rest go. Each chunk gets
 activation checkpointing, per-block compile and ``fully_shard`` (every block, then the chunk) over the
 ``dp`` mesh, and becomes a ``PipelineStage``; the schedule (``parallel.pipeline_schedule``) runs the
@@ -20,7 +26,9 @@ cross-entropy, and reports them into the step's loss.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -31,7 +39,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
 from scaletool.analytic.pipeline import stage_split
 from scaletool.config import Recipe, RecipeError
@@ -42,6 +51,7 @@ from scaletool.engines.expert_parallel import apply_expert_parallel, sync_replic
 from scaletool.engines.optim import make_adamw
 from scaletool.engines.serialization import dcp_load, dcp_shapes, shape_problem, single_process_intended
 from scaletool.engines.single import _by_mesh, _total_norm
+from scaletool.engines.tp import apply_tensor_parallel
 from scaletool.kinds.engines import FSDP
 from scaletool.kinds.pipeline import chunk_ranks, pipeline_microbatches, schedule_kind
 from scaletool.model.layers import TORCH_DTYPES
@@ -84,9 +94,12 @@ class StageModule(nn.Module):
     # the whole model's own code for the parts a chunk holds (they read only the attributes set below)
     _embed, embed, positions, lm_head = Transformer._embed, Transformer.embed, Transformer.positions, Transformer.lm_head
 
-    def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool):
+    def __init__(self, model: Transformer, start: int, end: int, first: bool, last: bool, tp_mesh=None):
         super().__init__()
         self.cfg, self.causal, self.embed_scale = model.cfg, model.causal, model.embed_scale
+        # tensor parallelism within the stage: the residual stream is a sequence-sharded DTensor inside, and this
+        # rank's sequence shard (a plain tensor) across the stage boundary; the logits leave vocabulary-sharded
+        self.tp_mesh = tp_mesh
         self.tok_embeddings = model.tok_embeddings if first else None
         self.pos_embeddings = model.pos_embeddings if first else None
         self.pos_table = model.pos_table if first else None
@@ -101,11 +114,18 @@ class StageModule(nn.Module):
         self.aux_losses: list[torch.Tensor] = []  # this step's scaled balance losses (detached), for the report
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.tok_embeddings is not None else x
+        if self.tok_embeddings is not None:
+            h = self.embed(x)
+        elif self.tp_mesh is not None:  # the previous stage's sequence shard
+            h = DTensor.from_local(x, self.tp_mesh, (Shard(1),), run_check=False)
+        else:
+            h = x
         positions = self.positions(0, h.shape[1], h.shape[1], h.dtype)
         for layer in self.layers.values():
             h = layer(h, positions, self.causal)
         h = self.lm_head(self.norm(h)) if self.norm is not None else h
+        if isinstance(h, DTensor):  # this rank's shard: the sequence's, or the logits' vocabulary slice
+            h = h.to_local()
         aux = aux_loss(self) if self.training and torch.is_grad_enabled() else None
         if aux is not None:  # the balance losses of this chunk's MoE layers, for this pipeline micro-batch
             aux = aux * self.aux_scale
@@ -123,15 +143,28 @@ class PipelineEngine(Engine):
         self.recipe, self.env = recipe, env
         p, t = recipe.parallel, recipe.train
         cls = schedule_class(p.pipeline_schedule)
-        P, v = p.pipeline_parallel, p.pipeline_virtual_stages
-        S, dp = P * v, env.world_size // P
-        self.mesh = init_device_mesh(env.device.type, (P, dp), mesh_dim_names=("pp", "dp"))
+        P, v, tp = p.pipeline_parallel, p.pipeline_virtual_stages, p.tensor_parallel
+        S, dp = P * v, env.world_size // (P * tp)
+        # pipeline outermost, tensor-parallel groups innermost (consecutive ranks, one node's), as torchtitan lays
+        # out its ("pp", "dp_shard", "tp") mesh
+        self.mesh = (init_device_mesh(env.device.type, (P, dp, tp), mesh_dim_names=("pp", "dp", "tp")) if tp > 1
+                     else init_device_mesh(env.device.type, (P, dp), mesh_dim_names=("pp", "dp")))
+        self.tp_mesh = self.mesh["tp"] if tp > 1 else None
+        if tp > 1:
+            # the gradient norm reduces over both of a stage's dimensions: with the flattened group DTensor does it
+            # in one all-reduce instead of one per dimension (engines.dist.device_mesh flattens the same way)
+            self.mesh["dp", "tp"]._flatten()
+            # a chunk's output is its DTensor's local shard, a view: FSDP2 warns that an in-place op on it would skip
+            # its pre-backward hook; the schedule only sends it (detached) and runs the backward from it
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor",
+                                    category=UserWarning)
         self.pp_group = self.mesh["pp"].get_group()
         pp_rank = self.mesh["pp"].get_local_rank()
         self.split = stage_split(recipe, env.world_size)
         owners = chunk_ranks(p.pipeline_schedule, P, v)
         mine = [c for c in range(S) if owners[c] == pp_rank]
-        parts = [StageModule(model, *self.split[c], first=c == 0, last=c == S - 1) for c in mine]
+        parts = [StageModule(model, *self.split[c], first=c == 0, last=c == S - 1, tp_mesh=self.tp_mesh)
+                 for c in mine]
         self.first, self.last = 0 in mine, S - 1 in mine
         self.m = pipeline_microbatches(recipe)
         self.scale = 1.0 / (self.m * t.grad_accum_steps)
@@ -151,9 +184,12 @@ class PipelineEngine(Engine):
         self.grad_clip = t.grad_clip
 
     def _prepare(self, part: StageModule, mp: MixedPrecisionPolicy) -> None:
-        """Expert parallelism, checkpointing, per-block compile and FSDP2 on one chunk, in engines.apply's order."""
+        """Tensor parallelism, expert parallelism, checkpointing, per-block compile and FSDP2 on one chunk, in
+        engines.apply's order."""
         t, p = self.recipe.train, self.recipe.parallel
         part.aux_scale = self.scale
+        if self.tp_mesh is not None:
+            apply_tensor_parallel(part, self.tp_mesh, self.recipe.model, p.tp_local_ops)
         # the chunk's routed experts over groups of the stage's data-parallel ranks (a chunk may hold no MoE layer)
         ignored = (apply_expert_parallel(part, self.mesh["dp"], p.expert_parallel_degree, require_moe=False)
                    if p.expert_parallel else None)
@@ -171,7 +207,13 @@ class PipelineEngine(Engine):
         fully_shard(part, reshard_after_forward=False, **kw)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One pipeline micro-batch's cross-entropy, scaled so the step's gradients are the mean's."""
+        """One pipeline micro-batch's cross-entropy, scaled so the step's gradients are the mean's. Under tensor
+        parallelism the logits are this rank's vocabulary slice: the loss is parallel over it (``loss_parallel``,
+        entered around the schedule's step, forward and backward)."""
+        if self.tp_mesh is not None:
+            logits = DTensor.from_local(logits, self.tp_mesh, (Shard(-1),), run_check=False)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)) * self.scale
+            return loss.to_local()
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)) * self.scale
 
     def train_step(self, batches, lr):
@@ -184,7 +226,8 @@ class PipelineEngine(Engine):
             steps += 1
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.first else ()
-            self.schedule.step(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
+            with loss_parallel() if self.tp_mesh is not None else contextlib.nullcontext():
+                self.schedule.step(*args, target=targets if self.last else None, losses=losses, return_outputs=False)
             if self.last:
                 total = total + torch.stack([x.detach().float() for x in losses]).sum()
         for part in self.parts:  # each chunk's balance losses (already scaled), wherever its MoE layers run

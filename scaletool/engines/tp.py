@@ -154,23 +154,28 @@ def _ffn_styles(cfg: ModelConfig) -> dict[str, ParallelStyle]:
 
 def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, cfg: ModelConfig, local_ops: bool = False) -> None:
     """Split ``model`` (a built, initialised :class:`~scaletool.model.transformer.Transformer`, the same
-    weights on every rank) over the 1-D ``mesh`` in place. Call before activation checkpointing,
-    compile and FSDP2 (torchtitan's order). ``local_ops``: the blocks run on local tensors, the same
-    split (:mod:`scaletool.engines.tp_local`)."""
-    root: dict[str, ParallelStyle] = {
+    weights on every rank, or a pipeline stage's :class:`~scaletool.engines.pipeline.StageModule`: the
+    parts it holds) over the 1-D ``mesh`` in place. Call before activation checkpointing, compile and
+    FSDP2 (torchtitan's order). ``local_ops``: the blocks run on local tensors, the same split
+    (:mod:`scaletool.engines.tp_local`)."""
+    root: dict[str, ParallelStyle] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
         # vocabulary-sharded: masked lookups, partial sums reduce-scattered onto the sequence shards
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        "norm": GatheredSequenceParallel(),
-    }
-    if model.output is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                 use_local_output=False)
+    if getattr(model, "norm", None) is not None:
+        root["norm"] = GatheredSequenceParallel()
+    if getattr(model, "output", None) is not None:
         # lm_head calls this module (a tied head: F.linear with the embedding's weight, sharded the same
         # way): on the gathered normed states either gives vocabulary-sharded logits
         root["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, mesh, root)
-    if local_ops:
+    if root:
+        parallelize_module(model, mesh, root)
+    if local_ops and "tok_embeddings" in root:
         localize_root(model, mesh)
     plan = ATTENTION_PLANS[cfg.attention](cfg, mesh.size())
-    for block in model.layers:
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:
         styles = {"attn_norm": SequenceParallel(), "attn": _sublayer_input(3), "ffn_norm": SequenceParallel(),
                   **{f"attn.{name}": style for name, style in plan.styles.items()}, **_ffn_styles(cfg)}
         if local_ops:

@@ -141,9 +141,9 @@ def pipeline_problems(recipe: Any) -> list[str]:
         problems.append("model.tie_embeddings: the embedding sits on the first stage and the output layer on the "
                         "last; a tied weight would need its two gradients summed across stages, which "
                         "torch.distributed.pipelining does not do; untie it (tie_embeddings: false) to pipeline")
-    if p.tensor_parallel > 1:
-        problems.append("parallel.tensor_parallel: not composed with pipeline stages yet (the stage boundaries "
-                        "would carry sequence-sharded DTensors); use pipeline × FSDP2, or tensor × FSDP2")
+    if p.tensor_parallel > 1 and p.async_tp:
+        problems.append("parallel.async_tp: not composed with pipeline stages (each stage's blocks compile alone); "
+                        "set it to false to pipeline with tensor parallelism")
     if m.ffn == "moe" and m.bias_update_speed > 0:
         problems.append("model.bias_update_speed: the bias update reads each MoE layer's load of the whole step, and "
                         "a pipeline stage keeps only its last pipeline micro-batch's; set it to 0 to pipeline")
@@ -157,8 +157,9 @@ def pipeline_problems(recipe: Any) -> list[str]:
 
 def pipeline_world_problems(recipe: Any, world_size: int) -> list[str]:
     """The launch-time rule: pipeline ranks divide the world size."""
-    P = recipe.parallel.pipeline_parallel
-    if P > 1 and world_size % P:
-        return [f"parallel.pipeline_parallel: {P} does not divide the world size {world_size} (pipeline ranks × "
-                "data-parallel ranks)"]
+    P, tp = recipe.parallel.pipeline_parallel, recipe.parallel.tensor_parallel
+    if P > 1 and world_size % (P * tp):
+        what = f"{P} × parallel.tensor_parallel={tp}" if tp > 1 else f"{P}"
+        return [f"parallel.pipeline_parallel: {what} does not divide the world size {world_size} (pipeline ranks × "
+                + ("data-parallel ranks × tensor-parallel ranks)" if tp > 1 else "data-parallel ranks)")]
     return []

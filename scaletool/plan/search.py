@@ -121,7 +121,7 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
                         for ac in CHECKPOINTING for c in modes]
     staged = engines_with("pipeline_parallel")
     if req.pipeline and m.task == "lm" and staged and (req.labels is None or staged[0] in req.labels):
-        out += pipeline_families(recipe, req, kind, notes)
+        out += pipeline_families(recipe, req, kind, notes, degrees)
     nodes = req.gpus // req.gpus_per_node
     hsdp = engines_with("data_parallel_replicate")
     if nodes > 1 and hsdp and (req.labels is None or "hsdp" in req.labels):  # shard within a node, replicate across
@@ -145,25 +145,27 @@ def expert_degrees(recipe: Recipe, data_parallel: int, gpus_per_node: int) -> li
     return sorted({common[-1], *(inside[-1:])})
 
 
-def pipeline_families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[Family]:
-    """FSDP2 × pipeline stages (× expert parallelism for a MoE model): degree × schedule × checkpointing ×
-    compile, each with its pipeline micro-batch count (module docstring)."""
+def pipeline_families(recipe: Recipe, req: Request, kind: str, notes: list[str],
+                      degrees: list[int] | None = None) -> list[Family]:
+    """FSDP2 × pipeline stages (× tensor parallelism of the ``degrees`` the recipe allows within a node, or ×
+    expert parallelism for a MoE model): degree × schedule × checkpointing × compile, each with its pipeline
+    micro-batch count (module docstring)."""
     L, N = recipe.model.n_layers, req.gpus
     engine = engines_with("pipeline_parallel")[0]  # the engine stages compose with (FSDP2)
     out = []
-    for P in (1 << k for k in range(1, N.bit_length())):
-        if N % P or P > L:
+    for P, tp in ((1 << k, t) for k in range(1, N.bit_length()) for t in degrees or [1]):
+        if N % (P * tp) or P > L:
             continue
-        dp = N // P
-        eps = expert_degrees(recipe, dp, req.gpus_per_node)
+        dp = N // (P * tp)
+        eps = expert_degrees(recipe, dp, req.gpus_per_node) if tp == 1 else []
         for sched, v in PIPELINE_SCHEDULES:
             if P * v > L:
                 continue
-            m = pipeline_microbatch_count(req, recipe.seq_len, P, v)
+            m = pipeline_microbatch_count(req, recipe.seq_len, P, v, tp)
             if m == 0:
                 continue
             for deg in [1, *eps] if len(eps) < 2 else eps:  # a MoE model split over groups: experts off only if no EP
-                fam = Family(kind, engine, engine, 0, 1, "none", False, deg > 1, 0 if deg in (1, dp) else deg,
+                fam = Family(kind, engine, engine, 0, tp, "none", False, deg > 1, 0 if deg in (1, dp) else deg,
                              P, sched, v, m)
                 why = _pipeline_problem(recipe, fam)
                 if why:
@@ -174,13 +176,13 @@ def pipeline_families(recipe: Recipe, req: Request, kind: str, notes: list[str])
     return out
 
 
-def pipeline_microbatch_count(req: Request, seq_len: int, P: int, v: int) -> int:
+def pipeline_microbatch_count(req: Request, seq_len: int, P: int, v: int, tp: int = 1) -> int:
     """Pipeline micro-batches of a family: :data:`MICROBATCHES_PER_STAGE` × P when the global batch is free;
     with a fixed global batch, the largest of 8P, 4P, 2P, P that divides each data-parallel rank's sequences
     (0: none does, or the rank has fewer sequences than stages)."""
     if req.global_batch_tokens is None:
         return MICROBATCHES_PER_STAGE * P
-    per_rank = sequences_per_rank(req, seq_len, 1, P)
+    per_rank = sequences_per_rank(req, seq_len, tp, P)
     return next((m for m in (8 * P, 4 * P, 2 * P, P) if per_rank and per_rank % m == 0), 0)
 
 
@@ -191,7 +193,8 @@ def _pipeline_problem(recipe: Recipe, fam: Family) -> str | None:
                          "parallel.pipeline_schedule": fam.pipeline_schedule,
                          "parallel.pipeline_virtual_stages": fam.pipeline_virtual_stages,
                          "parallel.expert_parallel": fam.expert_parallel,
-                         "parallel.tensor_parallel": 1, "train.micro_batch_size": fam.pipeline_microbatches})
+                         "parallel.tensor_parallel": fam.tensor_parallel,
+                         "train.micro_batch_size": fam.pipeline_microbatches})
     except RecipeError as e:
         return f"{fam.variant}: pipeline stages left out: {e.problems[0]}"
     return None

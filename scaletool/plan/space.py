@@ -77,7 +77,8 @@ def pipeline_recipe(recipe: Recipe, fam: Family, micro_batch: int, grad_accum_st
                                         "compile": fam.compiled})
     p = recipe.parallel.model_copy(update={
         "engine": fam.engine, "expert_parallel": fam.expert_parallel, "expert_parallel_degree": fam.expert_parallel_degree,
-        "pipeline_parallel": fam.pipeline_parallel, "pipeline_schedule": fam.pipeline_schedule,
+        "tensor_parallel": fam.tensor_parallel, "pipeline_parallel": fam.pipeline_parallel,
+        "pipeline_schedule": fam.pipeline_schedule,
         "pipeline_virtual_stages": fam.pipeline_virtual_stages, "pipeline_microbatches": fam.pipeline_microbatches or None})
     return recipe.model_copy(update={"train": t, "parallel": p})
 

@@ -122,7 +122,8 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
     p = recipe.parallel
     R = p.data_parallel_replicate
     if p.pipeline_parallel > 1:  # stages over the engine that composes with them (kinds.pipeline)
-        layouts = [(f"{p.engine} pp{p.pipeline_parallel} {p.pipeline_schedule}", p.engine, p.zero_stage)]
+        tp = f" tp{p.tensor_parallel}" if p.tensor_parallel > 1 else ""
+        layouts = [(f"{p.engine} pp{p.pipeline_parallel}{tp} {p.pipeline_schedule}", p.engine, p.zero_stage)]
     elif p.tensor_parallel > 1:
         engine = tensor_parallel_engine()
         layouts = [(f"{engine} tp{p.tensor_parallel}", engine, p.zero_stage)]

@@ -5,8 +5,8 @@ The table (``profiles/published-runs.tsv``, one row per published measurement, t
 parallel layout, activation checkpointing, precision, compile and the measured tokens/s per GPU. Each row scaletool
 can express becomes a recipe (:func:`express`) predicted with the shipped (or datasheet-default) calibration of
 its card at 8 GPUs per node, through the prediction ``estimate`` and ``plan`` use (pipeline layouts by
-:mod:`scaletool.analytic.pipeline`); each row it cannot express is listed with the reason (tensor parallelism with
-pipeline stages, DualPipe, context parallelism, FP8 all-gather or another project's FP8 recipe, a micro-batch the
+:mod:`scaletool.analytic.pipeline`, with tensor parallelism inside stages); each row it cannot express is listed
+with the reason (DualPipe, context parallelism, FP8 all-gather or another project's FP8 recipe, a micro-batch the
 source does not state, a card without a profile). The rows are data to predict: nothing in the model or the
 calibrations is fitted to them.
 
@@ -208,14 +208,12 @@ def _pipeline(layout: str) -> tuple[int, str, int]:
 def _layout_problems(row: dict) -> list[str]:
     """What the layout column asks for that scaletool's layouts do not have, one reason each."""
     layout = row["layout"]
-    pp, tp, cp = _degree(layout, "PP"), _degree(layout, "TP"), _degree(layout, "CP")
+    pp, cp = _degree(layout, "PP"), _degree(layout, "CP")
     problems = []
     if "dualpipe" in layout.lower():
         problems.append(f"DualPipe (PP{pp}, DeepSeek's bidirectional schedule): not one of scaletool's pipeline schedules")
     elif row["pp_row"].strip().lower() == "yes" and pp == 1:
         problems.append("pipeline parallelism of a degree the layout does not state")
-    if pp > 1 and tp > 1:
-        problems.append(f"tensor parallelism with pipeline stages (TP{tp} × PP{pp}): not composed")
     if cp > 1:
         problems.append(f"context parallelism (CP{cp})")
     return problems

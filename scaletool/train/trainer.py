@@ -452,7 +452,8 @@ class Trainer:
         layout = f" ({self.env.world_size // tp} data × {tp} tensor parallel)" if tp > 1 else ""
         pp = self.recipe.parallel.pipeline_parallel
         if pp > 1:  # engines.pipeline
-            layout = (f" ({pp} pipeline × {self.env.world_size // pp} data parallel, "
+            tensor = f" × {tp} tensor" if tp > 1 else ""
+            layout = (f" ({pp} pipeline × {self.env.world_size // (pp * tp)} data{tensor} parallel, "
                       f"{self.recipe.parallel.pipeline_schedule})")
         return (f"{self.recipe.parallel.engine}{layout} on {self.env.world_size}× {self.device_name}{threads}: steps "
                 f"{self.start_step}..{self.t.steps - 1}, {self.tokens_per_step:,} tokens/step, run directory {self.out}")

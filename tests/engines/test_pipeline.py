@@ -2,10 +2,11 @@
 
 The tiny MLA recipe cut to 4 blocks trains 4 steps once on one process (``fsdp``, micro-batch 4) and then
 as 2 pipeline stages under each schedule the installed torch runs with FSDP2 (2 ranks), and as 2 stages × 2
-FSDP2 shards (4 ranks, micro-batch 2 per data-parallel rank): the same global batch and seed, so the loss and
-gradient-norm curves equal the one-process run's to float32 summation noise. A GQA model with MoE FFNs
-(dense first block) does the same. The 1F1B job saves at step 2; a copy without the step-4 checkpoint resumes
-and reproduces the curve. Bad pipeline settings are one ``error:`` line and exit 2, before any rank starts.
+FSDP2 shards (4 ranks, micro-batch 2 per data-parallel rank), and as 2 stages × 2 tensor-parallel ranks (1F1B; and
+interleaved with the local-ops split): the same global batch and seed, so the loss and gradient-norm curves equal
+the one-process run's to float32 summation noise. A GQA model with MoE FFNs
+(dense first block) does the same. The 1F1B and the pipeline × TP jobs save at step 2; a copy without the step-4
+checkpoint resumes and reproduces the curve. Bad pipeline settings are one ``error:`` line and exit 2, before any rank starts.
 """
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ JOBS = {  # name -> (ranks, sets, reference)
                                            "parallel.pipeline_schedule=interleaved-1f1b",
                                            "parallel.pipeline_virtual_stages=2"], "single"),
     "moe": (2, PP + MOE + ["train.micro_batch_size=4"], "single-moe"),
+    # tensor parallelism within each stage: 2 stages × 2 tensor-parallel ranks (sequence-parallel residual stream
+    # across the stage boundary, vocabulary-sharded logits and loss parallelism on the last stage)
+    "pp2xtp2": (4, PP + ["train.micro_batch_size=4", "parallel.tensor_parallel=2"], "single"),
+    "pp2xtp2-interleaved-local": (4, PP + ["train.micro_batch_size=4", "parallel.tensor_parallel=2",
+                                          "parallel.pipeline_schedule=interleaved-1f1b",
+                                          "parallel.pipeline_virtual_stages=2", "parallel.tp_local_ops=true"], "single"),
 }
 
 
@@ -58,13 +65,14 @@ def runs(tmp_path_factory):
         p = train(root / name, COMMON + sets, "--nproc-per-node", str(ranks))
         assert p.returncode == 0, f"{name}: {p.stderr[-3000:]}"
         out[name] = json.loads(p.stdout)
-    again = root / "1f1b-resumed"
-    shutil.copytree(root / "1f1b", again)
-    shutil.rmtree(again / "checkpoints" / "step_4")
-    (again / "summary.json").unlink()
-    p = train(again, COMMON + JOBS["1f1b"][1], "--nproc-per-node", "2", "--resume")
-    assert p.returncode == 0, p.stderr[-3000:]
-    out["1f1b-resumed"] = json.loads(p.stdout)
+    for name in ("1f1b", "pp2xtp2"):
+        again = root / f"{name}-resumed"
+        shutil.copytree(root / name, again)
+        shutil.rmtree(again / "checkpoints" / "step_4")
+        (again / "summary.json").unlink()
+        p = train(again, COMMON + JOBS[name][1], "--nproc-per-node", str(JOBS[name][0]), "--resume")
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[f"{name}-resumed"] = json.loads(p.stdout)
     return out
 
 
@@ -79,8 +87,9 @@ def test_pipeline_loss_curve_equals_one_process(runs, name):
     assert s["loss_last"] < s["loss_first"]
 
 
-def test_pipeline_resume_continues_the_uninterrupted_curve(runs):
-    full, resumed = runs["1f1b"], runs["1f1b-resumed"]
+@pytest.mark.parametrize("name", ["1f1b", "pp2xtp2"])
+def test_pipeline_resume_continues_the_uninterrupted_curve(runs, name):
+    full, resumed = runs[name], runs[f"{name}-resumed"]
     assert resumed["start_step"] == 2 and resumed["resumed_from"].endswith("step_2")
     assert resumed["history"]["loss"] == pytest.approx(full["history"]["loss"], rel=1e-5)
 
@@ -93,6 +102,9 @@ def test_pipeline_resume_continues_the_uninterrupted_curve(runs):
     (PP + ["model.tie_embeddings=true"], 2, "tied weight"),
     (["parallel.engine=ddp", "parallel.pipeline_parallel=2"], 2, "compose with parallel.engine=fsdp"),
     (PP + ["parallel.pipeline_parallel=3", "model.n_layers=6"], 2, "3 does not divide the world size 2"),
+    (PP + ["parallel.tensor_parallel=2"], 2, "2 × parallel.tensor_parallel=2 does not divide the world size 2"),
+    (PP + ["parallel.tensor_parallel=2", "parallel.async_tp=true", "train.compile=true"], 4,
+     "parallel.async_tp: not composed with pipeline"),
 ])
 def test_bad_pipeline_settings_are_one_error_line(tmp_path, sets, ranks, says):
     p = train(tmp_path / "run", COMMON + sets, "--nproc-per-node", str(ranks))

@@ -1,4 +1,5 @@
-"""Pipeline stages on real GPUs (NCCL): PP = 2 × FSDP2 = 2 and PP = 4 on 4 GPUs, PP = 2 on 2; skipped below 2.
+"""Pipeline stages on real GPUs (NCCL): PP = 2 × FSDP2 = 2, PP = 2 × TP = 2 and PP = 4 on 4 GPUs, PP = 2 on 2;
+skipped below 2.
 
 Each job is a real ``scaletool train --nproc-per-node N`` launch of the tiny MLA recipe cut to 8 blocks (fp32,
 4 steps) with the same seed and global batch (8 sequences per step) as a one-GPU FSDP2 run, under 1F1B,
@@ -33,6 +34,10 @@ JOBS = {
     "pp4": (4, ["parallel.pipeline_parallel=4", "train.micro_batch_size=8"]),
     "pp4-interleaved": (4, ["parallel.pipeline_parallel=4", "train.micro_batch_size=8",
                             "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2"]),
+    # tensor parallelism inside the stages: 2 stages × 2 tensor-parallel ranks, eager and each block compiled
+    "pp2xtp2": (4, ["parallel.pipeline_parallel=2", "parallel.tensor_parallel=2", "train.micro_batch_size=8"]),
+    "pp2xtp2-compiled": (4, ["parallel.pipeline_parallel=2", "parallel.tensor_parallel=2", "train.micro_batch_size=8",
+                             "train.compile=true"]),
 }
 
 
