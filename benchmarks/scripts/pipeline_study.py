@@ -4,7 +4,7 @@
         [--seqs-per-microbatch S] [--only NAME,...] [--set KEY=VALUE ...] [--suffix TEXT] [--dry-run]
 
 For each model (llama3-8b cut to 8 blocks so that FSDP2 × 4 fits an 80 GB card at its own sequence length), the layouts
-FSDP2 × 4, PP = 4 and PP = 2 × FSDP2 = 2, under 1F1B and interleaved 1F1B (2 chunks per rank), at 4 and 8
+FSDP2 × 4, PP = 4, PP = 2 × FSDP2 = 2 and PP = 2 × TP = 2, under 1F1B and interleaved 1F1B (2 chunks per rank), at 4 and 8
 pipeline micro-batches of S sequences each (FSDP2 alone: the same 8·S sequences per step), 12 steps with 4
 of warm-up; on 2 GPUs FSDP2 × 2 against PP = 2. Each run is a ``scaletool train --nproc-per-node N`` launch
 into OUT/<name>; OUT/results.jsonl gets
@@ -32,11 +32,11 @@ COMMON = ["train.steps=12", "train.measure_warmup_steps=4", "train.compile=false
 def layouts(gpus: int) -> dict[str, list[str]]:
     """name -> overrides on ``gpus`` GPUs; {m}: pipeline micro-batches, {b}: m x sequences in each, {f}: FSDP2's
     micro-batch (the sequences per step of 8 pipeline micro-batches)."""
-    staged = {f"pp{gpus}": gpus, **({"pp2x2": 2} if gpus == 4 else {})}
+    staged = {f"pp{gpus}": (gpus, 1), **({"pp2x2": (2, 1), "pp2tp2": (2, 2)} if gpus == 4 else {})}
     out = {f"fsdp{gpus}": ["parallel.engine=fsdp", "train.micro_batch_size={f}"]}
-    for name, P in staged.items():
+    for name, (P, tp) in staged.items():
         base = ["parallel.engine=fsdp", f"parallel.pipeline_parallel={P}", "train.micro_batch_size={b}",
-                "parallel.pipeline_microbatches={m}"]
+                "parallel.pipeline_microbatches={m}", *([f"parallel.tensor_parallel={tp}"] if tp > 1 else [])]
         out[f"{name}-1f1b-m{{m}}"] = base
         out[f"{name}-interleaved-m{{m}}"] = [*base, "parallel.pipeline_schedule=interleaved-1f1b",
                                              "parallel.pipeline_virtual_stages=2"]
