@@ -2,14 +2,15 @@
 models, T from 512 to 16,384 at a fixed token count per call, through the kernel priority training uses.
 
     python benchmarks/scripts/attention_seq.py OUT [--dims 128/128,192/128] [--heads 32,16] [--kv-heads 8,16]
-        [--seqs 512,...,16384]
+        [--seqs 512,...,16384] [--alibi]
 
 Each point is :func:`scaletool.predict.calibrate.measure_attention` (the measurement ``scaletool calibrate`` makes at
 the recipe's T): FLOPs in the causal convention, 3 warm-up calls then timed samples, median with p10/p90 and n.
 OUT/attention-seq.jsonl gets one record per (dims, heads, T); the card, torch and date come first. It answers
 whether one rate per head-dim pair (measured at T = 2,048) holds at T = 8,192, where Llama-3's published and
 committed runs train, and (``--kv-heads``, GQA and MQA as training attends them, ``enable_gqa``) whether fewer key/value
-heads change it. Expected wall time on one H100/H200: under a minute per dims pair.
+heads change it, and (``--alibi``) what ALiBi's dense score bias costs against T (no kernel can skip the masked
+half of a bias it is handed). Expected wall time on one H100/H200: under a minute per dims pair.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", default=None, help="key/value heads per dims pair (default: as many as --heads)")
     ap.add_argument("--seqs", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--tokens", type=int, default=32768, help="batch × T per call (default 32,768)")
+    ap.add_argument("--alibi", action="store_true", help="also each point with ALiBi's additive bias (the causal mask "
+                    "folded in, as training passes it): the rate of the bias path beside the causal one")
     a = ap.parse_args()
     dims = [tuple(_ints(d.replace("/", ","), "--dims")) for d in a.dims.split(",") if d]
     heads, seqs = _ints(a.heads, "--heads"), _ints(a.seqs, "--seqs")
@@ -63,12 +66,14 @@ def main() -> int:
         spin_up(dev, 2.0)
         for (qk, v), h, g in zip(dims, heads, kv):
             for T in seqs:
-                r = measure_attention(h, qk, v, T, max(1, a.tokens // T), dev, torch.bfloat16, kv_heads=g)
-                f.write(json.dumps(r) + "\n")
-                f.flush()
-                t = r["tflops"]
-                print(f"{qk}/{v} H={h} KV={g} T={T:>6} B={r['batch']:>3}: {t['median']:.1f} TFLOP/s "
-                      f"(p10 {t['p10']:.1f}, p90 {t['p90']:.1f}, n={t['n']})", flush=True)
+                for alibi in (False, True) if a.alibi else (False,):
+                    r = measure_attention(h, qk, v, T, max(1, a.tokens // T), dev, torch.bfloat16, kv_heads=g,
+                                          alibi=alibi)
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    t = r["tflops"]
+                    print(f"{qk}/{v} H={h} KV={g} T={T:>6} B={r['batch']:>3}{' alibi' if alibi else ''}: "
+                          f"{t['median']:.1f} TFLOP/s (p10 {t['p10']:.1f}, p90 {t['p90']:.1f}, n={t['n']})", flush=True)
     return 0
 
 

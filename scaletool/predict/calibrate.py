@@ -106,11 +106,13 @@ def fit_gemm_curve(points: list[dict]) -> dict:
 
 
 def measure_attention(heads: int, qk: int, v: int, seq: int, batch: int, device: torch.device,
-                      dtype: torch.dtype, kv_heads: int | None = None) -> dict:
+                      dtype: torch.dtype, kv_heads: int | None = None, alibi: bool = False) -> dict:
     """Causal SDPA forward + backward, FLOPs in the causal convention (3 × 2·B·H·T²·(qk+v)/2), through the
     kernel priority training uses (``sdpa_backend: auto``: cuDNN first where q/k and v dims differ).
     ``kv_heads``: fewer key/value heads than query heads (GQA, MQA), attended as training does
-    (``enable_gqa``); the FLOPs are the query heads' either way."""
+    (``enable_gqa``); the FLOPs are the query heads' either way. ``alibi``: ALiBi's additive score bias
+    (1, H, T, T) with the causal mask folded in, passed as training passes it (``attn_mask``, no causal flag, so no
+    kernel skips the masked half): its rate in the same causal convention, comparable with the causal one."""
     from contextlib import nullcontext
 
     from torch.nn.attention import sdpa_kernel
@@ -125,13 +127,19 @@ def measure_attention(heads: int, qk: int, v: int, seq: int, batch: int, device:
     val = torch.randn(batch, kv, seq, v, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(batch, heads, seq, v, device=device, dtype=dtype)
     backends = sdpa_backends("auto", qk, v) if device.type == "cuda" else None
+    bias = None
+    if alibi:
+        from scaletool.model.positions import alibi_bias, alibi_slopes
+        bias = alibi_bias(alibi_slopes(heads), torch.arange(seq, device=device), seq, causal=True).to(dtype)
 
     def step():
         with sdpa_kernel(backends, set_priority=True) if backends else nullcontext():
-            F.scaled_dot_product_attention(q, k, val, is_causal=True, enable_gqa=kv != heads).backward(grad)
+            F.scaled_dot_product_attention(q, k, val, attn_mask=bias, is_causal=bias is None,
+                                           enable_gqa=kv != heads).backward(grad)
     flops = 3 * 2 * batch * heads * seq * seq * (qk + v) / 2
     secs = time_fn(step, device, min_sample_s=MIN_SAMPLE_S if device.type == "cuda" else 0.0)
-    return {"heads": heads, "kv_heads": kv, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, secs)}
+    out = {"heads": heads, "kv_heads": kv, "qk": qk, "v": v, "seq": seq, "batch": batch, "tflops": _rate(flops, secs)}
+    return out | ({"alibi": True} if alibi else {})
 
 
 def kv_heads_of(cfg, heads: int) -> int:

@@ -134,3 +134,32 @@ def test_attention_is_timed_with_the_recipes_key_value_heads(monkeypatch):
     out = cal_mod.calibrate(torch.device("cpu"), recipe=load_recipe("tiny", ["model.attention=gqa", "model.n_kv_heads=2"]))
     assert seen and all(k.get("kv_heads") == 2 for k in seen)
     assert [a["kv_heads"] for a in out["measured"]["attention"]] == [2] * len(seen)
+
+
+def test_alibi_attention_is_timed_with_the_dense_bias_training_passes(monkeypatch):
+    """``alibi=True`` times SDPA as ALiBi training calls it: the (1, H, T, T) score bias with the causal mask folded
+    in as ``attn_mask`` and no causal flag (no kernel can skip the masked half); the rate keeps the causal FLOPs."""
+    import torch
+    import torch.nn.functional as F
+
+    from scaletool.model.positions import alibi_bias, alibi_slopes
+    from scaletool.predict import calibrate as cal_mod
+
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    plain = cal_mod.measure_attention(4, 16, 16, 32, 1, torch.device("cpu"), torch.float32)
+    assert calls and all(c["attn_mask"] is None and c["is_causal"] for c in calls) and "alibi" not in plain
+    calls.clear()
+    r = cal_mod.measure_attention(4, 16, 16, 32, 1, torch.device("cpu"), torch.float32, kv_heads=2, alibi=True)
+    assert r["alibi"] is True and r["kv_heads"] == 2 and r["tflops"]["n"] > 0
+    mask = calls[0]["attn_mask"]
+    want = alibi_bias(alibi_slopes(4), torch.arange(32), 32, causal=True)
+    assert all(c["is_causal"] is False and c["enable_gqa"] for c in calls)
+    assert mask.shape == (1, 4, 32, 32) and torch.equal(mask, want)
+    assert torch.isinf(mask[0, :, 0, 1:]).all() and mask[0, 1, 5, 2].item() == -3 * alibi_slopes(4)[1].item()
