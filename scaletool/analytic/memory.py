@@ -266,13 +266,15 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     if world_size % tp:
         raise ValueError(f"tensor_parallel={tp} does not divide world_size={world_size}")
     dp = world_size // tp
+    # HSDP × TP: FSDP2 shards over the shard group's data-parallel ranks (the replicas' all-reduce runs in place)
+    shard = hsdp_shard(recipe, dp)
     local = tensor_parallel_config(cfg, tp)
     inputs = MemoryInputs(t.micro_batch_size, recipe.seq_len, t.activation_checkpointing, t.selective_every)
     # tensor parallelism is a layout of FSDP2; over every rank (one data-parallel rank) the engine trains the split
     # model without FSDP2, as the single engine does (fp32 parameters under autocast)
     pure = recipe.parallel.pure_tensor_parallel(world_size, tp)
     engine = SINGLE.name if pure else tensor_parallel_engine()
-    row = training_memory(local, engine, dp, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward,
+    row = training_memory(local, engine, shard, inputs, reshard_after_forward=recipe.parallel.reshard_after_forward,
                           grad_accum_steps=t.grad_accum_steps,
                           reduce_scatter_every_micro_batch=recipe.parallel.reduce_scatter_every == "micro-batch")
     # the residual stream is 16-bit under FSDP2's mixed precision, fp32 under autocast and in fp32 models
@@ -287,6 +289,7 @@ def tensor_parallel_memory(recipe: Recipe, world_size: int, tensor_parallel: int
     totals = {name: sum(comp.values()) for name, comp in phases.items()}
     phase = max(totals, key=totals.get)
     return {**row, "world_size": world_size, "tensor_parallel": tp, "data_parallel": dp,
+            **({"data_parallel_shard": shard} if shard != dp else {}),
             "params_per_rank": param_counts(local)["total"], "sequence_parallel_saving_bytes": saving,
             "activations_bytes": row["activations_bytes"] - saving, "phases": phases, "phase": phase,
             "transient_bytes": phases[phase]["buffers"] + phases[phase]["temporaries"], "total_bytes": totals[phase]}

@@ -172,9 +172,14 @@ def print_summary(r, est, con: Console, own: tuple[str, int] | None = None) -> N
     hsdp = next((row for row in rows if row["label"].startswith("hsdp")), None)
     if hsdp is not None:  # the recipe's HSDP layout: not a row of the engines' memory table
         c = data["communication"]
-        con.print(f"HSDP: {c['data_parallel_replicate']} replicas × {c['data_parallel_shard']}-rank shard groups, "
-                  f"predicted {si(hsdp['tokens_per_s_per_gpu'])} tok/s per GPU.")
-    if tp > 1 and data.get("communication"):
+        if tp > 1:  # HSDP × TP: one pair of lines for both
+            con.print(f"HSDP × TP: {c['data_parallel_replicate']} replicas × {c['data_parallel_shard']}-rank shard groups "
+                      f"× {tp} tensor-parallel,\n  {si(hsdp['tokens_per_s_per_gpu'])} tok/s/GPU predicted; "
+                      f"{size(c['wire_bytes'])} sent per GPU and step.")
+        else:
+            con.print(f"HSDP: {c['data_parallel_replicate']} replicas × {c['data_parallel_shard']}-rank shard groups, "
+                      f"predicted {si(hsdp['tokens_per_s_per_gpu'])} tok/s per GPU.")
+    elif tp > 1 and data.get("communication"):
         c = data["communication"]
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "
                   f"ranks;\n  sent per GPU and step {size(c['wire_bytes'])}; sequence parallelism saves "

@@ -152,9 +152,16 @@ def agree(value, env: DistEnv):
 def device_mesh(env: DistEnv, tensor_parallel: int = 1, replicate: int = 1) -> DeviceMesh:
     """The ranks as a ``("dp", "tp")`` mesh (``("dp",)`` without tensor parallelism), row-major: a
     tensor-parallel group is ``tensor_parallel`` consecutive ranks (one node's, as torchtitan lays it out).
-    HSDP (``replicate`` > 1, no tensor parallelism): a ``("dp_replicate", "dp_shard")`` mesh, torchtitan's
-    names, a shard group being ``world_size / replicate`` consecutive ranks (one node's), flattened to ``"dp"``
-    for what reduces over every data-parallel rank."""
+    HSDP (``replicate`` > 1): a ``("dp_replicate", "dp_shard")`` mesh, torchtitan's names, a shard group being
+    ``world_size / replicate`` consecutive ranks (one node's), flattened to ``"dp"`` for what reduces over every
+    data-parallel rank; with tensor parallelism ``("dp_replicate", "dp_shard", "tp")``, the TP groups innermost."""
+    if replicate > 1 and tensor_parallel > 1:  # HSDP × TP: a (replicate, shard, tp) mesh, TP groups innermost
+        mesh = init_device_mesh(env.device.type,
+                                (replicate, env.world_size // (replicate * tensor_parallel), tensor_parallel),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["dp_shard", "tp"]._flatten()  # the gradient norm's one all-reduce over the dimensions it is partial on
+        return mesh
     if replicate > 1:
         mesh = init_device_mesh(env.device.type, (replicate, env.world_size // replicate),
                                 mesh_dim_names=("dp_replicate", "dp_shard"))

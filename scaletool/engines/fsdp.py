@@ -2,7 +2,8 @@
 data-parallel ranks; with ``parallel.tensor_parallel`` N > 1, composed with tensor parallelism over a 2-D
 ``("dp", "tp")`` mesh, as torchtitan does. HSDP (``parallel.data_parallel_replicate`` R > 1): ``fully_shard`` over
 a 2-D ``("dp_replicate", "dp_shard")`` mesh, sharding within each group of ``world_size / R`` ranks (a node) and
-replicating across the R groups, as torchtitan's ``dp_replicate`` × ``dp_shard``.
+replicating across the R groups, as torchtitan's ``dp_replicate`` × ``dp_shard`` (× ``tp`` with tensor
+parallelism: a 3-D mesh, :func:`~scaletool.engines.dist.device_mesh`).
 
 Parameters, gradients and AdamW state are sharded; each block's 16-bit parameters are all-gathered just
 before its forward (again before its backward when ``reshard_after_forward``) under a

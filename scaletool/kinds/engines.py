@@ -354,8 +354,9 @@ def tensor_parallel_problems(recipe: Any, seq_len: int) -> list[str]:
 
 
 def hsdp_problems(recipe: Any, world_size: int | None = None) -> list[str]:
-    """HSDP (``parallel.data_parallel_replicate`` R > 1): FSDP2 on a 2-D (replicate, shard) mesh, without tensor or
-    expert parallelism (a 3-D mesh is not a layout here); with a world size, R divides it."""
+    """HSDP (``parallel.data_parallel_replicate`` R > 1): FSDP2 on a 2-D (replicate, shard) mesh, with tensor
+    parallelism inside each shard group's ranks (a (replicate, shard, tp) mesh) but not expert parallelism or pipeline
+    stages; with a world size, R × the tensor-parallel degree divides it."""
     p = recipe.parallel
     R = p.data_parallel_replicate
     if R == 1:
@@ -363,12 +364,14 @@ def hsdp_problems(recipe: Any, world_size: int | None = None) -> list[str]:
     if "data_parallel_replicate" not in engine_kind(p.engine).layouts:
         hsdp = " or ".join(engines_with("data_parallel_replicate"))
         return [f"parallel.data_parallel_replicate: {R} (HSDP) needs parallel.engine={hsdp}, not engine={p.engine}"]
-    if p.tensor_parallel > 1 or p.expert_parallel:
-        other = "tensor_parallel" if p.tensor_parallel > 1 else "expert_parallel"
-        return [f"parallel.data_parallel_replicate: HSDP does not compose with parallel.{other} here (it would need a "
-                "3-D mesh); use one or the other"]
-    if world_size is not None and world_size % R:
-        return [f"parallel.data_parallel_replicate: {R} replicas do not divide the world size {world_size} "
+    if p.expert_parallel or p.pipeline_parallel > 1:
+        other = "expert_parallel" if p.expert_parallel else "pipeline_parallel"
+        return [f"parallel.data_parallel_replicate: HSDP does not compose with parallel.{other} here; use one or the "
+                "other"]
+    tp = p.tensor_parallel
+    if world_size is not None and world_size % (R * tp):
+        what = f"{R} replicas × parallel.tensor_parallel={tp}" if tp > 1 else f"{R} replicas"
+        return [f"parallel.data_parallel_replicate: {what} do not divide the world size {world_size} "
                 "(each replica is a shard group of world_size / data_parallel_replicate ranks)"]
     return []
 

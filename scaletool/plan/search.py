@@ -125,8 +125,9 @@ def families(recipe: Recipe, req: Request, kind: str, notes: list[str]) -> list[
     nodes = req.gpus // req.gpus_per_node
     hsdp = engines_with("data_parallel_replicate")
     if nodes > 1 and hsdp and (req.labels is None or "hsdp" in req.labels):  # shard within a node, replicate across
-        out += [Family(kind, "hsdp", hsdp[0], 0, 1, ac, c, data_parallel_replicate=nodes)
-                for ac in CHECKPOINTING for c in req.compiled]
+        # (× tensor parallelism within the node: a (replicate, shard, tp) mesh)
+        out += [Family(kind, "hsdp", hsdp[0], 0, tp, ac, c, data_parallel_replicate=nodes)
+                for tp in degrees if req.gpus_per_node % tp == 0 for ac in CHECKPOINTING for c in req.compiled]
     return out
 
 

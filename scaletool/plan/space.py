@@ -147,7 +147,8 @@ class MemoryModel:
         if fam.tensor_parallel > 1:
             tr = t.model_copy(update={"micro_batch_size": micro_batch, "activation_checkpointing": ac,
                                       "grad_accum_steps": grad_accum_steps})
-            pr = r.parallel.model_copy(update={"reduce_scatter_every": every})
+            pr = r.parallel.model_copy(update={"reduce_scatter_every": every,
+                                               "data_parallel_replicate": fam.data_parallel_replicate})
             return tensor_parallel_memory(r.model_copy(update={"train": tr, "parallel": pr}), self.gpus,
                                           fam.tensor_parallel)
         cast = planned_weight_cast(r, fam.engine, grad_accum_steps)

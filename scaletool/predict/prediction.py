@@ -148,7 +148,9 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
     # the recipe's HSDP beside FSDP2 over every rank: replicas x shard group
     if R > 1 and "data_parallel_replicate" in engine_kind(p.engine).layouts:
         pred = predict(recipe, calib, world_size, gpus_per_node)
-        rows.append({"label": f"hsdp {R}x{world_size // R}", "activation_checkpointing": recipe.train.activation_checkpointing,
+        tp = p.tensor_parallel
+        rows.append({"label": f"hsdp {R}x{world_size // (R * tp)}" + (f" tp{tp}" if tp > 1 else ""),
+                     "activation_checkpointing": recipe.train.activation_checkpointing,
                      **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "calibration_file": calib.file or None, "world_size": world_size, "rows": rows}

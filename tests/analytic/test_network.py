@@ -118,6 +118,27 @@ def test_hsdp_communication_and_its_replica_all_reduce():
     assert p_hsdp["terms"]["comm/dp.all_gather_total_s"] < p_flat["terms"]["comm/dp.all_gather_total_s"]
 
 
+def test_hsdp_by_tensor_parallel_shards_over_the_shard_groups_data_parallel_ranks():
+    """HSDP × TP over 16 ranks as 2 replicas × 4 shards × 2 TP holds per GPU what FSDP2 × TP over one 8-rank replica
+    holds (the same 4-way sharding of the same TP share); the replicas' all-reduce spans nodes, ranks 8 apart."""
+    from scaletool.analytic.comm import collective_group
+    from scaletool.analytic.memory import recipe_memory
+
+    base = ["parallel.engine=fsdp", "parallel.tensor_parallel=2", "train.micro_batch_size=2"]
+    one = load_recipe(str(RECIPES / "mha-1b.yaml"), base)
+    hsdp = load_recipe(str(RECIPES / "mha-1b.yaml"), [*base, "parallel.data_parallel_replicate=2"])
+    m1, m2 = recipe_memory(one, 8), recipe_memory(hsdp, 16)
+    assert m2["data_parallel_shard"] == 4 and m2["data_parallel"] == 8 and "data_parallel_shard" not in m1
+    assert m2["total_bytes"] == m1["total_bytes"] and m2["phases"] == m1["phases"]
+    assert recipe_memory(hsdp.model_copy(update={"parallel": hsdp.parallel.model_copy(
+        update={"data_parallel_replicate": 1})}), 16)["total_bytes"] < m2["total_bytes"]  # FSDP2 over all 8 shards
+    c = communication(hsdp, 16)
+    assert (c["data_parallel_replicate"], c["data_parallel_shard"], c["tensor_parallel"]) == (2, 4, 2)
+    assert collective_group("dp_replicate", 16, 2, 2) == (2, 8) and collective_group("dp", 16, 2, 2) == (4, 2)
+    p = predict_step(hsdp, load_calibration("h200"), world_size=16, gpus_per_node=8)
+    assert p["terms"]["comm/dp_replicate.all_reduce_total_s"] > 0 and p["terms"]["comm/tp_exposed_s"] > 0
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "scaletool", *args], capture_output=True, text=True, timeout=120)
 
