@@ -102,7 +102,7 @@ def _integer(row: dict, column: str) -> int:
 
 
 def _degree(layout: str, name: str) -> int:
-    m = re.search(rf"\b{name}\s*(\d{{1,6}})\b", layout)
+    m = re.search(rf"\b{name}\s*[=:]?\s*(\d{{1,6}})\b", layout)
     if m and int(m.group(1)) < 1:
         raise NotExpressible(f"{name} degree 0 in the layout {layout[:40]!r}")
     return int(m.group(1)) if m else 1
@@ -196,6 +196,26 @@ def _model(row: dict) -> dict:
     return model
 
 
+def _replicas(layout: str, gpus: int, tp: int) -> tuple[int, str | None]:
+    """HSDP's replicas of the layout column (FSDP2's ``dp_replicate``, Composer's and FSDP1's ``HYBRID_SHARD``):
+    ``HSDP RxS`` or ``dp_replicate R`` as stated, else one replica per node of :data:`GPUS_PER_NODE` (sharding
+    within a node, as the hybrid strategies do), with a note; 1 (and no note) for a layout without HSDP."""
+    low = layout.lower()
+    if not ("hsdp" in low or "hybrid" in low or "replicate" in low):
+        return 1, None
+    m = re.search(r"\bhsdp\s*(\d{1,6})\s*[x×]\s*(\d{1,6})", low) or \
+        re.search(r"\b(?:dp[_ -]?)?replicate\s*[=:]?\s*(\d{1,6})", low)
+    if m:
+        R = int(m.group(1))
+        if R < 1 or gpus % (R * tp):
+            raise NotExpressible(f"HSDP's {R} replicas × TP{tp} do not divide {gpus} GPUs")
+        return R, None
+    R = max(1, gpus // GPUS_PER_NODE)
+    if gpus % (R * tp):
+        raise NotExpressible(f"HSDP with one replica per node: {R} nodes × TP{tp} do not divide {gpus} GPUs")
+    return R, f"HSDP with one replica per node ({R}; the layout does not state its replicas)"
+
+
 def _pipeline(layout: str) -> tuple[int, str, int]:
     """(pipeline ranks, schedule, virtual stages per rank) of the layout column: ``PPn`` alone is 1F1B (torchtitan's
     and Megatron's default), ``PPn`` with ``VPk`` interleaved 1F1B with k model chunks a rank."""
@@ -233,12 +253,15 @@ def express(row: dict) -> dict:
         raise NotExpressible("micro-batch not stated by the source")
     if "megatron" in layout.lower():
         raise NotExpressible("Megatron-LM's engine (distributed optimizer, fused kernels): not one of scaletool's engines")
-    if "fsdp" not in layout.lower():
+    if "fsdp" not in layout.lower() and "hsdp" not in layout.lower():
         raise NotExpressible(f"layout {layout[:40]!r}: not an FSDP layout")
     N, m, gbs = _integer(row, "n_gpus"), _integer(row, "micro_batch"), _integer(row, "global_batch_seqs")
     tp = _degree(layout, "TP")
     pp, schedule, vp = _pipeline(layout)
     ep = _degree(layout, "EP")
+    R, hsdp_note = _replicas(layout, N, tp)
+    if R > 1 and pp > 1:
+        raise NotExpressible("HSDP with pipeline stages: not composed")
     if N % (tp * pp):
         degrees = " × ".join(f"{k}{v}" for k, v in (("TP", tp), ("PP", pp)) if v > 1)
         raise NotExpressible(f"{degrees} does not divide {N} GPUs")
@@ -255,7 +278,7 @@ def express(row: dict) -> dict:
     train |= {"seq_len": model["max_seq_len"], "activation_checkpointing": ac, "compile": compiled, "float8": float8}
     if ac == "selective":
         train["selective_every"] = 2
-    parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp}
+    parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp, "data_parallel_replicate": R}
     if pp > 1:
         parallel |= {"pipeline_parallel": pp, "pipeline_schedule": schedule, "pipeline_virtual_stages": vp,
                      "pipeline_microbatches": gbs // (dp * m)}
@@ -268,7 +291,7 @@ def express(row: dict) -> dict:
         recipe = recipe_from_dict(raw, f"published {row['id']}")
     except RecipeError as e:
         raise NotExpressible(f"scaletool's recipe rules: {e.problems[0] if e.problems else e}") from None
-    notes = [note] if note else []
+    notes = [n for n in (note, hsdp_note) if n]
     if float8 != "none":
         notes.append("FP8 GEMMs at twice the bf16 curve (no calibration measured an FP8 rate)")
     if re.search(r"deepep|\bte\b", layout, re.IGNORECASE):

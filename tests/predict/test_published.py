@@ -161,6 +161,32 @@ def test_a_users_table_is_predicted_row_by_row(tmp_path):
     assert "memory_rel_error" not in out["rows"][0] and out["summary"]["memory"]["n"] == 0
 
 
+@pytest.mark.parametrize("layout, replicas, noted", [
+    ("HSDP 2x8", 2, False), ("FSDP2 (dp_replicate=2, dp_shard=8)", 2, False), ("FSDP HYBRID_SHARD", 2, True),
+    ("FSDP2 16", 1, False), ("HSDP 2x4 x TP=2", 2, False),
+])
+def test_hsdp_layouts_are_predicted_as_hsdp(tmp_path, layout, replicas, noted):
+    """HSDP (FSDP2's dp_replicate, the FSDP hybrid strategies) with its replicas as stated, else one per node (noted);
+    ``TP=2`` reads as TP 2. The recipe is the one `recipe from-published` writes, and the prediction estimate's."""
+    from scaletool.measure.hardware import load_profiles
+    from scaletool.predict.prediction import predict
+    from scaletool.predict.published import _calibration
+
+    row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "TT1"), n_gpus="16", global_batch_seqs="32",
+               layout=layout)
+    x = express(row)
+    p = x["recipe"].parallel
+    assert p.data_parallel_replicate == replicas and p.tensor_parallel == (2 if "TP" in layout else 1)
+    assert any("one replica per node" in n for n in x["notes"]) == noted
+    _write(tmp_path / "h.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
+    got = validate_published([tmp_path / "h.tsv"])["rows"][0]
+    cal = _calibration(x["card"], load_profiles(), {})
+    want = predict(x["recipe"], cal, world_size=16, gpus_per_node=8, designed_bubble=True)
+    assert got["predicted_tokens_per_s_per_gpu"] == pytest.approx(want["tokens_per_s_per_gpu"])
+    if replicas > 1:
+        assert want["terms"]["comm/dp_replicate.all_reduce_total_s"] > 0
+
+
 def test_the_cli_sets_the_stated_memory_beside_the_estimate(tmp_path):
     row = dict(next(r for r in read_table(shipped_table()) if r["id"] == "MP1"), notes="mem 50 GiB")
     _write(tmp_path / "m.tsv", COLUMNS, [[row[c] for c in COLUMNS]])
@@ -183,6 +209,8 @@ def test_published_goes_with_validate_only():
     ("layout", "FSDP 8 x TP 0", "TP degree 0"),
     ("layout", "FSDP 8 x TP 3", "TP3 does not divide 8 GPUs"),
     ("layout", "FSDP2 8 x PP3", "PP3 does not divide 8 GPUs"),
+    ("layout", "HSDP 3x4", "HSDP's 3 replicas × TP1 do not divide 8 GPUs"),
+    ("layout", "HSDP 2x2 x PP2", "HSDP with pipeline stages: not composed"),
     ("layout", "FSDP2 4 x PP2 x EP4", "expert parallelism (EP4) of a model without experts"),
     ("hidden", "1" * 400, "hidden not stated as a positive whole number"),
     ("layers", "²", "layers not stated"),
