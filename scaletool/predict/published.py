@@ -278,7 +278,7 @@ def express(row: dict) -> dict:
     train |= {"seq_len": model["max_seq_len"], "activation_checkpointing": ac, "compile": compiled, "float8": float8}
     if ac == "selective":
         train["selective_every"] = 2
-    parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp, "data_parallel_replicate": R}
+    parallel = {"engine": "fsdp", "world_size": N, "tensor_parallel": tp} | ({"data_parallel_replicate": R} if R > 1 else {})
     if pp > 1:
         parallel |= {"pipeline_parallel": pp, "pipeline_schedule": schedule, "pipeline_virtual_stages": vp,
                      "pipeline_microbatches": gbs // (dp * m)}
