@@ -1,7 +1,7 @@
 """HSDP and the calibration across nodes on real GPUs (NCCL): skipped below four GPUs.
 
-- HSDP 2 × 2 (``parallel.data_parallel_replicate=2`` on 4 GPUs), eager and compiled, trains the one-GPU run's
-  loss curve (same seed, 8 sequences per step) to float32 summation-order noise.
+- HSDP 2 × 2 (``parallel.data_parallel_replicate=2`` on 4 GPUs), eager and compiled, and HSDP 2 × 1 × TP 2, train
+  the one-GPU run's loss curve (same seed, 8 sequences per step) to float32 summation-order noise.
 - ``scaletool calibrate`` under two torchrun "nodes" of two GPUs each on this host (CUDA_VISIBLE_DEVICES splits
   the cards): the path a real multi-node calibration takes, with NCCL; the file it writes loads.
 
@@ -47,6 +47,16 @@ def test_hsdp_2x2_matches_one_gpu(tmp_path, compiled):
     assert hsdp["environment"]["world_size"] == 4 and hsdp["environment"]["backend"] == "nccl"
     assert hsdp["history"]["loss"] == pytest.approx(one["history"]["loss"], rel=1e-4)
     assert hsdp["history"]["grad_norm"] == pytest.approx(one["history"]["grad_norm"], rel=1e-3)
+
+
+def test_hsdp_by_tensor_parallel_matches_one_gpu(tmp_path):
+    """HSDP × TP on 4 GPUs: 2 replicas × 1-rank shard groups × 2 tensor-parallel ranks (a 3-D mesh), 4 sequences a
+    data-parallel rank, against one GPU at 8."""
+    one = train(tmp_path / "single", ["train.micro_batch_size=8"], 1)
+    s = train(tmp_path / "hsdp-tp", [*HSDP[:2], "parallel.tensor_parallel=2", "train.micro_batch_size=4"], 4)
+    assert s["environment"]["world_size"] == 4 and s["recipe"]["parallel"]["tensor_parallel"] == 2
+    assert s["history"]["loss"] == pytest.approx(one["history"]["loss"], rel=1e-4)
+    assert s["history"]["grad_norm"] == pytest.approx(one["history"]["grad_norm"], rel=1e-3)
 
 
 def test_calibrate_across_two_local_nodes(tmp_path):
