@@ -140,6 +140,11 @@ def _split(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every:
 
 def _solve(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int, flight: tuple[float, ...],
            dp: int, ep: int = 1) -> tuple[tuple[int, int], ...]:
+    """The bottleneck partition by dynamic programming over the cut points, the lexicographically smallest (time,
+    memory) of the largest chunk, the first cut on ties; each chunk's candidate cuts are compared at once
+    (numpy), so a 1,024-GPU plan that asks for hundreds of splits answers in seconds."""
+    import numpy as np
+
     L = cfg.n_layers
     t, ms, ma, first, last = _chunk_costs(cfg, seq_len, S, tokens, act, every, list(flight), dp, ep)
     pt, ps, pa = [0.0], [0.0], [0.0]
@@ -147,29 +152,35 @@ def _solve(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every:
         pt.append(pt[-1] + t[i])
         ps.append(ps[-1] + ms[i])
         pa.append(pa[-1] + ma[i])
+    pt, ps, pa = np.array(pt), np.array(ps), np.array(pa)
 
-    def cost(c: int, i: int, j: int) -> tuple[float, float]:
+    def cost(c: int, i, j: int):
+        """(time, memory) of chunk c holding blocks [i, j); i an index or an array of them."""
         time = pt[j] - pt[i] + (first[0] if c == 0 else 0.0) + (last[0] if c == S - 1 else 0.0)
         mem = ps[j] - ps[i] + flight[c] * (pa[j] - pa[i]) + (first[1] if c == 0 else 0.0) + (last[1] if c == S - 1 else 0.0)
-        return (time, mem)
+        return time, mem
 
-    INF = (float("inf"), float("inf"))
-    # best[c][j]: the best bottleneck of chunks 0..c covering blocks [0, j)
-    best = [[INF] * (L + 1) for _ in range(S)]
-    cut = [[0] * (L + 1) for _ in range(S)]
+    # bt[c][j], bm[c][j]: the best bottleneck (time, memory) of chunks 0..c covering blocks [0, j); chunk c's
+    # candidates for every j at once: cut i (rows) and end j (columns), valid where c <= i < j
+    bt, bm = np.full((S, L + 1), np.inf), np.full((S, L + 1), np.inf)
+    cut = np.zeros((S, L + 1), dtype=np.int64)
     for j in range(1, L - S + 2):
-        best[0][j] = cost(0, 0, j)
+        bt[0, j], bm[0, j] = cost(0, 0, j)
+    rows, cols = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
     for c in range(1, S):
-        for j in range(c + 1, L - (S - 1 - c) + 1):
-            b, at = INF, c
-            for i in range(c, j):
-                here = max(best[c - 1][i], cost(c, i, j))
-                if here < b:
-                    b, at = here, i
-            best[c][j], cut[c][j] = b, at
+        ct, cm = cost(c, rows[c:], cols)
+        prev_t, prev_m = bt[c - 1, c:, None], bm[c - 1, c:, None]
+        keep = (prev_t > ct) | ((prev_t == ct) & (prev_m >= cm))  # the larger of the two, as max() takes it
+        ht, hm = np.where(keep, prev_t, ct), np.where(keep, prev_m, cm)
+        valid = rows[c:] < cols
+        low = valid & (ht == np.where(valid, ht, np.inf).min(axis=0))
+        pick = low & (hm == np.where(low, hm, np.inf).min(axis=0))  # then the least memory, the first cut
+        at = pick.argmax(axis=0)
+        span = np.arange(c + 1, L - (S - 1 - c) + 1)
+        bt[c, span], bm[c, span], cut[c, span] = ht[at[span], span], hm[at[span], span], c + at[span]
     bounds, j = [], L
     for c in range(S - 1, -1, -1):
-        i = cut[c][j] if c else 0
+        i = int(cut[c, j]) if c else 0
         bounds.append((i, j))
         j = i
     return tuple(reversed(bounds))
@@ -186,7 +197,9 @@ def stage_split(recipe: Recipe, world_size: int | None = None) -> list[tuple[int
     tokens = recipe.train.micro_batch_size // m * recipe.seq_len
     ranks = chunk_ranks(p.pipeline_schedule, P, v)
     flight = tuple(in_flight(p.pipeline_schedule, P, v, m, ranks[c]) for c in range(S))
-    dp = max(1, (world_size or p.world_size) // (P * p.tensor_parallel))
+    # a rank's states: its blocks' over the stage's data-parallel ranks and, split by tensor parallelism, over the
+    # tensor-parallel ranks too; so the split is the same for every TP degree (plan reuses it)
+    dp = max(1, (world_size or p.world_size) // P)
     t = recipe.train
     return list(_split(recipe.model, recipe.seq_len, S, tokens, t.activation_checkpointing, t.selective_every,
                        flight, dp, expert_degree(recipe, world_size)))
