@@ -1,28 +1,21 @@
-"""Pipeline stages (``parallel.pipeline_parallel`` > 1): ``torch.distributed.pipelining`` over FSDP2, with
-tensor parallelism inside each stage (``parallel.tensor_parallel``), as torchtitan composes them.
+"""Pipeline stages (``parallel.pipeline_parallel`` > 1): ``torch.distributed.pipelining`` over FSDP2, with tensor
+parallelism inside each stage (``parallel.tensor_parallel``), as torchtitan composes them.
 
-The ranks form a ``("pp", "dp")`` mesh, pipeline outermost (a stage's data-parallel ranks are
-consecutive, one node's where they fit); with tensor parallelism a ``("pp", "dp", "tp")`` mesh, a tensor-parallel
-group consecutive ranks. Each chunk is split by :func:`~scaletool.engines.tp.apply_tensor_parallel` (the parts it
-holds) before anything else; inside, the residual stream is a sequence-sharded DTensor, and across the stage
-boundary each rank sends and receives its plain sequence shard; the last chunk's logits leave vocabulary-sharded and
-the loss is parallel over them (``loss_parallel`` around the schedule's step, whose backward needs it too).
-
-The model is built whole (same seed as every other engine, so the weights equal a one-rank run's), then cut
-into the p·v chunks :func:`scaletool.analytic.pipeline.stage_split` chooses from the per-layer time and memory
-model; this rank keeps its chunks (:class:`StageModule`: the first
-holds the embedding, the last the final norm and output layer) and lets the rest go. Each chunk gets
-activation checkpointing, per-block compile and ``fully_shard`` (every block, then the chunk) over the
-``dp`` mesh, and becomes a ``PipelineStage``; the schedule (``parallel.pipeline_schedule``) runs the
-``parallel.pipeline_microbatches`` micro-batches of each accumulation step, the loss (mean cross-entropy,
-scaled by the micro-batches and accumulation steps, so gradients equal the one-rank run's) on the last
-stage. Chunks keep the whole model's parameter names (blocks in a ``ModuleDict`` keyed by their index),
-so checkpoints name tensors as every other engine does; optimizer states are saved flattened by name,
-one AdamW per chunk. Expert parallelism (``parallel.expert_parallel``) splits each chunk's MoE layers' routed
-experts over groups of the stage's ``dp`` ranks before ``fully_shard`` (:func:`~scaletool.engines.expert_parallel.
-apply_expert_parallel`, left out of FSDP2). A MoE layer's balance loss joins the backward where the layer runs: each
-chunk adds its layers' losses to its output's gradient path (DeepSeek-V2's ``AddAuxiliaryLoss``), scaled as the
-cross-entropy, and reports them into the step's loss.
+The ranks form a ``("pp", "dp")`` mesh, pipeline outermost (a stage's data-parallel ranks consecutive, one node's
+where they fit), or ``("pp", "dp", "tp")`` with tensor-parallel groups of consecutive ranks. The model is built whole
+(same seed as every other engine, so the weights equal a one-rank run's) and cut into the p·v chunks
+:func:`scaletool.analytic.pipeline.stage_split` chooses; this rank keeps its chunks (:class:`StageModule`: the first
+holds the embedding, the last the final norm and output layer). Each chunk gets, in order, tensor parallelism
+(:func:`~scaletool.engines.tp.apply_tensor_parallel`: inside, a sequence-sharded DTensor residual stream; across
+the boundary each rank's plain sequence shard; the last chunk's logits vocabulary-sharded, the loss under
+``loss_parallel`` around the schedule's step), expert parallelism (each chunk's routed experts over groups of the
+stage's ``dp`` ranks, left out of FSDP2), activation checkpointing, per-block compile and ``fully_shard`` (every
+block, then the chunk), and becomes a ``PipelineStage``; the schedule runs the ``parallel.pipeline_microbatches``
+micro-batches of each accumulation step, the mean cross-entropy (scaled so gradients equal the one-rank run's) on
+the last stage. Chunks keep the whole model's parameter names (blocks in a ``ModuleDict`` keyed by index), so
+checkpoints name tensors as every other engine does; optimizer states are saved flattened by name, one AdamW per
+chunk. A MoE layer's balance loss joins the backward where the layer runs (DeepSeek-V2's ``AddAuxiliaryLoss``),
+scaled as the cross-entropy, and is reported into the step's loss.
 """
 from __future__ import annotations
 
