@@ -6,8 +6,9 @@ per file, ``{"path": "<path relative to the folder>", "text": "<the file's exact
 Records of one run repeat their recipes, environments and keys, so compressed together they take a tenth
 of their size (6.6 MB of records in 0.67 MB), where each file compressed alone keeps most of it. What a
 person reads first stays loose: the generated ``README.md``, ``provenance.json`` and any hand-written
-``.md``. The benchmark runner writes loose files; ``python -m scaletool.bench pack`` bundles them before
-they are committed, ``unpack`` writes them out again, byte for byte.
+``.md`` (a report's generated ``report.md`` is bundled, :data:`BUNDLED_NAMES`). The benchmark runner writes
+loose files; ``python -m scaletool.bench pack`` bundles them before they are committed, ``unpack`` writes them
+out again, byte for byte.
 
 Every reader goes through here: :func:`iter_record_files` (a folder's records, bundled and loose),
 :func:`read_record` (one record by the path it has unpacked), :func:`walk_records` (every record under a
@@ -38,6 +39,9 @@ BUNDLE = "records.jsonl.xz"
 RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".txt")
 #: record files kept loose: read by a person (and by git blame) before anything else
 LOOSE_NAMES = frozenset({"provenance.json"})
+#: generated text bundled like a record: ``scaletool report``'s report.md (the regenerate-reports study writes
+#: it again from the bundled results); a hand-written ``.md`` stays loose
+BUNDLED_NAMES = frozenset({"report.md"})
 #: the largest bundle read: the largest committed one is under 100 KiB
 MAX_BUNDLE_BYTES = 64 << 20
 #: the most a bundle may hold decoded: a hostile bundle (a few KiB of xz decode to gigabytes) stops here
@@ -56,7 +60,8 @@ _XZ_MAGIC = b"\xfd7zXZ\x00"
 
 def is_record_name(name: str) -> bool:
     """Whether a file of this name belongs in a bundle."""
-    return name.endswith(RECORD_SUFFIXES) and name not in LOOSE_NAMES and not name.startswith(".")
+    return (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and name not in LOOSE_NAMES \
+        and not name.startswith(".")
 
 
 def path_problem(rel: object) -> str | None:
@@ -199,7 +204,7 @@ def _loose_files(folder: Path) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_dir = Path(here).relative_to(folder)
         for name in files:
-            if name.endswith(RECORD_SUFFIXES) and not name.startswith("."):
+            if (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and not name.startswith("."):
                 out.append((rel_dir / name).as_posix())
         if len(out) > MAX_FILES:
             raise RecipeError(f"{shorten(folder)}: more than {MAX_FILES:,} record files")
@@ -242,7 +247,8 @@ def walk_records(root: str | Path) -> list[Record]:
                 out.setdefault(r.path, r)
         else:
             for name in files:
-                if name.endswith(RECORD_SUFFIXES) and not name.startswith(".") and _regular(Path(here) / name):
+                if (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and not name.startswith(".") \
+                        and _regular(Path(here) / name):
                     out.setdefault(Path(here) / name, Record(Path(here), name, False))
     return [out[p] for p in sorted(out)]
 

@@ -170,8 +170,9 @@ def test_a_deadline_that_is_not_a_positive_number_is_one_error_line(tmp_path):
 
 
 def _body(report: Path) -> list[str]:
-    """A report.md without its header (when and from which directory it was generated)."""
-    return [line for line in report.read_text().splitlines() if not line.startswith(("Generated ", "- **"))]
+    """A report.md (loose or, committed, bundled) without its header (when and from which directory it was
+    generated)."""
+    return [line for line in read_record(report).splitlines() if not line.startswith(("Generated ", "- **"))]
 
 
 def test_a_committed_report_regenerates_from_the_committed_results_on_a_cpu(tmp_path):

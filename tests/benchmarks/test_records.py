@@ -32,6 +32,7 @@ FILES = {
     "sub/deeper/b.jsonl": '{"k": "\\u2028 and \u2028"}\n\n{"k": 2}\n',
     "sub/c.json": "{}",
     "empty.txt": "",
+    "report.md": "# scaletool report\n\nGenerated from the results beside it.\n",  # generated: bundled
 }
 KEPT = {"provenance.json": '{"commit": "abc123", "note": "hand-written"}\n', "README.md": "old\n",
         "sub/table.md": "| a |\n", "calibration.yaml": "name: x\n"}
