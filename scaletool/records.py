@@ -58,10 +58,14 @@ PRESET = 9 | lzma.PRESET_EXTREME
 _XZ_MAGIC = b"\xfd7zXZ\x00"
 
 
+def _record_like(name: str) -> bool:
+    """A record file's name (a record's suffix or a bundled name, not hidden), loose names included."""
+    return (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and not name.startswith(".")
+
+
 def is_record_name(name: str) -> bool:
     """Whether a file of this name belongs in a bundle."""
-    return (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and name not in LOOSE_NAMES \
-        and not name.startswith(".")
+    return _record_like(name) and name not in LOOSE_NAMES
 
 
 def path_problem(rel: object) -> str | None:
@@ -204,7 +208,7 @@ def _loose_files(folder: Path) -> list[str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel_dir = Path(here).relative_to(folder)
         for name in files:
-            if (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and not name.startswith("."):
+            if _record_like(name):
                 out.append((rel_dir / name).as_posix())
         if len(out) > MAX_FILES:
             raise RecipeError(f"{shorten(folder)}: more than {MAX_FILES:,} record files")
@@ -247,8 +251,7 @@ def walk_records(root: str | Path) -> list[Record]:
                 out.setdefault(r.path, r)
         else:
             for name in files:
-                if (name.endswith(RECORD_SUFFIXES) or name in BUNDLED_NAMES) and not name.startswith(".") \
-                        and _regular(Path(here) / name):
+                if _record_like(name) and _regular(Path(here) / name):
                     out.setdefault(Path(here) / name, Record(Path(here), name, False))
     return [out[p] for p in sorted(out)]
 

@@ -45,7 +45,7 @@ def tensor_parallel_replicated(cfg: ModelConfig) -> list[int]:
 
 
 def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInputs, grad_accum_steps: int = 1,
-                                  pure: bool = False) -> list[dict]:
+                                  pure: bool = False, first: bool = True, last: bool = True) -> list[dict]:
     """Tensor parallelism's collectives per optimizer step, per rank of a group of ``tp``.
 
     Sequence parallelism (Korthikanti et al. 2022, §4.2.2, Figure 5): each sub-layer (attention, FFN)
@@ -60,7 +60,8 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
     parameter dtype (fp32 when accumulating: FSDP2 keeps accumulated gradients in its reduce dtype).
     ``pure`` (tensor parallelism over every rank, no FSDP2: engines.fsdp's ``pure_tp``): those gradients are
     fp32 (the parameters' dtype under autocast) and go in one flat all-reduce.
-    The global gradient norm's all-reduce of one number per tensor is left out.
+    The global gradient norm's all-reduce of one number per tensor is left out. ``first``/``last`` False: a
+    pipeline stage without the embedding / without the final norm and the loss (analytic.pipeline).
     """
     if tp == 1:
         return []
@@ -69,7 +70,8 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
     recomputed = L if ac == "full" else (L // inputs.selective_every if ac == "selective" else 0)
     tokens = inputs.micro_batch_size * inputs.seq_len
     activation = tokens * cfg.d_model * cfg.dtype_bytes
-    per_micro = 4 * L + 2 * recomputed + 2  # per op: blocks forward and backward, recompute, embedding and final norm
+    # per op: blocks forward and backward, recompute, embedding and final norm
+    per_micro = 4 * L + 2 * recomputed + int(first) + int(last)
     replicated = tensor_parallel_replicated(cfg)
     grad_bytes = 4 if gas > 1 or pure else cfg.dtype_bytes
     return [
@@ -77,7 +79,8 @@ def tensor_parallel_communication(cfg: ModelConfig, tp: int, inputs: MemoryInput
              gas * per_micro * activation, tp),
         _row("tp", "reduce_scatter", "sub-layer outputs, embedding; final norm (backward)", gas * per_micro,
              gas * per_micro * activation, tp),
-        _row("tp", "all_reduce", "loss parallelism (max, sum of exp, target logit)", 3 * gas, 3 * gas * tokens * 4, tp),
+        *([_row("tp", "all_reduce", "loss parallelism (max, sum of exp, target logit)", 3 * gas, 3 * gas * tokens * 4,
+                tp)] if last else []),
         _row("tp", "all_reduce", "replicated weights' gradients" + (", flat" if pure else ""),
              1 if pure else len(replicated), sum(replicated) * grad_bytes, tp),
     ]

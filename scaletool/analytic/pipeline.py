@@ -25,11 +25,11 @@ from functools import lru_cache
 
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import Calibration
-from scaletool.analytic.comm import tensor_parallel_config, tensor_parallel_replicated
+from scaletool.analytic.comm import tensor_parallel_config
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.host import eager_dispatch_s
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
-from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
+from scaletool.analytic.timeline import MemoryInputs, _activation_bytes_per_token_per_layer
 from scaletool.config import ModelConfig, Recipe
 from scaletool.kinds.attention import matmul_params as matmul_params_of
 from scaletool.kinds.engines import engine_kind
@@ -271,11 +271,10 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         if ep > 1 and moe_here:
             gathered += a * moe_params(cfg)["routed"] / ep
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
-        per_mb = tokens * sum(layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
-                              for i in layers)
+        acts = [layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every) for i in layers]
+        per_mb = tokens * sum(acts)
         if tp > 1:  # sequence parallelism: each block's norm inputs (a checkpointed block's one input) sharded
-            kept = sum(1 if layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every)
-                       <= a * cfg.d_model else 2 for i in layers) + (1 if last else 0)
+            kept = sum(1 if x <= a * cfg.d_model else 2 for x in acts) + (1 if last else 0)
             per_mb -= tokens * a * cfg.d_model * kept * shard
         recompute = 0.0
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
@@ -348,33 +347,28 @@ def _expert_terms(recipe: Recipe, layers: list[int], tokens: int, micro_batches:
     return {**zero, "comm/ep.all_to_all_s": a2a, **terms, "comm/ep.replica_all_reduce_s": sync}
 
 
-def _tp_seconds(recipe: Recipe, local: ModelConfig, first: bool, last: bool, tokens: int, G: int,
+def _tp_seconds(recipe: Recipe, local: ModelConfig, first: bool, last: bool, G: int,
                 calib: Calibration) -> tuple[float, float]:
     """Tensor parallelism's collectives on one pipeline rank (``local``: its blocks as one rank of the group holds
-    them), as :func:`scaletool.analytic.comm.tensor_parallel_communication` counts them for a whole model: (seconds
-    per pipeline micro-batch: each block's sub-layer all-gathers and reduce-scatters forward, backward and
-    recomputed, the first stage's embedding and the last stage's final norm and loss parallelism; seconds per
-    step: the replicated weights' partial gradients, one all-reduce each). The group is ``tp`` consecutive ranks."""
+    them), as :func:`scaletool.analytic.comm.tensor_parallel_communication` counts them for a stage: (seconds per
+    pipeline micro-batch, every row but the replicated weights' gradients; seconds per step, those). The group is
+    ``tp`` consecutive ranks."""
+    from scaletool.analytic.comm import tensor_parallel_communication
     from scaletool.analytic.network import group_seconds
 
-    tp, t = recipe.parallel.tensor_parallel, recipe.train
-    if tp == 1:
+    p, t = recipe.parallel, recipe.train
+    if p.tensor_parallel == 1:
         return 0.0, 0.0
-    L, ac = local.n_layers, t.activation_checkpointing
-    recomputed = L if ac == "full" else (L // t.selective_every if ac == "selective" else 0)
-    per_op = 4 * L + 2 * recomputed + (1 if first else 0) + (1 if last else 0)
-    message = tokens * local.d_model * local.dtype_bytes
-    per_node = min(tp, G)
-
-    def seconds(op: str, nbytes: float) -> float:
-        return group_seconds(calib, op, nbytes, tp, per_node)["seconds"]
-
-    mb = per_op * (seconds("all_gather", message) + seconds("reduce_scatter", message))
-    if last:  # loss parallelism: max, sum of exponentials, target logit (fp32, one number per token each)
-        mb += 3 * seconds("all_reduce", tokens * 4)
-    replicated = tensor_parallel_replicated(local)  # the stage's blocks' (and its norm's) replicated weights
-    grad_bytes = 4 if t.grad_accum_steps > 1 else local.dtype_bytes
-    step = sum(seconds("all_reduce", n * grad_bytes) for n in replicated)
+    gas = t.grad_accum_steps
+    inputs = MemoryInputs(t.micro_batch_size // pipeline_microbatches(recipe), recipe.seq_len,
+                          t.activation_checkpointing, t.selective_every)
+    mb = step = 0.0
+    for r in tensor_parallel_communication(local, p.tensor_parallel, inputs, gas, first=first, last=last):
+        secs = group_seconds(calib, r["op"], r["message_bytes"], p.tensor_parallel, min(p.tensor_parallel, G))["seconds"]
+        if r["what"].startswith("replicated weights"):  # once a step
+            step += secs
+        else:  # the rows count every micro-batch of the accumulation
+            mb += secs / gas
     return mb, step
 
 
@@ -398,7 +392,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     per_mb = c["gemm_forward"] + c["gemm_backward"] + c["attention"] + c["elementwise"] + c["recompute"]
     if owners[-1] != r:
         per_mb -= _head_seconds(cfg, tokens, calib, engine_kind(p.engine).casts_weights)
-    tp_mb, tp_step = _tp_seconds(recipe, local, owners[0] == r, owners[-1] == r, tokens, G, calib)
+    tp_mb, tp_step = _tp_seconds(recipe, local, owners[0] == r, owners[-1] == r, G, calib)
     per_mb += tp_mb  # tensor parallelism's collectives: on the critical path (analytic.step: no overlap)
     ep_terms = _expert_terms(recipe, layers, tokens, gas * m, ep, dp, G, c["recompute_fraction"], calib)
     # expert parallelism's work waits inside each micro-batch: the slot of this rank grows by its share

@@ -205,9 +205,8 @@ class PipelineEngine(Engine):
         entered around the schedule's step, forward and backward)."""
         if self.tp_mesh is not None:
             logits = DTensor.from_local(logits, self.tp_mesh, (Shard(-1),), run_check=False)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)) * self.scale
-            return loss.to_local()
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)) * self.scale
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1)) * self.scale
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def train_step(self, batches, lr):
         for opt in self.optimizers:

@@ -158,8 +158,8 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
     :class:`Calibration`) predicts every run; by default each run's card's."""
     named = paths is not None
     profiles, cache, rows, skipped, seen, duplicates = load_profiles(), {}, [], [], {}, []
-    forced = calibration if isinstance(calibration, Calibration) else load_calibration(calibration) if calibration \
-        else None
+    forced = calibration if isinstance(calibration, Calibration) else (load_calibration(calibration) if calibration
+                                                                       else None)
     for path, text in (_given(paths) if named else [(p, None) for p in committed_paths()]):
         try:
             runs = _runs_in(Path(path), text if named else read_record(path))
