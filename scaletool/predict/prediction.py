@@ -68,7 +68,7 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
 CHECKPOINTING = ("none", "selective", "full")
 
 
-def _peak_bytes(recipe: Recipe, world_size: int) -> float:
+def peak_bytes(recipe: Recipe, world_size: int) -> float:
     """The recipe's estimated peak per GPU: its largest pipeline stage's under pipeline stages
     (analytic.pipeline.stage_memory), else :func:`scaletool.analytic.memory.recipe_memory`'s."""
     from scaletool.analytic.memory import recipe_memory
@@ -92,7 +92,7 @@ def fitting_checkpointing(recipe: Recipe, world_size: int, card_bytes: float | N
         return own
     for ac in CHECKPOINTING[CHECKPOINTING.index(own):]:
         candidate = recipe.model_copy(update={"train": recipe.train.model_copy(update={"activation_checkpointing": ac})})
-        if fits(_peak_bytes(candidate, world_size), card_bytes)[0]:
+        if fits(peak_bytes(candidate, world_size), card_bytes)[0]:
             return ac
     return None
 

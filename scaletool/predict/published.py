@@ -30,7 +30,7 @@ from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.fmt import printable
 from scaletool.measure.hardware import load_profiles, profile_named
-from scaletool.predict.prediction import _peak_bytes, predict
+from scaletool.predict.prediction import peak_bytes, predict
 from scaletool.resources import data_dir
 
 COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",
@@ -329,7 +329,7 @@ def _memory_fields(x: dict, row: dict, profile) -> dict:
     published = published_memory_gib(row)
     if published is None:
         return {}
-    est = _peak_bytes(x["recipe"], x["world_size"])
+    est = peak_bytes(x["recipe"], x["world_size"])
     return {"published_memory_gib": published, "estimated_memory_gib": est / 2**30,
             "memory_rel_error": est / 2**30 / published - 1,
             "memory_fits": bool(fits(est, profile.memory_bytes)[0]) if profile.memory_bytes else None}

@@ -69,3 +69,23 @@ def test_a_compiled_run_is_checked_against_the_compiled_estimate(monkeypatch):
     with pytest.raises(RecipeError) as err:
         count.train_memory_check(eager, 1)
     assert "training needs about 87." in str(err.value) and "engine=single, micro_batch_size 24" in str(err.value)
+
+
+def test_a_pipeline_run_is_checked_against_its_largest_stage(monkeypatch):
+    """The layout `plan` ranked third for Llama-3-8B on 4 H200s (FSDP2, PP 2 interleaved, 8 micro-batches of one
+    8,192-token sequence, compiled): its largest stage is 94.6 GiB, and train once refused it at 391.6 GiB, the
+    count of micro-batch 8 through the whole model. The check is now the figure estimate and plan give."""
+    from scaletool.config import load_recipe
+    from scaletool.predict.prediction import peak_bytes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (int(139.28 * 2**30), 140 * 2**30))
+    llama = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b.yaml")
+    r = load_recipe(llama, ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "train.compile=true",
+                            "parallel.pipeline_schedule=interleaved-1f1b", "parallel.pipeline_virtual_stages=2",
+                            "parallel.pipeline_microbatches=8", "train.micro_batch_size=8",
+                            "train.activation_checkpointing=none"])
+    checked = count.train_memory_check(r, 4)
+    assert checked["required_bytes"] == int(peak_bytes(r, 4))
+    assert 90 * 2**30 < checked["required_bytes"] < 100 * 2**30
