@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scaletool.analytic.flops import flops_per_token
-from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.params import param_counts
 from scaletool.fmt import CONTENDED_MARK, gib, pct, si
 from scaletool.kinds.engines import engine_kind
@@ -216,7 +215,8 @@ def train_analytic_memory(r: Row) -> int | None:
     if m is not None:
         return int(m)
     r.recomputed("analytic memory of train runs (the run recorded none)")
-    return recipe_memory(r.recipe, r.world_size or r.recipe.parallel.world_size)["total_bytes"]
+    from scaletool.predict.prediction import peak_bytes  # a pipeline's largest stage, as estimate and plan say
+    return int(peak_bytes(r.recipe, r.world_size or r.recipe.parallel.world_size))
 
 
 TIMING_NOTE = ("Timed figures are medians: over the measured steps of one run, or, where a point ran several "
