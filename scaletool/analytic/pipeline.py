@@ -28,6 +28,7 @@ from scaletool.analytic.calibration import Calibration
 from scaletool.analytic.comm import tensor_parallel_config
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.host import eager_dispatch_s
+from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
 from scaletool.analytic.timeline import MemoryInputs, _activation_bytes_per_token_per_layer
 from scaletool.config import ModelConfig, Recipe
@@ -230,6 +231,16 @@ def _stage_cfg(cfg: ModelConfig, layers: list[int]) -> ModelConfig:
     if cfg.ffn == "moe":
         update["first_k_dense_replace"] = dense
     return cfg.model_copy(update=update)
+
+
+def peak_bytes(recipe: Recipe, world_size: int) -> float:
+    """The recipe's estimated peak per GPU: its largest pipeline stage's under pipeline stages
+    (:func:`stage_memory`), else :func:`scaletool.analytic.memory.recipe_memory`'s: the one figure ``estimate``,
+    ``plan`` and ``train``'s memory check give for a layout."""
+    if recipe.parallel.pipeline_parallel > 1:
+        return max(row["total_bytes"] for row in stage_memory(recipe, world_size))
+    ranks = world_size if engine_kind(recipe.parallel.engine).distributed else 1
+    return recipe_memory(recipe, ranks)["total_bytes"]
 
 
 def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] | None = None) -> list[dict]:
@@ -453,7 +464,9 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
         assumptions.append(
             f"tensor parallelism over {p.tensor_parallel} consecutive ranks within each stage (sequence-parallel): "
             "every collective on the critical path; the stage boundary carries each rank's sequence shard; the "
-            "host's issue time per block as the fitted TP dispatch")
+            "host's issue time per block as the fitted TP dispatch, charged on every micro-batch; that figure was "
+            "fitted on whole steps (their head, loss and optimizer folded in) on one host, and host-bound PP 2 x TP 2 "
+            "runs on 4 H200s ran 22-53% faster than so predicted (docs/prediction.md): not validated")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"

@@ -284,14 +284,14 @@ def _params_by_module(model) -> dict[str, int]:
 def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
     """Refuse, with the estimate and the budget, a training run of ``nproc`` local ranks that cannot fit.
 
-    The estimate is the analytic peak per rank of the recipe's layout (``predict.prediction.peak_bytes``, the
+    The estimate is the analytic peak per rank of the recipe's layout (``analytic.pipeline.peak_bytes``, the
     figure ``estimate`` and ``plan`` give: the engine's count, or a pipeline's largest stage), with the
     activations a compiled model saves where ``train.compile`` is on (fewer than eager's: a compiled mha-1b
     step at micro-batch 24 fits an 80 GB card that the eager estimate would refuse it). On CPU all ranks share this machine's
     memory (``nproc`` times the estimate against :func:`available_memory`); on CUDA each rank has its
     own GPU, whose free memory must hold one rank's share. Unknown memory: no check (None).
     """
-    from scaletool.predict.prediction import peak_bytes
+    from scaletool.analytic.pipeline import peak_bytes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:

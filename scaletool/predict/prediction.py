@@ -14,6 +14,7 @@ from scaletool.analytic.calibration import (
     load_calibration,
     shipped_calibration,
 )
+from scaletool.analytic.pipeline import peak_bytes
 from scaletool.analytic.step import predict_step
 from scaletool.config import Recipe
 from scaletool.errors import RecipeError
@@ -66,19 +67,6 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
 
 #: activation checkpointing from the lightest (fastest) to the heaviest (least memory)
 CHECKPOINTING = ("none", "selective", "full")
-
-
-def peak_bytes(recipe: Recipe, world_size: int) -> float:
-    """The recipe's estimated peak per GPU: its largest pipeline stage's under pipeline stages
-    (analytic.pipeline.stage_memory), else :func:`scaletool.analytic.memory.recipe_memory`'s."""
-    from scaletool.analytic.memory import recipe_memory
-    from scaletool.kinds.engines import engine_kind
-
-    if recipe.parallel.pipeline_parallel > 1:
-        from scaletool.analytic.pipeline import stage_memory
-        return max(row["total_bytes"] for row in stage_memory(recipe, world_size))
-    ranks = world_size if engine_kind(recipe.parallel.engine).distributed else 1
-    return recipe_memory(recipe, ranks)["total_bytes"]
 
 
 def fitting_checkpointing(recipe: Recipe, world_size: int, card_bytes: float | None) -> str | None:

@@ -26,11 +26,12 @@ import statistics
 from pathlib import Path
 
 from scaletool.analytic.calibration import Calibration, calibration_for, default_calibration
+from scaletool.analytic.pipeline import peak_bytes
 from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.fmt import printable
 from scaletool.measure.hardware import load_profiles, profile_named
-from scaletool.predict.prediction import peak_bytes, predict
+from scaletool.predict.prediction import predict
 from scaletool.resources import data_dir
 
 COLUMNS = ("id", "model", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "global_batch_seqs",

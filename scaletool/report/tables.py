@@ -215,7 +215,7 @@ def train_analytic_memory(r: Row) -> int | None:
     if m is not None:
         return int(m)
     r.recomputed("analytic memory of train runs (the run recorded none)")
-    from scaletool.predict.prediction import peak_bytes  # a pipeline's largest stage, as estimate and plan say
+    from scaletool.analytic.pipeline import peak_bytes  # a pipeline's largest stage, as estimate and plan say
     return int(peak_bytes(r.recipe, r.world_size or r.recipe.parallel.world_size))
 
 

@@ -75,8 +75,8 @@ def test_a_pipeline_run_is_checked_against_its_largest_stage(monkeypatch):
     """The layout `plan` ranked third for Llama-3-8B on 4 H200s (FSDP2, PP 2 interleaved, 8 micro-batches of one
     8,192-token sequence, compiled): its largest stage is 94.6 GiB, and train once refused it at 391.6 GiB, the
     count of micro-batch 8 through the whole model. The check is now the figure estimate and plan give."""
+    from scaletool.analytic.pipeline import peak_bytes
     from scaletool.config import load_recipe
-    from scaletool.predict.prediction import peak_bytes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
