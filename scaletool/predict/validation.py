@@ -207,6 +207,7 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
                          "moe_dispatch": recipe.model.moe_dispatch if moe else None,
                          "async_tp": recipe.parallel.async_tp,
                          "tp_local_ops": recipe.parallel.tp_local_ops,
+                         "pipeline_tp": recipe.parallel.pipeline_parallel > 1 and recipe.parallel.tensor_parallel > 1,
                          "float8": recipe.train.float8,
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
@@ -229,6 +230,8 @@ OUTSIDE = {
     "capacity": "MoE's capacity dispatch: its gathers and scatters are not modelled",
     "async_tp": "async tensor parallelism: not modelled (predicted as plain TP)",
     "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
+    "pipeline_tp": ("TP inside pipeline stages: the TP dispatch per block, fitted on whole steps (their head, loss "
+                    "and optimizer), is charged on every micro-batch"),
 }
 
 
@@ -236,7 +239,7 @@ def outside(row: dict) -> str | None:
     """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
     checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
               ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
-              ("tp_local_ops", row["tp_local_ops"]))
+              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)))
     return next((key for key, hit in checks if hit), None)
 
 

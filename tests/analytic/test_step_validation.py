@@ -10,11 +10,14 @@ from scaletool.predict.validation import HOST_BOUND_S, summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    "dense": (0.04, 0.39),  # every committed dense bf16 run, H100 and H200 (131 runs: 3.7%, 37.7%)
+    # every committed dense bf16 run, H100 and H200 (247 runs: 2.9%, 39.3%: TP 2 eager over FSDP2's one-rank mesh
+    # on a host whose DTensor dispatch ran 1.6x faster than the host its per-block figures were fitted on)
+    "dense": (0.04, 0.41),
     # the same without ZeRO-3 (185 runs: 2.8%, 29.3%: the worst is the H200 eager sweep docs/prediction.md
     # suspects of host contention, which the H200's faster GEMM curve of 50 µs and larger GEMMs over-predicts more;
     # 27.2% before its 128/128 attention was measured on the card: 339 TFLOP/s at T = 2,048, not the H100's 300)
-    "dense but ZeRO-3": (0.04, 0.30),
+    # (227 runs since 2026-11-28: 2.8%, 39.3%, the same TP 2 run)
+    "dense but ZeRO-3": (0.04, 0.41),
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
     "H100": (0.035, 0.19),   # the card the model was fitted on (76 runs: 2.7%, 17.7%)
     # compiled single, FSDP2 and TP (52 runs: 3.3%, 20.5%: TP=2 with FSDP2 over one rank, host-bound, whose rate
@@ -23,7 +26,9 @@ TOLERANCE = {  # (median |error|, worst |error|)
     "compiled": (0.055, 0.21),
     # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (13 runs: 7.0%, 20.5%; 5.9% before the H200's
     # attention was read at the run's T: Llama's layers at T = 8,192 and TP 2 eager went from +1.1% to +7.0%)
-    "TP": (0.075, 0.21),
+    # (15 runs since 2026-11-28: 7.4%, 39.3%: the two runs of pipeline/4xh200-2026-11-28-tp-host, eager -39.3% and
+    # compiled -16.9%, the layout the figures were fitted on, on another host)
+    "TP": (0.075, 0.41),
     "MoE dropless": (0.05, 0.11),  # 16 experts top-2, grouped GEMMs, compiled, one H100 (15 runs: 4.4%, 9.9%)
 }
 
@@ -46,7 +51,7 @@ def _check(rows, key):
 def test_the_runs_outside_the_model_are_those_its_failure_list_names(runs):
     """Each run the model does not claim carries its reason, and the summary's ``modelled`` is the rest."""
     reasons = {r["outside"] for r in runs}
-    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops"}
+    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops", "pipeline_tp"}
     out = validate()["summary"]
     assert out["modelled"]["n"] == sum(1 for r in runs if r["outside"] is None)
     assert sum(s["n"] for s in out["outside"].values()) == sum(1 for r in runs if r["outside"])
@@ -66,6 +71,7 @@ def _host_bound(r) -> bool:
 
 def test_error_distribution_within_the_stated_tolerance(runs):
     dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]
+             and not r["pipeline_tp"]
              and not _host_bound(r)]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
@@ -123,3 +129,11 @@ def test_tp_local_ops_is_not_modelled_and_says_so(runs):
             local[r["compiled"]].append(r["rel_error"])
     assert len(local[True]) == 2 and all(abs(e) < 0.05 for e in local[True]), local
     assert len(local[False]) == 2 and all(e < -0.15 for e in local[False]), local
+
+
+def test_tensor_parallelism_inside_pipeline_stages_stays_a_visible_failure(runs):
+    """PP 2 x TP 2 on 4 H200s (mla-1b, 4 sequences a micro-batch, eager and compiled): the model charges the TP
+    dispatch per block, fitted on whole steps, on every micro-batch, and predicts these host-bound runs 22-53% too
+    slow; they are kept out of the claims, and a change that closes the gap shows here."""
+    staged = [r["rel_error"] for r in runs if r["outside"] == "pipeline_tp"]
+    assert len(staged) == 8 and all(-0.6 < e < -0.15 for e in staged), staged
