@@ -180,7 +180,8 @@ def generate(run_dir: Path) -> str:
     if any(r.bundled for r in recs.values()):
         where = f"benchmarks/results/{study}/{run_dir.name}" if study != "?" else run_dir.name
         lines.append(f"The record files are bundled in [{records.BUNDLE}]({records.BUNDLE}) (xz, one JSON line per file); "
-                     f"`python -m scaletool.bench unpack {_cell(where)} --to DIR` writes them out.")
+                     f"`python -m scaletool.bench unpack {_cell(where)} --to DIR` writes them out. Below, a file named "
+                     "without a link is in the bundle.")
     commits = _commits(runs, prov)
     lines += ["", "**Commit:** " + ("; ".join(commits) if commits else "not recorded")]
     cards = sorted({", ".join(map(str, r["environment"].get("cards") or [])) or "CPU" for r in runs
@@ -203,7 +204,7 @@ def generate(run_dir: Path) -> str:
             continue
         rec = recs.get(rel)
         if rec is not None and rec.bundled:
-            where = f"{_cell(rel, 80)} (in [{records.BUNDLE}]({records.BUNDLE}))"
+            where = _cell(rel, 80)  # in the bundle (the line above the table says so); a loose file is linked
         else:
             where = f"[{_cell(rel, 80)}]({_cell(rel, 200)})"
         what = summarise(Path(rel), _text(rec)) if rec is not None else _other(run_dir / rel)

@@ -102,17 +102,17 @@ def test_every_reader_sees_bundled_files_as_loose_ones(tmp_path):
     assert [r.path for r in records.walk_records(tmp_path)] == [run / rel for rel, _ in loose]
     with pytest.raises(RecipeError, match="no such file"):
         records.read_record(run / "missing.json")
-    # the README lists the same files with the same summaries; a bundled one links the bundle
+    # the README lists the same files with the same summaries; a bundled one unlinked (the line above says where)
     text = (run / "README.md").read_text()
     assert text == readme.generate(run) and bench("readme", str(run), "--check").returncode == 0
     assert "| a | ok | 2.0 | a.json |" in text and "`abc123` (runner's record; clean tree)" in text
-    assert f"| a.json (in [{records.BUNDLE}]({records.BUNDLE})) | JSON, keys: title, x |" in text
+    assert "| a.json | JSON, keys: title, x |" in text and "a file named without a link is in the bundle" in text
     assert "| [sub/table.md](sub/table.md) | 1 lines: | a | |" not in text  # a cell's '|' is escaped
     assert "| [sub/table.md](sub/table.md) | 1 lines: \\| a \\| |" in text
     for row in readme_loose.splitlines():
         if row.startswith("| [") and "table.md" not in row and "calibration" not in row:
             rel = row[3:row.index("]")]
-            assert row.replace(f"[{rel}]({rel})", f"{rel} (in [{records.BUNDLE}]({records.BUNDLE}))") in text
+            assert row.replace(f"[{rel}]({rel})", rel) in text
 
 
 def test_a_bundled_result_is_done_for_the_runner_and_an_input_for_a_study(tmp_path):
