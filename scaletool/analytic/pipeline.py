@@ -387,7 +387,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
                 calib: Calibration) -> dict:
     """One pipeline rank's seconds per optimizer step (:func:`pipeline_step`): its micro-batches' compute and
     expert-parallel terms, optimizer, exposed FSDP2 within the stage, host, and their sum ``busy_s``."""
-    from scaletool.analytic.step import _compute, _tp_dispatch
+    from scaletool.analytic.step import _compute, _tp_dispatch, tp_microbatch_dispatch
 
     t, p = recipe.train, recipe.parallel
     P, m, T, gas = p.pipeline_parallel, pipeline_microbatches(recipe), recipe.seq_len, t.grad_accum_steps
@@ -411,7 +411,10 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     per_mb += (sum(ep_terms.values()) - ep_terms["comm/ep.replica_all_reduce_s"]) / (gas * m)
     # an eager stage's blocks are issued from Python: a micro-batch's slot is at least the host's issue time
     # (analytic.host), the device waiting where its work is shorter (FSDP2's hooks are in ``host`` below)
-    issue = (_tp_dispatch(local, tp, 1, compiled, p.async_tp, calib) if tp > 1  # its fitted figure counts them
+    # TP: the per-block issue time calibrate measured on its host, else the fitted whole-step figure per block
+    measured_tp = tp_microbatch_dispatch(local, compiled, calib) if tp > 1 else None
+    issue = (measured_tp if measured_tp is not None
+             else _tp_dispatch(local, tp, 1, compiled, p.async_tp, calib) if tp > 1
              else eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib))
     per_mb = max(per_mb, issue)
     params = stage["params"]
@@ -464,9 +467,10 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
         assumptions.append(
             f"tensor parallelism over {p.tensor_parallel} consecutive ranks within each stage (sequence-parallel): "
             "every collective on the critical path; the stage boundary carries each rank's sequence shard; the "
-            "host's issue time per block as the fitted TP dispatch, charged on every micro-batch; that figure was "
-            "fitted on whole steps (their head, loss and optimizer folded in) on one host, and host-bound PP 2 x TP 2 "
-            "runs on 4 H200s ran 22-53% faster than so predicted (docs/prediction.md): not validated")
+            "host's issue time per block on every micro-batch: as `scaletool calibrate --gpus 2 --recipe R` measured "
+            "it on its host where the calibration has it, else the fitted whole-step TP dispatch per block (its "
+            "head, loss and optimizer folded in); host-bound PP 2 x TP 2 runs on 4 H200s ran 13-19% faster than "
+            "predicted on the host the H200 figure was measured on, 9-45% on others (docs/prediction.md): not validated")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"

@@ -129,6 +129,16 @@ def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp
     return gas * per_block * local.n_layers
 
 
+def tp_microbatch_dispatch(local: ModelConfig, compiled: bool, calib: Calibration) -> float | None:
+    """Host seconds to issue one micro-batch of ``local``'s tensor-parallel blocks, from the per-block issue time
+    ``scaletool calibrate`` measures on its host (:mod:`scaletool.predict.calibrate_tp`: the blocks alone, no head,
+    loss or optimizer); None where the calibration has no such measurement (the fitted whole-step figure,
+    :func:`_tp_dispatch`, stands then)."""
+    mode = "compiled" if compiled else "eager"
+    per_block = calib.overheads.get(f"tp_{mode}_microbatch_block{'_mla' if local.attention == 'mla' else ''}_s")
+    return None if per_block is None else per_block * local.n_layers
+
+
 def _flops(cfg: ModelConfig, T: int, tokens: int, global_tokens: int, frac: float) -> tuple[float, float]:
     """Model FLOPs (causal convention) and hardware FLOPs (computed, recomputation included) per step."""
     fl = flops_per_token(cfg, T, tokens=tokens)

@@ -179,6 +179,14 @@ def _print_calibration(cal: dict, out: Path) -> None:
     elif host:
         per = ", ".join(f"{mode} {host[mode]['block_s'] * 1e3:.3g} ms" for mode in ("autocast", "bf16") if mode in host)
         con.print(f"eager block issue time ({host['processes']} process(es) at once): {per} per block", highlight=False)
+    tp = cal["measured"].get("tp_dispatch")
+    if tp and "skipped" in tp:
+        con.print(f"tensor-parallel block issue time: {tp['skipped']}", highlight=False)
+    elif tp:
+        per = ", ".join(f"{mode} {tp[mode]['block_s']['median'] * 1e3:.3g} ms" for mode in ("eager", "compiled")
+                        if mode in tp)
+        con.print(f"tensor-parallel block issue time (TP {tp['tensor_parallel']}, per micro-batch): {per} per block",
+                  highlight=False)
     con.print(f"wrote {out}", highlight=False)
 
 
@@ -186,7 +194,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
               help="Calibration YAML to write (default: calibration-<card>.yaml here).")
 @click.option("--gpus", type=click.IntRange(min=1, max=64), default=1, show_default=True,
-              help="Local processes for the collectives (group sizes 2..N); NCCL on GPUs, gloo on the CPU.")
+              help="Local processes for the collectives (group sizes 2..N); NCCL on GPUs, gloo on the CPU. With "
+                   "--recipe and N >= 2 also the recipe's tensor-parallel block issue time over 2 of them.")
 @click.option("--message-mib", type=PositiveFloat(), multiple=True, metavar="MIB", help="Collective message size "
               "(repeat for several; the largest sets the bus bandwidth) [default: 1, 16, 64, 256 on GPUs; 1 on a CPU].")
 @click.option("--recipe", "recipe", metavar="RECIPE", help="Also time this recipe's GEMM and attention shapes.")

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
 from scaletool.analytic.flops import gemm_shapes
 from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from
+from scaletool.predict.calibrate_tp import overheads_from as tp_overheads_from
 from scaletool.stats import spread
 
 WARMUP, REPS = 3, 10
@@ -195,6 +196,8 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
     # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
     host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
+    # with two or more processes: the recipe's tensor-parallel block issue time per micro-batch (pipeline stages)
+    tp_host = _tp_dispatch(recipe) if recipe is not None and gpus >= 2 else None
     card = card_name(device)
     base = _base_calibration(card, gpu)
     comm = comm or {}
@@ -210,17 +213,30 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
                                             for g in gemms]},
         "attention_tflops": {f"{qk}/{v}": entry, "default": entry},
         "hbm_gb_s": hbm["gb_s"]["median"],
-        "elementwise": dict(base.elementwise), "overheads": dict(base.overheads) | (overheads_from(host) if host else {}),
+        "elementwise": dict(base.elementwise),
+        "overheads": (dict(base.overheads) | (overheads_from(host) if host else {})
+                      | (tp_overheads_from(tp_host) if tp_host and "skipped" not in tp_host else {})),
         "collectives": collectives,
         "measured": {"command": command, "date": date, "card": card, "torch": version, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "warmup": WARMUP, "reps": REPS, "gemm": gemms,
                      "attention": attention, "hbm": hbm, "collectives": comm.get("ops", {}),
                      **({"host_dispatch": host} if host else {}),
+                     **({"tp_dispatch": tp_host} if tp_host else {}),
                      **({"collectives_inter_node": comm["inter_node"], "collectives_world": comm.get("world", {}),
                          "nodes": comm.get("nodes"), "per_node": comm.get("per_node")} if comm.get("inter_node") else {}),
-                     "fitted_elsewhere": "elementwise factors and overheads (but the eager block issue times "
-                                         "measured here): copied from " + base.source},
+                     "fitted_elsewhere": "elementwise factors and overheads (but the eager and tensor-parallel block "
+                                         "issue times measured here): copied from " + base.source},
     }
+
+
+def _tp_dispatch(recipe) -> dict:
+    """:func:`measure_tp_dispatch` over 2 processes, or why not (a model TP 2 cannot split): ``skipped``."""
+    from scaletool.predict.calibrate_tp import measure_tp_dispatch, probe_recipe
+
+    problems = probe_recipe(recipe, recipe.model.n_layers, 2, False).engine_problems(2)
+    if problems or recipe.model.task != "lm":
+        return {"skipped": "not measured: " + ("; ".join(problems) or "the probe runs language models")}
+    return measure_tp_dispatch(recipe, 2)
 
 
 def _base_calibration(card: str, gpu: bool) -> Calibration:

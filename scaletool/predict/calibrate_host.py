@@ -45,6 +45,25 @@ def _model(cfg, n_layers: int, device: torch.device, mode: str):
     return model
 
 
+def timed_loop(once, device: torch.device, inner: int = INNER, before_sample=None) -> list[float]:
+    """Seconds per call of ``once``: WARMUP calls, then REPS samples of ``inner`` calls that wait on the device
+    only at each sample's end (``before_sample``: run before each, a barrier where ranks time together)."""
+    for _ in range(WARMUP):
+        once()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out = []
+    for _ in range(REPS):
+        sync()
+        if before_sample is not None:
+            before_sample()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            once()
+        sync()
+        out.append((time.perf_counter() - t0) / inner)
+    return out
+
+
 def _iteration_seconds(model, tokens: torch.Tensor, device: torch.device, mode: str) -> list[float]:
     """Seconds per forward + backward, REPS samples of INNER iterations each (WARMUP iterations first)."""
     use_autocast = mode == "autocast" and device.type == "cuda"
@@ -54,18 +73,7 @@ def _iteration_seconds(model, tokens: torch.Tensor, device: torch.device, mode: 
             loss = model(tokens, tokens)
         loss.backward()
 
-    for _ in range(WARMUP):
-        once()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    out = []
-    for _ in range(REPS):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(INNER):
-            once()
-        sync()
-        out.append((time.perf_counter() - t0) / INNER)
-    return out
+    return timed_loop(once, device)
 
 
 def probe(cfg, seq_len: int, device: torch.device, modes: tuple[str, ...] = MODES) -> dict:

@@ -230,8 +230,8 @@ OUTSIDE = {
     "capacity": "MoE's capacity dispatch: its gathers and scatters are not modelled",
     "async_tp": "async tensor parallelism: not modelled (predicted as plain TP)",
     "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
-    "pipeline_tp": ("TP inside pipeline stages: the TP dispatch per block, fitted on whole steps (their head, loss "
-                    "and optimizer), is charged on every micro-batch"),
+    "pipeline_tp": ("TP inside pipeline stages: host-bound slots set by one host's DTensor issue time (hosts "
+                    "differ up to 1.6x); a host-bound stage's fill and drain not modelled"),
 }
 
 

@@ -93,6 +93,26 @@ def test_a_micro_batch_slot_is_at_least_the_hosts_tp_issue_time():
         assert x["tp_dispatch_s"] == pytest.approx(4 * per_block * x["layers"])
 
 
+def test_a_measured_tp_issue_time_per_micro_batch_replaces_the_fitted_whole_step_figure():
+    """Where the calibration holds the TP block issue time calibrate measured (the blocks alone, per micro-batch:
+    the H200's MLA figures, eager and compiled), a stage's slot is that time its blocks; a calibration without it
+    (here the MLA keys taken out) keeps the fitted whole-step figure per block."""
+    import dataclasses
+
+    for compiled, mode in ((False, "eager"), (True, "compiled")):
+        r = load_recipe("mla-1b", ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2",
+                                   "train.micro_batch_size=4", "parallel.pipeline_microbatches=4", "train.seq_len=256",
+                                   f"train.compile={str(compiled).lower()}"])
+        measured = CAL.overheads[f"tp_{mode}_microbatch_block_mla_s"]
+        fitted = CAL.overheads[f"tp_{mode}_block_mla_s"]
+        assert measured < fitted  # the fitted figure holds a whole step's head, loss and optimizer too
+        for x in pipeline_step(r, CAL, world_size=4, compiled=compiled)["ranks"]:
+            assert x["tp_dispatch_s"] == pytest.approx(4 * measured * x["layers"])
+        bare = dataclasses.replace(CAL, overheads={k: v for k, v in CAL.overheads.items() if "microbatch" not in k})
+        for x in pipeline_step(r, bare, world_size=4, compiled=compiled)["ranks"]:
+            assert x["tp_dispatch_s"] == pytest.approx(4 * fitted * x["layers"])
+
+
 def test_plan_offers_pipeline_by_tensor_parallel_layouts_that_estimate_agrees_with():
     res = CliRunner().invoke(main, ["plan", "mha-1b", "--gpus", "8", "--gpus-per-node", "8", "--hardware", "h200",
                                     "--top", "400", "--json"], prog_name="scaletool")

@@ -9,6 +9,7 @@ import yaml
 from conftest import run_cli
 
 from scaletool.analytic.calibration import load_calibration
+from scaletool.analytic.pipeline import pipeline_step
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.predict.calibrate import REPS, fit_gemm_curve
@@ -41,6 +42,17 @@ def test_calibrate_on_cpu_with_two_processes_writes_a_calibration_the_model_read
     for mode in ("autocast", "bf16"):
         assert cal.overheads[f"eager_{mode}_block_mla_s"] == pytest.approx(max(0.0, host[mode]["block_s"]), abs=1e-6)
         assert host["per_process"][0][mode]["block_s"]["n"] > 1
+    # with two processes: the tiny recipe's tensor-parallel block issue time per micro-batch (TP 2 over gloo, eager
+    # on the CPU), an overhead the pipeline charges on each micro-batch of a PP x TP stage
+    tp = m["tp_dispatch"]
+    assert tp["tensor_parallel"] == 2 and tp["blocks"] == [1, 3] and "compiled" not in tp
+    per_block = cal.overheads["tp_eager_microbatch_block_mla_s"]
+    assert per_block == pytest.approx(max(0.0, tp["eager"]["block_s"]["median"]), abs=1e-6)
+    assert tp["eager"]["block_s"]["n"] > 1 and len(tp["eager"]["iteration_s"]["3"]) == tp["eager"]["block_s"]["n"]
+    staged = load_recipe("tiny", ["parallel.engine=fsdp", "parallel.pipeline_parallel=2", "parallel.tensor_parallel=2",
+                                  "train.micro_batch_size=4", "parallel.pipeline_microbatches=4", "train.compile=false"])
+    ranks = pipeline_step(staged, cal, world_size=4, gpus_per_node=4, compiled=False)["ranks"]
+    assert [r["tp_dispatch_s"] for r in ranks] == pytest.approx([4 * per_block * r["layers"] for r in ranks])
     recipe = load_recipe("tiny", ["parallel.engine=ddp"])
     pred = predict_step(recipe, cal, world_size=2)
     assert pred["step_s"] > 0 and pred["terms"]["comm/dp.all_reduce_total_s"] > 0

@@ -1,0 +1,120 @@
+"""The host's issue time per tensor-parallel block and micro-batch: the floor under a pipeline stage's micro-batch.
+
+Under tensor parallelism every op of a block runs through DTensor's dispatcher on the CPU (placements,
+redistributes), several times a plain op's cost; where a micro-batch's device work is short (a pipeline stage of a
+1B model, a few sequences) the stage waits on that issue time. The step model's TP dispatch figures
+(``tp_{eager,compiled}_block[_mla]_s``) were fitted on whole steps divided by their blocks, so they also hold the
+head, the vocabulary-parallel loss and the optimizer's DTensor work, which a pipeline would charge again on every
+micro-batch. This probe measures the block alone, as :mod:`scaletool.predict.calibrate_host` does for eager blocks:
+the recipe's engine (FSDP2 over a one-rank data mesh × TP over ``tp`` ranks, as the pipeline's stages and the fitted
+figures run it), one sequence of at most 128 tokens, forward + loss + backward in a loop that waits on the device
+only at its end, at 1 and 3 blocks; the difference per block is the issue time (embedding, head and loss cancel).
+
+Keys (:func:`overhead_key`): ``tp_eager_microbatch_block[_mla]_s`` and ``tp_compiled_microbatch_block[_mla]_s``,
+read by :func:`scaletool.analytic.step.tp_microbatch_dispatch` for pipeline stages.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from scaletool.predict.calibrate_host import BLOCKS, MAX_TOKENS, timed_loop
+from scaletool.stats import spread
+
+#: iterations per timed sample (fewer than the eager probe's: a DTensor block issues in milliseconds)
+INNER = 4
+
+
+def overhead_key(mode: str, attention: str) -> str:
+    """The calibration key of a TP block's issue time per micro-batch: ``mode`` eager or compiled; MLA apart."""
+    return f"tp_{mode}_microbatch_block{'_mla' if attention == 'mla' else ''}_s"
+
+
+def probe_recipe(recipe, n_layers: int, tp: int, compiled: bool):
+    """The recipe as the probe builds it: FSDP2 over a one-rank data mesh × TP ``tp``, ``n_layers`` blocks, one sequence."""
+    t = recipe.train.model_copy(update={"compile": compiled, "micro_batch_size": 1, "grad_accum_steps": 1,
+                                        "activation_checkpointing": "none", "float8": "none"})
+    # every other parallel key at its default: a DeepSpeed recipe's ZeRO keys are not FSDP2's
+    p = type(recipe.parallel)(engine="fsdp", tensor_parallel=tp, fsdp_on_one_rank=True, world_size=tp)
+    model = recipe.model.model_copy(update={"n_layers": n_layers, "first_k_dense_replace": 0, "dropout": 0.0})
+    return recipe.model_copy(update={"model": model, "train": t, "parallel": p})
+
+
+def _timed(engine, tokens: torch.Tensor, device: torch.device) -> list[float]:
+    """Seconds per forward + backward, REPS samples of INNER iterations (WARMUP first, compile included), the
+    ranks starting each sample together."""
+    def once():
+        with engine.grad_sync(True):  # loss_parallel: the loss over vocabulary-sharded logits, and its backward
+            with engine.autocast():
+                loss = engine.model(tokens, tokens)
+            loss.backward()
+
+    return timed_loop(once, device, INNER, dist.barrier)
+
+
+def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
+    """Per mode: host seconds per TP block and micro-batch (median, p10, p90, n) on this rank; every rank of the
+    ``tp``-rank group calls it together."""
+    from scaletool.engines import make_engine
+
+    T = min(recipe.seq_len, MAX_TOKENS)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, recipe.model.vocab_size, (1, T), generator=gen).to(env.device)
+    result = {}
+    for mode in modes:
+        times = {}
+        for L in BLOCKS:
+            engine = make_engine(probe_recipe(recipe, L, tp, mode == "compiled"), env)
+            times[L] = _timed(engine, tokens, env.device)
+            del engine
+            torch._dynamo.reset()
+        lo, hi = BLOCKS
+        per_block = [(b - a) / (hi - lo) for a, b in zip(times[lo], times[hi])]
+        s = spread(per_block)
+        result[mode] = {"block_s": {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n},
+                        "iteration_s": {str(L): sorted(v) for L, v in times.items()},
+                        "key": overhead_key(mode, recipe.model.attention)}
+    return {"tokens": T, "blocks": list(BLOCKS), "tensor_parallel": tp, **result}
+
+
+def _worker(rank: int, tp: int, recipe, store: str, result: str, modes: tuple[str, ...]) -> None:
+    from scaletool.engines.dist import DistEnv
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=tp,
+                            timeout=timedelta(seconds=600))
+    try:
+        out = probe(recipe, DistEnv(rank, tp, rank, tp, device, backend, False), tp, modes)
+        if rank == 0:
+            Path(result).write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_tp_dispatch(recipe, tp: int = 2, modes: tuple[str, ...] | None = None) -> dict:
+    """The recipe's TP block issue time per micro-batch over ``tp`` local processes (GPUs, else gloo on the CPU),
+    eager and compiled on GPUs, eager on the CPU (no compiler assumed there)."""
+    modes = modes or (("eager", "compiled") if torch.cuda.is_available() else ("eager",))
+    with tempfile.TemporaryDirectory(prefix="scaletool-tp-") as tmp:
+        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+        mp.start_processes(_worker, args=(tp, recipe, store, result, modes), nprocs=tp, join=True,
+                           start_method="spawn")
+        return json.loads(Path(result).read_text())
+
+
+def overheads_from(measured: dict) -> dict:
+    """The calibration's overhead entries a :func:`measure_tp_dispatch` result gives."""
+    return {m["key"]: max(0.0, round(m["block_s"]["median"], 6))
+            for m in measured.values() if isinstance(m, dict) and "key" in m}
