@@ -197,7 +197,7 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
     host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
     # with two or more processes: the recipe's tensor-parallel block issue time per micro-batch (pipeline stages)
-    tp_host = _tp_dispatch(recipe) if recipe is not None and gpus >= 2 else None
+    tp_host = _tp_dispatch(recipe, device) if recipe is not None and gpus >= 2 else None
     card = card_name(device)
     base = _base_calibration(card, gpu)
     comm = comm or {}
@@ -229,14 +229,28 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     }
 
 
-def _tp_dispatch(recipe) -> dict:
-    """:func:`measure_tp_dispatch` over 2 processes, or why not (a model TP 2 cannot split): ``skipped``."""
+def _tp_dispatch(recipe, device: torch.device) -> dict:
+    """:func:`measure_tp_dispatch` over 2 processes, or why not (``skipped``): a model TP 2 cannot split, blocks too
+    large for the probe's share of memory (:func:`scaletool.predict.calibrate_host.not_probed`), or a probe that
+    failed (the rest of the calibration stands)."""
+    from torch.multiprocessing.spawn import ProcessException
+
+    from scaletool.kinds.engines import layout_problems
+    from scaletool.predict.calibrate_host import not_probed
     from scaletool.predict.calibrate_tp import measure_tp_dispatch, probe_recipe
 
-    problems = probe_recipe(recipe, recipe.model.n_layers, 2, False).engine_problems(2)
-    if problems or recipe.model.task != "lm":
-        return {"skipped": "not measured: " + ("; ".join(problems) or "the probe runs language models")}
-    return measure_tp_dispatch(recipe, 2)
+    reason = not_probed(recipe.model, device)
+    if reason:
+        return {"skipped": reason}
+    probe = probe_recipe(recipe, recipe.model.n_layers, 2, False)
+    problems = layout_problems(probe, probe.seq_len) + probe.engine_problems(2)
+    if problems:
+        return {"skipped": "not measured: " + "; ".join(problems)}
+    try:
+        return measure_tp_dispatch(recipe, 2)
+    except ProcessException as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        return {"skipped": f"not measured: the probe failed ({last[:200]})"}
 
 
 def _base_calibration(card: str, gpu: bool) -> Calibration:

@@ -175,3 +175,28 @@ def test_alibi_attention_is_timed_with_the_dense_bias_training_passes(monkeypatc
     assert all(c["is_causal"] is False and c["enable_gqa"] for c in calls)
     assert mask.shape == (1, 4, 32, 32) and torch.equal(mask, want)
     assert torch.isinf(mask[0, :, 0, 1:]).all() and mask[0, 1, 5, 2].item() == -3 * alibi_slopes(4)[1].item()
+
+
+def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkeypatch):
+    """No process is started for a model whose three blocks would not fit the probe's share of memory, or that TP 2
+    cannot split (one head); a probe whose processes fail leaves a reason, not a failed calibration."""
+    import torch
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from scaletool.predict import calibrate as cal_mod
+    from scaletool.predict import calibrate_tp
+
+    def never(*a, **k):
+        raise AssertionError("no probe process for this recipe")
+
+    monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", never)
+    cpu = torch.device("cpu")
+    assert "over the" in cal_mod._tp_dispatch(load_recipe("deepseek-v3"), cpu)["skipped"]
+    assert "heads do not split" in cal_mod._tp_dispatch(load_recipe("tiny", ["model.n_heads=1"]), cpu)["skipped"]
+
+    def dies(*a, **k):
+        raise ProcessExitedException("process 1 terminated with exit code 1", 1, 1, 1)
+
+    monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", dies)
+    said = cal_mod._tp_dispatch(load_recipe("tiny"), cpu)["skipped"]
+    assert said == "not measured: the probe failed (process 1 terminated with exit code 1)"
