@@ -27,6 +27,12 @@ def overhead_key(mode: str, attention: str, moe: bool) -> str:
     return f"eager_{mode}_block{'_mla' if attention == 'mla' else ''}{'_moe' if moe else ''}_s"
 
 
+def tp_overhead_key(mode: str, attention: str) -> str:
+    """The calibration key of a tensor-parallel block's issue time per micro-batch (``scaletool calibrate``'s TP
+    probe, :mod:`scaletool.predict.calibrate_tp`): ``tp_<eager|compiled>_microbatch_block[_mla]_s``."""
+    return f"tp_{mode}_microbatch_block{'_mla' if attention == 'mla' else ''}_s"
+
+
 def block_dispatch_s(attention: str, moe: bool, autocast: bool, calib: Calibration) -> float:
     """Host seconds to issue one eager block's forward and backward for an engine that computes under autocast
     (``autocast``) or on 16-bit weights; the closest measured figure (the attention's, then MHA's, then the

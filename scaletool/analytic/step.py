@@ -18,7 +18,7 @@ from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
-from scaletool.analytic.host import eager_dispatch_s
+from scaletool.analytic.host import eager_dispatch_s, tp_overhead_key
 from scaletool.analytic.memory import compile_scope
 from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
@@ -134,8 +134,7 @@ def tp_microbatch_dispatch(local: ModelConfig, compiled: bool, calib: Calibratio
     ``scaletool calibrate`` measures on its host (:mod:`scaletool.predict.calibrate_tp`: the blocks alone, no head,
     loss or optimizer); None where the calibration has no such measurement (the fitted whole-step figure,
     :func:`_tp_dispatch`, stands then)."""
-    mode = "compiled" if compiled else "eager"
-    per_block = calib.overheads.get(f"tp_{mode}_microbatch_block{'_mla' if local.attention == 'mla' else ''}_s")
+    per_block = calib.overheads.get(tp_overhead_key("compiled" if compiled else "eager", local.attention))
     return None if per_block is None else per_block * local.n_layers
 
 

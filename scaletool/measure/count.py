@@ -19,6 +19,7 @@ from scaletool.analytic.estimate import model_summary
 from scaletool.analytic.flops import decode_flops_per_token, flops_per_token
 from scaletool.analytic.memory import count_memory
 from scaletool.analytic.params import param_counts
+from scaletool.analytic.pipeline import peak_bytes
 from scaletool.config import ModelConfig, Recipe
 from scaletool.errors import RecipeError
 from scaletool.fmt import gib
@@ -291,8 +292,6 @@ def train_memory_check(recipe: Recipe, nproc: int) -> dict | None:
     memory (``nproc`` times the estimate against :func:`available_memory`); on CUDA each rank has its
     own GPU, whose free memory must hold one rank's share. Unknown memory: no check (None).
     """
-    from scaletool.analytic.pipeline import peak_bytes
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         per_rank = int(peak_bytes(recipe, nproc))  # the figure estimate and plan give (a pipeline's largest stage)

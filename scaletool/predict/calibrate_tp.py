@@ -10,8 +10,8 @@ the recipe's engine (FSDP2 over a one-rank data mesh × TP over ``tp`` ranks, as
 figures run it), one sequence of at most 128 tokens, forward + loss + backward in a loop that waits on the device
 only at its end, at 1 and 3 blocks; the difference per block is the issue time (embedding, head and loss cancel).
 
-Keys (:func:`overhead_key`): ``tp_eager_microbatch_block[_mla]_s`` and ``tp_compiled_microbatch_block[_mla]_s``,
-read by :func:`scaletool.analytic.step.tp_microbatch_dispatch` for pipeline stages.
+Keys (:func:`scaletool.analytic.host.tp_overhead_key`): ``tp_eager_microbatch_block[_mla]_s`` and
+``tp_compiled_microbatch_block[_mla]_s``, read by :func:`scaletool.analytic.step.tp_microbatch_dispatch` for pipeline stages.
 """
 from __future__ import annotations
 
@@ -25,16 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from scaletool.analytic.host import tp_overhead_key
 from scaletool.predict.calibrate_host import BLOCKS, MAX_TOKENS, timed_loop
 from scaletool.stats import spread
 
 #: iterations per timed sample (fewer than the eager probe's: a DTensor block issues in milliseconds)
 INNER = 4
-
-
-def overhead_key(mode: str, attention: str) -> str:
-    """The calibration key of a TP block's issue time per micro-batch: ``mode`` eager or compiled; MLA apart."""
-    return f"tp_{mode}_microbatch_block{'_mla' if attention == 'mla' else ''}_s"
 
 
 def probe_recipe(recipe, n_layers: int, tp: int, compiled: bool):
@@ -80,7 +76,7 @@ def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
         s = spread(per_block)
         result[mode] = {"block_s": {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n},
                         "iteration_s": {str(L): sorted(v) for L, v in times.items()},
-                        "key": overhead_key(mode, recipe.model.attention)}
+                        "key": tp_overhead_key(mode, recipe.model.attention)}
     return {"tokens": T, "blocks": list(BLOCKS), "tensor_parallel": tp, **result}
 
 

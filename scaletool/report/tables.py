@@ -13,6 +13,7 @@ from typing import Any
 
 from scaletool.analytic.flops import flops_per_token
 from scaletool.analytic.params import param_counts
+from scaletool.analytic.pipeline import peak_bytes  # a pipeline's largest stage, as estimate and plan say
 from scaletool.fmt import CONTENDED_MARK, gib, pct, si
 from scaletool.kinds.engines import engine_kind
 from scaletool.report.data import ResultsSet, Row
@@ -215,7 +216,6 @@ def train_analytic_memory(r: Row) -> int | None:
     if m is not None:
         return int(m)
     r.recomputed("analytic memory of train runs (the run recorded none)")
-    from scaletool.analytic.pipeline import peak_bytes  # a pipeline's largest stage, as estimate and plan say
     return int(peak_bytes(r.recipe, r.world_size or r.recipe.parallel.world_size))
 
 
