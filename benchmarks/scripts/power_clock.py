@@ -1,8 +1,8 @@
 """The SM clock a card sustains under its power limit: GEMMs on n of its SMs, an attention kernel, and a training run.
 
-Usage (GPU machine, repo root; about 4 minutes on one H200):
+Usage (GPU machine, repo root; about 3 minutes on one H200):
     python benchmarks/scripts/power_clock.py OUT
-    python benchmarks/scripts/power_clock.py OUT --sms 8,16,32,64,96,132 --seconds 5 --no-train
+    python benchmarks/scripts/power_clock.py OUT --dtypes bf16,fp8 --zeroed '' --no-train
 
 The question it answers: what a card's power limit does to its sustained clock, and so to the rate of the
 compute-bound work, on the card's own die. A bf16 GEMM (random operands, 8,192 cubed) runs on a green context of
@@ -11,8 +11,9 @@ proportion to n at the highest clock (the line's intercept is what does not scal
 limit binds the clock drops until the power is the limit's. Each n gives (clock, power, TFLOP/s), and from them
 the dynamic power's curve against the clock, ``r(f) = (P_limit - P0) / (n * c)`` where ``c`` is one SM's share
 at the highest clock: what a lower limit would leave of the clock is read off that curve, with no limit
-changed (the card's settings stay as they are). Also measured: the GEMM at all SMs with a share of its operands
-zeroed (less switching, less power: the clock against the switching at the limit), causal SDPA (flash) at
+changed (the card's settings stay as they are). FP8 operands (``--dtypes fp8``) draw more power a SM and so
+reach lower clocks under the same limit: the same curve further down. Also measured: the GEMM at all SMs with
+a share of its operands zeroed (less switching, less power: the clock against the switching at the limit), causal SDPA (flash) at
 T = 8,192, and a ``scaletool train`` run of torchtitan's Llama-3.1-8B shape cut to ``--train-layers`` blocks
 (the clock and power training draws), each sampled by NVML every ``--interval`` seconds.
 
@@ -173,16 +174,22 @@ def gemm_points(a, sampler: Sampler, dev, emit) -> None:
     out = torch.empty(M, M, device=dev, dtype=torch.bfloat16)
     flops = 2.0 * M ** 3
     keep = []
-    for n in a.sms:
-        try:
-            ctx, s = (None, torch.cuda.Stream()) if n >= torch.cuda.get_device_properties(dev).multi_processor_count \
-                else green_stream(n)
-            keep.append(ctx)
-        except Exception as e:
-            emit({"part": "sms", "sms": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            continue
-        r = hold(lambda: torch.mm(x, w, out=out), flops, s, sampler, a.warmup, a.seconds)
-        emit({"part": "sms", "sms": n, "green": ctx is not None, **r})
+    for dtype in a.dtypes:
+        fn = functools.partial(torch.mm, x, w, out=out)
+        if dtype == "fp8":  # e4m3 operands (the second column-major), unit scales: the tensor cores' FP8 path
+            x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).t().contiguous().t()
+            one = torch.ones((), device=dev, dtype=torch.float32)
+            fn = functools.partial(torch._scaled_mm, x8, w8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        for n in a.sms:
+            try:
+                ctx, s = (None, torch.cuda.Stream()) if n >= torch.cuda.get_device_properties(dev).multi_processor_count \
+                    else green_stream(n)
+                keep.append(ctx)
+            except Exception as e:
+                emit({"part": "sms", "dtype": dtype, "sms": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                continue
+            r = hold(fn, flops, s, sampler, a.warmup, a.seconds)
+            emit({"part": "sms", "dtype": dtype, "sms": n, "green": ctx is not None, **r})
     s = torch.cuda.Stream()
     for share in a.zeroed:
         mask = (torch.rand(M, M, device=dev) >= share / 100).to(torch.bfloat16)
@@ -238,6 +245,8 @@ def main(argv=None) -> int:
                     help="SMs the GEMM runs on (green contexts; the card's count: all, an ordinary stream)")
     ap.add_argument("--zeroed", type=lambda s: [int(x) for x in s.split(",") if x], default=[0, 25, 50, 75, 90],
                     help="percent of the GEMM's operand elements set to zero, at all SMs")
+    ap.add_argument("--dtypes", type=lambda s: [x for x in s.split(",") if x], default=["bf16"],
+                    help="GEMM operand types of the SM sweep, comma-separated: bf16, fp8 (e4m3, torch._scaled_mm)")
     ap.add_argument("--gemm-dim", type=int, default=8192)
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds excluded at each point")
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds measured at each point")
@@ -246,6 +255,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=30)
     ap.add_argument("--no-train", action="store_true")
     a = checked(ap, argv)
+    if set(a.dtypes) - {"bf16", "fp8"} or not a.dtypes:
+        print("error: --dtypes: bf16 and/or fp8", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
