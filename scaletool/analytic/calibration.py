@@ -16,6 +16,7 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from scaletool.analytic.power import profile_clock_ratio
 from scaletool.errors import RecipeError, echo, shorten
 from scaletool.resources import data_dir, read_bounded
 
@@ -379,7 +380,9 @@ def default_calibration(hardware_profile) -> Calibration:
     """A datasheet-derived calibration for a hardware profile (``HardwareProfile`` or anything with
     ``name``, ``peak_tflops`` and ``peak_bandwidth_bytes_per_s``): the profile's peaks times the ratios
     the H100 SXM calibration measured (:data:`DATASHEET_RATIOS`); NVLink-4-class interconnect assumed.
-    The H100 SXM's own default predicts its committed runs within the error docs/prediction.md states."""
+    The H100 SXM's own default predicts its committed runs within the error docs/prediction.md states. A profile
+    with a power limit below 700 W on a die with a measured curve (``power_curve``) has its GEMM and attention
+    rates scaled by the clock that limit leaves (:func:`scaletool.analytic.power.profile_clock_ratio`)."""
     peak = (getattr(hardware_profile, "peak_tflops", None) or {}).get("bf16")
     if not peak:
         raise RecipeError(f"hardware profile {getattr(hardware_profile, 'name', hardware_profile)!r} has no bf16 peak: "
@@ -388,14 +391,17 @@ def default_calibration(hardware_profile) -> Calibration:
     base = shipped_calibration("h100-sxm")
     r = DATASHEET_RATIOS
     bus = 450.0 * r["bus"]
+    clock = profile_clock_ratio(hardware_profile)  # a power limit under the 700 W the ratios were measured at
+    held = (f"; GEMM and attention at {clock:.3f} of the ratios' rates: the sustained clock a "
+            f"{hardware_profile.power_limit_w:g} W limit leaves (analytic.power, measured on the die)") if clock < 1 else ""
     return Calibration(
         name=f"{hardware_profile.name} (datasheet default)",
         source=(f"datasheet default: {peak:g} TFLOP/s bf16, {bw / 1e9:g} GB/s HBM, NVLink 4 at 450 GB/s x {r['bus']} "
                 f"(ratios measured on an H100 SXM; its own default on the {DATASHEET_DEFAULT_ERROR[0]} committed dense "
                 f"H100 runs: median {DATASHEET_DEFAULT_ERROR[1]:.1%}, worst {DATASHEET_DEFAULT_ERROR[2]:.1%} |error| in "
-                "tokens/s per GPU; `scaletool docs prediction`)"),
-        gemm_tflops={"max_tflops": peak * r["gemm_max"], "half_dim": base.gemm_tflops["half_dim"]},
-        attention_tflops={"default": peak * r["attention"]},
+                f"tokens/s per GPU; `scaletool docs prediction`){held}"),
+        gemm_tflops={"max_tflops": peak * r["gemm_max"] * clock, "half_dim": base.gemm_tflops["half_dim"]},
+        attention_tflops={"default": peak * r["attention"] * clock},
         hbm_gb_s=bw / 1e9 * r["hbm"],
         collectives={"intra_node_gb_s": {op: {2: bus, 8: bus} for op in COLLECTIVE_OPS},
                      "inter_node_gb_s": base.collectives["inter_node_gb_s"],

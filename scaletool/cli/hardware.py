@@ -15,6 +15,8 @@ exclude: []                      # substrings that rule a name out (optional)
 peak_tflops: {bf16: 165.2, fp16: 165.2, fp32: 82.6}   # dense, per dtype
 peak_bandwidth_gb_s: 1008        # device memory (optional)
 memory_gib: 23.99                # one device's memory (optional; plan)
+# power_limit_w: 500             # the board's limit, with power_curve: gh100 for an H100/H200/H800 (optional):
+# power_curve: gh100             #   under 700 W the default GEMM/attention rates slow with the clock it leaves
 reference: "NVIDIA Ada architecture whitepaper, dense, fp32 accumulate"
 """
 
@@ -111,7 +113,8 @@ def hardware(device_name: str | None, as_json: bool):
 
     MFU divides achieved FLOP/s by the matched profile's dense peak; decode divides its bytes per
     step by the peak bandwidth. Profiles ship with scaletool (profiles/*.yaml); yours go in
-    $SCALETOOL_PROFILES or ~/.config/scaletool/profiles and extend or replace them.
+    $SCALETOOL_PROFILES or ~/.config/scaletool/profiles and extend or replace them. A GH100 card
+    held under 700 W (power_limit_w, power_curve: gh100) is predicted at the clock its limit leaves.
 
     \b
     Examples:

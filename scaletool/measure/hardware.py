@@ -3,7 +3,8 @@
 A profile is a YAML file (:class:`ProfileFile`): the device kind (``cuda`` or ``cpu``), substrings of
 ``torch.cuda.get_device_name()`` that select it (``match``, with optional ``exclude``), dense peak TFLOP/s
 per dtype, the peak device-memory bandwidth (``peak_bandwidth_gb_s``), the memory one device offers
-(``memory_gib``, what ``scaletool plan`` fits layouts into) and a ``reference``. Profiles are
+(``memory_gib``, what ``scaletool plan`` fits layouts into), optionally the board's power limit and the
+die whose clock-power curve applies (``power_limit_w``, ``power_curve``) and a ``reference``. Profiles are
 read from, highest precedence first:
 
 1. every directory in ``$SCALETOOL_PROFILES`` (``os.pathsep``-separated),
@@ -57,6 +58,10 @@ class ProfileFile(BaseModel):
     peak_tflops: dict[Literal["bf16", "fp16", "fp32", "fp8"], TFLOPS] = {}  # fp8: dense FP8 tensor cores
     peak_bandwidth_gb_s: GB_S | None = None
     memory_gib: GIB | None = None
+    # the board's power limit (W) and the die whose measured clock-power curve applies (analytic.power): a
+    # limit below the curve's reference lowers the datasheet-default GEMM and attention rates
+    power_limit_w: Annotated[float, Field(ge=1, le=1e5, allow_inf_nan=False, strict=True)] | None = None
+    power_curve: Literal["gh100"] | None = None
     reference: Text = ""
 
     @model_validator(mode="after")
@@ -64,6 +69,13 @@ class ProfileFile(BaseModel):
         if self.device == "cuda" and not any(m.strip() for m in self.match):
             raise RecipeError("match: a cuda profile needs at least one substring of the GPU's name "
                               "(torch.cuda.get_device_name(), e.g. 'H100 80GB HBM3')")
+        if self.power_curve and self.power_limit_w is not None:
+            from scaletool.analytic.power import CURVES
+
+            c = CURVES[self.power_curve]
+            if self.power_limit_w * c["draw_share"] <= c["static_w"]:
+                raise RecipeError(f"power_limit_w: {self.power_limit_w:g} W is at or below the {self.power_curve} die's "
+                                  f"static draw ({c['static_w']:g} W): no sustained clock to predict from")
         return self
 
 
@@ -110,7 +122,8 @@ def read_profile(path: Path, source: str) -> HardwareProfile:
                            peak_tflops={k: float(v) for k, v in f.peak_tflops.items()},
                            peak_bandwidth_bytes_per_s=f.peak_bandwidth_gb_s * 1e9 if f.peak_bandwidth_gb_s else None,
                            memory_bytes=int(f.memory_gib * 2**30) if f.memory_gib else None,
-                           reference=f.reference, source=source)
+                           power_limit_w=float(f.power_limit_w) if f.power_limit_w else None,
+                           power_curve=f.power_curve, reference=f.reference, source=source)
 
 
 def _read_dir(directory: Path, label: str) -> tuple[list[HardwareProfile], list[str]]:

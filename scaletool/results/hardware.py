@@ -23,6 +23,9 @@ class HardwareProfile(BaseModel):
                                                                        "decoding's roofline")
     memory_bytes: int | None = Field(None, description="device memory as torch reports it (total_memory), what "
                                                        "`scaletool plan` fits layouts into")
+    power_limit_w: float | None = Field(None, description="the board's power limit (W), where the profile states it")
+    power_curve: str | None = Field(None, description="the die whose measured clock-power curve applies (gh100): "
+                                                      "a limit below 700 W lowers the default GEMM and attention rates")
     reference: str = Field("", description="where the figures come from (a datasheet)")
     source: str = Field("", description="the file it was read from: shipped:<file> or a user file's path")
     replaces: str | None = Field(None, description="the shipped profile of the same name this user profile replaces")

@@ -37,6 +37,11 @@ CASES = {
     "an escape sequence in the name": (_profile(GOOD.replace("name: Mine", "name: \"Mine\\e[2J\"")), "control"),
     "a newline in the reference": (_profile(GOOD + "reference: \"a\\nb\"\n"), "control"),
     "larger than 64 KiB": (_profile(GOOD + "#" * 70_000 + "\n"), "larger than 64 KiB"),
+    "power limit 0": (_profile(GOOD + "power_limit_w: 0\npower_curve: gh100\n"), "power_limit_w"),
+    "power limit NaN": (_profile(GOOD + "power_limit_w: .nan\n"), "power_limit_w"),
+    "power limit below the die's static draw": (_profile(GOOD + "power_limit_w: 60\npower_curve: gh100\n"),
+                                                "static draw"),
+    "an unknown power curve": (_profile(GOOD + "power_limit_w: 500\npower_curve: gb100\n"), "power_curve"),
 }
 
 

@@ -23,7 +23,7 @@ from scaletool.predict.published import (
 )
 
 #: (median, worst) |relative error| stated in docs/prediction.md, by group
-STATED = {"all": (0.185, 0.584), "one_node": (0.212, 0.382), "multi_node": (0.149, 0.584)}
+STATED = {"all": (0.118, 0.591), "one_node": (0.119, 0.344), "multi_node": (0.071, 0.591)}
 MARGIN = 0.02
 #: (median, worst) |relative error| of the estimated peak memory against the rows that state theirs
 STATED_MEMORY = (0.041, 0.053)
