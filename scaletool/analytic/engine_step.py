@@ -133,13 +133,19 @@ def hooked_modules(cfg: ModelConfig, leaf_blocks: bool = False) -> int:
     return cfg.n_layers * (attn + ffn + 2) + 3
 
 
+#: the parameters of the model ``zero12_step_s`` was fitted on (mha-1b, one rank): the term is that many
+#: seconds for that many elements, and scales with the rank's partition (elements over ranks)
+ZERO12_REFERENCE_PARAMS = 953_223_168
+
+
 def zero_step(ctx: StepContext) -> EngineStepTerms:
     """DeepSpeed ZeRO at its stage.
 
     ZeRO-1/2: the gradients' reduce-scatter after the backward and the updated parameters' all-gather after
-    the step are on the critical path; its step's work on the rank's partition (``zero12_step_s`` at one rank
-    over the data-parallel ranks: stage_1_and_2.py flattens the partition's gradients to fp32, walks its
-    tensors for the norm and unscaling, copies the fp32 partition to the 16-bit one; docs/prediction.md).
+    the step are on the critical path; its step's work on the rank's partition (``zero12_step_s`` for
+    :data:`ZERO12_REFERENCE_PARAMS` elements at one rank, scaled to the partition's elements: stage_1_and_2.py
+    flattens the partition's gradients to fp32, walks its tensors for the norm and unscaling, copies the fp32
+    partition to the 16-bit one; docs/prediction.md).
 
     ZeRO-3 (deepspeed/runtime/zero/stage3.py, as scaletool configures it): parameter gathers prefetched up to
     ``stage3_prefetch_bucket_size`` elements ahead (``zero_overlap``, as FSDP2), and the gradients
@@ -155,7 +161,8 @@ def zero_step(ctx: StepContext) -> EngineStepTerms:
     """
     p = ctx.recipe.parallel
     if p.zero_stage < 3:
-        return EngineStepTerms(serial_exposure(ctx), ctx.overhead("zero12_step_s") / max(1, ctx.ranks), 0.0,
+        share = param_counts(ctx.local)["total"] / ZERO12_REFERENCE_PARAMS / max(1, ctx.ranks)
+        return EngineStepTerms(serial_exposure(ctx), ctx.overhead("zero12_step_s") * share, 0.0,
                                ["deepspeed ZeRO-1/2: gradient reduce-scatter and parameter all-gather on the critical "
                                 "path; its step's work on the partition in proportion to it"])
     cfg, N, gas = ctx.local, ctx.ranks, ctx.gas

@@ -122,3 +122,22 @@ def test_fits_keeps_the_allocator_reserve():
     assert not ok and margin < 0
     ok, margin = fits(60 * gib, 79.2 * gib)
     assert ok and margin > 0
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_zero12_step_work_scales_with_the_partitions_elements(h100, ranks):
+    """DeepSpeed ZeRO-1/2's step work (flatten to fp32, norm and unscale, the fp32 partition copied to 16 bits) is
+    per element of the rank's partition: ``zero12_step_s`` at mha-1b's parameters on one rank (where it was
+    fitted), twice the elements twice the time, N ranks 1/N of it (Llama-3-8B's 32 blocks: 8.4x mha-1b's)."""
+    from scaletool.analytic.engine_step import ZERO12_REFERENCE_PARAMS, StepContext, zero_step
+    from scaletool.analytic.params import param_counts
+
+    def host(name):
+        r = recipe(name, "parallel.engine=deepspeed", "parallel.zero_stage=1", f"parallel.world_size={ranks}")
+        ctx = StepContext(r, r.model, ranks, 1, [], [], 0.0, 0.0, h100)
+        return zero_step(ctx).host_s, param_counts(r.model)["total"]
+    small, psi_small = host("mha-1b")
+    big, psi_big = host("llama3-8b")
+    assert psi_small == ZERO12_REFERENCE_PARAMS
+    assert small == pytest.approx(h100.overheads["zero12_step_s"] / ranks)
+    assert big / small == pytest.approx(psi_big / psi_small) and big / small > 8
