@@ -79,8 +79,23 @@ class EngineSettings:
     reduce_scatter_every_micro_batch: bool = False  # fsdp: sharded gradients only, even while accumulating
 
 
+def _norm_readers(cfg: ModelConfig) -> tuple[int, int]:
+    """How many matmuls read each block norm's output: the attention's (q, k, v apart; MLA's query and latent
+    projections) and the FFN's (SwiGLU's gate and up; one up-projection otherwise, a MoE block's router).
+
+    What it decides: CUDA autocast runs ``layer_norm`` in fp32, so an eager LayerNorm keeps an fp32 copy of its
+    16-bit input (4d, not res·d) and every matmul reading its fp32 output makes its own 16-bit cast (autocast
+    caches only leaf weights' casts): 2d a reader. Measured on an H200 (MPT-1B's shapes, single engine,
+    benchmarks/results/published-shape/): +8.2d and +8.4d bytes a token and block over the plain count with
+    GELU (MHA: 3 readers, then 1), +10.1d with SwiGLU (3, then 2); RMSNorm (not in autocast's fp32 list) and
+    FSDP2's 16-bit parameters (no autocast) keep the plain count (within 0.1%). The CPU's autocast runs
+    ``layer_norm`` in 16 bits: the plain count holds there."""
+    return (2 if cfg.attention == "mla" else 3), (2 if cfg.ffn == "swiglu" else 1)
+
+
 def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, res: int = 4,
-                                          compiled: bool = False, autocast_block: bool = False) -> float:
+                                          compiled: bool = False, autocast_block: bool = False,
+                                          layernorm_fp32: bool = False) -> float:
     """Bytes autograd keeps per token in one block, eager mode (or ``compiled``), mixed precision.
 
     Counted tensor by tensor (residual stream of ``res`` bytes, 16-bit matmul inputs): each norm
@@ -100,9 +115,12 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     ``autocast_block`` (a block compiled alone over fp32 weights under autocast, DDP): a dense SwiGLU keeps
     eager's four of i, measured on 2 DDP runs (benchmarks/results/plan-verify/README.md: 181–183 KB a token over
     three, 16 × 2·i = 180 KB); the whole model compiled under autocast (single) keeps three.
+    ``layernorm_fp32``: eager LayerNorm under CUDA autocast (:func:`_norm_readers` says what it adds).
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     norms = 2 * (res * d + a * d)
+    if layernorm_fp32:
+        norms += sum((4 - res) * d + (n - 1) * a * d for n in _norm_readers(cfg))
     attn = a * attention_kind(cfg).activation_elements(cfg) + 4 * H  # + the fp32 log-sum-exp
     if moe:
         slots, i = routed_experts_computed(cfg), cfg.moe_intermediate_size
@@ -171,6 +189,7 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
     moe = moe_params(cfg) if cfg.n_moe_layers else None
     copy = 2 if autocast and mixed else 0  # bytes of autocast's 16-bit weight copy per matmul parameter
     autocast_block = autocast and mixed and inputs.compiled and inputs.compile_scope == "block"
+    layernorm_fp32 = autocast and mixed and not inputs.compiled and cfg.norm == "layernorm"
     ac = inputs.activation_checkpointing
     dense_layers = L - cfg.n_moe_layers
     blocks = []
@@ -182,7 +201,8 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         gathered = attn_total + norms + ffn - (moe["routed"] if is_moe and expert_parallel else 0)
         copied = (moe["routed"] if is_moe and cfg.moe_dispatch != "dropless" else 0) if cast_once else attn_matmul + ffn
         full = (tokens * _activation_bytes_per_token_per_layer(cfg, moe=is_moe, res=res, compiled=inputs.compiled,
-                                                               autocast_block=autocast_block) + copy * copied)
+                                                               autocast_block=autocast_block,
+                                                               layernorm_fp32=layernorm_fp32) + copy * copied)
         ckpt = ac == "full" or (ac == "selective" and (i + 1) % inputs.selective_every == 0)
         blocks.append(_Unit(f"block {i}", attn_total + norms + ffn, largest, gathered,
                             saved=tokens * res * d if ckpt else full, live=full, temp=0.0, checkpointed=ckpt))
@@ -190,7 +210,7 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
     if cfg.task == "lm":
         head_mm = V * d  # the LM head matmul (the embedding matrix when tied)
         head_params = head_mm + final_norm  # a tied matrix's gradient first appears here too
-        norm_saved = tokens * (res + a) * d
+        norm_saved = tokens * ((4 if layernorm_fp32 else res) + a) * d  # its fp32 input copy under autocast
         head_copy = 0 if cast_once and not cfg.tie_embeddings else copy * head_mm
         # eager: log_softmax's fp32 output (4·V); compiled: the 16-bit logits and two fp32 row statistics
         # (max, log-sum-exp), log_softmax recomputed in the backward's one fused kernel
