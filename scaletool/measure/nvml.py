@@ -4,8 +4,8 @@ Uses nvidia-ml-py (``import pynvml``). Where there is no GPU or no NVML the samp
 summary says why; it never raises into the training loop. Sampling costs no CUDA synchronisation:
 NVML queries the driver, not the CUDA stream. Alongside, what NVML can see of contention on the card:
 other processes holding a context on it, the SM clock below the card's default (base) application
-clock, and throttle reasons other than idle (power cap, thermal, hardware slowdown), read every tenth
-sample (listing the card's processes is NVML's slowest query); the summary gives them as
+clock (its MHz kept: ``sm_clock_mhz_*``), and throttle reasons other than idle (power cap, thermal, hardware
+slowdown), read every tenth sample (listing the card's processes is NVML's slowest query); the summary gives them as
 ``contention/gpu_*`` keys, and what the reads cost the sampling thread (``read_ms_*``).
 """
 from __future__ import annotations
@@ -39,6 +39,7 @@ class NvmlSampler:
         # (t, other processes on the card, throttled by power/thermal/slowdown, SM clock below base), None: unseen
         self.contention: list[tuple[float, int | None, bool | None, bool | None]] = []
         self._base_mhz: int | None = None
+        self.clocks: list[tuple[float, int]] = []  # (t, SM MHz) at each contention read: what the power limit left
         self.note: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -94,7 +95,10 @@ class NvmlSampler:
             self._base_mhz = self._query("nvmlDeviceGetDefaultApplicationsClock", n.NVML_CLOCK_SM)
         sm = self._query("nvmlDeviceGetClockInfo", n.NVML_CLOCK_SM)
         below = None if sm is None or not self._base_mhz else sm < self._base_mhz
-        return time.perf_counter(), others, throttled, below
+        t = time.perf_counter()
+        if sm is not None:
+            self.clocks.append((t, int(sm)))
+        return t, others, throttled, below
 
     def _run(self) -> None:
         i = 0
@@ -136,6 +140,10 @@ class NvmlSampler:
             out[f"{key}_mean"] = sum(vals) / len(vals)
             out[f"{key}_max"] = max(vals)
         out.update(contention_summary([c for c in self.contention if since is None or c[0] >= since]))
+        mhz = sorted(m for t, m in self.clocks if since is None or t >= since)
+        if mhz:  # the sustained SM clock (a power-capped card's is below its top: analytic.power)
+            out["sm_clock_mhz_median"] = mhz[len(mhz) // 2]
+            out["sm_clock_mhz_min"], out["sm_clock_mhz_max"] = mhz[0], mhz[-1]
         if self.others_seen:
             me = os.getpid()
             seen = ", ".join(self.others_seen.values())

@@ -163,6 +163,7 @@ def test_the_sampler_reads_the_slow_contention_queries_at_a_tenth_of_its_rate():
     summary = s.summary()
     assert summary["samples"] == n and 0 <= summary["read_ms_mean"] <= summary["read_ms_max"]
     assert summary["contention/gpu_other_processes_max"] == 0 and summary["contention/gpu_throttled_share"] == 0
+    assert summary["sm_clock_mhz_median"] == summary["sm_clock_mhz_min"] == 1700  # the clock each contention read saw
 
 
 def test_the_sampler_names_the_other_processes_it_saw_on_the_card():
