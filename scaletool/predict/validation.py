@@ -208,6 +208,7 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
                          "async_tp": recipe.parallel.async_tp,
                          "tp_local_ops": recipe.parallel.tp_local_ops,
                          "pipeline_tp": recipe.parallel.pipeline_parallel > 1 and recipe.parallel.tensor_parallel > 1,
+                         "position_encoding": recipe.model.position_encoding,
                          "float8": recipe.train.float8,
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
@@ -232,6 +233,7 @@ OUTSIDE = {
     "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
     "pipeline_tp": ("TP inside pipeline stages: host-bound slots set by one host's DTensor issue time (hosts "
                     "differ up to 1.6x); a host-bound stage's fill and drain not modelled"),
+    "alibi": "ALiBi: the dense score bias SDPA is handed (no causal kernel) is not charged",
 }
 
 
@@ -239,7 +241,8 @@ def outside(row: dict) -> str | None:
     """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
     checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
               ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
-              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)))
+              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)),
+              ("alibi", row.get("position_encoding") == "alibi"))
     return next((key for key, hit in checks if hit), None)
 
 
