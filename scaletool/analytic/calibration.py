@@ -395,7 +395,8 @@ def default_calibration(hardware_profile) -> Calibration:
     held = (f"; GEMM and attention at {clock:.3f} of the ratios' rates: the sustained clock a "
             f"{hardware_profile.power_limit_w:g} W limit leaves (analytic.power, measured on the die)") if clock < 1 else ""
     return Calibration(
-        name=f"{hardware_profile.name} (datasheet default)",
+        name=f"{hardware_profile.name} (datasheet default" + (f", {hardware_profile.power_limit_w:g} W: {clock:.3f} of the clock)"
+                                                          if clock < 1 else ")"),
         source=(f"datasheet default: {peak:g} TFLOP/s bf16, {bw / 1e9:g} GB/s HBM, NVLink 4 at 450 GB/s x {r['bus']} "
                 f"(ratios measured on an H100 SXM; its own default on the {DATASHEET_DEFAULT_ERROR[0]} committed dense "
                 f"H100 runs: median {DATASHEET_DEFAULT_ERROR[1]:.1%}, worst {DATASHEET_DEFAULT_ERROR[2]:.1%} |error| in "

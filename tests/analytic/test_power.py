@@ -63,5 +63,7 @@ def test_the_500_w_default_calibration_takes_compute_at_that_clock_and_memory_as
     assert slow.attention_tflops["default"] == pytest.approx(fast.attention_tflops["default"] * r)
     assert slow.hbm_gb_s == fast.hbm_gb_s and slow.collectives == fast.collectives
     assert "500 W limit" in slow.source and "limit" not in fast.source.split(")")[-1]
-    same = {f.name for f in dataclasses.fields(slow)} - {"gemm_tflops", "attention_tflops", "source"}
+    assert slow.name == "H100 96GB (datasheet default, 500 W: 0.804 of the clock)"
+    assert fast.name == "H100 96GB (datasheet default)"
+    same = {f.name for f in dataclasses.fields(slow)} - {"gemm_tflops", "attention_tflops", "source", "name"}
     assert all(getattr(slow, f) == getattr(fast, f) for f in same)
