@@ -112,10 +112,9 @@ def _activation_bytes_per_token_per_layer(cfg: ModelConfig, moe: bool = False, r
     installed torch): each norm still keeps its input and its 16-bit output (the output is the next
     matmul's input); SwiGLU keeps gate, up and their product (3 of i: only silu(gate) is recomputed);
     attention saves what fused SDPA needs either way. GELU/ReLU keep the eager count (not measured compiled).
-    ``autocast_block`` (a block compiled alone over fp32 weights under autocast, DDP): a dense SwiGLU keeps
-    eager's four of i, measured on 2 DDP runs (benchmarks/results/plan-verify/README.md: 181–183 KB a token over
-    three, 16 × 2·i = 180 KB); the whole model compiled under autocast (single) keeps three.
-    ``layernorm_fp32``: eager LayerNorm under CUDA autocast (:func:`_norm_readers` says what it adds).
+    ``autocast_block`` (a block compiled alone over fp32 weights under autocast, DDP): a dense SwiGLU keeps eager's
+    four of i (2 DDP runs, benchmarks/results/plan-verify/README.md: 181–183 KB a token over three, 16 × 2·i =
+    180 KB); a whole model compiled under autocast keeps three. ``layernorm_fp32``: :func:`_norm_readers`.
     """
     d, H, a = cfg.d_model, cfg.n_heads, 2 if cfg.dtype != "fp32" else 4
     norms = 2 * (res * d + a * d)
