@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probe_args import checked, positive_ints  # noqa: E402  (beside this script)
+from sm_partition import green_stream  # noqa: E402  (a green context's stream, beside this script)
 
 _POWER_INSTANT = 186  # NVML_FI_DEV_POWER_INSTANT (not every binding names it)
 
@@ -123,22 +124,6 @@ def card(sampler: Sampler, dev) -> dict:
             + " ".join(sys.argv[1:])}
 
 
-def green_stream(n_sms: int):
-    """(context, stream) of a green context of ``n_sms`` SMs; the context must outlive the stream."""
-    import torch
-    from torch.cuda import green_contexts as gc
-
-    G = gc.GreenContext
-    ctx = G.create(num_sms=n_sms, device_id=torch.cuda.current_device()) if hasattr(G, "create") else G(num_sms=n_sms)
-    if hasattr(ctx, "Stream"):
-        return ctx, ctx.Stream()
-    ctx.set_context()
-    try:
-        return ctx, torch.cuda.Stream()
-    finally:
-        ctx.pop_context()
-
-
 def hold(fn, flops: float, stream, sampler: Sampler, warmup: float, seconds: float) -> dict:
     """Run ``fn`` back to back on ``stream`` for ``warmup`` + ``seconds``; the measured window's rate and NVML."""
     import torch
@@ -183,7 +168,7 @@ def gemm_points(a, sampler: Sampler, dev, emit) -> None:
         for n in a.sms:
             try:
                 ctx, s = (None, torch.cuda.Stream()) if n >= torch.cuda.get_device_properties(dev).multi_processor_count \
-                    else green_stream(n)
+                    else green_stream(n)[:2]
                 keep.append(ctx)
             except Exception as e:
                 emit({"part": "sms", "dtype": dtype, "sms": n, "error": f"{type(e).__name__}: {str(e)[:300]}"})

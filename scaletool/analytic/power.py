@@ -6,16 +6,15 @@ limit (n <= 48: 220-613 W) and, once the limit binds, at a clock that falls with
 SMs; FP8 operands, drawing more a SM, 1,365). Fitted to the 30 points of two calls
 (``benchmarks/scripts/power_fit.py``), ``P = P0 + c_w * n**0.72 * (f / f_max)**k`` with ``P0`` held at or above
 the card's idle draw (81.8 W, measured): k = 1.8, P0 = 81.8 W (rms 18.5 W; the 48 fits within 10% of that rms
-give the ratio below within 0.77-0.82 at 500 W). A workload held by its limit draws ``P0 + D * (f / f_max)**k`` at
-that limit whatever its demand ``D``, so its clock under another limit is ``f * ((L' - P0) / (L - P0)) ** (1 /
-k)`` (the draw taken at the measured 98.5% of the limit). Training is such a workload: torchtitan's Llama-3.1-8B
-shape on the H200 ran power-capped in 92-100% of its samples at 1,545-1,575 MHz median.
+give the ratio below within 0.77-0.82 at 500 W). A workload held by its limit draws ``P0 + D * (f / f_max)**k``
+at that limit whatever its demand ``D``, so its clock under another limit is ``f * ((L' - P0) / (L - P0)) **
+(1 / k)`` (the draw taken at the measured 98.5% of the limit). Training is such a workload: torchtitan's
+Llama-3.1-8B shape on the H200 ran power-capped in 92-100% of its samples at 1,545-1,575 MHz median.
 
 What it scales: GEMMs and attention (their rate follows the SM clock: the bf16 GEMM's TFLOP/s per SM per GHz
 stayed within 3.19-3.53 over 1,470-1,980 MHz, FP8's within 6.51-6.91 over 1,365-1,980), not memory-bound work
-or the interconnect. It applies to a
-profile that names the die's curve (``power_curve: gh100``) with a limit (``power_limit_w``) below the one its
-datasheet-default rates were measured at (the H100 SXM at 700 W).
+or the interconnect. It applies to a profile that names the die's curve (``power_curve: gh100``) with a limit
+(``power_limit_w``) below the one its datasheet-default rates were measured at (the H100 SXM at 700 W).
 """
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def _norm_readers(cfg: ModelConfig) -> tuple[int, int]:
     benchmarks/results/published-shape/): +8.2d and +8.4d bytes a token and block over the plain count with
     GELU (MHA: 3 readers, then 1), +10.1d with SwiGLU (3, then 2); RMSNorm (not in autocast's fp32 list) and
     FSDP2's 16-bit parameters (no autocast) keep the plain count (within 0.1%). The CPU's autocast runs
-    ``layer_norm`` in 16 bits: the plain count holds there."""
+    ``layer_norm`` in 16 bits: there the plain count holds and this one is over by the extra."""
     return (2 if cfg.attention == "mla" else 3), (2 if cfg.ffn == "swiglu" else 1)
 
 
