@@ -229,10 +229,14 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     }
 
 
+#: times the TP probe's two processes are started before the calibration says it did not run
+TP_PROBE_ATTEMPTS = 3
+
+
 def _tp_dispatch(recipe, device: torch.device) -> dict:
     """:func:`measure_tp_dispatch` over 2 processes, or why not (``skipped``): a model TP 2 cannot split, blocks too
     large for the probe's share of memory (:func:`scaletool.predict.calibrate_host.not_probed`), or a probe that
-    failed (the rest of the calibration stands)."""
+    failed TP_PROBE_ATTEMPTS times (the rest of the calibration stands; each failure's last line is kept)."""
     from torch.multiprocessing.spawn import ProcessException
 
     from scaletool.kinds.engines import layout_problems
@@ -246,11 +250,15 @@ def _tp_dispatch(recipe, device: torch.device) -> dict:
     problems = layout_problems(probe, probe.seq_len) + probe.engine_problems(2)
     if problems:
         return {"skipped": "not measured: " + "; ".join(problems)}
-    try:
-        return measure_tp_dispatch(recipe, 2)
-    except ProcessException as e:
-        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        return {"skipped": f"not measured: the probe failed ({last[:200]})"}
+    failures = []
+    for _ in range(TP_PROBE_ATTEMPTS):  # a gloo or NCCL process that dies once on a busy host is not the model's cost
+        try:
+            out = measure_tp_dispatch(recipe, 2)
+            return {**out, "failed_attempts": failures} if failures else out
+        except ProcessException as e:
+            failures.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+    return {"skipped": f"not measured: the probe failed {len(failures)} times (last: {failures[-1]})",
+            "failed_attempts": failures}
 
 
 def _base_calibration(card: str, gpu: bool) -> Calibration:

@@ -45,6 +45,7 @@ def test_calibrate_on_cpu_with_two_processes_writes_a_calibration_the_model_read
     # with two processes: the tiny recipe's tensor-parallel block issue time per micro-batch (TP 2 over gloo, eager
     # on the CPU), an overhead the pipeline charges on each micro-batch of a PP x TP stage
     tp = m["tp_dispatch"]
+    assert "skipped" not in tp, tp
     assert tp["tensor_parallel"] == 2 and tp["blocks"] == [1, 3] and "compiled" not in tp
     per_block = cal.overheads["tp_eager_microbatch_block_mla_s"]
     assert per_block == pytest.approx(max(0.0, tp["eager"]["block_s"]["median"]), abs=1e-6)
@@ -179,7 +180,8 @@ def test_alibi_attention_is_timed_with_the_dense_bias_training_passes(monkeypatc
 
 def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkeypatch):
     """No process is started for a model whose three blocks would not fit the probe's share of memory, or that TP 2
-    cannot split (one head); a probe whose processes fail leaves a reason, not a failed calibration."""
+    cannot split (one head); a probe whose processes fail is started again, and one that fails every time leaves
+    a reason, not a failed calibration."""
     import torch
     from torch.multiprocessing.spawn import ProcessExitedException
 
@@ -194,9 +196,24 @@ def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkey
     assert "over the" in cal_mod._tp_dispatch(load_recipe("deepseek-v3"), cpu)["skipped"]
     assert "heads do not split" in cal_mod._tp_dispatch(load_recipe("tiny", ["model.n_heads=1"]), cpu)["skipped"]
 
+    calls = []
+
     def dies(*a, **k):
-        raise ProcessExitedException("process 1 terminated with exit code 1", 1, 1, 1)
+        calls.append(1)
+        raise ProcessExitedException(f"process 1 terminated with exit code {len(calls)}", 1, 1, 1)
 
     monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", dies)
-    said = cal_mod._tp_dispatch(load_recipe("tiny"), cpu)["skipped"]
-    assert said == "not measured: the probe failed (process 1 terminated with exit code 1)"
+    said = cal_mod._tp_dispatch(load_recipe("tiny"), cpu)
+    assert len(calls) == cal_mod.TP_PROBE_ATTEMPTS == 3
+    assert said["skipped"] == "not measured: the probe failed 3 times (last: process 1 terminated with exit code 3)"
+    assert said["failed_attempts"] == [f"process 1 terminated with exit code {i}" for i in (1, 2, 3)]
+
+    def dies_once(*a, **k):  # a process that dies once: the next start measures, and the failure is kept
+        calls.append(1)
+        if len(calls) == 4:
+            raise ProcessExitedException("process 0 terminated with signal SIGSEGV", 0, -11, 11)
+        return {"tensor_parallel": 2}
+
+    monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", dies_once)
+    assert cal_mod._tp_dispatch(load_recipe("tiny"), cpu) == {
+        "tensor_parallel": 2, "failed_attempts": ["process 0 terminated with signal SIGSEGV"]}
