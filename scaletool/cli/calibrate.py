@@ -158,6 +158,8 @@ def _print_published_memory(res: dict) -> None:
 
 
 def _print_calibration(cal: dict, out: Path) -> None:
+    from rich.markup import escape
+
     con = console()
     g = cal["gemm_tflops"]
     con.print(f"{cal['source']}", highlight=False)
@@ -173,6 +175,13 @@ def _print_calibration(cal: dict, out: Path) -> None:
         con.print(f"  {op}: " + ", ".join(f"{r} ranks {v:.4g} GB/s" for r, v in sorted(t.items())), highlight=False)
     con.print(f"across nodes: {c['inter_node_gb_s']:.4g} GB/s per GPU ({c.get('inter_node_source', 'assumed')})",
               highlight=False)
+    m = cal["measured"]
+    tp_failed = [] if "skipped" in m.get("tp_dispatch", {}) else m.get("tp_dispatch", {}).get("failed_attempts", [])
+    for what, failed in (("the collectives' processes", m.get("collectives_failed_attempts", [])),
+                         ("the tensor-parallel probe's processes", tp_failed)):
+        if failed:  # measured on a later start: the figures stand, the failures are said
+            con.print(f"note: {what} were started again after {len(failed)} failure(s) "
+                      f"(last: {escape(printable(failed[-1]))})", highlight=False)
     host = cal["measured"].get("host_dispatch")
     if host and "skipped" in host:
         con.print(f"eager block issue time: {host['skipped']}", highlight=False)
@@ -301,14 +310,16 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
 
     import torch
     import yaml
+    from torch.multiprocessing.spawn import ProcessException
 
     from scaletool import api
     from scaletool.analytic.calibration import calibration_from_dict
+    from scaletool.cli import ErrorLines
     from scaletool.errors import RecipeError, shorten
     from scaletool.fmt import write_atomic
     from scaletool.predict.calibrate import calibrate as measure
     from scaletool.predict.calibrate import card_name
-    from scaletool.predict.calibrate_comm import job_layout, measure_collectives, measure_in_job
+    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS, job_layout, measure_collectives, measure_in_job
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("--device cuda: no CUDA device here (use --device cpu)")
@@ -333,7 +344,12 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
             return None
         command = f"torchrun --nnodes {comm['nodes']} --nproc-per-node {comm['per_node']} -m {command}"
     else:
-        comm = measure_collectives(gpus, messages) if gpus > 1 else {}
+        try:
+            comm = measure_collectives(gpus, messages) if gpus > 1 else {}
+        except ProcessException as e:  # every start failed: a measurement that did not happen, not a bad input
+            last = printable(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+            raise ErrorLines([f"error: --gpus {gpus}: the collectives' processes failed {SPAWN_ATTEMPTS} times "
+                              f"(last: {last}); nothing written"], exit_code=1) from None
     cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
     calibration_from_dict(cal, str(out))  # what load_calibration will read back
     try:

@@ -220,6 +220,7 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         "measured": {"command": command, "date": date, "card": card, "torch": version, "device": str(device),
                      "dtype": str(dtype).removeprefix("torch."), "warmup": WARMUP, "reps": REPS, "gemm": gemms,
                      "attention": attention, "hbm": hbm, "collectives": comm.get("ops", {}),
+                     **({"collectives_failed_attempts": comm["failed_attempts"]} if comm.get("failed_attempts") else {}),
                      **({"host_dispatch": host} if host else {}),
                      **({"tp_dispatch": tp_host} if tp_host else {}),
                      **({"collectives_inter_node": comm["inter_node"], "collectives_world": comm.get("world", {}),
@@ -229,17 +230,14 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     }
 
 
-#: times the TP probe's two processes are started before the calibration says it did not run
-TP_PROBE_ATTEMPTS = 3
-
-
 def _tp_dispatch(recipe, device: torch.device) -> dict:
     """:func:`measure_tp_dispatch` over 2 processes, or why not (``skipped``): a model TP 2 cannot split, blocks too
     large for the probe's share of memory (:func:`scaletool.predict.calibrate_host.not_probed`), or a probe that
-    failed TP_PROBE_ATTEMPTS times (the rest of the calibration stands; each failure's last line is kept)."""
+    failed SPAWN_ATTEMPTS times (the rest of the calibration stands; each failure's last line is kept)."""
     from torch.multiprocessing.spawn import ProcessException
 
     from scaletool.kinds.engines import layout_problems
+    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS
     from scaletool.predict.calibrate_host import not_probed
     from scaletool.predict.calibrate_tp import measure_tp_dispatch, probe_recipe
 
@@ -251,7 +249,7 @@ def _tp_dispatch(recipe, device: torch.device) -> dict:
     if problems:
         return {"skipped": "not measured: " + "; ".join(problems)}
     failures = []
-    for _ in range(TP_PROBE_ATTEMPTS):  # a gloo or NCCL process that dies once on a busy host is not the model's cost
+    for _ in range(SPAWN_ATTEMPTS):  # a gloo or NCCL process that dies once on a busy host is not the model's cost
         try:
             out = measure_tp_dispatch(recipe, 2)
             return {**out, "failed_attempts": failures} if failures else out

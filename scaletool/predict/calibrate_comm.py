@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from scaletool.analytic.collectives import wire_bytes
 from scaletool.errors import RecipeError
@@ -37,6 +38,9 @@ OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 #: message sizes measured by default: on GPUs from latency- to bandwidth-bound, on the CPU one small size (CI)
 GPU_MESSAGES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
 CPU_MESSAGES = (1 << 20,)
+#: starts of the local processes before a failure stands: a gloo or NCCL process that dies once on a busy host
+#: is not what is measured (calibrate's TP probe starts its processes as often)
+SPAWN_ATTEMPTS = 3
 
 
 def _call(op: str, x: torch.Tensor, out: torch.Tensor, group) -> None:
@@ -139,18 +143,28 @@ def default_messages() -> tuple[int, ...]:
 
 def measure_collectives(world: int, messages: tuple[int, ...] | None = None, ops: tuple[str, ...] = OPS) -> dict:
     """Start ``world`` local processes and measure every op for group sizes 2..world at each message size; the
-    medians with p10/p90 and n by op and group size (ops the backend lacks listed under ``skipped``)."""
+    medians with p10/p90 and n by op and group size (ops the backend lacks listed under ``skipped``). Processes
+    that fail are started again, SPAWN_ATTEMPTS starts in all (each failure's last line under
+    ``failed_attempts``); the last failure is raised."""
     if world < 2:
         return {}
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < world:
         raise RecipeError(f"--gpus {world}: this machine has {torch.cuda.device_count()} GPU(s)")
     messages = tuple(messages or default_messages())
-    with tempfile.TemporaryDirectory(prefix="scaletool-calibrate-") as tmp:
-        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
-        mp.start_processes(_worker, args=(world, store, result, messages, ops), nprocs=world, join=True,
-                           start_method="spawn")
-        return json.loads(Path(result).read_text())
+    failures = []
+    while True:
+        try:
+            with tempfile.TemporaryDirectory(prefix="scaletool-calibrate-") as tmp:  # a fresh store each start
+                store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+                mp.start_processes(_worker, args=(world, store, result, messages, ops), nprocs=world, join=True,
+                                   start_method="spawn")
+                out = json.loads(Path(result).read_text())
+            return {**out, "failed_attempts": failures} if failures else out
+        except ProcessException as e:
+            failures.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+            if len(failures) == SPAWN_ATTEMPTS:
+                raise
 
 
 def job_layout(environ=None) -> tuple[int, int, int, int] | None:

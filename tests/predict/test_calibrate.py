@@ -13,6 +13,7 @@ from scaletool.analytic.pipeline import pipeline_step
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.predict.calibrate import REPS, fit_gemm_curve
+from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS
 
 
 @pytest.mark.distributed
@@ -204,7 +205,7 @@ def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkey
 
     monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", dies)
     said = cal_mod._tp_dispatch(load_recipe("tiny"), cpu)
-    assert len(calls) == cal_mod.TP_PROBE_ATTEMPTS == 3
+    assert len(calls) == SPAWN_ATTEMPTS == 3
     assert said["skipped"] == "not measured: the probe failed 3 times (last: process 1 terminated with exit code 3)"
     assert said["failed_attempts"] == [f"process 1 terminated with exit code {i}" for i in (1, 2, 3)]
 
@@ -217,3 +218,54 @@ def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkey
     monkeypatch.setattr(calibrate_tp, "measure_tp_dispatch", dies_once)
     assert cal_mod._tp_dispatch(load_recipe("tiny"), cpu) == {
         "tensor_parallel": 2, "failed_attempts": ["process 0 terminated with signal SIGSEGV"]}
+
+
+@pytest.mark.distributed
+def test_collectives_whose_processes_die_once_are_measured_on_the_next_start(monkeypatch):
+    """Two real gloo processes measure all-reduce after a start that failed; the failure is kept. Processes
+    that fail every start raise the last failure (calibrate then says it in one error line)."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from scaletool.predict import calibrate_comm
+
+    real, starts = calibrate_comm.mp.start_processes, []
+
+    def dies_first(*a, **k):
+        starts.append(1)
+        if len(starts) == 1:
+            raise ProcessExitedException("process 1 terminated with signal SIGKILL", 1, -9, 9)
+        return real(*a, **k)
+
+    monkeypatch.setattr(calibrate_comm.mp, "start_processes", dies_first)
+    out = calibrate_comm.measure_collectives(2, (1 << 16,), ("all_reduce",))
+    assert len(starts) == 2 and out["failed_attempts"] == ["process 1 terminated with signal SIGKILL"]
+    assert out["ops"]["all_reduce"]["2"]["bus_gb_s"]["n"] == REPS
+
+    def always(*a, **k):
+        starts.append(1)
+        raise ProcessExitedException(f"process 0 terminated with exit code {len(starts)}", 0, 1, 1)
+
+    monkeypatch.setattr(calibrate_comm.mp, "start_processes", always)
+    with pytest.raises(ProcessExitedException, match="exit code 5"):
+        calibrate_comm.measure_collectives(2, (1 << 16,), ("all_reduce",))
+    assert len(starts) == 2 + SPAWN_ATTEMPTS
+
+
+def test_collectives_that_fail_every_start_are_one_error_line_and_nothing_written(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from scaletool.cli import main
+    from scaletool.predict import calibrate_comm
+
+    def always(*a, **k):
+        raise ProcessExitedException("process 1 terminated with signal SIGKILL", 1, -9, 9)
+
+    monkeypatch.setattr(calibrate_comm.mp, "start_processes", always)
+    out = tmp_path / "cal.yaml"
+    res = CliRunner().invoke(main, ["calibrate", "--device", "cpu", "--gpus", "2", "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert res.output.splitlines() == [
+        "error: --gpus 2: the collectives' processes failed 3 times (last: process 1 terminated with signal SIGKILL); "
+        "nothing written"]
+    assert not out.exists() and list(tmp_path.iterdir()) == []
