@@ -48,15 +48,21 @@ def size(x: float) -> str:
 def memory_columns(r, est) -> EngineColumns:
     """Peak memory per GPU without and with full activation checkpointing, and the phase that sets it."""
     cells: dict[str, list[str]] = {}
-    for ac in ("none", "full"):
+    for i, ac in enumerate(("none", "full")):  # a layout estimated at one checkpointing (pipeline stages): '-' at the other
         for row in est.memory.engines:
             if row.activation_checkpointing == ac:
-                cells.setdefault(row.label, []).extend([size(row.total_bytes), PHASE_SHORT[row.phase]])
+                cells.setdefault(row.label, ["-", ""] * 2)[2 * i:2 * i + 2] = [size(row.total_bytes), PHASE_SHORT[row.phase]]
     compiled = ";\ncompiled: single, ZeRO-1/2 whole model; DDP, FSDP2 per block; ZeRO-3 eager" \
         if r.train.compile else ""
     note = (f"Peak memory per GPU at world size {est.memory.world_size}, micro-batch {r.train.micro_batch_size}×"
             f"{est.seq_len}, AdamW{compiled};\nat: the phase that sets it, the backward (bwd) or the optimizer step (step).")
     return EngineColumns(["no ckpt", "at", "full ckpt", "at"], cells, note)
+
+
+def table_label(label: str, labels: set[str]) -> str:
+    """The memory table's label of a prediction row: the same, or without the pipeline schedule the prediction
+    names (``fsdp pp4 1f1b`` is the row ``fsdp pp4``)."""
+    return label if label in labels or " pp" not in label else label.rsplit(" ", 1)[0]
 
 
 def prediction_columns(r, est) -> EngineColumns:
@@ -65,10 +71,11 @@ def prediction_columns(r, est) -> EngineColumns:
     if pred is None:
         return EngineColumns([], {})
     tr = r.train
-    cells = {row["label"]: [si(row["tokens_per_s_per_gpu"]) if row["tokens_per_s_per_gpu"] is not None else "-",
-                            "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%",
-                            CKPT_SHORT.get(row.get("activation_checkpointing"), "no fit")]
-             for row in pred.rows}
+    labels = {row.label for row in est.memory.engines}
+    cells = {table_label(row["label"], labels): [
+        si(row["tokens_per_s_per_gpu"]) if row["tokens_per_s_per_gpu"] is not None else "-",
+        "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%", CKPT_SHORT.get(row.get("activation_checkpointing"), "no fit")]
+        for row in pred.rows}
     # ckpt: the recipe's checkpointing where it fits the card, else the lightest that does (docs/cli.md)
     where = f"predicted on {pred.hardware}, {'compiled' if tr.compile else 'eager'}, at a ckpt that fits the card"
     if r.model.ffn == "moe":  # the step model has no routing or grouped-GEMM terms
@@ -181,7 +188,12 @@ def print_summary(r, est, con: Console, own: tuple[str, int] | None = None) -> N
                       f"predicted {si(hsdp['tokens_per_s_per_gpu'])} tok/s per GPU.")
     elif tp > 1 and data.get("communication"):
         c = data["communication"]
+        own = next((row for row in rows if row["label"] == f"fsdp tp{tp}"), None)  # not a row of the table above
+        speed = "" if own is None else (
+            "does not fit the card at any checkpointing; " if own["tokens_per_s_per_gpu"] is None else
+            f"predicted {si(own['tokens_per_s_per_gpu'])} tok/s per GPU ({CKPT_SHORT[own['activation_checkpointing']]} "
+            "ckpt); ")
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "
-                  f"ranks;\n  sent per GPU and step {size(c['wire_bytes'])}; sequence parallelism saves "
+                  f"ranks;\n  {speed}{size(c['wire_bytes'])} sent per GPU and step;\n  sequence parallelism saves "
                   f"{size(data['memory']['recipe']['sequence_parallel_saving_bytes'])}.")
     con.print("[dim]--detail: the full ledger by component and phase; --json: every figure.[/]")

@@ -55,6 +55,27 @@ def test_estimate_tokens_per_s_is_at_the_checkpointing_that_fits_and_none_where_
     assert "tok/s/GPU, MFU: predicted on H100 SXM, eager, at a ckpt that fits the card" in out
 
 
+def test_estimate_shows_the_pipeline_and_tensor_parallel_layouts_speed_it_predicts():
+    """The layout the recipe asks for is predicted once (--json); the short view shows that figure: a pipeline's
+    row in the table (its memory under its own checkpointing only), tensor parallelism's on its own lines."""
+    from scaletool.fmt import si
+
+    pp = ["--gpus", "8", "--set", "parallel.engine=fsdp", "--set", "parallel.pipeline_parallel=4",
+          "--set", "parallel.pipeline_microbatches=8", "--set", "train.micro_batch_size=8"]
+    (row,) = json.loads(run("estimate", "llama3-8b", *pp, "--json"))["prediction"]["rows"]
+    assert row["label"] == "fsdp pp4 1f1b" and row["activation_checkpointing"] == "full"
+    line = next(x for x in run("estimate", "llama3-8b", *pp).splitlines() if x.startswith("fsdp pp4"))
+    assert line.split() == ["fsdp", "pp4", "-", "32.7", "GiB", "bwd", si(row["tokens_per_s_per_gpu"]).split()[0], "k",
+                            f"{100 * row['mfu']:.0f}%", "full"]
+    tp = ["--gpus", "8", "--set", "parallel.engine=fsdp", "--set", "parallel.tensor_parallel=2"]
+    (row,) = json.loads(run("estimate", "llama3-8b", *tp, "--json"))["prediction"]["rows"]
+    out = run("estimate", "llama3-8b", *tp)
+    assert f"  predicted {si(row['tokens_per_s_per_gpu'])} tok/s per GPU (full ckpt); " in out and not too_wide(out)
+    out = run("estimate", "llama3-405b-dense", "--gpus", "8", "--set", "parallel.engine=fsdp",
+              "--set", "parallel.tensor_parallel=8")
+    assert "  does not fit the card at any checkpointing; " in out
+
+
 def test_mla_on_a_gqa_model_says_both_savings():
     out = run("estimate", LLAMA, "--set", "model.attention=mla", "--set", "model.kv_lora_rank=512", columns=200)
     (kv,) = [line for line in out.splitlines() if line.startswith("KV cache")]
