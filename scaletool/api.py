@@ -74,8 +74,9 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), settings: Map
 
 
 def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
-    """``est`` with the recipe's memory row as its largest pipeline stage's (also a row of the engine table) and
-    the ``pipeline`` block (:func:`scaletool.analytic.pipeline.pipeline_estimate`)."""
+    """``est`` with the recipe's memory row as its largest pipeline stage's (also a row of the engine table, beside
+    the stage's rows without and with full checkpointing) and the ``pipeline`` block
+    (:func:`scaletool.analytic.pipeline.pipeline_estimate`)."""
     from scaletool.analytic.pipeline import pipeline_estimate
 
     world = est["memory"]["world_size"]
@@ -88,7 +89,10 @@ def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
         calib = calibration_for_device(prof.device, prof)
     row, block = pipeline_estimate(r, world, calib)
     est["memory"]["recipe"] = row
-    est["memory"]["engines"] = [*est["memory"]["engines"], row]
+    # the engine table's columns: the layout's largest stage without and with full checkpointing too
+    others = [pipeline_estimate(r.model_copy(update={"train": r.train.model_copy(update={"activation_checkpointing": ac})}),
+                                world)[0] for ac in ("none", "full") if ac != r.train.activation_checkpointing]
+    est["memory"]["engines"] = [*est["memory"]["engines"], row, *others]
     est["pipeline"] = block
 
 

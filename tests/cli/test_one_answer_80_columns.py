@@ -58,14 +58,20 @@ def test_estimate_tokens_per_s_is_at_the_checkpointing_that_fits_and_none_where_
 def test_estimate_shows_the_pipeline_and_tensor_parallel_layouts_speed_it_predicts():
     """The layout the recipe asks for is predicted once (--json); the short view shows that figure: a pipeline's
     row in the table (its memory under its own checkpointing only), tensor parallelism's on its own lines."""
+    from scaletool.cli.estimate_summary import size
     from scaletool.fmt import si
 
     pp = ["--gpus", "8", "--set", "parallel.engine=fsdp", "--set", "parallel.pipeline_parallel=4",
           "--set", "parallel.pipeline_microbatches=8", "--set", "train.micro_batch_size=8"]
-    (row,) = json.loads(run("estimate", "llama3-8b", *pp, "--json"))["prediction"]["rows"]
+    est = json.loads(run("estimate", "llama3-8b", *pp, "--json"))
+    (row,) = est["prediction"]["rows"]
     assert row["label"] == "fsdp pp4 1f1b" and row["activation_checkpointing"] == "full"
+    # the largest stage at the recipe's checkpointing (full) is the recipe's figure; without it, another row
+    mem = {m["activation_checkpointing"]: m["total_bytes"] for m in est["memory"]["engines"] if m["label"] == "fsdp pp4"}
+    assert mem["full"] == est["memory"]["recipe"]["total_bytes"] < mem["none"]
     line = next(x for x in run("estimate", "llama3-8b", *pp).splitlines() if x.startswith("fsdp pp4"))
-    assert line.split() == ["fsdp", "pp4", "-", "32.7", "GiB", "bwd", si(row["tokens_per_s_per_gpu"]).split()[0], "k",
+    tok, unit = si(row["tokens_per_s_per_gpu"]).split()
+    assert line.split() == ["fsdp", "pp4", *size(mem["none"]).split(), "bwd", *size(mem["full"]).split(), "bwd", tok, unit,
                             f"{100 * row['mfu']:.0f}%", "full"]
     tp = ["--gpus", "8", "--set", "parallel.engine=fsdp", "--set", "parallel.tensor_parallel=2"]
     (row,) = json.loads(run("estimate", "llama3-8b", *tp, "--json"))["prediction"]["rows"]
