@@ -73,7 +73,8 @@ def prediction_columns(r, est) -> EngineColumns:
     tr = r.train
     labels = {row.label for row in est.memory.engines}
     cells = {table_label(row["label"], labels): [
-        si(row["tokens_per_s_per_gpu"]) if row["tokens_per_s_per_gpu"] is not None else "-",
+        si(row["tokens_per_s_per_gpu"]) + ("*" if row.get("outside") else "") if row["tokens_per_s_per_gpu"] is not None
+        else "-",
         "-" if row["mfu"] is None else f"{100 * row['mfu']:.0f}%", CKPT_SHORT.get(row.get("activation_checkpointing"), "no fit")]
         for row in pred.rows}
     # ckpt: the recipe's checkpointing where it fits the card, else the lightest that does (docs/cli.md)
@@ -102,6 +103,21 @@ def engine_table(r, est, groups: list[Callable[..., EngineColumns]] | None = Non
     for label in labels:
         t.add_row(label, *(c for part in parts for c in part.cells.get(label, ["-"] * len(part.headings))))
     return t, [p.note for p in parts if p.note]
+
+
+def outside_notes(rows: list[dict], width: int = 80) -> list[str]:
+    """A note per reason the step model does not stand behind a predicted layout (its tok/s marked ``*``:
+    :func:`scaletool.predict.claims.outside_layout`), naming the layouts, folded at ``width``."""
+    import textwrap
+
+    from scaletool.predict.claims import OUTSIDE
+
+    by_key: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("outside"):
+            by_key.setdefault(row["outside"], []).append(row["label"])
+    return [textwrap.fill(f"note: * {', '.join(labels)}: outside what the model claims ({OUTSIDE[key]})", width,
+                          subsequent_indent="  ", break_on_hyphens=False) for key, labels in by_key.items()]
 
 
 def single_at_many(est) -> bool:
@@ -191,9 +207,11 @@ def print_summary(r, est, con: Console, own: tuple[str, int] | None = None) -> N
         own = next((row for row in rows if row["label"] == f"fsdp tp{tp}"), None)  # not a row of the table above
         speed = "" if own is None else (
             "does not fit the card at any checkpointing; " if own["tokens_per_s_per_gpu"] is None else
-            f"predicted {si(own['tokens_per_s_per_gpu'])} tok/s per GPU ({CKPT_SHORT[own['activation_checkpointing']]} "
-            "ckpt); ")
+            f"predicted {si(own['tokens_per_s_per_gpu'])}{'*' if own.get('outside') else ''} tok/s per GPU "
+            f"(ckpt {CKPT_SHORT[own['activation_checkpointing']]}); ")
         con.print(f"Tensor parallelism: {c['data_parallel']} data-parallel × {c['tensor_parallel']} tensor-parallel "
                   f"ranks;\n  {speed}{size(c['wire_bytes'])} sent per GPU and step;\n  sequence parallelism saves "
                   f"{size(data['memory']['recipe']['sequence_parallel_saving_bytes'])}.")
+    for line in outside_notes(rows):
+        con.print(line, highlight=False)
     con.print("[dim]--detail: the full ledger by component and phase; --json: every figure.[/]")

@@ -169,7 +169,7 @@ def layouts_table(res):
         p = row.prediction
         t.add_row(str(row.rank), *([row.attention] if variants else []), _engine(row),
                   f"{row.micro_batch_size}×{row.grad_accum_steps}", CKPT.get(row.activation_checkpointing, "?"),
-                  "comp" if row.compiled else "eager", si(p.tokens_per_s_per_gpu),
+                  "comp" if row.compiled else "eager", si(p.tokens_per_s_per_gpu) + ("*" if row.outside else ""),
                   "-" if p.mfu is None else f"{100 * p.mfu:.0f}%", f"{row.memory_bytes / 2**30:.1f}",
                   f"{row.margin_bytes / 2**30:.1f}", _bound(p),
                   *([f"{row.cost_per_million_tokens:.3g}"] if res.price_per_gpu_hour else []))

@@ -97,7 +97,7 @@ def make_plan(recipe: Recipe, recipe_arg: str, overrides: tuple[str, ...], req: 
             "layouts": top, "fitting_layouts": len(found["layouts"]), "considered": found["considered"],
             "pipeline_comparison": found["pipeline_comparison"],
             "assumptions": assumptions(req) + found["assumptions"],
-            "notes": found["notes"] + order_notes(close, req.gpus == req.gpus_per_node),
+            "notes": found["notes"] + order_notes(close, req.gpus == req.gpus_per_node) + outside_notes(top),
             "within_error": close, "left_out": found["left_out"],
             "elapsed_s": found["elapsed_s"]}
 
@@ -121,6 +121,19 @@ def order_notes(close: list[int], one_node: bool) -> list[str]:
     how = f" (--verify {max(close)} measures it on such a node)" if one_node else ""
     return [f"{ranks} are predicted within {100 * MEDIAN_ABS_ERROR:.1f}% of the best, the model's median error on the "
             f"committed runs: the prediction does not settle their order{how}"]
+
+
+def outside_notes(top: list[dict]) -> list[str]:
+    """One line per reason the step model does not stand behind listed layouts' predictions
+    (:func:`scaletool.predict.claims.outside_layout`), naming their ranks."""
+    from scaletool.predict.claims import OUTSIDE
+
+    by_key: dict[str, list[str]] = {}
+    for row in top:
+        if row.get("outside"):
+            by_key.setdefault(row["outside"], []).append(f"#{row['rank']}")
+    return [f"{', '.join(r[:8])}{f' and {len(r) - 8} more' if len(r) > 8 else ''}: outside what the model claims "
+            f"({OUTSIDE[key]}; their tok/s marked *)" for key, r in by_key.items()]
 
 
 def assumptions(req: Request) -> list[str]:

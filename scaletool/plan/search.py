@@ -393,6 +393,8 @@ def pipeline_comparison(rows: list[dict]) -> dict | None:
 
 
 def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: Request) -> dict:
+    from scaletool.predict.claims import outside_layout
+
     fam = Family(lay.attention, lay.label, lay.engine, lay.zero_stage, lay.tensor_parallel,
                  lay.activation_checkpointing, lay.compiled, lay.expert_parallel, lay.expert_parallel_degree,
                  lay.pipeline_parallel, lay.pipeline_schedule, lay.pipeline_virtual_stages, lay.pipeline_microbatches,
@@ -414,6 +416,7 @@ def _row(rank: int, r: Recipe, lay: Layout, pred: dict, mem: MemoryModel, req: R
             "global_batch_tokens": lay.micro_batch_size * lay.grad_accum_steps * r.seq_len * dp,
             "memory_bytes": est["total_bytes"], "margin_bytes": int(margin), "memory_phase": est["phase"],
             "exposed_all_to_all_s": a2a, "pipeline": pipeline,
+            "outside": outside_layout(layout_recipe(r, lay, req.gpus), pred.get("step_s")),
             "prediction": {k: pred.get(k) for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu",
                                                     "bound", "terms", "calibration")},
             "cost_per_million_tokens": cost}

@@ -98,6 +98,7 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
     from scaletool.analytic.network import with_inter_node
     from scaletool.kinds.engines import engine_kind, engines_for, tensor_parallel_engine
     from scaletool.measure.hardware import profile_named
+    from scaletool.predict.claims import outside_layout
 
     prof = profile_named(hardware)
     base = load_calibration(calibration) if calibration else calibration_for_device(prof.device, prof)
@@ -125,13 +126,13 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
         layout = recipe.model_copy(update={"parallel": par, "train": t})
         ac = fitting_checkpointing(layout, world_size, prof.memory_bytes)
         if ac is None:  # no checkpointing fits the card: a speed of a run that cannot start answers nothing
-            rows.append({"label": label, "activation_checkpointing": None, "step_s": None, "tokens_per_s": None,
+            rows.append({"label": label, "activation_checkpointing": None, "outside": None, "step_s": None, "tokens_per_s": None,
                          "tokens_per_s_per_gpu": None, "mfu": None, "hfu": None, "bound": "does not fit"})
             continue
         if ac != t.activation_checkpointing:
             layout = layout.model_copy(update={"train": t.model_copy(update={"activation_checkpointing": ac})})
         pred = predict(layout, calib, world_size, gpus_per_node)
-        rows.append({"label": label, "activation_checkpointing": ac,
+        rows.append({"label": label, "activation_checkpointing": ac, "outside": outside_layout(layout, pred["step_s"]),
                      **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     # the recipe's HSDP beside FSDP2 over every rank: replicas x shard group
     if R > 1 and "data_parallel_replicate" in engine_kind(p.engine).layouts:
@@ -139,6 +140,7 @@ def engine_predictions(recipe: Recipe, world_size: int, hardware: str, inter_nod
         tp = p.tensor_parallel
         rows.append({"label": f"hsdp {R}x{world_size // (R * tp)}" + (f" tp{tp}" if tp > 1 else ""),
                      "activation_checkpointing": recipe.train.activation_checkpointing,
+                     "outside": outside_layout(recipe, pred["step_s"]),
                      **{k: pred[k] for k in ("step_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "hfu", "bound")}})
     return {"hardware": prof.name, "calibration": calib.name, "calibration_source": calib.source,
             "calibration_file": calib.file or None, "world_size": world_size, "rows": rows}

@@ -21,6 +21,7 @@ from scaletool.errors import RecipeError, echo, shorten
 from scaletool.fmt import printable
 from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
+from scaletool.predict.claims import HOST_BOUND_S, OUTSIDE, layout_fields, outside  # noqa: F401 (theirs, here too)
 from scaletool.predict.prediction import predict
 from scaletool.records import BUNDLE, read_bundle, read_record, walk_records
 from scaletool.resources import data_dir, read_bounded
@@ -202,14 +203,7 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
             if not (_real(pred["tokens_per_s_per_gpu"]) and pred["tokens_per_s_per_gpu"] > 0):
                 skipped.append(f"{label}: its prediction is not a positive rate ({echo(pred['tokens_per_s_per_gpu'])})")
                 continue
-            moe = bool(recipe.model.n_moe_layers)
-            rows.append({"run": label, "outside": None, "moe": moe,
-                         "moe_dispatch": recipe.model.moe_dispatch if moe else None,
-                         "async_tp": recipe.parallel.async_tp,
-                         "tp_local_ops": recipe.parallel.tp_local_ops,
-                         "pipeline_tp": recipe.parallel.pipeline_parallel > 1 and recipe.parallel.tensor_parallel > 1,
-                         "position_encoding": recipe.model.position_encoding,
-                         "float8": recipe.train.float8,
+            rows.append({"run": label, "outside": None, "moe": bool(recipe.model.n_moe_layers), **layout_fields(recipe),
                          "card": card,
                          "calibration": cal.name, "engine": _engine(recipe),
                          "world_size": pred["world_size"], "compiled": recipe.train.compile,  # what ran
@@ -219,31 +213,6 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
                          "predicted_step_s": pred["step_s"]})
             rows[-1]["outside"] = outside(rows[-1])
     return {"runs": rows, "skipped": skipped, "duplicates": duplicates, "summary": summarize(rows)}
-
-
-#: below this predicted step an eager step is the host's kernel launches, which the model does not charge
-HOST_BOUND_S = 0.02
-
-#: why a run is outside what the model claims (docs/prediction.md's failure list), in the order checked
-OUTSIDE = {
-    "host": f"a step predicted under {HOST_BOUND_S * 1e3:.0f} ms: the host's kernel launches, not charged, set it",
-    "float8": "FP8: no calibration has an FP8 GEMM rate",
-    "capacity": "MoE's capacity dispatch: its gathers and scatters are not modelled",
-    "async_tp": "async tensor parallelism: not modelled (predicted as plain TP)",
-    "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
-    "pipeline_tp": ("TP inside pipeline stages: host-bound slots set by one host's DTensor issue time (hosts "
-                    "differ up to 1.6x); a host-bound stage's fill and drain not modelled"),
-    "alibi": "ALiBi: the dense score bias SDPA is handed (no causal kernel) is not charged",
-}
-
-
-def outside(row: dict) -> str | None:
-    """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
-    checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
-              ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
-              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)),
-              ("alibi", row.get("position_encoding") == "alibi"))
-    return next((key for key, hit in checks if hit), None)
 
 
 def _as_ran(r: dict) -> dict:

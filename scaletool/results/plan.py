@@ -50,6 +50,8 @@ class PlannedLayout(_Part):
     pipeline: dict | None = Field(None, description="a pipeline layout's bubble (fraction and seconds), exposed "
                                   "point-to-point seconds, bounding stage and peak bytes of every stage")
     exposed_all_to_all_s: float = Field(0.0, description="expert parallelism's all-to-all seconds per step, exposed")
+    outside: str | None = Field(None, description="why the step model does not stand behind this prediction (a key of "
+                                "scaletool.predict.claims.OUTSIDE, the plan's notes say it in words), or null")
     memory_bytes: int = Field(description="estimated peak per GPU (phase-resolved; a pipeline's largest stage)")
     margin_bytes: int = Field(description="usable memory left at that peak (the allocator's share kept free)")
     memory_phase: str

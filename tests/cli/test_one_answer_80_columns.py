@@ -76,10 +76,37 @@ def test_estimate_shows_the_pipeline_and_tensor_parallel_layouts_speed_it_predic
     tp = ["--gpus", "8", "--set", "parallel.engine=fsdp", "--set", "parallel.tensor_parallel=2"]
     (row,) = json.loads(run("estimate", "llama3-8b", *tp, "--json"))["prediction"]["rows"]
     out = run("estimate", "llama3-8b", *tp)
-    assert f"  predicted {si(row['tokens_per_s_per_gpu'])} tok/s per GPU (full ckpt); " in out and not too_wide(out)
+    assert f"  predicted {si(row['tokens_per_s_per_gpu'])} tok/s per GPU (ckpt full); " in out and not too_wide(out)
     out = run("estimate", "llama3-405b-dense", "--gpus", "8", "--set", "parallel.engine=fsdp",
               "--set", "parallel.tensor_parallel=8")
     assert "  does not fit the card at any checkpointing; " in out
+    assert row["outside"] is None and "outside what the model claims" not in out
+
+
+def test_a_layout_the_model_does_not_stand_behind_is_marked_where_its_speed_is_printed():
+    """estimate and plan mark the predictions `calibrate --validate` keeps out of the model's error figures
+    (predict.claims): TP inside pipeline stages, async TP, a host-bound step; --json names the reason's key."""
+    from scaletool.predict.claims import OUTSIDE
+
+    pp_tp = ["--gpus", "4", "--set", "parallel.engine=fsdp", "--set", "parallel.pipeline_parallel=2", "--set",
+             "parallel.tensor_parallel=2", "--set", "train.micro_batch_size=4", "--set", "parallel.pipeline_microbatches=4"]
+    (row,) = json.loads(run("estimate", "mla-1b", *pp_tp, "--json"))["prediction"]["rows"]
+    assert row["outside"] == "pipeline_tp"
+    out = run("estimate", "mla-1b", *pp_tp)
+    assert re.search(r"^fsdp pp2 tp2 .* [0-9.]+ k\* ", out, re.M) and not too_wide(out)
+    note = " ".join(out.split("note: * fsdp pp2 tp2 1f1b: outside what the model claims (", 1)[1].split())
+    assert note.startswith(" ".join(OUTSIDE["pipeline_tp"].split()))
+    out = run("estimate", "mha-1b", "--gpus", "2", "--set", "parallel.engine=fsdp", "--set", "parallel.tensor_parallel=2",
+              "--set", "parallel.async_tp=true", "--set", "train.compile=true")
+    assert re.search(r"predicted [0-9.]+ k\* tok/s per GPU", out) and "note: * fsdp tp2: outside" in out
+    rows = json.loads(run("estimate", "tiny", "--hardware", "h100-sxm", "--json"))["prediction"]["rows"]
+    assert {r["outside"] for r in rows} == {"host"}  # a tiny model's step is the host's launches
+    # plan: the layouts it lists say it too (its rows' key, one note per reason naming their ranks)
+    plan = json.loads(run("plan", "mla-1b", "--gpus", "4", "--gpus-per-node", "4", "--top", "100", "--json"))
+    marked = [r for r in plan["layouts"] if r["outside"]]
+    assert marked and all(r["pipeline_parallel"] > 1 and r["tensor_parallel"] > 1 for r in marked)
+    assert all(r["outside"] is None for r in plan["layouts"] if not (r["pipeline_parallel"] > 1 and r["tensor_parallel"] > 1))
+    assert any(n.startswith("#") and "outside what the model claims (TP inside pipeline stages" in n for n in plan["notes"])
 
 
 def test_mla_on_a_gqa_model_says_both_savings():
