@@ -79,10 +79,9 @@ def prediction_columns(r, est) -> EngineColumns:
         for row in pred.rows}
     # ckpt: the recipe's checkpointing where it fits the card, else the lightest that does (docs/cli.md)
     where = f"predicted on {pred.hardware}, {'compiled' if tr.compile else 'eager'}, at a ckpt that fits the card"
-    if r.model.ffn == "moe":  # the step model has no routing or grouped-GEMM terms
-        note = f"tok/s/GPU, MFU: {where};\nMoE routing is not modelled: for reference only."
-    else:
-        note = f"tok/s/GPU, MFU: {where}\n(--detail: the step's terms; `scaletool plan` searches layouts)."
+    # MoE: the dropless dispatch's routing, grouped GEMMs and all-to-alls are terms of the model; the capacity
+    # dispatch is not, and its rows are marked outside it (outside_notes)
+    note = f"tok/s/GPU, MFU: {where}\n(--detail: the step's terms; `scaletool plan` searches layouts)."
     return EngineColumns(["tok/s/GPU", "MFU", "ckpt"], cells, note)
 
 
