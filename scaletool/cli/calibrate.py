@@ -130,6 +130,15 @@ def _print_published(res: dict) -> None:
         if s["n"]:
             con.print(f"{title}: median |error| {s['median_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}, "
                       f"n={s['n']}", highlight=False)
+    from scaletool.predict.claims import OUTSIDE
+
+    said: dict[str, list[str]] = {}  # what the prediction took each run to be, and what it does not charge
+    for r in res["rows"]:
+        for note in [*r["notes"], *([f"outside what the model claims: {OUTSIDE[r['outside']]}"] if r["outside"] else [])]:
+            said.setdefault(note, []).append(r["id"])
+    for note, ids in said.items():
+        text = textwrap.fill(printable(f"{', '.join(ids)}: {note}"), max(40, con.width), subsequent_indent="  ")
+        con.print(escape(text), highlight=False)
     _print_published_memory(res)
     for r in res["not_expressible"]:
         con.print(f"not expressible: {escape(printable(r['id']))} ({escape(printable(r['model'][:20]))}): "

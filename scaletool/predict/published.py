@@ -31,6 +31,7 @@ from scaletool.config import recipe_from_dict
 from scaletool.errors import RecipeError, shorten
 from scaletool.fmt import printable
 from scaletool.measure.hardware import load_profiles, profile_named
+from scaletool.predict.claims import outside_layout
 from scaletool.predict.prediction import predict
 from scaletool.resources import data_dir
 
@@ -374,6 +375,7 @@ def validate_published(paths: list[Path] | None = None) -> dict:
                          "measured_tokens_per_s_per_gpu": measured,
                          "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
+                         "outside": outside_layout(x["recipe"], pred["step_s"]),  # said, still counted
                          "notes": x["notes"], "source": row["source"]}
                         | _memory_fields(x, row, profile_named(x["card"], profiles)))
     one = [r for r in rows if r["nodes"] == 1]

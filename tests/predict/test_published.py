@@ -52,6 +52,17 @@ def test_the_reasons_a_row_cannot_be_expressed(result):
     assert why["MG1"] == "micro-batch not stated by the source"
 
 
+def test_what_the_model_does_not_charge_is_said_beside_the_rows_and_they_still_count(result):
+    """MosaicML's rows ran ALiBi, torchtitan's TT3/TT5 FP8: each row names it (predict.claims), and the error
+    figures keep every row (a published run is predicted, never chosen)."""
+    outside = {r["id"]: r["outside"] for r in result["rows"]}
+    assert {k for k, v in outside.items() if v == "alibi"} == {f"MP{i}" for i in range(1, 9)}
+    assert outside["TT3"] == outside["TT5"] == "float8" and outside["TT2"] is None and outside["AM2"] is None
+    assert result["summary"]["all"]["n"] == len(result["rows"]) == 16
+    out = _cli("--validate", "--published").stdout
+    assert "MP1, MP2, MP3, MP4, MP5, MP6, MP7, MP8: outside what the model claims: ALiBi" in " ".join(out.split())
+
+
 def test_rows_run_on_their_own_cards(result):
     rows = {r["id"]: r for r in result["rows"]}
     assert rows["TT1"]["card"] == "H100 96GB" and rows["MP1"]["card"] == "H100 SXM" and rows["MP8"]["card"] == "A100"
