@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from scaletool import api
-from scaletool.cli.estimate_summary import UNITS, one_gpu_engine_line, print_summary, single_at_many
+from scaletool.cli.estimate_summary import UNITS, one_gpu_engine_line, outside_notes, print_summary, single_at_many
 from scaletool.cli.options import PositiveFloat, console, deliver, json_option, recipe_argument, set_option
 from scaletool.fmt import gib, pct, printable, si
 from scaletool.kinds.engines import engine_kind, tensor_parallel_engine
@@ -190,9 +190,11 @@ def print_prediction(r, est, console: Console) -> None:
             t.add_row(row["label"], "-", "-", "-", "-", row["bound"])
             continue
         t.add_row(row["label"], row["activation_checkpointing"], f"{row['step_s']:.3g} s",
-                  f"{row['tokens_per_s_per_gpu']:,.0f}", "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%",
-                  row["bound"])
+                  f"{row['tokens_per_s_per_gpu']:,.0f}" + ("*" if row.get("outside") else ""),
+                  "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%", row["bound"])
     console.print(t)
+    for line in outside_notes(pred.rows, console.width):  # as the short view says them
+        console.print(line, highlight=False)
     tr = r.train
     console.print(f"micro-batch {tr.micro_batch_size} × accumulation {tr.grad_accum_steps}, "
                   f"{'compiled' if tr.compile else 'eager'}; checkpointing: the recipe's ({tr.activation_checkpointing}) "

@@ -96,6 +96,8 @@ def test_a_layout_the_model_does_not_stand_behind_is_marked_where_its_speed_is_p
     assert re.search(r"^fsdp pp2 tp2 .* [0-9.]+ k\* ", out, re.M) and not too_wide(out)
     note = " ".join(out.split("note: * fsdp pp2 tp2 1f1b: outside what the model claims (", 1)[1].split())
     assert note.startswith(" ".join(OUTSIDE["pipeline_tp"].split()))
+    detail = run("estimate", "mla-1b", *pp_tp, "--detail")  # the predicted-step table says it the same way
+    assert re.search(r"^fsdp pp2 tp2 1f1b .* [0-9,]+\* ", detail, re.M) and "note: * fsdp pp2 tp2 1f1b: outside" in detail
     out = run("estimate", "mha-1b", "--gpus", "2", "--set", "parallel.engine=fsdp", "--set", "parallel.tensor_parallel=2",
               "--set", "parallel.async_tp=true", "--set", "train.compile=true")
     assert re.search(r"predicted [0-9.]+ k\* tok/s per GPU", out) and "note: * fsdp tp2: outside" in out
