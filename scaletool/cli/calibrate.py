@@ -66,7 +66,7 @@ def summary_lines(res: dict) -> list[str]:
     both together, by engine, and the runs outside the model with the reason."""
     import statistics
 
-    from scaletool.predict.validation import OUTSIDE
+    from scaletool.predict.claims import OUTSIDE
 
     def line(what: str, rows: list[dict]) -> str | None:
         errs = [abs(r["rel_error"]) for r in rows]
@@ -191,13 +191,13 @@ def _print_calibration(cal: dict, out: Path) -> None:
         if failed:  # measured on a later start: the figures stand, the failures are said
             con.print(f"note: {what} were started again after {len(failed)} failure(s) "
                       f"(last: {escape(printable(failed[-1]))})", highlight=False)
-    host = cal["measured"].get("host_dispatch")
+    host = m.get("host_dispatch")
     if host and "skipped" in host:
         con.print(f"eager block issue time: {host['skipped']}", highlight=False)
     elif host:
         per = ", ".join(f"{mode} {host[mode]['block_s'] * 1e3:.3g} ms" for mode in ("autocast", "bf16") if mode in host)
         con.print(f"eager block issue time ({host['processes']} process(es) at once): {per} per block", highlight=False)
-    tp = cal["measured"].get("tp_dispatch")
+    tp = m.get("tp_dispatch")
     if tp and "skipped" in tp:
         con.print(f"tensor-parallel block issue time: {tp['skipped']}", highlight=False)
     elif tp:
@@ -328,7 +328,7 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
     from scaletool.fmt import write_atomic
     from scaletool.predict.calibrate import calibrate as measure
     from scaletool.predict.calibrate import card_name
-    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS, job_layout, measure_collectives, measure_in_job
+    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS, failure_line, job_layout, measure_collectives, measure_in_job
 
     if device == "cuda" and not torch.cuda.is_available():
         raise RecipeError("--device cuda: no CUDA device here (use --device cpu)")
@@ -356,9 +356,8 @@ def _measure(out: Path | None, gpus: int, recipe: str | None, overrides: tuple[s
         try:
             comm = measure_collectives(gpus, messages) if gpus > 1 else {}
         except ProcessException as e:  # every start failed: a measurement that did not happen, not a bad input
-            last = printable(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
             raise ErrorLines([f"error: --gpus {gpus}: the collectives' processes failed {SPAWN_ATTEMPTS} times "
-                              f"(last: {last}); nothing written"], exit_code=1) from None
+                              f"(last: {printable(failure_line(e))}); nothing written"], exit_code=1) from None
     cal = json.loads(json.dumps(measure(dev, recipe=r, gpus=gpus, command=command, comm=comm)))  # plain types
     calibration_from_dict(cal, str(out))  # what load_calibration will read back
     try:

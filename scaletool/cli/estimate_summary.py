@@ -109,14 +109,11 @@ def outside_notes(rows: list[dict], width: int = 80) -> list[str]:
     :func:`scaletool.predict.claims.outside_layout`), naming the layouts, folded at ``width``."""
     import textwrap
 
-    from scaletool.predict.claims import OUTSIDE
+    from scaletool.predict.claims import OUTSIDE, by_reason
 
-    by_key: dict[str, list[str]] = {}
-    for row in rows:
-        if row.get("outside"):
-            by_key.setdefault(row["outside"], []).append(row["label"])
     return [textwrap.fill(f"note: * {', '.join(labels)}: outside what the model claims ({OUTSIDE[key]})", width,
-                          subsequent_indent="  ", break_on_hyphens=False) for key, labels in by_key.items()]
+                          subsequent_indent="  ", break_on_hyphens=False)
+            for key, labels in by_reason(rows, lambda row: row["label"]).items()]
 
 
 def single_at_many(est) -> bool:

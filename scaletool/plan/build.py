@@ -126,14 +126,10 @@ def order_notes(close: list[int], one_node: bool) -> list[str]:
 def outside_notes(top: list[dict]) -> list[str]:
     """One line per reason the step model does not stand behind listed layouts' predictions
     (:func:`scaletool.predict.claims.outside_layout`), naming their ranks."""
-    from scaletool.predict.claims import OUTSIDE
+    from scaletool.predict.claims import OUTSIDE, by_reason
 
-    by_key: dict[str, list[str]] = {}
-    for row in top:
-        if row.get("outside"):
-            by_key.setdefault(row["outside"], []).append(f"#{row['rank']}")
     return [f"{', '.join(r[:8])}{f' and {len(r) - 8} more' if len(r) > 8 else ''}: outside what the model claims "
-            f"({OUTSIDE[key]}; their tok/s marked *)" for key, r in by_key.items()]
+            f"({OUTSIDE[key]}; their tok/s marked *)" for key, r in by_reason(top, lambda row: f"#{row['rank']}").items()]
 
 
 def assumptions(req: Request) -> list[str]:

@@ -237,7 +237,7 @@ def _tp_dispatch(recipe, device: torch.device) -> dict:
     from torch.multiprocessing.spawn import ProcessException
 
     from scaletool.kinds.engines import layout_problems
-    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS
+    from scaletool.predict.calibrate_comm import SPAWN_ATTEMPTS, start_again
     from scaletool.predict.calibrate_host import not_probed
     from scaletool.predict.calibrate_tp import measure_tp_dispatch, probe_recipe
 
@@ -248,15 +248,12 @@ def _tp_dispatch(recipe, device: torch.device) -> dict:
     problems = layout_problems(probe, probe.seq_len) + probe.engine_problems(2)
     if problems:
         return {"skipped": "not measured: " + "; ".join(problems)}
-    failures = []
-    for _ in range(SPAWN_ATTEMPTS):  # a gloo or NCCL process that dies once on a busy host is not the model's cost
-        try:
-            out = measure_tp_dispatch(recipe, 2)
-            return {**out, "failed_attempts": failures} if failures else out
-        except ProcessException as e:
-            failures.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
-    return {"skipped": f"not measured: the probe failed {len(failures)} times (last: {failures[-1]})",
-            "failed_attempts": failures}
+    try:
+        out, failures = start_again(lambda: measure_tp_dispatch(recipe, 2))
+    except ProcessException as e:
+        return {"skipped": f"not measured: the probe failed {SPAWN_ATTEMPTS} times (last: {e.failed_attempts[-1]})",
+                "failed_attempts": e.failed_attempts}
+    return {**out, "failed_attempts": failures} if failures else out
 
 
 def _base_calibration(card: str, gpu: bool) -> Calibration:

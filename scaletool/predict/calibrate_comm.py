@@ -21,8 +21,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,7 @@ CPU_MESSAGES = (1 << 20,)
 #: starts of the local processes before a failure stands: a gloo or NCCL process that dies once on a busy host
 #: is not what is measured (calibrate's TP probe starts its processes as often)
 SPAWN_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 def _call(op: str, x: torch.Tensor, out: torch.Tensor, group) -> None:
@@ -144,26 +147,43 @@ def default_messages() -> tuple[int, ...]:
 def measure_collectives(world: int, messages: tuple[int, ...] | None = None, ops: tuple[str, ...] = OPS) -> dict:
     """Start ``world`` local processes and measure every op for group sizes 2..world at each message size; the
     medians with p10/p90 and n by op and group size (ops the backend lacks listed under ``skipped``). Processes
-    that fail are started again, SPAWN_ATTEMPTS starts in all (each failure's last line under
-    ``failed_attempts``); the last failure is raised."""
+    that fail are started again (:func:`start_again`; each failure's line under ``failed_attempts``)."""
     if world < 2:
         return {}
     cuda = torch.cuda.is_available()
     if cuda and torch.cuda.device_count() < world:
         raise RecipeError(f"--gpus {world}: this machine has {torch.cuda.device_count()} GPU(s)")
     messages = tuple(messages or default_messages())
-    failures = []
+
+    def start() -> dict:
+        with tempfile.TemporaryDirectory(prefix="scaletool-calibrate-") as tmp:  # a fresh store each start
+            store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+            mp.start_processes(_worker, args=(world, store, result, messages, ops), nprocs=world, join=True,
+                               start_method="spawn")
+            return json.loads(Path(result).read_text())
+
+    out, failures = start_again(start)
+    return {**out, "failed_attempts": failures} if failures else out
+
+
+def failure_line(e: BaseException) -> str:
+    """What a failed start said last (the child's exception line), at most 200 characters."""
+    text = str(e).strip()
+    return text.splitlines()[-1][:200] if text else type(e).__name__
+
+
+def start_again(start: Callable[[], T]) -> tuple[T, list[str]]:
+    """``start()`` (local processes that meet and measure) started again while its processes fail, SPAWN_ATTEMPTS
+    starts in all: its result and each failed start's :func:`failure_line`. When every start fails, the last
+    ProcessException is raised with ``failed_attempts`` set to those lines."""
+    failures: list[str] = []
     while True:
         try:
-            with tempfile.TemporaryDirectory(prefix="scaletool-calibrate-") as tmp:  # a fresh store each start
-                store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
-                mp.start_processes(_worker, args=(world, store, result, messages, ops), nprocs=world, join=True,
-                                   start_method="spawn")
-                out = json.loads(Path(result).read_text())
-            return {**out, "failed_attempts": failures} if failures else out
+            return start(), failures
         except ProcessException as e:
-            failures.append(str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+            failures.append(failure_line(e))
             if len(failures) == SPAWN_ATTEMPTS:
+                e.failed_attempts = failures
                 raise
 
 

@@ -45,3 +45,12 @@ def outside_layout(recipe, step_s: float | None) -> str | None:
     if step_s is None:
         return None
     return outside({**layout_fields(recipe), "predicted_step_s": step_s})
+
+
+def by_reason(rows, name) -> dict[str, list[str]]:
+    """The rows marked outside (their ``outside`` key), by reason: ``name(row)`` of each, in the rows' order."""
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("outside"):
+            out.setdefault(row["outside"], []).append(name(row))
+    return out

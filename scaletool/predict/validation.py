@@ -21,7 +21,7 @@ from scaletool.errors import RecipeError, echo, shorten
 from scaletool.fmt import printable
 from scaletool.kinds.engines import ENGINE_KEYS, engine_kind
 from scaletool.measure.hardware import load_profiles, profile_for
-from scaletool.predict.claims import HOST_BOUND_S, OUTSIDE, layout_fields, outside  # noqa: F401 (theirs, here too)
+from scaletool.predict.claims import layout_fields, outside
 from scaletool.predict.prediction import predict
 from scaletool.records import BUNDLE, read_bundle, read_record, walk_records
 from scaletool.resources import data_dir, read_bounded

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from scaletool.predict.validation import HOST_BOUND_S, summarize, validate
+from scaletool.predict.claims import HOST_BOUND_S
+from scaletool.predict.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
