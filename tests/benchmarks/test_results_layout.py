@@ -86,3 +86,15 @@ def test_readme_check_names_a_stale_readme_and_refuses_a_link(tmp_path):
     assert not (tmp_path / "victim").exists()
     r = cli(str(tmp_path / "missing"))
     assert r.returncode == 2 and r.stderr.count("error:") == 1 and r.stdout == ""
+
+
+def test_a_train_summary_line_gives_each_gpus_share_of_the_jobs_tokens(tmp_path):
+    """summary.json's timing is the whole job's tokens/s: the README's "tok/s per GPU" divides each figure by the
+    world size (a 2-GPU run of 18,428 tokens/s reads 9,214)."""
+    summary = {"metrics": {"throughput/tokens_per_s_per_gpu": 9214.0}, "environment": {"world_size": 2},
+               "recipe": {"model": {"attention": "gqa", "d_model": 4096}, "parallel": {"engine": "fsdp"}},
+               "timing": {"tokens_per_s": {"median": 18428.0, "p10": 18344.0, "p90": 18520.0, "n": 7}}}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary))
+    line = readme.summarise(path, path.read_text())
+    assert "fsdp × 2: 9,214 (9,172–9,260, n=7) tok/s per GPU" in line, line
