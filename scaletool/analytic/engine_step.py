@@ -27,6 +27,14 @@ from scaletool.config import ModelConfig, Recipe
 #: 2-GPU runs (benchmarks/results/tp-zero3-2gpu/2xh200-2026-11-26: mla-1b ZeRO-3 leaf blocks 0.260 s a step,
 #: FSDP2 0.225 s); a calibration's ``zero3_per_param_s`` replaces it.
 ZERO3_PER_PARAM_S = 1.5e-4
+#: bytes FSDP2 moves per parameter and micro-batch beyond the weights' 16-bit cast (``CAST_BYTES_PER_PARAM``) and
+#: the accumulation every engine is charged, read off its op sequence (torch 2.11, ``_fsdp_collectives.py``) and
+#: checked on a profile with no communication (benchmarks/results/pipeline/2xh200-2026-11-29: FSDP2 over one
+#: rank, 16 Llama-3-8B blocks, 8 micro-batches: 40 B a parameter and micro-batch of copies and casts measured,
+#: 13 charged before): each all-gather's output copied out to the parameters (``split_with_sizes_copy``, a 16-bit
+#: read and write), each gradient cast to fp32 into the reduce-scatter's input (``chunk_cat``: 2 B read, 4 written)
+#: and the fp32 output added to the shard's gradient (two reads, one write). See :func:`fsdp_copy_bytes`.
+FSDP_GATHER_COPY_BYTES, FSDP_GRAD_CAST_BYTES, FSDP_ACCUMULATE_BYTES = 4, 6, 12
 #: host seconds per ZeRO-3 optimizer sub-group and step (``_prepare_fp32_grad_for_sub_group``, the
 #: optimizer's step, ``_reassign_or_swap_out_partitioned_parameters``: a handful of launches and their
 #: Python); a calibration's ``zero3_per_sub_group_s`` replaces it
@@ -111,9 +119,17 @@ def ddp_step(ctx: StepContext) -> EngineStepTerms:
                             "hidden (calibrated)"])
 
 
+def fsdp_copy_bytes(shards: int, gathers: float) -> float:
+    """FSDP2's own copies, bytes per parameter and micro-batch: ``gathers`` all-gathers copied out to the
+    parameters, the gradient's fp32 cast into the reduce-scatter and its accumulation on a 1/``shards`` shard
+    (the constants above)."""
+    return FSDP_GATHER_COPY_BYTES * gathers + FSDP_GRAD_CAST_BYTES + FSDP_ACCUMULATE_BYTES / shards
+
+
 def fsdp_step(ctx: StepContext) -> EngineStepTerms:
     """FSDP2: gathers prefetched one block ahead (``fsdp_overlap``); its pre-forward and post-backward hooks
-    per block and the root, per micro-batch (``fsdp_per_block_s``)."""
+    per block and the root, per micro-batch (``fsdp_per_block_s``). Its copies (:func:`fsdp_copy_bytes`) are not
+    charged here: the fitted ``fsdp_overlap`` absorbs them (docs/prediction.md, FSDP2's copies)."""
     hide = ctx.overhead("fsdp_overlap", 1.0)
     host = ctx.gas * ctx.overhead("fsdp_per_block_s") * (ctx.local.n_layers + 1)
     return EngineStepTerms(prefetched_exposure(ctx, hide), host, 0.0,

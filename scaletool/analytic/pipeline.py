@@ -26,6 +26,7 @@ from functools import lru_cache
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.calibration import Calibration
 from scaletool.analytic.comm import tensor_parallel_config
+from scaletool.analytic.engine_step import fsdp_copy_bytes
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.host import eager_dispatch_s
 from scaletool.analytic.memory import recipe_memory
@@ -416,9 +417,14 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     issue = (measured_tp if measured_tp is not None
              else _tp_dispatch(local, tp, 1, compiled, p.async_tp, calib) if tp > 1
              else eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib))
-    per_mb = max(per_mb, issue)
+    # FSDP2's copies on the stage's parameters each micro-batch (analytic.engine_step.fsdp_copy_bytes): torch's
+    # schedule turns the gradient sync off but the last micro-batch's, so each gradient is cast to fp32 and added
+    # to the unsharded accumulator; the blocks are gathered again for each backward under reshard_after_forward
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
+    if engine_kind(p.engine).name == "fsdp":  # the rank's own parameters: its share of the routed experts
+        per_mb += fsdp_copy_bytes(1, 1 if p.reshard_after_forward else 1 / m) * (params - routed + routed / ep) / hbm
+    per_mb = max(per_mb, issue)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
     # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism).
     # torch's schedule keeps the blocks gathered after each backward (set_reshard_after_backward(False)): with

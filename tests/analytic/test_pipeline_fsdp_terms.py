@@ -82,3 +82,20 @@ def test_ddp_per_block_compile_under_autocast_keeps_swiglus_fourth_tensor():
     # DDP compiles each block alone under autocast: SwiGLU's four tensors a layer; FSDP2 (16-bit weights, no
     # autocast, the same per-block compile and eager loss) three
     assert slope("ddp") - slope("fsdp") == pytest.approx(cfg.n_layers * 2 * cfg.intermediate_size)
+
+
+def test_each_micro_batch_pays_fsdp2s_copies_on_the_stage_parameters():
+    """FSDP2's copies per micro-batch on a stage (engine_step.fsdp_copy_bytes: the unsharded fp32 accumulation
+    torch's schedule leaves it, the gradient's fp32 cast, the gathered copy-out): one gather a micro-batch under
+    reshard_after_forward, one a schedule step without; the difference is the copy-out of the others."""
+    from scaletool.analytic.engine_step import FSDP_GATHER_COPY_BYTES, fsdp_copy_bytes
+
+    assert fsdp_copy_bytes(1, 2) == 26 and fsdp_copy_bytes(4, 1) == 4 + 6 + 3
+    m, hbm = 4, CAL.hbm_gb_s * 1e9
+    on = pipeline_step(_recipe(2, "train.compile=true"), CAL, world_size=2)
+    off = pipeline_step(_recipe(2, "train.compile=true", "parallel.reshard_after_forward=false"), CAL, world_size=2)
+    rows = stage_memory(_recipe(2, "train.compile=true"), 2)
+    for a, b, row in zip(on["ranks"], off["ranks"], rows):
+        assert a["micro_batch_s"] - b["micro_batch_s"] == pytest.approx(
+            FSDP_GATHER_COPY_BYTES * (1 - 1 / m) * row["params"] / hbm, rel=1e-6)
+        assert b["micro_batch_s"] > fsdp_copy_bytes(1, 1 / m) * row["params"] / hbm > 0
