@@ -422,8 +422,8 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     # to the unsharded accumulator; the blocks are gathered again for each backward under reshard_after_forward
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
-    if engine_kind(p.engine).name == "fsdp":  # the rank's own parameters: its share of the routed experts
-        per_mb += fsdp_copy_bytes(1, 1 if p.reshard_after_forward else 1 / m) * (params - routed + routed / ep) / hbm
+    # (stages run under FSDP2, the one engine whose layouts hold pipeline_parallel); the rank's own parameters
+    per_mb += fsdp_copy_bytes(1, 1 if p.reshard_after_forward else 1 / m) * (params - routed + routed / ep) / hbm
     per_mb = max(per_mb, issue)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
     # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism).
