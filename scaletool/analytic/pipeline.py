@@ -417,12 +417,12 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     issue = (measured_tp if measured_tp is not None
              else _tp_dispatch(local, tp, 1, compiled, p.async_tp, calib) if tp > 1
              else eager_dispatch_s(cfg, layers, 1, engine_kind(p.engine).autocast, compiled, calib))
-    # FSDP2's copies on the stage's parameters each micro-batch (analytic.engine_step.fsdp_copy_bytes): torch's
-    # schedule turns the gradient sync off but the last micro-batch's, so each gradient is cast to fp32 and added
-    # to the unsharded accumulator; the blocks are gathered again for each backward under reshard_after_forward
     params = stage["params"]
     routed = sum(routed_params(cfg, i) for i in layers) if ep > 1 else 0
-    # (stages run under FSDP2, the one engine whose layouts hold pipeline_parallel); the rank's own parameters
+    # FSDP2's copies (stages run under FSDP2) on the rank's own parameters each micro-batch
+    # (analytic.engine_step.fsdp_copy_bytes): torch's schedule turns the gradient sync off but the last micro-batch's,
+    # so each gradient is cast to fp32 and added to the unsharded accumulator; under reshard_after_forward the
+    # blocks are gathered again for each backward
     per_mb += fsdp_copy_bytes(1, 1 if p.reshard_after_forward else 1 / m) * (params - routed + routed / ep) / hbm
     per_mb = max(per_mb, issue)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm

@@ -82,7 +82,8 @@ def _train_summary(r: dict) -> str | None:
     par = rec.get("parallel") if isinstance(rec.get("parallel"), dict) else {}
     env = r.get("environment") if isinstance(r.get("environment"), dict) else {}
     timing = r.get("timing") if isinstance(r.get("timing"), dict) else {}
-    world = env.get("world_size") if isinstance(env.get("world_size"), int) and env.get("world_size") > 0 else 1
+    world = env.get("world_size")
+    world = world if isinstance(world, int) and world > 0 else 1
     tps = timing.get("tokens_per_s")  # the whole job's: per GPU, each figure over the world size
     per_gpu = ({k: (v / world if k in ("median", "p10", "p90") and _num(v) is not None else v) for k, v in tps.items()}
                if isinstance(tps, dict) else None)
