@@ -29,7 +29,7 @@ from scaletool.analytic.comm import tensor_parallel_config
 from scaletool.analytic.engine_step import fsdp_copy_bytes
 from scaletool.analytic.flops import attention_flops_per_token
 from scaletool.analytic.host import eager_dispatch_s
-from scaletool.analytic.memory import recipe_memory
+from scaletool.analytic.memory import memory_inputs, recipe_memory
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
 from scaletool.analytic.timeline import MemoryInputs, _activation_bytes_per_token_per_layer
 from scaletool.config import ModelConfig, Recipe
@@ -92,14 +92,15 @@ def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> float:
 
 
 def layer_activation_bytes(cfg: ModelConfig, i: int, activation_checkpointing: str = "none",
-                           selective_every: int = 2) -> float:
-    """Bytes block ``i`` saves per token for its backward: eager autograd's count with the 16-bit residual
-    stream of FSDP2's mixed precision (:func:`~scaletool.analytic.timeline._activation_bytes_per_token_per_layer`);
-    a checkpointed block keeps only its input."""
+                           selective_every: int = 2, compiled: bool = False) -> float:
+    """Bytes block ``i`` saves per token for its backward: autograd's count with the 16-bit residual stream of
+    FSDP2's mixed precision (:func:`~scaletool.analytic.timeline._activation_bytes_per_token_per_layer`), eager or
+    ``compiled`` (each block compiled alone over 16-bit weights keeps what a compiled model's block keeps); a
+    checkpointed block keeps only its input."""
     res = 2 if cfg.dtype != "fp32" else 4
     if activation_checkpointing == "full" or (activation_checkpointing == "selective" and (i + 1) % selective_every == 0):
         return res * cfg.d_model
-    return _activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=res)
+    return _activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=res, compiled=compiled)
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
@@ -263,6 +264,8 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
     pc = param_counts(cfg)
     a = 2 if cfg.dtype != "fp32" else 4
     shard = 1 - 1 / tp  # the share of a sequence-parallel tensor another rank of the group holds
+    # train.compile compiles each block of a stage alone (scaletool.engines.pipeline), over FSDP2's 16-bit weights
+    compiled = memory_inputs(recipe).compiled
     rows = []
     owners = chunk_ranks(p.pipeline_schedule, P, v)
     for r, layers in enumerate(rank_layers(recipe, split)):
@@ -283,15 +286,15 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         if ep > 1 and moe_here:
             gathered += a * moe_params(cfg)["routed"] / ep
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
-        acts = [layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every) for i in layers]
+        acts = [layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled) for i in layers]
         per_mb = tokens * sum(acts)
         if tp > 1:  # sequence parallelism: each block's norm inputs (a checkpointed block's one input) sharded
             kept = sum(1 if x <= a * cfg.d_model else 2 for x in acts) + (1 if last else 0)
             per_mb -= tokens * a * cfg.d_model * kept * shard
         recompute = 0.0
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
-            recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a)
-                                     for i in layers)
+            recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a,
+                                                                           compiled=compiled) for i in layers)
         ep_bytes = 0.0
         if ep > 1 and moe_here:  # the busiest rank's extra routed rows per MoE layer kept, its all-to-all buffers
             saved = [i for i in layers if _is_moe(cfg, i) and layer_activation_bytes(

@@ -137,10 +137,8 @@ class MemoryModel:
     def _estimate(self, fam: Family, micro_batch: int, grad_accum_steps: int = 1, every: str = "step") -> dict:
         r, t = self.recipe, self.recipe.train
         ac = fam.activation_checkpointing
-        if fam.pipeline_parallel > 1:  # the largest stage's peak (per-block compile: the eager estimate)
+        if fam.pipeline_parallel > 1:  # the largest stage's peak (per-block compile keeps a compiled block's count)
             from scaletool.analytic.pipeline import stage_memory
-            if fam.compiled:
-                return self.estimate(replace(fam, compiled=False), micro_batch, grad_accum_steps, every)
             stages = stage_memory(pipeline_recipe(r, fam, micro_batch, grad_accum_steps), self.gpus)
             top = max(stages, key=lambda x: x["total_bytes"])
             return {"total_bytes": top["total_bytes"], "phase": f"pipeline stage {top['rank']}", "stages": stages}

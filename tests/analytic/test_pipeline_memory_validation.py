@@ -1,0 +1,65 @@
+"""Stage memory against every committed pipeline run (benchmarks/results/pipeline/): each rank's peak allocated
+beside its own stage's estimate (the runs' summaries) and the largest stage's beside the run's peak (the studies'
+records). A change to analytic.pipeline that worsens the distribution past docs/prediction.md's figures fails here."""
+from __future__ import annotations
+
+import ast
+import json
+import lzma
+import statistics
+from pathlib import Path
+
+from scaletool.analytic.pipeline import stage_memory
+from scaletool.config import load_recipe, recipe_from_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "pipeline"
+
+
+def _records():
+    for f in sorted(RESULTS.glob("*/records.jsonl.xz")):
+        world = int(f.parent.name.split("x", 1)[0])  # 2xh200-..., 4xh200-...
+        with lzma.open(f, "rt") as fh:
+            yield from ((f.parent.name, world, json.loads(line)) for line in fh)
+
+
+def _errors() -> list[tuple[str, float]]:
+    """(run, estimate / measured - 1) for every rank of every completed pipeline run."""
+    out = []
+    for folder, world, rec in _records():
+        if rec["path"].endswith("summary.json"):
+            s = json.loads(rec["text"])
+            if s.get("status") != "completed" or s["recipe"]["parallel"]["pipeline_parallel"] < 2:
+                continue
+            ws = s["environment"]["world_size"]
+            stages = stage_memory(recipe_from_dict(s["recipe"]), ws)
+            per_stage = ws // s["recipe"]["parallel"]["pipeline_parallel"]
+            for row in s["memory"]["per_rank"]:
+                est = stages[row["rank"] // per_stage]["total_bytes"]
+                out.append((f"{folder}/{rec['path']} rank {row['rank']}", est / row["peak_allocated_bytes"] - 1))
+        elif rec["path"].endswith(".jsonl") and "run-summaries" not in rec["path"]:
+            for line in rec["text"].splitlines():
+                d = json.loads(line)
+                sets = d.get("sets")
+                sets = ast.literal_eval(sets) if isinstance(sets, str) else sets
+                if not sets or not any(x.startswith("parallel.pipeline_parallel=") for x in sets):
+                    continue
+                measured = d["measured"] if isinstance(d["measured"], dict) else ast.literal_eval(d["measured"])
+                if str(d["returncode"]) != "0" or not measured.get("peak_memory_bytes"):
+                    continue
+                recipe = load_recipe(ROOT / "recipes" / f"{d['model']}.yaml", [*sets, f"parallel.world_size={world}"])
+                est = max(x["total_bytes"] for x in stage_memory(recipe, world))
+                out.append((f"{folder}/{d['name']}", est / measured["peak_memory_bytes"] - 1))
+    return out
+
+
+def test_every_committed_pipeline_stage_is_estimated_within_the_stated_band():
+    errors = _errors()
+    assert len(errors) >= 160, len(errors)  # 108 ranks of 27 runs' summaries, 57 study records
+    worst = [(name, round(e, 3)) for name, e in errors if not -0.12 <= e <= 0.09]
+    assert not worst, worst
+    assert statistics.median(abs(e) for _, e in errors) < 0.045
+    # compiled 16-block stages of Llama-3-8B keep a compiled block's count: +10.1 ... +13.2% on the eager one
+    assert all(abs(e) < 0.07 for name, e in errors if name.startswith("2xh200-2026-11-29/pp2-"))
+    # beyond -10% only interleaved's last rank (4xh200-2026-11-28-raf; kept gathered at 8 micro-batches -11.7%)
+    assert all("-raf/" in name and "interleaved" in name for name, e in errors if e < -0.10)
