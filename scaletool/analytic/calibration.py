@@ -37,6 +37,12 @@ DATASHEET_DEFAULT_ERROR = (91, 0.026, 0.151)
 
 #: The sequence length an attention rate is read at when none is given (where single-T calibrations measured it).
 ATTENTION_REFERENCE_SEQ = 2048
+#: ALiBi's bias path (SDPA handed the dense score bias, no causal kernel: 2x the work, a slower kernel) against the
+#: causal kernel, time for time, where a calibration has no ``alibi`` entry: 2.96-3.27x measured at T = 2,048 ...
+#: 8,192 on an H200 (benchmarks/results/attention-seq/README.md)
+ALIBI_OVER_CAUSAL_TIME = 3.1
+#: ``attention_tflops``' key of ALiBi's bias path (causal convention, any head dims), beside the 'qk/v' ones
+ALIBI_KEY = "alibi"
 
 
 def attention_at(entry, seq: int | None = None) -> float:
@@ -98,19 +104,25 @@ class Calibration:
         s = max(1.0, min(m, n, k))
         return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
 
-    def attention_rate(self, qk_dim: int, v_dim: int, seq: int | None = None) -> float:
+    def attention_rate(self, qk_dim: int, v_dim: int, seq: int | None = None, bias: bool = False) -> float:
         """FLOP/s (causal convention) of fused SDPA forward + backward at these head dims and sequence length.
         An entry is one rate, or ``{T: rate}`` measured at several T: interpolated in log T between them, the
-        nearest measured T's rate beyond their range; ``seq`` None reads it at :data:`ATTENTION_REFERENCE_SEQ`."""
+        nearest measured T's rate beyond their range; ``seq`` None reads it at :data:`ATTENTION_REFERENCE_SEQ`.
+        ``bias``: ALiBi's dense score bias path, its ``alibi`` entry, else the causal rate over
+        :data:`ALIBI_OVER_CAUSAL_TIME`."""
         table = self.attention_tflops
+        if bias:
+            if ALIBI_KEY in table:
+                return attention_at(table[ALIBI_KEY], seq) * 1e12
+            return self.attention_rate(qk_dim, v_dim, seq) / ALIBI_OVER_CAUSAL_TIME
         key = f"{qk_dim}/{v_dim}"
         if key in table:
             return attention_at(table[key], seq) * 1e12
-        dims = [k for k in table if k != "default"]
+        dims = [k for k in table if k not in ("default", ALIBI_KEY)]
         if dims and "default" not in table:  # the nearest measured head dims
             near = min(dims, key=lambda k: abs(int(k.split("/")[0]) - qk_dim) + abs(int(k.split("/")[1]) - v_dim))
             return attention_at(table[near], seq) * 1e12
-        return attention_at(table.get("default", next(iter(table.values()))), seq) * 1e12
+        return attention_at(table.get("default", next(v for k, v in table.items() if k != ALIBI_KEY)), seq) * 1e12
 
     def bus_bandwidth(self, op: str, ranks: int, inter_node: bool = False) -> float:
         """Bytes/s of bus bandwidth (NCCL's convention) for ``op`` over ``ranks`` ranks."""
@@ -209,13 +221,13 @@ def _check_curve(source: str, key: str, g, problems: list[str]) -> None:
 
 
 def _check_attention(source: str, table, problems: list[str]) -> None:
-    if not isinstance(table, dict) or not table:
+    if not isinstance(table, dict) or not set(table) - {ALIBI_KEY}:
         problems.append(f"{source}: attention_tflops: a mapping of 'qk/v' head dims (or 'default') to TFLOP/s")
         return
     for k, v in table.items():
-        if not (k == "default" or (isinstance(k, str) and _HEAD_DIMS.fullmatch(k))):
-            problems.append(f"{source}: attention_tflops: {echo(k)} is not 'qk/v' head dims (e.g. '128/128') or "
-                            "'default'")
+        if not (k in ("default", ALIBI_KEY) or (isinstance(k, str) and _HEAD_DIMS.fullmatch(k))):
+            problems.append(f"{source}: attention_tflops: {echo(k)} is not 'qk/v' head dims (e.g. '128/128'), "
+                            f"'default' or '{ALIBI_KEY}'")
             continue
         if not isinstance(v, dict):
             _positive(f"{source}: attention_tflops.{k}", v, problems)

@@ -24,6 +24,7 @@ from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer, cast_once_params
 from scaletool.config import ModelConfig, Recipe
+from scaletool.kinds.attention import position_kind
 from scaletool.kinds.engines import EngineKind, casts_once
 
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW on fp32 (read p, g, m, v; write p, m, v) + clipping (norm, scale)
@@ -62,7 +63,10 @@ def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int
     fwd_blocks = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name not in heads)
     fwd_head = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name in heads)
     att_flops = attention_flops_per_token(local, T, causal=cfg.task == "lm") * tokens
-    att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim, T)
+    # ALiBi: SDPA handed the dense score bias (the causal mask folded in) runs a bias kernel over the whole T x T,
+    # its rate in the causal convention (twice that over a non-causal encoder's full scores)
+    bias = position_kind(cfg).bias
+    att_rate = calib.attention_rate(local.qk_head_dim, local.v_dim, T, bias=bias) * (2 if bias and cfg.task != "lm" else 1)
     frac = 1.0 if ac == "full" else ((L // every) / L if ac == "selective" else 0.0)
     dense, moe = L - local.n_moe_layers, local.n_moe_layers
     act = (dense * _activation_bytes_per_token_per_layer(local)
@@ -80,7 +84,7 @@ def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int
     recompute = frac * (fwd_blocks + att_flops / att_rate + fwd_share * factor * tokens * L * act / hbm)
     return {"gemm_forward": fwd_blocks + fwd_head, "gemm_backward": 2 * (fwd_blocks + fwd_head),
             "attention": 3 * att_flops / att_rate, "elementwise": elementwise, "recompute": recompute,
-            "recompute_fraction": frac, "att_rate": att_rate, "factor": factor}
+            "recompute_fraction": frac, "att_rate": att_rate, "factor": factor, "bias": bias}
 
 
 def _communication(recipe: Recipe, local: ModelConfig, N: int, tp: int, G: int, c: dict, gas: int,
@@ -247,7 +251,7 @@ def predict_step(recipe: Recipe, calib: Calibration, *, world_size: int | None =
         f"GEMM rate {g['max_tflops']:.0f} TFLOP/s x s/(s+{g['half_dim']:.0f}), s the smallest GEMM dimension; "
         "backward = 2 x forward at the same shapes",
         f"attention {c['att_rate'] / 1e12:.0f} TFLOP/s (fused SDPA forward + backward, head dims "
-        f"{local.qk_head_dim}/{local.v_dim}, T={T:,})",
+        f"{local.qk_head_dim}/{local.v_dim}, T={T:,}" + (", ALiBi's dense score bias path" if c["bias"] else "") + ")",
         f"element-wise traffic {c['factor']:g} x eager saved activations + logits at {calib.hbm_gb_s:.0f} GB/s "
         f"({'compiled' if compiled else 'eager'})",
         f"optimizer {OPTIMIZER_BYTES_PER_PARAM} B per fp32 parameter on the rank (fused AdamW + clipping)",

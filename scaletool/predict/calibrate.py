@@ -13,8 +13,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from scaletool.analytic.calibration import COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
+from scaletool.analytic.calibration import ALIBI_KEY, COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
 from scaletool.analytic.flops import gemm_shapes
+from scaletool.kinds.attention import position_kind
 from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from
 from scaletool.predict.calibrate_tp import overheads_from as tp_overheads_from
 from scaletool.stats import spread
@@ -193,6 +194,13 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
                  for T in seqs]
     entry = (attention[0]["tflops"]["median"] if len(attention) == 1
              else {a["seq"]: a["tflops"]["median"] for a in attention})
+    table = {f"{qk}/{v}": entry, "default": entry}
+    if recipe is not None and position_kind(cfg).bias:  # ALiBi: its dense score bias path too (analytic.step)
+        biased = [measure_attention(heads, qk, v, T, max(1, tokens // T), device, dtype,
+                                    kv_heads=kv_heads_of(cfg, heads), alibi=True) for T in seqs]
+        attention += biased
+        table[ALIBI_KEY] = (biased[0]["tflops"]["median"] if len(biased) == 1
+                            else {a["seq"]: a["tflops"]["median"] for a in biased})
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
     # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
     host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
@@ -211,7 +219,7 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
         "peak_tflops": peak, "memory_gib": (torch.cuda.get_device_properties(device).total_memory / 2**30) if gpu else None,
         "gemm_tflops": {**curve, "points": [{"m": g["m"], "n": g["n"], "k": g["k"], "tflops": g["tflops"]["median"]}
                                             for g in gemms]},
-        "attention_tflops": {f"{qk}/{v}": entry, "default": entry},
+        "attention_tflops": table,
         "hbm_gb_s": hbm["gb_s"]["median"],
         "elementwise": dict(base.elementwise),
         "overheads": (dict(base.overheads) | (overheads_from(host) if host else {})

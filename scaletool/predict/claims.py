@@ -18,7 +18,6 @@ OUTSIDE = {
     "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
     "pipeline_tp": ("TP inside pipeline stages: host-bound slots set by one host's DTensor issue time (hosts "
                     "differ up to 1.6x); a host-bound stage's fill and drain not modelled"),
-    "alibi": "ALiBi: the dense score bias SDPA is handed (no causal kernel) is not charged",
 }
 
 
@@ -26,8 +25,7 @@ def outside(row: dict) -> str | None:
     """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
     checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
               ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
-              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)),
-              ("alibi", row.get("position_encoding") == "alibi"))
+              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)))
     return next((key for key, hit in checks if hit), None)
 
 
@@ -37,7 +35,7 @@ def layout_fields(recipe) -> dict:
     p = recipe.parallel
     return {"moe_dispatch": recipe.model.moe_dispatch if moe else None, "async_tp": p.async_tp,
             "tp_local_ops": p.tp_local_ops, "pipeline_tp": p.pipeline_parallel > 1 and p.tensor_parallel > 1,
-            "position_encoding": recipe.model.position_encoding, "float8": recipe.train.float8}
+            "float8": recipe.train.float8}
 
 
 def outside_layout(recipe, step_s: float | None) -> str | None:

@@ -52,7 +52,7 @@ def _check(rows, key):
 def test_the_runs_outside_the_model_are_those_its_failure_list_names(runs):
     """Each run the model does not claim carries its reason, and the summary's ``modelled`` is the rest."""
     reasons = {r["outside"] for r in runs}
-    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops", "pipeline_tp", "alibi"}
+    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops", "pipeline_tp"}
     out = validate()["summary"]
     assert out["modelled"]["n"] == sum(1 for r in runs if r["outside"] is None)
     assert sum(s["n"] for s in out["outside"].values()) == sum(1 for r in runs if r["outside"])
@@ -72,7 +72,7 @@ def _host_bound(r) -> bool:
 
 def test_error_distribution_within_the_stated_tolerance(runs):
     dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]
-             and not r["pipeline_tp"] and r["position_encoding"] != "alibi"
+             and not r["pipeline_tp"]
              and not _host_bound(r)]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")
@@ -143,11 +143,12 @@ def test_tensor_parallelism_inside_pipeline_stages_stays_a_visible_failure(runs)
     assert len(probed) == 4 and all(-0.22 < e < -0.1 for e in probed), probed
 
 
-def test_position_encodings_the_model_does_not_charge_stay_visible(runs):
+def test_position_encodings_as_the_model_charges_them(runs):
     """MPT-1B's shape on one H200 (benchmarks/results/published-shape/h200-2026-11-28-mpt): without a position
-    encoding predicted within 2%; RoPE (inside the fitted element-wise factor for Llama's shapes) +15%, kept in the
-    claims; ALiBi's dense-bias SDPA (+20%) kept out with its reason. A position-encoding term would move these."""
+    encoding predicted within 2%; RoPE (inside the fitted element-wise factor for Llama's shapes) +15%, a visible
+    gap; ALiBi's dense-bias SDPA at the bias path's rate that attention_seq.py measured apart (no run fitted it):
+    +20% when it was charged the causal kernel's, within 3% now."""
     mpt = {r["run"].split("/")[-2]: r for r in runs if "h200-2026-11-28-mpt/" in r["run"]}
-    assert mpt["mp1-alibi"]["outside"] == "alibi" and 0.1 < mpt["mp1-alibi"]["rel_error"] < 0.3
+    assert mpt["mp1-alibi"]["outside"] is None and abs(mpt["mp1-alibi"]["rel_error"]) < 0.03
     assert mpt["mp1-rope"]["outside"] is None and 0.1 < mpt["mp1-rope"]["rel_error"] < 0.2
     assert abs(mpt["mp1-none"]["rel_error"]) < 0.02

@@ -179,6 +179,43 @@ def test_alibi_attention_is_timed_with_the_dense_bias_training_passes(monkeypatc
     assert torch.isinf(mask[0, :, 0, 1:]).all() and mask[0, 1, 5, 2].item() == -3 * alibi_slopes(4)[1].item()
 
 
+def test_an_alibi_recipe_is_calibrated_and_predicted_on_its_bias_path(monkeypatch, tmp_path):
+    """An ALiBi recipe's calibration also times the dense-bias path (``attention_tflops.alibi``); the step model
+    charges ALiBi's attention at that rate (the causal rate over ALIBI_OVER_CAUSAL_TIME where a calibration has
+    none), RoPE's at the causal one; a table of only ``alibi`` is refused."""
+    import dataclasses
+
+    import torch
+    import yaml
+
+    from scaletool.analytic.calibration import ALIBI_OVER_CAUSAL_TIME, load_calibration
+    from scaletool.analytic.step import predict_step
+    from scaletool.errors import RecipeError
+    from scaletool.predict import calibrate as cal_mod
+
+    monkeypatch.setattr(cal_mod, "measure_block_dispatch", lambda *a, **k: None)  # another test's subject
+    alibi = load_recipe("tiny", ["model.attention=mha", "model.position_encoding=alibi"])
+    out = cal_mod.calibrate(torch.device("cpu"), recipe=alibi)
+    assert out["attention_tflops"]["alibi"] > 0 and [a.get("alibi", False) for a in out["measured"]["attention"]] == [
+        False, True]
+    assert "alibi" not in cal_mod.calibrate(torch.device("cpu"), recipe=load_recipe("tiny"))["attention_tflops"]
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(out))
+    cal = load_calibration(str(path))
+    assert cal.attention_rate(64, 64, 128, bias=True) == pytest.approx(out["attention_tflops"]["alibi"] * 1e12)
+
+    rope = load_recipe("tiny", ["model.attention=mha"])
+    plain = dataclasses.replace(cal, attention_tflops={"default": 100.0})
+    biased = dataclasses.replace(cal, attention_tflops={"default": 100.0, "alibi": 20.0})
+    att = {name: predict_step(r, c)["terms"]["attention_s"]
+           for name, r, c in (("rope", rope, plain), ("derived", alibi, plain), ("measured", alibi, biased))}
+    assert att["derived"] == pytest.approx(ALIBI_OVER_CAUSAL_TIME * att["rope"])
+    assert att["measured"] == pytest.approx(5 * att["rope"])
+    path.write_text(yaml.safe_dump(out | {"attention_tflops": {"alibi": 20.0}}))
+    with pytest.raises(RecipeError, match="attention_tflops"):
+        load_calibration(str(path))
+
+
 def test_the_tp_probe_says_why_it_did_not_run_and_the_calibration_goes_on(monkeypatch):
     """No process is started for a model whose three blocks would not fit the probe's share of memory, or that TP 2
     cannot split (one head); a probe whose processes fail is started again, and one that fails every time leaves
