@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from scaletool.analytic.flops import routed_experts_computed
 from scaletool.analytic.params import attention_params, ffn_params, moe_params, param_counts
 from scaletool.config import ModelConfig
-from scaletool.kinds.attention import attention_kind
+from scaletool.kinds.attention import attention_kind, position_kind
 
 # ---------------------------------------------------------------------------------------------
 # Training memory
@@ -231,7 +231,10 @@ def _units(cfg: ModelConfig, inputs: MemoryInputs, *, autocast: bool, expert_par
         head = _Unit("head", head_params, pc["head"], head_params, saved=tokens * res * d * 3, live=0.0, temp=0.0)
         emb_params = pc["embedding"]
         loss_temp = 0.0
-    embedding = _Unit("embedding", emb_params, emb_params, emb_params, saved=0.0, live=0.0, temp=0.0)
+    # ALiBi: the (1, H, T, T) score bias in the compute dtype, built once a forward and saved by every block's
+    # attention (one tensor): kept until the last block's backward
+    bias = a * cfg.n_heads * inputs.seq_len ** 2 if position_kind(cfg).bias else 0.0
+    embedding = _Unit("embedding", emb_params, emb_params, emb_params, saved=bias, live=0.0, temp=0.0)
     return [head, *blocks, embedding], loss_temp
 
 

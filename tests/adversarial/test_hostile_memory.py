@@ -73,8 +73,8 @@ def test_a_compiled_run_is_checked_against_the_compiled_estimate(monkeypatch):
 
 def test_a_pipeline_run_is_checked_against_its_largest_stage(monkeypatch):
     """The layout `plan` ranked third for Llama-3-8B on 4 H200s (FSDP2, PP 2 interleaved, 8 micro-batches of one
-    8,192-token sequence, compiled): its largest stage is 94.6 GiB, and train once refused it at 391.6 GiB, the
-    count of micro-batch 8 through the whole model. The check is now the figure estimate and plan give."""
+    8,192-token sequence, compiled): its largest stage is 85.3 GiB (measured 91.1), and train once refused it at
+    391.6 GiB, the count of micro-batch 8 through the whole model. The check is now the figure estimate and plan give."""
     from scaletool.analytic.pipeline import peak_bytes
     from scaletool.config import load_recipe
 
@@ -88,4 +88,4 @@ def test_a_pipeline_run_is_checked_against_its_largest_stage(monkeypatch):
                             "train.activation_checkpointing=none"])
     checked = count.train_memory_check(r, 4)
     assert checked["required_bytes"] == int(peak_bytes(r, 4))
-    assert 90 * 2**30 < checked["required_bytes"] < 100 * 2**30
+    assert 80 * 2**30 < checked["required_bytes"] < 95 * 2**30

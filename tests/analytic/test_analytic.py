@@ -131,6 +131,19 @@ def test_position_encodings_and_post_norm_in_the_parameter_count():
     assert rope["total"] - post["total"] == rope["final_norm"] == 2 * 128 and post["final_norm"] == 0
 
 
+def test_alibis_score_bias_is_held_through_the_backward():
+    """ALiBi's (1, H, T, T) bias in the compute dtype is saved by every block's attention (one tensor): the estimate
+    carries it once, at every engine, 2 GiB for MPT-1B's 16 heads at T = 8,192 (measured on one H200: 83.21 GiB
+    against 81.13 without it, benchmarks/results/published-shape/h200-2026-11-29-alibi)."""
+    from scaletool.analytic.memory import recipe_memory
+
+    base = {"model": {"d_model": 256, "n_heads": 16, "n_layers": 2, "max_seq_len": 8192, "attention": "mha"},
+            "train": {"seq_len": 8192, "micro_batch_size": 1}, "parallel": {"engine": "fsdp", "world_size": 2}}
+    none = recipe_memory(recipe_from_dict({**base, "model": {**base["model"], "position_encoding": "none"}}), 2)
+    alibi = recipe_memory(recipe_from_dict({**base, "model": {**base["model"], "position_encoding": "alibi"}}), 2)
+    assert alibi["total_bytes"] - none["total_bytes"] == 2 * 16 * 8192**2
+
+
 def test_deepseek_v3_attention_layout():
     """DeepSeek-V3's MLA (d 7168, 128 heads, q_lora 1536, kv_lora 512, 128/64/128): 187,107,328 per layer,
     projection by projection as in its inference code."""
