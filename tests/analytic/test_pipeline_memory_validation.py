@@ -1,6 +1,5 @@
-"""Stage memory against every committed pipeline run (benchmarks/results/pipeline/): each rank's peak allocated
-beside its own stage's estimate (the runs' summaries) and the largest stage's beside the run's peak (the studies'
-records). A change to analytic.pipeline that worsens the distribution past docs/prediction.md's figures fails here."""
+"""Stage memory against every committed pipeline run (benchmarks/results/pipeline/): each rank's peak beside its
+stage's estimate (summaries), the largest stage's beside the run's peak (study records); docs/prediction.md's band."""
 from __future__ import annotations
 
 import ast
@@ -24,7 +23,6 @@ def _records():
 
 
 def _errors() -> list[tuple[str, float]]:
-    """(run, estimate / measured - 1) for every rank of every completed pipeline run."""
     out = []
     for folder, world, rec in _records():
         if rec["path"].endswith("summary.json"):
