@@ -169,6 +169,8 @@ def _print_published_memory(res: dict) -> None:
 def _print_calibration(cal: dict, out: Path) -> None:
     from rich.markup import escape
 
+    from scaletool.analytic.calibration import ALIBI_KEY
+
     con = console()
     g = cal["gemm_tflops"]
     con.print(f"{cal['source']}", highlight=False)
@@ -176,7 +178,8 @@ def _print_calibration(cal: dict, out: Path) -> None:
               highlight=False)
     for k, v in cal["attention_tflops"].items():
         rates = ", ".join(f"{r:.4g} at T={t}" for t, r in sorted(v.items())) if isinstance(v, dict) else f"{v:.4g}"
-        con.print(f"attention {k}: {rates} TFLOP/s (causal, forward + backward)", highlight=False)
+        what = "ALiBi's dense score bias path, causal convention" if k == ALIBI_KEY else "causal"
+        con.print(f"attention {k}: {rates} TFLOP/s ({what}, forward + backward)", highlight=False)
     con.print(f"HBM copy: {cal['hbm_gb_s']:.4g} GB/s", highlight=False)
     c = cal["collectives"]
     con.print(f"collectives ({c['source']}):", highlight=False)
