@@ -117,6 +117,25 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     return chunks / v
 
 
+def interleaved_peak(p: int, v: int, m: int, rank: int, chunk_bytes: list[float]) -> tuple[float, int]:
+    """The largest activations ``rank`` holds under torch's ScheduleInterleaved1F1B, and the chunk micro-batches
+    held then: its v local chunks' forwards and backwards in the order that schedule issues them (rounds of
+    ``R = m / max(1, m // p)`` micro-batches; ``(v - 1)·R + 2·(p - 1 - rank)`` warm-up forwards; then each
+    forward followed by a backward, the backwards through the local chunks in reverse), ``chunk_bytes[c]`` one
+    micro-batch's saved activations of local chunk c. Where chunks differ, which ones are in flight matters: the
+    last rank of PP 2 holds three micro-batches of its first chunk at once, not 1.5 of an average one."""
+    rounds = max(1, m // p)
+    R, n = m // rounds, m * v
+    warmup = min((v - 1) * R + 2 * (p - 1 - rank), n)
+    held, count, best, done = 0.0, 0, (0.0, 0), 0
+    for j in range(n):  # backward j follows forward warmup + j (none past the last)
+        while done <= min(warmup + j, n - 1):
+            held, count, done = held + chunk_bytes[(done // R) % v], count + 1, done + 1
+        best = max(best, (held, count))
+        held, count = held - chunk_bytes[v - 1 - (j // R) % v], count - 1
+    return best
+
+
 def _chunk_costs(cfg: ModelConfig, seq_len: int, S: int, tokens: int, act: str, every: int,
                  flight: list[float], dp: int, ep: int = 1):
     """Per block (time, memory) and the extras of the first and last chunk, for :func:`stage_split`."""
@@ -286,11 +305,26 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         if ep > 1 and moe_here:
             gathered += a * moe_params(cfg)["routed"] / ep
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
-        acts = [layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled) for i in layers]
-        per_mb = tokens * sum(acts)
-        if tp > 1:  # sequence parallelism: each block's norm inputs (a checkpointed block's one input) sharded
-            kept = sum(1 if x <= a * cfg.d_model else 2 for x in acts) + (1 if last else 0)
-            per_mb -= tokens * a * cfg.d_model * kept * shard
+        acts = {i: layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled)
+                for i in layers}
+
+        def saved(blocks, holds_head: bool, acts: dict = acts) -> float:
+            """One micro-batch's saved activations of these blocks; sequence parallelism shards each block's norm
+            inputs (a checkpointed block's one input) and the final norm's."""
+            out = tokens * sum(acts[i] for i in blocks)
+            if tp > 1:
+                kept = sum(1 if acts[i] <= a * cfg.d_model else 2 for i in blocks) + (1 if holds_head else 0)
+                out -= tokens * a * cfg.d_model * kept * shard
+            return out
+
+        per_mb = saved(layers, last)
+        embed_mb = a * tokens * cfg.d_model / tp if first else 0.0  # the embedding's output, kept per micro-batch
+        held_mb = flight * (per_mb + embed_mb)
+        if schedule_kind(p.pipeline_schedule).issue_order:  # which chunks are in flight, in torch's order
+            mine = [c for c in range(len(split)) if owners[c] == r]
+            chunk = [saved(range(*split[c]), c == len(split) - 1) + (embed_mb if c == 0 else 0.0) for c in mine]
+            held_mb, count = interleaved_peak(P, v, m, r, chunk)
+            flight = count / v
         recompute = 0.0
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
             recompute = tokens * max(_activation_bytes_per_token_per_layer(cfg, moe=_is_moe(cfg, i), res=a,
@@ -301,7 +335,6 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
                 cfg, i, t.activation_checkpointing, t.selective_every) > a * cfg.d_model]
             ep_bytes = (flight * len(saved) * ep_analytic.activation_extra_bytes(cfg, tokens, ep, t.compile)
                         + ep_analytic.transient_bytes(cfg, tokens, ep))
-        embed_out = a * tokens * cfg.d_model * flight / tp if first else 0.0
         # at the loss's backward: the 16-bit logits (the stage's output, which torch's schedule keeps for the
         # backward), log_softmax's saved fp32 output, and NLL's and log_softmax's fp32 gradients: one micro-batch
         # at a time under 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe
@@ -310,7 +343,7 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         logits = (held + 8) * tokens * cfg.vocab_size if last else 0.0
         # receive and send buffers, activations and gradients, per chunk (this rank's sequence shard under TP)
         p2p = 4 * a * tokens * cfg.d_model * v / tp
-        activations = flight * per_mb + recompute + embed_out + logits + ep_bytes
+        activations = held_mb + recompute + logits + ep_bytes
         total = states + gathered + activations + p2p
         rows.append({"rank": r, "layers": layers, "params": params, "first": first, "last": last,
                      "in_flight_micro_batches": flight, "expert_parallel": ep, "states_bytes": int(states),

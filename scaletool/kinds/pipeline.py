@@ -41,6 +41,8 @@ class ScheduleKind:
     idle share of one chunk-slot in units of F + B + W (1 for GPipe and 1F1B, 1/3 for ZB-H1, 0 for ZB-V).
     ``one_chunk_bubble_from``: the pipeline ranks from which torch's implementation was measured to idle as
     if each rank held one chunk (its sends and receives, not its order of computations), or None.
+    ``issue_order``: a rank's memory peak is read off the order the torch class issues its chunks' forwards and
+    backwards (:func:`scaletool.analytic.pipeline.interleaved_peak`), not a count of average chunks.
     """
 
     name: str
@@ -51,6 +53,7 @@ class ScheduleKind:
     bubble_work: float
     source: str
     one_chunk_bubble_from: int | None = None
+    issue_order: bool = False
 
     def realised_chunks(self, p: int, v: int, designed: bool = False) -> int:
         """The chunks per rank the bubble divides by as torch runs the schedule on ``p`` ranks (``designed``:
@@ -79,7 +82,7 @@ SCHEDULES: dict[str, ScheduleKind] = {k.name: k for k in (
     # 4 H200s, benchmarks/results/pipeline/4xh200-2026-11-27-s4*), its design's on 2 (within 1.1 points);
     # pytorch/pytorch#188833. Larger counts are assumed alike, not measured.
     ScheduleKind("interleaved-1f1b", "ScheduleInterleaved1F1B", True, None, "loop", 1.0, "Narayanan et al. 2021 §2.2.2",
-                 one_chunk_bubble_from=4),
+                 one_chunk_bubble_from=4, issue_order=True),
     ScheduleKind("interleaved-zb", "ScheduleInterleavedZeroBubble", True, None, "loop",
                  (_F + _B - _W) / (_F + _B + _W), "Qi et al. 2023 §3 (ZB-H1)"),
     ScheduleKind("zbv", "ScheduleZBVZeroBubble", True, 2, "v", max(0.0, _F + _B - 2 * _W) / (_F + _B + _W),
