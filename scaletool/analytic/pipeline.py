@@ -118,12 +118,10 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 
 def interleaved_peak(p: int, v: int, m: int, rank: int, chunk_bytes: list[float]) -> tuple[float, int]:
-    """The largest activations ``rank`` holds under torch's ScheduleInterleaved1F1B, and the chunk micro-batches
-    held then: its v local chunks' forwards and backwards in the order that schedule issues them (rounds of
-    ``R = m / max(1, m // p)`` micro-batches; ``(v - 1)·R + 2·(p - 1 - rank)`` warm-up forwards; then each
-    forward followed by a backward, the backwards through the local chunks in reverse), ``chunk_bytes[c]`` one
-    micro-batch's saved activations of local chunk c. Where chunks differ, which ones are in flight matters: the
-    last rank of PP 2 holds three micro-batches of its first chunk at once, not 1.5 of an average one."""
+    """The largest activations ``rank`` holds under torch's ScheduleInterleaved1F1B and the chunk micro-batches
+    then held, its local chunks' forwards and backwards in that schedule's order (rounds of R = m / max(1, m // p);
+    (v - 1)·R + 2·(p - 1 - rank) warm-up forwards, then a forward and a backward each, the backwards through the
+    chunks in reverse); ``chunk_bytes[c]``: one micro-batch of local chunk c."""
     rounds = max(1, m // p)
     R, n = m // rounds, m * v
     warmup = min((v - 1) * R + 2 * (p - 1 - rank), n)
