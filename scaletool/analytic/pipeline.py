@@ -14,10 +14,10 @@ Torch-free and IO-free, like the rest of :mod:`scaletool.analytic`. With p pipel
   schedule keeps in flight on that rank (:func:`in_flight`, sources in :mod:`scaletool.kinds.pipeline`),
   the first stage's embedding output and the last stage's logits and loss.
 - **Step time** (:func:`pipeline_step`): each rank's compute at the calibrated rates (the output layer on the
-  last rank only), the bubble (the other ranks' micro-batch times over ``v``, ``(p - 1)/v`` slots where stages
-  are equal, times the schedule's idle share of a slot), the fill's and drain's point-to-point sends, FSDP2
-  per stage, optimizer and host; a micro-batch at least its eager blocks' issue time (:mod:`.host`); the rank
-  with the most work bounds the step and is named.
+  last rank only), the bubble (the other ranks' micro-batch device times over ``v``, ``(p - 1)/v`` slots where
+  stages are equal, times the schedule's idle share of a slot), the fill's and drain's point-to-point sends, FSDP2
+  per stage, optimizer and host; a micro-batch at least its eager blocks' issue time (:mod:`.host`), the bubble
+  not (a host-bound rank issues on through it); the rank with the most work bounds the step and is named.
 """
 from __future__ import annotations
 
@@ -458,7 +458,7 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     # so each gradient is cast to fp32 and added to the unsharded accumulator; under reshard_after_forward the
     # blocks are gathered again for each backward
     per_mb += fsdp_copy_bytes(1, 1 if p.reshard_after_forward else 1 / m) * (params - routed + routed / ep) / hbm
-    per_mb = max(per_mb, issue)
+    device_mb, per_mb = per_mb, max(per_mb, issue)
     optimizer = OPTIMIZER_BYTES_PER_PARAM * ((params - routed) / dp + routed / ep) / hbm
     # FSDP2 over the stage's data-parallel ranks (the routed experts left out under expert parallelism).
     # torch's schedule keeps the blocks gathered after each backward (set_reshard_after_backward(False)): with
@@ -479,7 +479,8 @@ def _rank_terms(recipe: Recipe, r: int, layers: list[int], stage: dict, N: int, 
     host = ov.get("step_s", 0.0) + gas * m * (ov.get("micro_batch_s", 0.0)
                                               + ov.get("fsdp_per_block_s", 0.0) * (len(layers) + 1))
     busy = gas * m * per_mb + optimizer + fsdp_s + host + ep_terms["comm/ep.replica_all_reduce_s"] + tp_step
-    return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "compute_s": compute, "optimizer_s": optimizer,
+    return {"rank": r, "layers": len(layers), "micro_batch_s": per_mb, "device_micro_batch_s": device_mb,
+            "compute_s": compute, "optimizer_s": optimizer,
             "tp_exposed_s": gas * m * tp_mb + tp_step, "tp_dispatch_s": gas * m * issue if tp > 1 else 0.0,
             "fsdp_exposed_s": fsdp_s, "fsdp_final_reduce_scatter_s": final_rs, "host_s": host,
             "eager_dispatch_s": gas * m * issue if tp == 1 else 0.0, **ep_terms, "busy_s": busy}
@@ -509,8 +510,8 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
             "every collective on the critical path; the stage boundary carries each rank's sequence shard; the "
             "host's issue time per block on every micro-batch: as `scaletool calibrate --gpus 2 --recipe R` measured "
             "it on its host where the calibration has it, else the fitted whole-step TP dispatch per block (its "
-            "head, loss and optimizer folded in); host-bound PP 2 x TP 2 runs on 4 H200s ran 13-19% faster than "
-            "predicted on the host the H200 figure was measured on, 9-45% on others (docs/prediction.md): not validated")
+            "head, loss and optimizer folded in); host-bound PP 2 x TP 2 runs on 4 H200s ran 5-11% faster than "
+            "predicted on the host the H200 figure was measured on, 5-38% on others (docs/prediction.md): not validated")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"
@@ -555,7 +556,10 @@ def pipeline_step(recipe: Recipe, calib: Calibration, *, world_size: int | None 
     slot = max(x["micro_batch_s"] for x in ranks)
     kind = schedule_kind(sched)
     v_idle = kind.realised_chunks(P, v, designed_bubble)
-    bubble = gas * (sum(x["micro_batch_s"] for x in ranks) - slot) / v_idle * kind.bubble_work
+    # at the devices' pace: a host-bound rank's host issues on, the point-to-point waits being stream waits, so
+    # its devices catch up on a fill or drain the host already issued
+    dev = [x["device_micro_batch_s"] for x in ranks]
+    bubble = gas * (sum(dev) - max(dev)) / v_idle * kind.bubble_work
     # crossings of the fill and the drain: p·v - 1 boundaries each way per schedule step, each one micro-batch's
     # activation (forward) or its gradient (backward), d 16-bit numbers per token (a rank's sequence shard under
     # tensor parallelism, its group's ranks sending theirs at once); a boundary between nodes (min(1, dp·tp/G) of

@@ -134,13 +134,13 @@ def test_tp_local_ops_is_not_modelled_and_says_so(runs):
 
 def test_tensor_parallelism_inside_pipeline_stages_stays_a_visible_failure(runs):
     """PP 2 x TP 2 on three 4-H200 hosts (mla-1b, 4 sequences a micro-batch, eager and compiled): host-bound, each
-    micro-batch's slot set by the H200 calibration's TP block issue time, measured on the third host; there they
-    are predicted 13-19% too slow, on the other two 9-45%. Kept out of the claims; a change that closes the gap
-    (a host-bound stage's fill and drain) shows here."""
+    micro-batch's slot set by the H200 calibration's TP block issue time, measured on the third host; there they are
+    predicted 5-11% too slow (13-19% while fill and drain were charged as host-bound slots, not at the devices'
+    pace), on the other two 5-38%. Kept out of the claims; a change that closes the gap shows here."""
     staged = {r["run"]: r["rel_error"] for r in runs if r["outside"] == "pipeline_tp"}
-    assert len(staged) == 12 and all(-0.5 < e < -0.05 for e in staged.values()), staged
+    assert len(staged) == 12 and all(-0.4 < e < -0.04 for e in staged.values()), staged
     probed = [e for run, e in staged.items() if "tp-probe" in run]
-    assert len(probed) == 4 and all(-0.22 < e < -0.1 for e in probed), probed
+    assert len(probed) == 4 and all(-0.12 < e < -0.05 for e in probed), probed
 
 
 def test_position_encodings_as_the_model_charges_them(runs):

@@ -82,9 +82,11 @@ def test_a_pipeline_stage_slot_is_at_least_its_issue_time():
     base = pipeline_step(r, _calib(), world_size=4)
     slow = pipeline_step(r, _calib(eager_bf16_block_mla_s=0.02), world_size=4)
     assert slow["step_s"] > base["step_s"]
-    # the bounding rank's 4 micro-batches of its blocks at 20 ms each, and the bubble grows with the slot
+    # the bounding rank's 4 micro-batches of its blocks at 20 ms each; the bubble stays at the devices' pace (the
+    # host issues on through the fill and drain: PP 2 x TP 2 on 4 H200s, docs/prediction.md)
     assert slow["terms"]["pipeline/busy_s"] >= 4 * 4 * 0.02
-    assert slow["terms"]["pipeline/bubble_s"] > base["terms"]["pipeline/bubble_s"]
+    assert slow["terms"]["pipeline/bubble_s"] == pytest.approx(base["terms"]["pipeline/bubble_s"])
+    assert all(x["micro_batch_s"] > x["device_micro_batch_s"] for x in slow["ranks"])
 
 
 def test_a_model_whose_blocks_do_not_fit_is_not_probed_and_says_why():
