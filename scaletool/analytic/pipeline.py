@@ -306,7 +306,7 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         acts = {i: layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled)
                 for i in layers}
 
-        def saved(blocks, holds_head: bool, acts: dict = acts) -> float:
+        def mb_bytes(blocks, holds_head: bool, acts: dict = acts) -> float:
             """One micro-batch's saved activations of these blocks; sequence parallelism shards each block's norm
             inputs (a checkpointed block's one input) and the final norm's."""
             out = tokens * sum(acts[i] for i in blocks)
@@ -315,12 +315,12 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
                 out -= tokens * a * cfg.d_model * kept * shard
             return out
 
-        per_mb = saved(layers, last)
+        per_mb = mb_bytes(layers, last)
         embed_mb = a * tokens * cfg.d_model / tp if first else 0.0  # the embedding's output, kept per micro-batch
         held_mb = flight * (per_mb + embed_mb)
         if schedule_kind(p.pipeline_schedule).issue_order:  # which chunks are in flight, in torch's order
             mine = [c for c in range(len(split)) if owners[c] == r]
-            chunk = [saved(range(*split[c]), c == len(split) - 1) + (embed_mb if c == 0 else 0.0) for c in mine]
+            chunk = [mb_bytes(range(*split[c]), c == len(split) - 1) + (embed_mb if c == 0 else 0.0) for c in mine]
             held_mb, count = interleaved_peak(P, v, m, r, chunk)
             flight = count / v
         recompute = 0.0
