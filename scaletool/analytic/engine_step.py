@@ -128,13 +128,18 @@ def fsdp_copy_bytes(shards: int, gathers: float) -> float:
 
 def fsdp_step(ctx: StepContext) -> EngineStepTerms:
     """FSDP2: gathers prefetched one block ahead (``fsdp_overlap``); its pre-forward and post-backward hooks
-    per block and the root, per micro-batch (``fsdp_per_block_s``). Its copies (:func:`fsdp_copy_bytes`) are not
-    charged here: the fitted ``fsdp_overlap`` absorbs them (docs/prediction.md, FSDP2's copies)."""
+    per block and the root, per micro-batch (``fsdp_per_block_s``); its copies (:func:`fsdp_copy_bytes`: two
+    gathers a micro-batch under ``reshard_after_forward``, else one) on the rank's parameters at HBM bandwidth."""
+
     hide = ctx.overhead("fsdp_overlap", 1.0)
     host = ctx.gas * ctx.overhead("fsdp_per_block_s") * (ctx.local.n_layers + 1)
-    return EngineStepTerms(prefetched_exposure(ctx, hide), host, 0.0,
+    p = ctx.recipe.parallel
+    shards = max(1, ctx.ranks // p.data_parallel_replicate)
+    copies = ctx.gas * fsdp_copy_bytes(shards, 2 if p.reshard_after_forward else 1) * param_counts(ctx.local)["total"]
+    return EngineStepTerms(prefetched_exposure(ctx, hide), host, copies / (ctx.calib.hbm_gb_s * 1e9),
                            [f"fsdp: parameter gathers prefetched under compute, first gather of each micro-batch "
-                            f"exposed; {hide:.0%} of the overlapped part hidden"])
+                            f"exposed; {hide:.0%} of the overlapped part hidden; its gathers' copy-out, gradient casts "
+                            "and accumulation at HBM bandwidth"])
 
 
 def hooked_modules(cfg: ModelConfig, leaf_blocks: bool = False) -> int:

@@ -26,7 +26,7 @@ from scaletool.predict.published import (
 )
 
 #: (median, worst) |relative error| stated in docs/prediction.md, by group
-STATED = {"all": (0.118, 0.591), "one_node": (0.119, 0.344), "multi_node": (0.071, 0.591)}
+STATED = {"all": (0.098, 0.598), "one_node": (0.098, 0.353), "multi_node": (0.055, 0.598)}
 MARGIN = 0.02
 #: (median, worst) |relative error| of the estimated peak memory against the rows that state theirs
 STATED_MEMORY = (0.041, 0.053)
