@@ -262,6 +262,17 @@ def peak_bytes(recipe: Recipe, world_size: int) -> float:
     return recipe_memory(recipe, ranks)["total_bytes"]
 
 
+def _micro_batch_bytes(cfg: ModelConfig, acts: dict, blocks, holds_head: bool, tokens: int, tp: int) -> float:
+    """One micro-batch's saved activations of these blocks (``acts``: bytes per token of each); sequence parallelism
+    shards each block's norm inputs (a checkpointed block's one input) and the final norm's."""
+    a = 2 if cfg.dtype != "fp32" else 4
+    out = tokens * sum(acts[i] for i in blocks)
+    if tp > 1:
+        kept = sum(1 if acts[i] <= a * cfg.d_model else 2 for i in blocks) + (1 if holds_head else 0)
+        out -= tokens * a * cfg.d_model * kept * (1 - 1 / tp)
+    return out
+
+
 def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] | None = None) -> list[dict]:
     """Peak bytes of each pipeline rank (FSDP2 over ``world_size / p`` data-parallel ranks): its states,
     gathered blocks, the activations of its micro-batches in flight, and the first and last stages' extras.
@@ -280,7 +291,6 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
     tokens = t.micro_batch_size // m * recipe.seq_len
     pc = param_counts(cfg)
     a = 2 if cfg.dtype != "fp32" else 4
-    shard = 1 - 1 / tp  # the share of a sequence-parallel tensor another rank of the group holds
     # train.compile compiles each block of a stage alone (scaletool.engines.pipeline), over FSDP2's 16-bit weights
     compiled = memory_inputs(recipe).compiled
     rows = []
@@ -305,22 +315,11 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         flight = in_flight(p.pipeline_schedule, P, v, m, r)
         acts = {i: layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled)
                 for i in layers}
-
-        def mb_bytes(blocks, holds_head: bool, acts: dict = acts) -> float:
-            """One micro-batch's saved activations of these blocks; sequence parallelism shards each block's norm
-            inputs (a checkpointed block's one input) and the final norm's."""
-            out = tokens * sum(acts[i] for i in blocks)
-            if tp > 1:
-                kept = sum(1 if acts[i] <= a * cfg.d_model else 2 for i in blocks) + (1 if holds_head else 0)
-                out -= tokens * a * cfg.d_model * kept * shard
-            return out
-
-        per_mb = mb_bytes(layers, last)
         embed_mb = a * tokens * cfg.d_model / tp if first else 0.0  # the embedding's output, kept per micro-batch
-        held_mb = flight * (per_mb + embed_mb)
+        held_mb = flight * (_micro_batch_bytes(cfg, acts, layers, last, tokens, tp) + embed_mb)
         if schedule_kind(p.pipeline_schedule).issue_order:  # which chunks are in flight, in torch's order
-            mine = [c for c in range(len(split)) if owners[c] == r]
-            chunk = [mb_bytes(range(*split[c]), c == len(split) - 1) + (embed_mb if c == 0 else 0.0) for c in mine]
+            chunk = [_micro_batch_bytes(cfg, acts, range(*split[c]), c == len(split) - 1, tokens, tp)
+                     + (embed_mb if c == 0 else 0.0) for c in range(len(split)) if owners[c] == r]
             held_mb, count = interleaved_peak(P, v, m, r, chunk)
             flight = count / v
         recompute = 0.0
