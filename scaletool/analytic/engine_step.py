@@ -130,7 +130,6 @@ def fsdp_step(ctx: StepContext) -> EngineStepTerms:
     """FSDP2: gathers prefetched one block ahead (``fsdp_overlap``); its pre-forward and post-backward hooks
     per block and the root, per micro-batch (``fsdp_per_block_s``); its copies (:func:`fsdp_copy_bytes`: two
     gathers a micro-batch under ``reshard_after_forward``, else one) on the rank's parameters at HBM bandwidth."""
-
     hide = ctx.overhead("fsdp_overlap", 1.0)
     host = ctx.gas * ctx.overhead("fsdp_per_block_s") * (ctx.local.n_layers + 1)
     p = ctx.recipe.parallel

@@ -192,15 +192,15 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     heads = heads if gpu else min(heads, 4)
     attention = [measure_attention(heads, qk, v, T, max(1, tokens // T), device, dtype, kv_heads=kv_heads_of(cfg, heads))
                  for T in seqs]
-    entry = (attention[0]["tflops"]["median"] if len(attention) == 1
-             else {a["seq"]: a["tflops"]["median"] for a in attention})
-    table = {f"{qk}/{v}": entry, "default": entry}
+    def entry(points: list[dict]):  # one rate, or {T: rate} measured at several T
+        return points[0]["tflops"]["median"] if len(points) == 1 else {a["seq"]: a["tflops"]["median"] for a in points}
+
+    table = {f"{qk}/{v}": entry(attention), "default": entry(attention)}
     if recipe is not None and position_kind(cfg).bias:  # ALiBi: its dense score bias path too (analytic.step)
         biased = [measure_attention(heads, qk, v, T, max(1, tokens // T), device, dtype,
                                     kv_heads=kv_heads_of(cfg, heads), alibi=True) for T in seqs]
         attention += biased
-        table[ALIBI_KEY] = (biased[0]["tflops"]["median"] if len(biased) == 1
-                            else {a["seq"]: a["tflops"]["median"] for a in biased})
+        table[ALIBI_KEY] = entry(biased)
     hbm = measure_hbm((1 << 30) if gpu else (1 << 24), device)
     # the host's issue time of the recipe's eager block, on every GPU at once (analytic.host)
     host = measure_block_dispatch(recipe, device, processes=gpus if gpu else 1) if recipe is not None else None
