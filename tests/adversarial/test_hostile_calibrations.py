@@ -81,6 +81,8 @@ BAD = {
     "attention a T-rate of NaN": (_set("attention_tflops.default", {2048: float("nan")}), "attention_tflops.default.2048"),
     "attention a T-rate a list": (_set("attention_tflops.default", {2048: [300]}), "attention_tflops.default.2048"),
     "attention an empty T mapping": (_set("attention_tflops.default", {}), "attention_tflops.default"),
+    "ALiBi rate NaN": (_set("attention_tflops.alibi", float("nan")), "attention_tflops.alibi"),
+    "only an ALiBi rate": (_set("attention_tflops", {"alibi": 120}), "attention_tflops"),
     "group size superscript two": (_set("collectives.intra_node_gb_s.all_reduce", {"\u00b2": 100}), "group size"),
     "group size 1": (_set("collectives.intra_node_gb_s.all_reduce", {1: 100}), "group size"),
     "group size 400 digits": (_set("collectives.intra_node_gb_s.all_reduce", {10**400: 100}), "group size"),
