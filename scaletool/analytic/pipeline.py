@@ -409,7 +409,8 @@ def _tp_seconds(recipe: Recipe, local: ModelConfig, first: bool, last: bool, G: 
                           t.activation_checkpointing, t.selective_every)
     mb = step = 0.0
     for r in tensor_parallel_communication(local, p.tensor_parallel, inputs, gas, first=first, last=last):
-        secs = group_seconds(calib, r["op"], r["message_bytes"], p.tensor_parallel, min(p.tensor_parallel, G))["seconds"]
+        secs = group_seconds(calib, r["op"], r["message_bytes"], p.tensor_parallel, min(p.tensor_parallel, G),
+                             r["count"] or 1)["seconds"]
         if r["what"].startswith("replicated weights"):  # once a step
             step += secs
         else:  # the rows count every micro-batch of the accumulation

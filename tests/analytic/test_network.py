@@ -11,7 +11,14 @@ import pytest
 from scaletool.analytic.calibration import load_calibration
 from scaletool.analytic.collectives import wire_bytes
 from scaletool.analytic.comm import collective_group, communication
-from scaletool.analytic.network import collective_seconds, per_node_of, send_seconds, with_inter_node
+from scaletool.analytic.network import (
+    NCCL_LATENCY_US,
+    collective_seconds,
+    latency_seconds,
+    per_node_of,
+    send_seconds,
+    with_inter_node,
+)
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 
@@ -59,6 +66,42 @@ def test_gather_scatter_and_all_to_all_across_nodes():
     assert a2a["seconds"] == pytest.approx(max(3 / 4 * S / (40 * GB), 7 / 32 * S / (300 * GB)))
     with pytest.raises(ValueError, match="whole number of nodes"):
         collective_seconds("all_gather", S, 12, 8, 1.0, 1.0)
+
+
+def test_each_collective_pays_nccls_fixed_cost_hand_worked():
+    """NCCL's tuner (src/graph/tuning.cc, Simple protocol): a ring's launch 8.4 us, its steps 3.4 us over NVLink and
+    14 us across nodes; the all-reduce's tree 28 us a level."""
+    us = 1e-6
+    assert latency_seconds("all_reduce", 4, 4, "ring") == pytest.approx((8.4 + 6 * 3.4) * us)  # 2(n-1) steps
+    assert latency_seconds("all_gather", 8, 8, "ring") == pytest.approx((8.4 + 7 * 3.4) * us)
+    # 512 ranks on 64 nodes: 63 of the ring's 511 steps cross a node boundary
+    assert latency_seconds("all_gather", 512, 8, "ring") == pytest.approx((8.4 + 448 * 3.4 + 63 * 14) * us)
+    assert latency_seconds("reduce_scatter", 512, 8, "hierarchical") == pytest.approx((8.4 + 7 * 3.4 + 63 * 14) * us)
+    assert latency_seconds("all_reduce", 512, 8, "hierarchical") == pytest.approx(2 * (7 + 6) * 28 * us)  # log2 64
+    assert latency_seconds("all_reduce", 16, 8, "ring") == pytest.approx((8.4 + 26 * 3.4 + 4 * 14) * us)
+    assert latency_seconds("all_to_all", 16, 8, "ring") == pytest.approx((8.4 + 14) * us)
+    assert latency_seconds("all_gather", 1, 1, "ring") == 0.0
+    bandwidth = collective_seconds("all_gather", 1e9, 8, 8, 300 * GB, 40 * GB)["seconds"]
+    ten = collective_seconds("all_gather", 1e9, 8, 8, 300 * GB, 40 * GB, count=10)["seconds"]
+    assert ten == pytest.approx(bandwidth + 10 * latency_seconds("all_gather", 8, 8, "ring"))
+    # many small collectives across nodes: the hierarchical form's fewer network steps win
+    small = collective_seconds("all_gather", 1e6, 512, 8, 300 * GB, 40 * GB, count=100)
+    assert small["algorithm"] == "hierarchical" and small["ring_s"] > small["hierarchical_s"]
+
+
+def test_a_small_models_rate_per_gpu_falls_with_the_nodes(monkeypatch):
+    """FSDP2's per-block collectives on 128 and 512 GPUs: the bytes per GPU are the same, so without the fixed cost
+    the rate per GPU would be flat; NCCL's ring steps grow with the ranks (llm-foundry's large-scale MPT runs fall
+    by 7-10% from 128 to 512 H100s)."""
+    h100 = load_calibration("h100-sxm")
+    r = load_recipe(str(RECIPES / "mha-1b.yaml"), ["parallel.engine=fsdp", "train.micro_batch_size=8"])
+    rate = {n: predict_step(r, h100, world_size=n, gpus_per_node=8)["tokens_per_s_per_gpu"] for n in (128, 512)}
+    assert rate[512] < 0.97 * rate[128]
+    monkeypatch.setitem(NCCL_LATENCY_US, "ring_base", 0.0)
+    for k in ("ring_nvlink", "ring_net", "tree_nvlink", "tree_net"):
+        monkeypatch.setitem(NCCL_LATENCY_US, k, 0.0)
+    flat = {n: predict_step(r, h100, world_size=n, gpus_per_node=8)["tokens_per_s_per_gpu"] for n in (128, 512)}
+    assert flat[512] == pytest.approx(flat[128], rel=0.005) and flat[128] > rate[128]
 
 
 def test_groups_in_the_row_major_layout():
