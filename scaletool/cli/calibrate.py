@@ -137,7 +137,8 @@ def _print_published(res: dict) -> None:
         for note in [*r["notes"], *([f"outside what the model claims: {OUTSIDE[r['outside']]}"] if r["outside"] else [])]:
             said.setdefault(note, []).append(r["id"])
     for note, ids in said.items():
-        text = textwrap.fill(printable(f"{', '.join(ids)}: {note}"), max(40, con.width), subsequent_indent="  ")
+        which = ", ".join(ids) if len(ids) <= 12 else f"{', '.join(ids[:3])}, ... {ids[-1]} ({len(ids)} rows)"
+        text = textwrap.fill(printable(f"{which}: {note}"), max(40, con.width), subsequent_indent="  ")
         con.print(escape(text), highlight=False)
     _print_published_memory(res)
     for r in res["not_expressible"]:
