@@ -65,11 +65,11 @@ def test_tp_collectives_are_on_each_micro_batchs_critical_path():
     for x, layers in zip(p["ranks"], rank_layers(r, stage_split(r, 8))):
         first, last = x["rank"] == 0, x["rank"] == 1
         per_op = 4 * len(layers) + (1 if first else 0) + (1 if last else 0)  # no checkpointing: no recompute pairs
-        mb = per_op * sum(group_seconds(CAL, op, message, 2, 2)["seconds"] for op in ("all_gather", "reduce_scatter"))
+        mb = per_op * sum(group_seconds(CAL, op, message, 2, 2, 1)["seconds"] for op in ("all_gather", "reduce_scatter"))
         if last:
-            mb += 3 * group_seconds(CAL, "all_reduce", tokens * 4, 2, 2)["seconds"]
+            mb += 3 * group_seconds(CAL, "all_reduce", tokens * 4, 2, 2, 1)["seconds"]
         local = tensor_parallel_config(r.model, 2).model_copy(update={"n_layers": len(layers)})
-        step = sum(group_seconds(CAL, "all_reduce", n * 2, 2, 2)["seconds"] for n in tensor_parallel_replicated(local))
+        step = sum(group_seconds(CAL, "all_reduce", n * 2, 2, 2, 1)["seconds"] for n in tensor_parallel_replicated(local))
         assert x["tp_exposed_s"] == pytest.approx(m * mb + step)
     bound = p["ranks"][p["bounding_rank"]]
     assert p["terms"]["comm/tp_exposed_s"] == bound["tp_exposed_s"] > 0
