@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from scaletool.analytic import expert_parallel as ep_analytic
 from scaletool.analytic.params import _norm_params, attention_params, ffn_params, moe_params, param_counts
-from scaletool.analytic.timeline import MemoryInputs
+from scaletool.analytic.timeline import ZERO_REDUCE_BUCKET, MemoryInputs
+from scaletool.analytic.zero3 import REDUCE_BLOCKS
 from scaletool.config import ModelConfig
 
 
@@ -56,12 +57,15 @@ def zero_communication(cfg: ModelConfig, ranks: int, *, zero_stage: int = 1, gra
     gas, p16, psi = grad_accum_steps, cfg.dtype_bytes, param_counts(cfg)["total"]
     if zero_stage == 0:
         return [_row("dp", "all_reduce", "gradients", None, p16 * psi, ranks)]
-    if zero_stage < 3:
-        reduces = gas if zero_stage == 2 else 1
-        return [_row("dp", "reduce_scatter", "gradients", None, reduces * p16 * psi, ranks),
-                _row("dp", "all_gather", "updated parameters", None, p16 * psi, ranks)]
-    return [_row("dp", "all_gather", "parameters (forward and backward)", None, 2 * gas * p16 * psi, ranks),
-            _row("dp", "reduce_scatter", "gradients", None, gas * p16 * psi, ranks)]
+    if zero_stage < 3:  # buckets of reduce_bucket_size elements (allgather_bucket_size: DeepSpeed's same 5e8)
+        reduces, buckets = (gas if zero_stage == 2 else 1), -(-psi // ZERO_REDUCE_BUCKET)
+        return [_row("dp", "reduce_scatter", "gradients", reduces * buckets, reduces * p16 * psi, ranks),
+                _row("dp", "all_gather", "updated parameters", buckets, p16 * psi, ranks)]
+    # one gather per block (a leaf module: analytic.zero3), embedding and head, forward and backward; gradients
+    # reduced every REDUCE_BLOCKS blocks
+    L = cfg.n_layers
+    return [_row("dp", "all_gather", "parameters (forward and backward)", 2 * gas * (L + 1), 2 * gas * p16 * psi, ranks),
+            _row("dp", "reduce_scatter", "gradients", gas * (-(-L // REDUCE_BLOCKS) + 1), gas * p16 * psi, ranks)]
 
 
 def fsdp_communication(cfg: ModelConfig, ranks: int, *, grad_accum_steps: int = 1, reshard_after_forward: bool = True,

@@ -132,6 +132,10 @@ def test_zero_volumes_follow_the_zero_paper():
     assert wire("deepspeed", 1, gas=4) == wire("deepspeed", 1)
     assert wire("deepspeed", 2, gas=4) == pytest.approx(wire("deepspeed", 2) + 3 * grads, abs=2)
     assert wire("deepspeed", 3, gas=4) == pytest.approx(4 * wire("deepspeed", 3), abs=4)
+    # how many (each pays NCCL's fixed cost): 5e8-element buckets; ZeRO-3 a gather per block, embedding and head
+    counts = {s: [r["count"] for r in data_parallel_communication(cfg, "deepspeed", N, zero_stage=s, grad_accum_steps=4)]
+              for s in (1, 2, 3)}
+    assert counts == {1: [1, 1], 2: [4, 1], 3: [2 * 4 * 3, 4 * 2]}
 
 
 def test_expert_parallel_dispatch_goes_by_all_to_all():
