@@ -63,7 +63,7 @@ def latency_seconds(op: str, ranks: int, per_node: int, algorithm: str) -> float
 
 
 def collective_seconds(op: str, message_bytes: float, ranks: int, per_node: int, intra_bytes_s: float,
-                       inter_bytes_s: float, count: int = 0) -> dict:
+                       inter_bytes_s: float, count: int | None = 0) -> dict:
     """Seconds of one collective (``op``, a ``message_bytes`` message as :mod:`scaletool.analytic.comm` counts
     it) over ``ranks`` ranks, ``per_node`` of them on each node, with bus bandwidths ``intra_bytes_s``
     (NVLink) and ``inter_bytes_s`` (the network, per GPU): ``{"seconds", "algorithm", "ring_s",
@@ -72,19 +72,20 @@ def collective_seconds(op: str, message_bytes: float, ranks: int, per_node: int,
     if ranks == 1 or message_bytes <= 0:
         return {"seconds": 0.0, "algorithm": "none", "ring_s": 0.0, "hierarchical_s": 0.0}
     S, g, Bi, Bn = float(message_bytes), per_node, intra_bytes_s, inter_bytes_s
-    n = max(0, int(count))
+    n = 1 if count is None else max(0, int(count))  # None: a library's size buckets, one fixed cost charged
+    fixed = n * latency_seconds(op, ranks, g, "ring")
     if nodes == 1:
-        t = wire_bytes(op, S, ranks) / Bi + n * latency_seconds(op, ranks, g, "ring")
+        t = wire_bytes(op, S, ranks) / Bi + fixed
         return {"seconds": t, "algorithm": "nvlink", "ring_s": t, "hierarchical_s": t}
     if g == 1:
-        t = wire_bytes(op, S, ranks) / Bn + n * latency_seconds(op, ranks, g, "ring")
+        t = wire_bytes(op, S, ranks) / Bn + fixed
         return {"seconds": t, "algorithm": "network", "ring_s": t, "hierarchical_s": t}
     if op == "all_to_all":
         inter = (nodes - 1) / nodes * S
         intra = (g - 1) / ranks * S
-        t = max(inter / Bn, intra / Bi) + n * latency_seconds(op, ranks, g, "ring")
+        t = max(inter / Bn, intra / Bi) + fixed
         return {"seconds": t, "algorithm": "point-to-point", "ring_s": t, "hierarchical_s": t}
-    ring = wire_bytes(op, S, ranks) / min(Bi, g * Bn) + n * latency_seconds(op, ranks, g, "ring")
+    ring = wire_bytes(op, S, ranks) / min(Bi, g * Bn) + fixed
     if op == "all_reduce":  # reduce-scatter + all-gather inside, all-reduce of the shard across
         hier = 2 * wire_bytes("reduce_scatter", S, g) / Bi + wire_bytes("all_reduce", S / g, nodes) / Bn
     else:  # all-gather / reduce-scatter: the rails' part on S/g, the node's part on S
@@ -94,8 +95,8 @@ def collective_seconds(op: str, message_bytes: float, ranks: int, per_node: int,
     return {"seconds": min(ring, hier), "algorithm": best, "ring_s": ring, "hierarchical_s": hier}
 
 
-def group_seconds(calib: Calibration, op: str, message_bytes: float, ranks: int, per_node: int, count: int = 0
-                  ) -> dict:
+def group_seconds(calib: Calibration, op: str, message_bytes: float, ranks: int, per_node: int,
+                  count: int | None = 0) -> dict:
     """:func:`collective_seconds` at ``calib``'s rates: the intra-node bus bandwidth measured for ``op`` at the
     group's ranks on one node (``min(ranks, per_node)``), the inter-node figure per GPU."""
     intra = calib.bus_bandwidth(op, max(2, min(ranks, per_node)))

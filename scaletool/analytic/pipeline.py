@@ -119,18 +119,18 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 def interleaved_peak(p: int, v: int, m: int, rank: int, chunk_bytes: list[float]) -> tuple[float, int]:
     """The largest activations ``rank`` holds under torch's ScheduleInterleaved1F1B and the chunk micro-batches
-    then held, its local chunks' forwards and backwards in that schedule's order (rounds of R = m / max(1, m // p);
+    then in flight, its local chunks' forwards and backwards in that schedule's order (rounds of R = m / max(1, m // p);
     (v - 1)·R + 2·(p - 1 - rank) warm-up forwards, then a forward and a backward each, the backwards through the
     chunks in reverse); ``chunk_bytes[c]``: one micro-batch of local chunk c."""
     rounds = max(1, m // p)
     R, n = m // rounds, m * v
     warmup = min((v - 1) * R + 2 * (p - 1 - rank), n)
-    held, count, best, done = 0.0, 0, (0.0, 0), 0
+    live, count, best, done = 0.0, 0, (0.0, 0), 0
     for j in range(n):  # backward j follows forward warmup + j (none past the last)
         while done <= min(warmup + j, n - 1):
-            held, count, done = held + chunk_bytes[(done // R) % v], count + 1, done + 1
-        best = max(best, (held, count))
-        held, count = held - chunk_bytes[v - 1 - (j // R) % v], count - 1
+            live, count, done = live + chunk_bytes[(done // R) % v], count + 1, done + 1
+        best = max(best, (live, count))
+        live, count = live - chunk_bytes[v - 1 - (j // R) % v], count - 1
     return best
 
 
@@ -316,11 +316,11 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         acts = {i: layer_activation_bytes(cfg, i, t.activation_checkpointing, t.selective_every, compiled)
                 for i in layers}
         embed_mb = a * tokens * cfg.d_model / tp if first else 0.0  # the embedding's output, kept per micro-batch
-        held_mb = flight * (_micro_batch_bytes(cfg, acts, layers, last, tokens, tp) + embed_mb)
+        live_mb = flight * (_micro_batch_bytes(cfg, acts, layers, last, tokens, tp) + embed_mb)
         if schedule_kind(p.pipeline_schedule).issue_order:  # which chunks are in flight, in torch's order
             chunk = [_micro_batch_bytes(cfg, acts, range(*split[c]), c == len(split) - 1, tokens, tp)
                      + (embed_mb if c == 0 else 0.0) for c in range(len(split)) if owners[c] == r]
-            held_mb, count = interleaved_peak(P, v, m, r, chunk)
+            live_mb, count = interleaved_peak(P, v, m, r, chunk)
             flight = count / v
         recompute = 0.0
         if t.activation_checkpointing != "none" and layers:  # one block's saved tensors live again in its backward
@@ -336,11 +336,11 @@ def stage_memory(recipe: Recipe, world_size: int, split: list[tuple[int, int]] |
         # backward), log_softmax's saved fp32 output, and NLL's and log_softmax's fp32 gradients: one micro-batch
         # at a time under 1F1B (the last stage runs each micro-batch's backward right after its forward); GPipe
         # keeps m micro-batches' logits and saved outputs
-        held = (a + 4) * (m if p.pipeline_schedule == "gpipe" else 1)
-        logits = (held + 8) * tokens * cfg.vocab_size if last else 0.0
+        kept = (a + 4) * (m if p.pipeline_schedule == "gpipe" else 1)
+        logits = (kept + 8) * tokens * cfg.vocab_size if last else 0.0
         # receive and send buffers, activations and gradients, per chunk (this rank's sequence shard under TP)
         p2p = 4 * a * tokens * cfg.d_model * v / tp
-        activations = held_mb + recompute + logits + ep_bytes
+        activations = live_mb + recompute + logits + ep_bytes
         total = states + gathered + activations + p2p
         rows.append({"rank": r, "layers": layers, "params": params, "first": first, "last": last,
                      "in_flight_micro_batches": flight, "expert_parallel": ep, "states_bytes": int(states),
@@ -410,7 +410,7 @@ def _tp_seconds(recipe: Recipe, local: ModelConfig, first: bool, last: bool, G: 
     mb = step = 0.0
     for r in tensor_parallel_communication(local, p.tensor_parallel, inputs, gas, first=first, last=last):
         secs = group_seconds(calib, r["op"], r["message_bytes"], p.tensor_parallel, min(p.tensor_parallel, G),
-                             r["count"] or 1)["seconds"]
+                             r["count"])["seconds"]
         if r["what"].startswith("replicated weights"):  # once a step
             step += secs
         else:  # the rows count every micro-batch of the accumulation
@@ -510,8 +510,8 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
             "every collective on the critical path; the stage boundary carries each rank's sequence shard; the "
             "host's issue time per block on every micro-batch: as `scaletool calibrate --gpus 2 --recipe R` measured "
             "it on its host where the calibration has it, else the fitted whole-step TP dispatch per block (its "
-            "head, loss and optimizer folded in); host-bound PP 2 x TP 2 runs on 4 H200s ran 3-7% faster than "
-            "predicted where the H200 figure was measured, 2-36% on two other 4-H200 hosts (docs/prediction.md): not validated")
+            "head, loss and optimizer folded in); PP 2 x TP 2 on 4 H200s ran 3-7% faster than predicted on the "
+            "machine that measured the H200 figure, 2-36% on two others (docs/prediction.md): not validated")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"

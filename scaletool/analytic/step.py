@@ -99,7 +99,7 @@ def _communication(recipe: Recipe, local: ModelConfig, N: int, tp: int, G: int, 
         ranks, stride = collective_group(r["group"], N, tp, recipe.parallel.data_parallel_replicate)
         ranks = r.get("ranks", ranks)  # expert parallelism: its group's ranks (consecutive data-parallel ranks)
         times.append(group_seconds(calib, r["op"], r["message_bytes"], ranks, per_node_of(ranks, stride, G),
-                                   r["count"] or 1)["seconds"])
+                                   r["count"])["seconds"])
         key = f"comm/{r['group']}.{r['op']}_total_s"
         totals[key] = totals.get(key, 0.0) + times[-1]
     tp_exposed = sum(x for r, x in zip(rows, times) if r["group"] == "tp")

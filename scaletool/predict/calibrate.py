@@ -195,7 +195,8 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     def entry(points: list[dict]):  # one rate, or {T: rate} measured at several T
         return points[0]["tflops"]["median"] if len(points) == 1 else {a["seq"]: a["tflops"]["median"] for a in points}
 
-    table = {f"{qk}/{v}": entry(attention), "default": entry(attention)}
+    rates = entry(attention)
+    table = {f"{qk}/{v}": rates, "default": rates}
     if recipe is not None and position_kind(cfg).bias:  # ALiBi: its dense score bias path too (analytic.step)
         biased = [measure_attention(heads, qk, v, T, max(1, tokens // T), device, dtype,
                                     kv_heads=kv_heads_of(cfg, heads), alibi=True) for T in seqs]
