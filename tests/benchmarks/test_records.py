@@ -106,7 +106,7 @@ def test_every_reader_sees_bundled_files_as_loose_ones(tmp_path):
     text = (run / "README.md").read_text()
     assert text == readme.generate(run) and bench("readme", str(run), "--check").returncode == 0
     assert "| a | ok | 2.0 | a.json |" in text and "`abc123` (runner's record; clean tree)" in text
-    assert "| a.json | JSON, keys: title, x |" in text and "a file named without a link is in the bundle" in text
+    assert "| a.json | JSON, keys: title, x |" in text and "an unlinked file is in it" in text
     assert "| [sub/table.md](sub/table.md) | 1 lines: | a | |" not in text  # a cell's '|' is escaped
     assert "| [sub/table.md](sub/table.md) | 1 lines: \\| a \\| |" in text
     for row in readme_loose.splitlines():
