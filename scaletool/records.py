@@ -36,7 +36,7 @@ from scaletool.resources import read_bounded
 #: a run folder's bundle of record files
 BUNDLE = "records.jsonl.xz"
 #: the suffixes of record files: what a bundle holds
-RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".txt")
+RECORD_SUFFIXES = (".json", ".jsonl", ".csv", ".txt", ".err")
 #: record files kept loose: read by a person (and by git blame) before anything else
 LOOSE_NAMES = frozenset({"provenance.json"})
 #: generated text bundled like a record: ``scaletool report``'s report.md (the regenerate-reports study writes

@@ -74,6 +74,10 @@ def _spread(m: dict | None) -> str | None:
     return text
 
 
+#: decode points and first-line characters a README's row shows (the records hold the rest)
+POINTS, PREVIEW = 4, 40
+
+
 def _train_summary(r: dict) -> str | None:
     m = r.get("metrics")
     if not isinstance(m, dict) or _num(m.get("throughput/tokens_per_s_per_gpu")) is None:
@@ -90,7 +94,7 @@ def _train_summary(r: dict) -> str | None:
     rate = _spread(per_gpu) or f"{m['throughput/tokens_per_s_per_gpu']:,.0f}"
     model = rec.get("model") if isinstance(rec.get("model"), dict) else {}
     what = model.get("attention") or model.get("name") or "?"
-    parts = [f"train, {_cell(what, 30)} d_model {_cell(model.get('d_model', '?'), 8)}, {_cell(par.get('engine', '?'), 12)}"
+    parts = [f"{_cell(what, 30)} d{_cell(model.get('d_model', '?'), 8)}, {_cell(par.get('engine', '?'), 12)}"
              f" × {env.get('world_size', '?')}: {rate} tok/s per GPU"]
     peak = _num(r.get("peak_memory_bytes"))
     if peak:
@@ -105,7 +109,7 @@ def _decode_summary(r: dict) -> str | None:
     if not isinstance(points, list) or not points or not all(isinstance(p, dict) for p in points):
         return None
     cells = []
-    for p in points[:6]:
+    for p in points[:POINTS]:
         rate = _num(p.get("decode_tokens_per_s"))
         if rate is None:
             continue
@@ -114,7 +118,7 @@ def _decode_summary(r: dict) -> str | None:
                      + (f" (±{100 * spread:.1f}%)" if spread is not None else ""))
     if not cells:
         return None
-    more = f"; {len(points) - 6} more points" if len(points) > 6 else ""
+    more = f"; {len(points) - POINTS} more" if len(points) > POINTS else ""
     recipe = f"{_cell(r.get('recipe'), 40)} " if isinstance(r.get("recipe"), str) else ""
     return f"decode {recipe}{_cell(r.get('attention', ''), 8)}: " + "; ".join(cells) + more
 
@@ -138,12 +142,12 @@ def summarise(path: Path, text: str | None) -> str:
         except ValueError:
             return "not JSON"
         if isinstance(data, dict):
-            keys = _cell(", ".join(map(str, list(data)[:8])), 80) + (", ..." if len(data) > 8 else "")
+            keys = _cell(", ".join(map(str, list(data)[:5])), 50) + (", ..." if len(data) > 5 else "")
             return _train_summary(data) or _decode_summary(data) or f"JSON, keys: {keys}"
         return f"JSON {type(data).__name__} of {len(data) if isinstance(data, list) else 1}"
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
-    return f"{len(lines)} lines: {_cell(first, 70)}"
+    return f"{len(lines)} lines: {_cell(first, PREVIEW)}"
 
 
 def _commits(runs: list[dict], prov: dict | None) -> list[str]:
@@ -155,9 +159,9 @@ def _commits(runs: list[dict], prov: dict | None) -> list[str]:
             how = "the tree differed from it (not recorded)" if env.get("tree_differs_from_commit") else "clean tree"
             if env.get("tree_diff"):
                 how = f"the tree's difference recorded in [{_cell(env['tree_diff'])}]({_cell(env['tree_diff'])})"
-            out.append(f"`{_cell(c, 40)}` (runner's record; {how})")
+            out.append(f"`{_cell(c[:12], 40)}` (runner's record; {how})")
     if isinstance(prov, dict) and isinstance(prov.get("commit"), str):
-        out.append(f"`{_cell(prov['commit'], 40)}` ({_cell(prov.get('note', PROVENANCE), 200)})")
+        out.append(f"`{_cell(prov['commit'][:12], 40)}` ({_cell(prov.get('note', PROVENANCE), 200)})")
     return list(dict.fromkeys(out))
 
 
@@ -222,7 +226,7 @@ def _other(path: Path) -> str:
         return "not read (not a regular file, too large, or not UTF-8)"
     lines = text.splitlines()
     first = next((line for line in lines if line.strip()), "")
-    return f"{len(lines)} lines: {_cell(first, 70)}"
+    return f"{len(lines)} lines: {_cell(first, PREVIEW)}"
 
 
 def run_dirs(root: Path = RESULTS) -> list[Path]:
