@@ -37,6 +37,10 @@ DATASHEET_DEFAULT_ERROR = (91, 0.025, 0.151)
 
 #: The sequence length an attention rate is read at when none is given (where single-T calibrations measured it).
 ATTENTION_REFERENCE_SEQ = 2048
+#: one H200, torch 2.11 (benchmarks/results/plan-verify/h200-2026-11-29-untuned/): a 32,768 x 1,600 x 50,257 bf16 head's
+#: forward and backward GEMMs against the padded 50,304, by their summed time (eager 106-147 TFLOP/s against 660-703;
+#: compiled 574-640)
+UNALIGNED_GEMM = {"eager": 0.186, "compiled": 0.876}
 #: ALiBi's bias path (SDPA handed the dense score bias, no causal kernel: 2x the work, a slower kernel) against the
 #: causal kernel, time for time, where a calibration has no ``alibi`` entry: 2.96-3.27x measured at T = 2,048 ...
 #: 8,192 on an H200 (benchmarks/results/attention-seq/README.md)
@@ -87,6 +91,9 @@ class Calibration:
     #: FP8 GEMMs (train.float8), {"max_tflops", "half_dim"} as gemm_tflops; None: not calibrated, the bf16
     #: curve times FP8_OVER_BF16 (the datasheets' dense FP8 peak is twice the bf16 one)
     gemm_fp8_tflops: dict | None = None
+    #: a GEMM with a dimension that is not a multiple of 16 bytes' elements (GPT-2's vocabulary of 50,257) runs at
+    #: this fraction of the curve: eager (cuBLAS off its aligned kernels) and compiled (Inductor pads it)
+    gemm_unaligned: dict = field(default_factory=lambda: dict(UNALIGNED_GEMM))
     #: the file it was read from (not a key of the file; "" when built in code)
     file: str = ""
 
@@ -95,6 +102,14 @@ class Calibration:
         s = max(1.0, min(m, n, k))
         g = self.gemm_tflops
         return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
+
+    def unaligned_factor(self, m: float, n: float, k: float, compiled: bool, element_bytes: int = 2) -> float:
+        """The share of :meth:`gemm_rate` a GEMM keeps where a dimension is not a multiple of 16 bytes' elements
+        (8 in 16 bits): ``gemm_unaligned``'s eager or compiled figure; 1 where every dimension is aligned."""
+        per = max(1, 16 // element_bytes)
+        if all(int(x) % per == 0 for x in (m, n, k)):
+            return 1.0
+        return float(self.gemm_unaligned["compiled" if compiled else "eager"])
 
     def gemm_rate_fp8(self, m: float, n: float, k: float) -> float:
         """FLOP/s of the same GEMM in FP8 (torch._scaled_mm): calibrated, else twice the bf16 rate."""
@@ -273,6 +288,14 @@ def _check_elementwise(source: str, e, problems: list[str]) -> None:
             _positive(f"{source}: elementwise.{k}", e[k], problems, MAX_BYTES_FACTOR)
 
 
+def _check_unaligned(source: str, g, problems: list[str]) -> None:
+    if not isinstance(g, dict) or set(g) != set(UNALIGNED_GEMM):
+        problems.append(f"{source}: gemm_unaligned: a mapping of {' and '.join(UNALIGNED_GEMM)}")
+        return
+    for k, v in g.items():
+        _positive(f"{source}: gemm_unaligned.{k}", v, problems, 1.0)
+
+
 def calibration_from_dict(raw: dict, source: str) -> Calibration:
     """Validate a parsed calibration file; every problem is one line of the RecipeError. Every figure the
     model reads is checked to be a finite number of its kind in its range (rates positive and at most
@@ -303,6 +326,8 @@ def calibration_from_dict(raw: dict, source: str) -> Calibration:
     _check_overheads(source, raw["overheads"], problems)
     if "elementwise" in raw:
         _check_elementwise(source, raw["elementwise"], problems)
+    if "gemm_unaligned" in raw:
+        _check_unaligned(source, raw["gemm_unaligned"], problems)
     if not isinstance(raw.get("measured", {}), dict):
         problems.append(f"{source}: measured: a mapping of the raw figures, got {echo(raw['measured'])}")
     if problems:

@@ -33,6 +33,30 @@ def tp_overhead_key(mode: str, attention: str) -> str:
     return f"tp_{mode}_microbatch_block{'_mla' if attention == 'mla' else ''}_s"
 
 
+#: a tensor-parallel step's measured parts (:mod:`scaletool.predict.calibrate_tp`, ``probe_step``): per block and
+#: micro-batch, per micro-batch besides the blocks, per block and optimizer step, per step
+TP_STEP_PARTS = ("block", "head", "update_block", "update")
+
+
+def tp_step_key(part: str, mode: str, attention: str) -> str:
+    """The calibration key of one measured part of a tensor-parallel step's issue time (TP over every rank, no
+    FSDP2): ``tp_<eager|compiled>_step_<part>[_mla]_s``."""
+    if part not in TP_STEP_PARTS:
+        raise ValueError(f"part {part!r}: one of {', '.join(TP_STEP_PARTS)}")
+    return f"tp_{mode}_step_{part}{'_mla' if attention == 'mla' else ''}_s"
+
+
+def tp_step_dispatch_s(n_layers: int, gas: int, mode: str, attention: str, calib: Calibration) -> float | None:
+    """Host seconds to issue a tensor-parallel step of ``n_layers`` blocks and ``gas`` micro-batches from the parts
+    ``scaletool calibrate`` measured on its host, g·(L·b + h) + L·u + c; None where the calibration has not all four."""
+    ov = calib.overheads
+    got = [ov.get(tp_step_key(part, mode, attention)) for part in TP_STEP_PARTS]
+    if any(v is None for v in got):
+        return None
+    b, h, u, c = got
+    return max(0.0, gas * (n_layers * b + h) + n_layers * u + c)
+
+
 def block_dispatch_s(attention: str, moe: bool, autocast: bool, calib: Calibration) -> float:
     """Host seconds to issue one eager block's forward and backward for an engine that computes under autocast
     (``autocast``) or on 16-bit weights; the closest measured figure (the attention's, then MHA's, then the

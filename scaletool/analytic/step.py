@@ -18,7 +18,7 @@ from scaletool.analytic.engines import kind_with_forms
 from scaletool.analytic.float8 import CAST_BYTES_PER_ELEMENT, fp8_gemm, swapped_shapes
 from scaletool.analytic.float8 import cast_bytes as fp8_cast_bytes
 from scaletool.analytic.flops import attention_flops_per_token, flops_per_token, gemm_shapes
-from scaletool.analytic.host import eager_dispatch_s, tp_overhead_key
+from scaletool.analytic.host import eager_dispatch_s, tp_overhead_key, tp_step_dispatch_s
 from scaletool.analytic.memory import compile_scope
 from scaletool.analytic.network import group_seconds, per_node_of
 from scaletool.analytic.params import param_counts
@@ -33,7 +33,7 @@ CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-bat
 #: the model's median |error| in tokens/s per GPU over the committed dense bf16 GPU runs (`scaletool calibrate
 #: --validate`; README and docs/prediction.md state it, tests/cli/test_one_answer_80_columns.py keeps it in step):
 #: predictions closer than this do not settle which layout is faster
-MEDIAN_ABS_ERROR = 0.028
+MEDIAN_ABS_ERROR = 0.027
 
 
 #: What the step model says of a compile scope (memory.compile_scope) beside its figures
@@ -57,8 +57,14 @@ def _compute(local: ModelConfig, cfg: ModelConfig, kind: EngineKind, tokens: int
     shapes = gemm_shapes(local, tokens)
     heads = ("lm_head", "head")
 
+    elem = 4 if local.dtype == "fp32" else 2
+
     def rate(name, m, n, k):
-        return calib.gemm_rate_fp8(m, n, k) if float8 != "none" and fp8_gemm(name, n, k) else calib.gemm_rate(m, n, k)
+        if float8 != "none" and fp8_gemm(name, n, k):
+            return calib.gemm_rate_fp8(m, n, k)
+        # a dimension off 16 bytes (GPT-2's 50,257-token head): eager cuBLAS leaves its fast kernels, Inductor pads
+        return calib.gemm_rate(m, n, k) * calib.unaligned_factor(m, n, k, compiled and not (head_eager and name in heads),
+                                                                 elem)
 
     fwd_blocks = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name not in heads)
     fwd_head = sum(2 * m * n * k * c / rate(name, m, n, k) for name, m, n, k, c in shapes if name in heads)
@@ -122,11 +128,16 @@ def _tp_dispatch(local: ModelConfig, tp: int, gas: int, compiled: bool, async_tp
     8 sequences per rank: yes; Llama-3-8B layers at T=8192: no). Per block, by attention family (MLA's
     latent path has more ops) and mode (per-block compile fuses the element-wise ones away). Calibrated with
     FSDP2 over the one-rank data mesh; ``pure`` (tensor parallelism over every rank, which now runs without
-    FSDP2) takes those hooks' share per block off."""
+    FSDP2) takes those hooks' share per block off. Where the calibration holds its host's measured step parts
+    (``scaletool calibrate --gpus 2 --recipe R``: TP over every rank, :func:`scaletool.analytic.host.tp_step_dispatch_s`)
+    those stand instead, FSDP2's hooks added per block and micro-batch where data-parallel ranks shard."""
     if tp == 1:
         return 0.0
     ov = calib.overheads
     mode = "compiled" if compiled else "eager"
+    measured = tp_step_dispatch_s(local.n_layers, gas, mode, local.attention, calib)
+    if measured is not None:
+        return measured + (0.0 if pure else gas * local.n_layers * ov.get("tp_fsdp1_hooks_block_s", 0.0))
     key = f"tp_{mode}_block{'_mla' if local.attention == 'mla' else ''}_s"
     per_block = ov.get(key, ov.get(f"tp_{mode}_block_s", 0.0))
     if pure:

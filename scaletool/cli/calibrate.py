@@ -171,6 +171,7 @@ def _print_calibration(cal: dict, out: Path) -> None:
     from rich.markup import escape
 
     from scaletool.analytic.calibration import ALIBI_KEY
+    from scaletool.analytic.host import TP_STEP_PARTS
 
     con = console()
     g = cal["gemm_tflops"]
@@ -209,6 +210,15 @@ def _print_calibration(cal: dict, out: Path) -> None:
                         if mode in tp)
         con.print(f"tensor-parallel block issue time (TP {tp['tensor_parallel']}, per micro-batch): {per} per block",
                   highlight=False)
+        for mode in ("eager", "compiled"):
+            step = tp.get(mode, {}).get("step")
+            if step:  # g·(L·block + head) + L·update_block + update, TP over both ranks
+                con.print(f"tensor-parallel step ({mode}): " + ", ".join(
+                    f"{part} {step[part]['value'] * 1e3:.3g} ms" for part in TP_STEP_PARTS), highlight=False)
+    odd = m.get("gemm_unaligned")
+    if odd:
+        con.print(f"GEMMs off 16-byte alignment: {cal['gemm_unaligned']['eager']:.3g} of the curve eager "
+                  f"({len(odd)} shape(s))", highlight=False)
     con.print(f"wrote {out}", highlight=False)
 
 

@@ -10,8 +10,12 @@ the recipe's engine (FSDP2 over a one-rank data mesh × TP over ``tp`` ranks, as
 figures run it), one sequence of at most 128 tokens, forward + loss + backward in a loop that waits on the device
 only at its end, at 1 and 3 blocks; the difference per block is the issue time (embedding, head and loss cancel).
 
-Keys (:func:`scaletool.analytic.host.tp_overhead_key`): ``tp_eager_microbatch_block[_mla]_s`` and
-``tp_compiled_microbatch_block[_mla]_s``, read by :func:`scaletool.analytic.step.tp_microbatch_dispatch` for pipeline stages.
+Keys: ``tp_<eager|compiled>_microbatch_block[_mla]_s`` (:func:`scaletool.analytic.step.tp_microbatch_dispatch`,
+pipeline stages). The whole step (:func:`probe_step`, TP over all ``tp`` ranks, no FSDP2, the engine's ``train_step``
+at 1 and 3 blocks × 1 and 2 micro-batches): t(L, g) = g·(L·b + h) + L·u + c, per block and micro-batch (b), per
+micro-batch besides the blocks (h), per block and step (u: clipping, AdamW on DTensors), per step (c); keys
+``tp_<mode>_step_<block|head|update_block|update>[_mla]_s``, read by :func:`scaletool.analytic.step._tp_dispatch`
+in place of the fitted whole-step figures.
 """
 from __future__ import annotations
 
@@ -19,13 +23,14 @@ import json
 import os
 import tempfile
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from scaletool.analytic.host import tp_overhead_key
+from scaletool.analytic.host import TP_STEP_PARTS, tp_overhead_key, tp_step_key
 from scaletool.predict.calibrate_host import BLOCKS, MAX_TOKENS, timed_loop
 from scaletool.stats import spread
 
@@ -43,6 +48,13 @@ def probe_recipe(recipe, n_layers: int, tp: int, compiled: bool):
     return recipe.model_copy(update={"model": model, "train": t, "parallel": p})
 
 
+def step_probe_recipe(recipe, n_layers: int, tp: int, compiled: bool):
+    """The recipe as :func:`probe_step` builds it: tensor parallelism over all ``tp`` ranks without FSDP2, ``n_layers``
+    blocks, one sequence a micro-batch, the recipe's optimizer and clipping."""
+    r = probe_recipe(recipe, n_layers, tp, compiled)
+    return r.model_copy(update={"parallel": r.parallel.model_copy(update={"fsdp_on_one_rank": False})})
+
+
 def _timed(engine, tokens: torch.Tensor, device: torch.device) -> list[float]:
     """Seconds per forward + backward, REPS samples of INNER iterations (WARMUP first, compile included), the
     ranks starting each sample together."""
@@ -53,6 +65,52 @@ def _timed(engine, tokens: torch.Tensor, device: torch.device) -> list[float]:
             loss.backward()
 
     return timed_loop(once, device, INNER, dist.barrier)
+
+
+def _solve(a1: float, b1: float, a2: float, b2: float) -> dict[str, float]:
+    """b, h, u, c of t(L, g) = g·(L·b + h) + L·u + c from t at (1, 1), (3, 1), (1, 2), (3, 2) blocks and micro-batches."""
+    lo, hi = BLOCKS
+    d1, d2 = (b1 - a1) / (hi - lo), (b2 - a2) / (hi - lo)  # g·b + u at g = 1 and 2
+    b = d2 - d1
+    u, h = d1 - b, (a2 - a1) - lo * b
+    return {"block": b, "head": h, "update_block": u, "update": a1 - lo * (b + u) - h}
+
+
+def step_parts(t: dict) -> dict[str, dict]:
+    """Each part of the step (:func:`_solve`) from samples ``t[(L, g)]`` at L = 1, 3 and g = 1, 2: ``value`` from the
+    four cells' medians; p10, p90 and n of the part solved sample by sample (samples paired in order)."""
+    lo, hi = BLOCKS
+    cells = [t[(lo, 1)], t[(hi, 1)], t[(lo, 2)], t[(hi, 2)]]
+    value = _solve(*(spread(c).median for c in cells))
+    paired = [_solve(*x) for x in zip(*cells)]
+    out = {}
+    for part in TP_STEP_PARTS:
+        s = spread([x[part] for x in paired])
+        out[part] = {"value": value[part], "p10": s.p10, "p90": s.p90, "n": s.n}
+    return out
+
+
+def probe_step(recipe, env, tp: int, mode: str, tokens: torch.Tensor) -> dict:
+    """Host seconds of a whole tensor-parallel step's parts (:func:`step_parts`: value, p10, p90, n each) on this
+    rank, timed through the engine's ``train_step``; every rank of the ``tp``-rank group calls it together."""
+    from scaletool.engines import make_engine
+
+    samples = {}
+    for L in BLOCKS:
+        engine = make_engine(step_probe_recipe(recipe, L, tp, mode == "compiled"), env)
+        for g in (1, 2):
+            samples[(L, g)] = timed_loop(partial(engine.train_step, [(tokens, tokens)] * g, recipe.train.lr),
+                                         env.device, INNER, dist.barrier)
+        del engine
+        torch._dynamo.reset()
+    parts = step_parts(samples)
+    return {part: v | {"key": tp_step_key(part, mode, recipe.model.attention)} for part, v in parts.items()} \
+        | {"step_s": {f"{L} blocks x {g}": sorted(v) for (L, g), v in samples.items()}}
+
+
+def _stats(values: list[float]) -> dict:
+    s = spread(values)
+    return {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n}
 
 
 def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
@@ -73,10 +131,9 @@ def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
             torch._dynamo.reset()
         lo, hi = BLOCKS
         per_block = [(b - a) / (hi - lo) for a, b in zip(times[lo], times[hi])]
-        s = spread(per_block)
-        result[mode] = {"block_s": {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n},
-                        "iteration_s": {str(L): sorted(v) for L, v in times.items()},
-                        "key": tp_overhead_key(mode, recipe.model.attention)}
+        result[mode] = {"block_s": _stats(per_block), "iteration_s": {str(L): sorted(v) for L, v in times.items()},
+                        "key": tp_overhead_key(mode, recipe.model.attention),
+                        "step": probe_step(recipe, env, tp, mode, tokens)}
     return {"tokens": T, "blocks": list(BLOCKS), "tensor_parallel": tp, **result}
 
 
@@ -112,5 +169,10 @@ def measure_tp_dispatch(recipe, tp: int = 2, modes: tuple[str, ...] | None = Non
 
 def overheads_from(measured: dict) -> dict:
     """The calibration's overhead entries a :func:`measure_tp_dispatch` result gives."""
-    return {m["key"]: max(0.0, round(m["block_s"]["median"], 6))
-            for m in measured.values() if isinstance(m, dict) and "key" in m}
+    out = {}
+    for m in measured.values():
+        if isinstance(m, dict) and "key" in m:
+            out[m["key"]] = max(0.0, round(m["block_s"]["median"], 6))
+            # the step's parts; one below zero (noise around a part the host barely spends) read as zero
+            out |= {p["key"]: max(0.0, round(p["value"], 6)) for p in m.get("step", {}).values() if "key" in p}
+    return out
