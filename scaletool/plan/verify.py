@@ -198,6 +198,8 @@ def outcome_line(v: dict) -> str:
                   f"{v['rel_error_tokens_per_s']:+.1%}"
     if v["measured_peak_memory_bytes"]:
         line += f"; {v['measured_peak_memory_bytes'] / 2**30:.2f} GiB, estimate {v['rel_error_memory']:+.1%}"
+    if v.get("alloc_retries"):  # the card was full: the allocator freed its cache and retried, each time a sync
+        line += f"; the allocator retried {v['alloc_retries']:,} times (the card full: slower than predicted)"
     return line
 
 
@@ -232,6 +234,7 @@ def _verified(row: dict, ranks: int, doc: dict | None, why: str | None, command:
             "measured_tokens_per_s": rate, "rel_error_tokens_per_s": rel_error(predicted, rate["median"]) if rate else None,
             "predicted_memory_bytes": row["memory_bytes"], "measured_peak_memory_bytes": peak,
             "rel_error_memory": rel_error(row["memory_bytes"], peak) if peak else None,
+            "alloc_retries": ((doc or {}).get("memory") or {}).get("alloc_retries"),
             "status": status or (doc or {}).get("status") or "failed", "message": why, "command": command}
 
 

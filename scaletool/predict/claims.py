@@ -18,6 +18,7 @@ OUTSIDE = {
     "tp_local_ops": "parallel.tp_local_ops: charged the DTensor plan's host dispatch",
     "pipeline_tp": ("TP inside pipeline stages: host-bound slots set by one host's DTensor issue time (hosts "
                     "differ up to 1.6x); a host-bound stage's fill and drain not modelled"),
+    "allocator": "the card full: the allocator freed its cache and retried (recorded cudaMalloc retries), not modelled",
 }
 
 
@@ -25,7 +26,8 @@ def outside(row: dict) -> str | None:
     """The key of :data:`OUTSIDE` that keeps this run out of the model's claims, or None."""
     checks = (("host", row["predicted_step_s"] < HOST_BOUND_S), ("float8", row["float8"] != "none"),
               ("capacity", row["moe_dispatch"] == "capacity"), ("async_tp", row["async_tp"]),
-              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)))
+              ("tp_local_ops", row["tp_local_ops"]), ("pipeline_tp", row.get("pipeline_tp", False)),
+              ("allocator", bool(row.get("alloc_retries"))))
     return next((key for key, hit in checks if hit), None)
 
 

@@ -210,7 +210,8 @@ def validate(paths: list[Path] | None = None, calibration: str | Calibration | N
                          "attention": recipe.model.attention, "measured_tokens_per_s_per_gpu": measured,
                          "predicted_tokens_per_s_per_gpu": pred["tokens_per_s_per_gpu"],
                          "rel_error": pred["tokens_per_s_per_gpu"] / measured - 1, "bound": pred["bound"],
-                         "predicted_step_s": pred["step_s"]})
+                         "predicted_step_s": pred["step_s"],
+                         "alloc_retries": (r.get("memory") or {}).get("alloc_retries") or 0})
             rows[-1]["outside"] = outside(rows[-1])
     return {"runs": rows, "skipped": skipped, "duplicates": duplicates, "summary": summarize(rows)}
 

@@ -60,6 +60,8 @@ def rank_report(env: DistEnv, sampler: NvmlSampler, since: float | None, residen
         "run_peak_allocated_bytes": max(window, before_window_peak or 0) if cuda else None,
         "resident_bytes": resident,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(env.device) if cuda else None,
+        # the run's cudaMalloc retries: the allocator found the card full, freed its cache and tried again (slow)
+        "alloc_retries": int(torch.cuda.memory_stats(env.device).get("num_alloc_retries", 0)) if cuda else None,
         "nvml": sampler.summary(since),
         "threads": threads,
         "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -153,11 +155,13 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
                "memory/resident_bytes": most("resident_bytes"), "memory/analytic_bytes": est["total_bytes"],
                "memory/analytic_rel_error": rel(peak_alloc),
                # the whole run's peak (build and warm-up steps too), which is what the estimate models
-               "memory/run_peak_allocated_bytes": run_peak, "memory/analytic_rel_error_run": rel(run_peak)}
+               "memory/run_peak_allocated_bytes": run_peak, "memory/analytic_rel_error_run": rel(run_peak),
+               "memory/alloc_retries": most("alloc_retries")}
     section = {"measured_peak_allocated_bytes": peak_alloc, "measured_run_peak_allocated_bytes": run_peak,
+               "alloc_retries": most("alloc_retries"),
                "analytic": est, "rel_error": rel(peak_alloc), "rel_error_run": rel(run_peak),
                "per_rank": [{**{k: x.get(k) for k in ("rank", "peak_allocated_bytes", "run_peak_allocated_bytes",
-                                                     "peak_reserved_bytes", "resident_bytes")},
+                                                     "peak_reserved_bytes", "resident_bytes", "alloc_retries")},
                              **({"stage_estimate_bytes": stages[x["rank"] // dp]["total_bytes"]}
                                 if stages and x.get("rank") is not None else {})}
                             for x in r.reports]}

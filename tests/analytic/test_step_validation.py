@@ -11,13 +11,13 @@ from scaletool.predict.validation import summarize, validate
 
 # docs/prediction.md: achieved, rounded up a little
 TOLERANCE = {  # (median |error|, worst |error|)
-    # every committed dense bf16 run, H100 and H200 (296 runs: 2.7%, 39.4%: TP 2 eager over FSDP2's one-rank mesh
+    # every committed dense bf16 run, H100 and H200 (297 runs: 2.7%, 39.4%: TP 2 eager over FSDP2's one-rank mesh
     # on a host whose DTensor dispatch ran 1.6x faster than the host its per-block figures were fitted on)
     "dense": (0.04, 0.41),
-    "dense but ZeRO-3": (0.04, 0.41),  # 276 runs: 2.6%, 39.4%, the same TP 2 run
+    "dense but ZeRO-3": (0.04, 0.41),  # 277 runs: 2.6%, 39.4%, the same TP 2 run
     "ZeRO-3": (0.07, 0.39),  # DeepSpeed ZeRO-3, its defaults and scaletool's (17 runs: 6.7%, 37.7%)
     "H100": (0.035, 0.19),   # the card the model was fitted on (76 runs: 2.7%, 13.9%)
-    # compiled single, FSDP2 and TP (182 runs: 2.3%, 23.4%: Phi-3-mini's FSDP2 at mb 12, out of sample, run at the
+    # compiled single, FSDP2 and TP (183 runs: 2.3%, 23.4%: Phi-3-mini's FSDP2 at mb 12, out of sample, run at the
     # allocator's limit, reserved 138.0 of 139.8 GiB; then TP=2 over FSDP2's one-rank mesh, host-bound, 20.1%)
     "compiled": (0.055, 0.24),
     # tensor parallelism, eager and compiled, 1B and Llama-3-8B layers (15 runs: 7.7%, 39.4%: the two runs of
@@ -45,7 +45,7 @@ def _check(rows, key):
 def test_the_runs_outside_the_model_are_those_its_failure_list_names(runs):
     """Each run the model does not claim carries its reason, and the summary's ``modelled`` is the rest."""
     reasons = {r["outside"] for r in runs}
-    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops", "pipeline_tp"}
+    assert reasons == {None, "host", "float8", "capacity", "async_tp", "tp_local_ops", "pipeline_tp", "allocator"}
     out = validate()["summary"]
     assert out["modelled"]["n"] == sum(1 for r in runs if r["outside"] is None)
     assert sum(s["n"] for s in out["outside"].values()) == sum(1 for r in runs if r["outside"])
@@ -65,7 +65,7 @@ def _host_bound(r) -> bool:
 
 def test_error_distribution_within_the_stated_tolerance(runs):
     dense = [r for r in runs if not r["moe"] and not r["async_tp"] and r["float8"] == "none" and not r["tp_local_ops"]
-             and not r["pipeline_tp"]
+             and not r["pipeline_tp"] and not r["alloc_retries"]
              and not _host_bound(r)]
     _check(dense, "dense")
     _check([r for r in dense if "ZeRO-3" not in r["engine"]], "dense but ZeRO-3")

@@ -1,6 +1,5 @@
-"""A GEMM off 16-byte alignment (GPT-2's 50,257-token head) at its measured share of the curve, eager and compiled
-(`analytic.calibration.UNALIGNED_GEMM`: 4.5-6x slower eager on an H200; GPT-2 XL's DDP at one GPU was over-predicted
-by 19% before); and a tensor-parallel step from the parts `scaletool calibrate` measures on its host."""
+"""A GEMM off 16-byte alignment (GPT-2's 50,257-token head) at its measured share of the curve; a tensor-parallel
+step from the parts `scaletool calibrate` measures on its host."""
 from __future__ import annotations
 
 import pytest

@@ -420,3 +420,15 @@ def test_layouts_predicted_within_the_models_error_are_said_to_be_unordered():
     assert len(plan["within_error"]) > 1  # ZeRO-1 and ZeRO-2 are predicted alike: never ordered by the model
     (note,) = [n for n in plan["notes"] if "does not settle their order" in n]
     assert note.startswith(", ".join(f"#{r}" for r in plan["within_error"]))
+
+
+def test_a_verified_run_whose_allocator_retried_says_so_and_is_not_claimed():
+    from scaletool.plan.verify import outcome_line
+    from scaletool.predict.claims import outside
+    v = {"rank": 3, "layout": "fsdp mb12", "status": "completed", "message": None, "rel_error_tokens_per_s": 0.35,
+         "measured_tokens_per_s": {"median": 17107, "p10": 16264, "p90": 17315, "n": 7},
+         "measured_peak_memory_bytes": 1 << 37, "rel_error_memory": -0.001}
+    assert "allocator" not in outcome_line(v) and "allocator retried 18 times" in outcome_line(v | {"alloc_retries": 18})
+    row = {"predicted_step_s": 1.0, "float8": "none", "moe_dispatch": None, "async_tp": False, "tp_local_ops": False}
+    assert outside(row) is None and outside(row | {"alloc_retries": 0}) is None
+    assert outside(row | {"alloc_retries": 18}) == "allocator"
