@@ -13,24 +13,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from scaletool.predict.calibrate import time_fn
 from scaletool.stats import spread
 
 VOCABS = (50257, 50304, 32064, 151936)
-
-
-def _seconds(fn, reps: int = 20, warmup: int = 5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return spread(out)
 
 
 def main() -> None:
@@ -47,7 +33,7 @@ def main() -> None:
             wrap = torch.compile if mode == "compiled" else (lambda f: f)
             gemms = {"fwd": (wrap(F.linear), x, w), "dgrad": (wrap(torch.mm), g, w), "wgrad": (wrap(torch.mm), g.t(), x)}
             for name, (fn, p, q) in gemms.items():
-                s = _seconds(partial(fn, p, q))
+                s = spread(time_fn(partial(fn, p, q), torch.device("cuda"), warmup=5, reps=20))
                 tflops = 2 * M * K * V / s.median / 1e12
                 res[f"V{V}-{mode}-{name}"] = {"median_s": s.median, "p10": s.p10, "p90": s.p90, "n": s.n, "tflops": tflops}
                 print(f"V={V:6d} {mode:8s} {name:5s} {tflops:7.1f} TFLOP/s (median {s.median * 1e3:.2f} ms, "
