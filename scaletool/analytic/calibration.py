@@ -66,6 +66,12 @@ def attention_at(entry, seq: int | None = None) -> float:
     return points[-1][1]
 
 
+def curve_rate(g: dict, m: float, n: float, k: float) -> float:
+    """FLOP/s of an (m×k)·(k×n) GEMM on a ``{"max_tflops", "half_dim"}`` curve: R·s/(s+h), s the smallest dimension."""
+    s = max(1.0, min(m, n, k))
+    return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Rates of one card (+ its interconnect). Rates are TFLOP/s and GB/s (10^9 bytes/s)."""
@@ -99,9 +105,7 @@ class Calibration:
 
     def gemm_rate(self, m: float, n: float, k: float) -> float:
         """FLOP/s of an (m×k)·(k×n) bf16 GEMM."""
-        s = max(1.0, min(m, n, k))
-        g = self.gemm_tflops
-        return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
+        return curve_rate(self.gemm_tflops, m, n, k)
 
     def unaligned_factor(self, m: float, n: float, k: float, compiled: bool, element_bytes: int = 2) -> float:
         """The share of :meth:`gemm_rate` a GEMM keeps where a dimension is not a multiple of 16 bytes' elements
@@ -116,8 +120,7 @@ class Calibration:
         g = self.gemm_fp8_tflops
         if not g:
             return FP8_OVER_BF16 * self.gemm_rate(m, n, k)
-        s = max(1.0, min(m, n, k))
-        return g["max_tflops"] * 1e12 * s / (s + g["half_dim"])
+        return curve_rate(g, m, n, k)
 
     def attention_rate(self, qk_dim: int, v_dim: int, seq: int | None = None, bias: bool = False) -> float:
         """FLOP/s (causal convention) of fused SDPA forward + backward at these head dims and sequence length.

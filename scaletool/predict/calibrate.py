@@ -14,7 +14,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from scaletool.analytic.calibration import ALIBI_KEY, COLLECTIVE_OPS, Calibration, calibration_for, shipped_calibration
+from scaletool.analytic.calibration import (
+    ALIBI_KEY,
+    COLLECTIVE_OPS,
+    Calibration,
+    calibration_for,
+    curve_rate,
+    shipped_calibration,
+)
 from scaletool.analytic.flops import gemm_shapes
 from scaletool.kinds.attention import position_kind
 from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from
@@ -189,8 +196,7 @@ def calibrate(device: torch.device, *, recipe=None, gpus: int = 1, command: str 
     curve = fit_gemm_curve(gemms)
     unaligned = [measure_gemm(m, n, k, device, dtype) for m, n, k in sorted(odd)]
     for g in unaligned:
-        s = min(g["m"], g["n"], g["k"])
-        g["share_of_curve"] = g["tflops"]["median"] / (curve["max_tflops"] * s / (s + curve["half_dim"]))
+        g["share_of_curve"] = g["tflops"]["median"] * 1e12 / curve_rate(curve, g["m"], g["n"], g["k"])
     cfg = recipe.model if recipe is not None else None
     heads, qk, v = (cfg.n_heads, cfg.qk_head_dim, cfg.v_dim) if cfg else (16, 128, 128)
     seq = (recipe.seq_len if recipe else 2048) if gpu else min(128, recipe.seq_len if recipe else 128)

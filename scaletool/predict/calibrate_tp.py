@@ -108,11 +108,6 @@ def probe_step(recipe, env, tp: int, mode: str, tokens: torch.Tensor) -> dict:
         | {"step_s": {f"{L} blocks x {g}": sorted(v) for (L, g), v in samples.items()}}
 
 
-def _stats(values: list[float]) -> dict:
-    s = spread(values)
-    return {"median": s.median, "p10": s.p10, "p90": s.p90, "n": s.n}
-
-
 def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
     """Per mode: host seconds per TP block and micro-batch (median, p10, p90, n) on this rank; every rank of the
     ``tp``-rank group calls it together."""
@@ -131,7 +126,7 @@ def probe(recipe, env, tp: int, modes: tuple[str, ...]) -> dict:
             torch._dynamo.reset()
         lo, hi = BLOCKS
         per_block = [(b - a) / (hi - lo) for a, b in zip(times[lo], times[hi])]
-        result[mode] = {"block_s": _stats(per_block), "iteration_s": {str(L): sorted(v) for L, v in times.items()},
+        result[mode] = {"block_s": spread(per_block).model_dump(), "iteration_s": {str(L): sorted(v) for L, v in times.items()},
                         "key": tp_overhead_key(mode, recipe.model.attention),
                         "step": probe_step(recipe, env, tp, mode, tokens)}
     return {"tokens": T, "blocks": list(BLOCKS), "tensor_parallel": tp, **result}
