@@ -10,12 +10,9 @@ the recipe's engine (FSDP2 over a one-rank data mesh × TP over ``tp`` ranks, as
 figures run it), one sequence of at most 128 tokens, forward + loss + backward in a loop that waits on the device
 only at its end, at 1 and 3 blocks; the difference per block is the issue time (embedding, head and loss cancel).
 
-Keys: ``tp_<eager|compiled>_microbatch_block[_mla]_s`` (:func:`scaletool.analytic.step.tp_microbatch_dispatch`,
-pipeline stages). The whole step (:func:`probe_step`, TP over all ``tp`` ranks, no FSDP2, the engine's ``train_step``
-at 1 and 3 blocks × 1 and 2 micro-batches): t(L, g) = g·(L·b + h) + L·u + c, per block and micro-batch (b), per
-micro-batch besides the blocks (h), per block and step (u: clipping, AdamW on DTensors), per step (c); keys
-``tp_<mode>_step_<block|head|update_block|update>[_mla]_s``, read by :func:`scaletool.analytic.step._tp_dispatch`
-in place of the fitted whole-step figures.
+Keys: ``tp_<mode>_microbatch_block[_mla]_s`` (pipeline stages), and from :func:`probe_step` (the engine's
+``train_step``, TP over all ranks, 1 and 3 blocks × 1 and 2 micro-batches: t(L, g) = g·(L·b + h) + L·u + c)
+``tp_<mode>_step_<block|head|update_block|update>[_mla]_s``, read in place of the fitted whole-step figures.
 """
 from __future__ import annotations
 
