@@ -105,14 +105,21 @@ def test_every_reader_sees_bundled_files_as_loose_ones(tmp_path):
     # the README lists the same files with the same summaries; a bundled one unlinked (the line above says where)
     text = (run / "README.md").read_text()
     assert text == readme.generate(run) and bench("readme", str(run), "--check").returncode == 0
-    assert "| a | ok | 2.0 | a.json |" in text and "`abc123` (runner's record; clean tree)" in text
-    assert "| a.json | JSON, keys: title, x |" in text and "an unlinked file is in it" in text
+    assert "| a | ok | 2.0 | a.json |" in text and "`abc123` (runner's; clean tree)" in text
+    assert "| a.json | JSON, keys: title, x |" in text and "An unlinked file is in [records.jsonl.xz]" in text
     assert "| [sub/table.md](sub/table.md) | 1 lines: | a | |" not in text  # a cell's '|' is escaped
     assert "| [sub/table.md](sub/table.md) | 1 lines: \\| a \\| |" in text
-    for row in readme_loose.splitlines():
-        if row.startswith("| [") and "table.md" not in row and "calibration" not in row:
-            rel = row[3:row.index("]")]
-            assert row.replace(f"[{rel}]({rel})", rel) in text
+    # the first readme.LISTED bundled files are described, the rest counted (7 bundled here)
+    bundled = [row for row in readme_loose.splitlines()
+               if row.startswith("| [") and "table.md" not in row and "calibration" not in row]
+    assert len(bundled) == 7 and readme.LISTED < 7
+    for row in bundled[:readme.LISTED]:
+        rel = row[3:row.index("]")]
+        assert row.replace(f"[{rel}]({rel})", rel) in text
+    for row in bundled[readme.LISTED:]:
+        rel = row[3:row.index("]")]
+        assert rel not in text
+    assert text.endswith(f"| … | {7 - readme.LISTED} more in records.jsonl.xz |\n")
 
 
 def test_a_bundled_result_is_done_for_the_runner_and_an_input_for_a_study(tmp_path):
