@@ -33,7 +33,7 @@ CAST_BYTES_PER_PARAM = 6  # fp32 weight read, 16-bit copy written, per micro-bat
 #: the model's median |error| in tokens/s per GPU over the committed dense bf16 GPU runs (`scaletool calibrate
 #: --validate`; README and docs/prediction.md state it, tests/cli/test_one_answer_80_columns.py keeps it in step):
 #: predictions closer than this do not settle which layout is faster
-MEDIAN_ABS_ERROR = 0.027
+MEDIAN_ABS_ERROR = 0.028
 
 
 #: What the step model says of a compile scope (memory.compile_scope) beside its figures
