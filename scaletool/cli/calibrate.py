@@ -214,7 +214,9 @@ def _print_calibration(cal: dict, out: Path) -> None:
             step = tp.get(mode, {}).get("step")
             if step:  # g·(L·block + head) + L·update_block + update, TP over both ranks
                 con.print(f"tensor-parallel step ({mode}): " + ", ".join(
-                    f"{part} {step[part]['value'] * 1e3:.3g} ms" for part in TP_STEP_PARTS), highlight=False)
+                    f"{part} {step[part]['value'] * 1e3:.3g} ms" for part in TP_STEP_PARTS)
+                    + (f"; not written, {step['unresolved']}: the fitted figures stand" if "unresolved" in step else ""),
+                    highlight=False)
     odd = m.get("gemm_unaligned")
     if odd:
         con.print(f"GEMMs off 16-byte alignment: {cal['gemm_unaligned']['eager']:.3g} of the curve eager "

@@ -9,7 +9,7 @@ from scaletool.analytic.flops import gemm_shapes
 from scaletool.analytic.host import TP_STEP_PARTS, tp_step_dispatch_s, tp_step_key
 from scaletool.analytic.step import predict_step
 from scaletool.config import RecipeError, load_recipe
-from scaletool.predict.calibrate_tp import _solve, step_parts
+from scaletool.predict.calibrate_tp import _solve, overheads_from, step_parts, unresolved
 
 
 def _head_s(cal, recipe, tokens: int) -> float:
@@ -66,3 +66,23 @@ def test_measured_step_parts_replace_the_fitted_tp_figure():
     assert predict_step(r, cal, world_size=2)["terms"]["tp_dispatch_s"] != pytest.approx(pure)  # the fitted figure
     partial = type(cal)(**{**vars(cal), "overheads": cal.overheads | {tp_step_key("block", "eager", "mla"): 0.01}})
     assert tp_step_dispatch_s(L, 2, "eager", "mla", partial) is None
+
+
+def test_step_parts_not_told_apart_from_the_noise_are_recorded_not_written():
+    """A part whose lower decile is below zero (on 2 H200s, each mode had one) leaves the fitted figures standing."""
+    b, h, u, c = 0.02, 0.05, 0.003, 0.04
+    clean = {(L, g): [g * (L * b + h) + L * u + c + e for e in (-1e-5, 0.0, 1e-5)] for L in (1, 3) for g in (1, 2)}
+    noisy = {k: [v[0] - 0.1, v[1], v[2] + 0.1] for k, v in clean.items()}  # update's p10 far below zero
+    assert unresolved(step_parts(clean)) is None
+    why = unresolved(step_parts(noisy))
+    assert why.startswith("not resolved from the noise: ") and "update" in why
+
+    def measured(t):
+        parts = {p: v | {"key": tp_step_key(p, "eager", "mla")} for p, v in step_parts(t).items()}
+        why = unresolved(parts)
+        return {"eager": {"key": "tp_eager_microbatch_block_mla_s", "block_s": {"median": 0.01},
+                          "step": parts | ({"unresolved": why} if why else {})}}
+
+    written = overheads_from(measured(clean))
+    assert written["tp_eager_step_head_mla_s"] == pytest.approx(h, abs=1e-6)
+    assert overheads_from(measured(noisy)) == {"tp_eager_microbatch_block_mla_s": 0.01}
