@@ -76,8 +76,8 @@ def estimate(recipe: RecipeLike, *, overrides: Sequence[str] = (), settings: Map
 def _pipeline_estimate(r, est: dict, hardware: str | None) -> None:
     """``est`` with the recipe's memory row as its largest pipeline stage's (also a row of the engine table, beside
     the stage's rows without and with full checkpointing) and the ``pipeline`` block
-    (:func:`scaletool.analytic.pipeline.pipeline_estimate`)."""
-    from scaletool.analytic.pipeline import pipeline_estimate
+    (:func:`scaletool.analytic.pipeline_time.pipeline_estimate`)."""
+    from scaletool.analytic.pipeline_time import pipeline_estimate
 
     world = est["memory"]["world_size"]
     calib = None

@@ -170,6 +170,16 @@ def test_no_function_is_longer_than_about_80_lines():
     assert long_functions() == []
 
 
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_longer_than_500_lines():
+    """A module past 500 lines splits by what its parts answer (analytic.pipeline: the split and memory;
+    analytic.pipeline_time: the step)."""
+    assert [f"{name}: {n} lines" for name, path in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES] == []
+
+
 # ---------------------------------------------------------------------------------------------
 # What runs at import time: cycles, torch-free rooms, the model free of distributed code
 

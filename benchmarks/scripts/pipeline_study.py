@@ -61,7 +61,8 @@ def runs(models: list[str], seqs: int = 1, gpus: int = 4, only: tuple[str, ...] 
 
 
 def predicted(model: str, sets: list[str], gpus: int = 4) -> dict:
-    from scaletool.analytic.pipeline import pipeline_step, stage_memory
+    from scaletool.analytic.pipeline import stage_memory
+    from scaletool.analytic.pipeline_time import pipeline_step
     from scaletool.config import load_recipe
     from scaletool.predict.prediction import calibration_for_device, predict
 

@@ -58,7 +58,7 @@ def predict(recipe: Recipe, calibration: Calibration, world_size: int, gpus_per_
     """The step-time model's prediction for the recipe as configured (its compile setting included); a pipeline's
     bubble as torch realises its schedule, or as designed (``designed_bubble``: another project's runs)."""
     if recipe.parallel.pipeline_parallel > 1:  # pipeline stages: analytic.pipeline's per-rank model
-        from scaletool.analytic.pipeline import pipeline_step
+        from scaletool.analytic.pipeline_time import pipeline_step
         return pipeline_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,
                              compiled=recipe.train.compile, designed_bubble=designed_bubble)
     return predict_step(recipe, calibration, world_size=world_size, gpus_per_node=gpus_per_node,

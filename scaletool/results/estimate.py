@@ -140,7 +140,7 @@ class EstimateResult(Result):
     #: card; null, with null figures and bound "does not fit", where none does), step_s, tokens_per_s(_per_gpu),
     #: mfu, hfu, bound
     prediction: Part | None = None
-    #: pipeline stages (parallel.pipeline_parallel > 1; scaletool.analytic.pipeline.pipeline_estimate): the split,
+    #: pipeline stages (parallel.pipeline_parallel > 1; scaletool.analytic.pipeline_time.pipeline_estimate): the split,
     #: per-stage blocks, memory and in-flight micro-batches, the bubble, the stages that bound memory and the step
     pipeline: Part | None = None
 

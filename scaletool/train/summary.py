@@ -141,7 +141,7 @@ def _memory(r: RunRecord) -> tuple[dict, dict]:
     # under pipeline stages the largest stage's, and each rank beside its own stage's
     stages, dp = [], 1
     if r.recipe.parallel.pipeline_parallel > 1:
-        from scaletool.analytic.pipeline import pipeline_estimate
+        from scaletool.analytic.pipeline_time import pipeline_estimate
         est, block = pipeline_estimate(r.recipe, r.env.world_size)
         stages = block["stages"]
         dp = r.env.world_size // r.recipe.parallel.pipeline_parallel  # ranks pipeline-outermost: stage rank // dp

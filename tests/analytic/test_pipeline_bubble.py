@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scaletool.analytic.calibration import shipped_calibration
-from scaletool.analytic.pipeline import bubble_fraction, pipeline_step
+from scaletool.analytic.pipeline import bubble_fraction
+from scaletool.analytic.pipeline_time import pipeline_step
 from scaletool.config import load_recipe
 from scaletool.kinds.pipeline import schedule_kind
 

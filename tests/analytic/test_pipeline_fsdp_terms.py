@@ -10,7 +10,8 @@ import pytest
 from scaletool.analytic.calibration import shipped_calibration
 from scaletool.analytic.memory import recipe_memory
 from scaletool.analytic.params import param_counts
-from scaletool.analytic.pipeline import layer_params, pipeline_step, rank_layers, stage_memory, stage_split
+from scaletool.analytic.pipeline import layer_params, rank_layers, stage_memory, stage_split
+from scaletool.analytic.pipeline_time import pipeline_step
 from scaletool.analytic.timeline import _activation_bytes_per_token_per_layer
 from scaletool.config import load_recipe
 

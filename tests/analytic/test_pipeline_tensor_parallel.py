@@ -15,14 +15,8 @@ from scaletool import api
 from scaletool.analytic.calibration import shipped_calibration
 from scaletool.analytic.comm import tensor_parallel_config, tensor_parallel_replicated
 from scaletool.analytic.network import group_seconds
-from scaletool.analytic.pipeline import (
-    layer_activation_bytes,
-    layer_params,
-    pipeline_step,
-    rank_layers,
-    stage_memory,
-    stage_split,
-)
+from scaletool.analytic.pipeline import layer_activation_bytes, layer_params, rank_layers, stage_memory, stage_split
+from scaletool.analytic.pipeline_time import pipeline_step
 from scaletool.cli import main
 from scaletool.config import load_recipe
 

@@ -10,7 +10,7 @@ from conftest import run_cli
 
 from scaletool.analytic.calibration import load_calibration
 from scaletool.analytic.host import TP_STEP_PARTS, tp_step_dispatch_s, tp_step_key
-from scaletool.analytic.pipeline import pipeline_step
+from scaletool.analytic.pipeline_time import pipeline_step
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.predict.calibrate import REPS, fit_gemm_curve

@@ -10,7 +10,7 @@ import torch
 
 from scaletool.analytic.calibration import shipped_calibration
 from scaletool.analytic.host import block_dispatch_s, eager_dispatch_s, overhead_key
-from scaletool.analytic.pipeline import pipeline_step
+from scaletool.analytic.pipeline_time import pipeline_step
 from scaletool.analytic.step import predict_step
 from scaletool.config import load_recipe
 from scaletool.predict.calibrate_host import measure_block_dispatch, overheads_from, probe, probe_bytes
