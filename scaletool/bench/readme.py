@@ -200,11 +200,11 @@ def generate(run_dir: Path) -> str:
     if versions:
         lines.append("**Versions:** " + "; ".join(_cell(v, 60) for v in versions))
     if runs:
-        lines += ["", "| command | status | wall s | result |", "|---|---|---|---|"]
-        for r in runs:
+        lines += ["", "| command | status | wall s |", "|---|---|---|"]
+        for r in runs:  # its result file: the study's command says (runs.jsonl too)
             wall = _num(r.get("wall_s"))
             lines.append(f"| {_cell(r.get('command', '?'), 40)} | {_cell(r.get('status', '?'), 12)} | "
-                         f"{'' if wall is None else f'{wall:.1f}'} | {_cell(r.get('result', ''), 60)} |")
+                         f"{'' if wall is None else f'{wall:.1f}'} |")
     lines += ["", "| file | what it holds |", "|---|---|"]
     listed = 0
     for rel in files:

@@ -77,7 +77,7 @@ def test_readme_check_names_a_stale_readme_and_refuses_a_link(tmp_path):
     assert cli(str(run), "--check").returncode == 1
     assert cli(str(run)).returncode == 0 and cli(str(run), "--check").returncode == 0
     text = (run / "README.md").read_text()
-    assert "`abc123` (runner's; clean tree)" in text and "| a | ok | 1.5 | a.json |" in text
+    assert "`abc123` (runner's; clean tree)" in text and "| a | ok | 1.5 |" in text
     assert "\x1b" not in text
     (run / "README.md").unlink()
     (run / "README.md").symlink_to(tmp_path / "victim")
