@@ -98,12 +98,12 @@ def test_training_gives_autocasts_numbers_bit_for_bit(tmp_path, compiled):
         assert [k for k in a if not torch.equal(a[k], b[k])] == []
         return
     # compiled: the embedding backward on the CPU adds rows with atomics, in no fixed order, so two runs of the
-    # same recipe differ there by ~1e-9, and the layers that read the embedding's output inherit that in their
-    # last bits, run by run. A stale 16-bit copy (the defect this guards) moves weights by the order of the
-    # update, lr 3e-3: a thousand times the tolerance
-    assert step.history.loss == pytest.approx(base.history.loss, rel=1e-5, abs=0)
-    assert step.history.grad_norm == pytest.approx(base.history.grad_norm, rel=1e-5, abs=0)
-    assert [k for k in a if not torch.allclose(a[k], b[k], rtol=0, atol=3e-6)] == []
+    # same recipe differ in their last bits, and bf16 roundings that flip with them spread it: on a CI machine
+    # (2026-11-29) weights 3.7e-5 apart at most, a grad norm 1.6e-5. A stale 16-bit copy (the defect this guards;
+    # copies never refreshed, tried by hand) moved every weight tensor 3.6e-3 or more and the loss 5.7%
+    assert step.history.loss == pytest.approx(base.history.loss, rel=1e-3, abs=0)
+    assert step.history.grad_norm == pytest.approx(base.history.grad_norm, rel=1e-3, abs=0)
+    assert [k for k in a if not torch.allclose(a[k], b[k], rtol=0, atol=3e-4)] == []
 
 
 def test_a_resumed_run_refreshes_the_copies_from_the_checkpoint(tmp_path):
