@@ -194,7 +194,7 @@ def _assumptions(recipe: Recipe, kind, v_idle: int, m: int, crossing: float, dp:
             "host's issue time per block on every micro-batch: as `scaletool calibrate --gpus 2 --recipe R` measured "
             "it on its host where the calibration has it, else the fitted whole-step TP dispatch per block (its "
             "head, loss and optimizer folded in); PP 2 x TP 2 on 4 H200s ran 3-7% faster than predicted on the "
-            "machine that measured the H200 figure, 2-36% on two others (docs/prediction.md): not validated")
+            "host whose probe gave the H200 figure, 2-36% on two other hosts (docs/prediction.md): not validated")
     if ep > 1:
         assumptions.append(
             f"expert parallelism over {ep} ranks of each stage ({cfg.n_routed_experts // ep} experts each"

@@ -206,13 +206,14 @@ def generate(run_dir: Path) -> str:
             lines.append(f"| {_cell(r.get('command', '?'), 40)} | {_cell(r.get('status', '?'), 12)} | "
                          f"{'' if wall is None else f'{wall:.1f}'} |")
     lines += ["", "| file | what it holds |", "|---|---|"]
-    listed = 0
+    listed = more = 0
     for rel in files:
         if rel in ("runs.jsonl", PROVENANCE):
             continue
         rec = recs.get(rel)
         if rec is not None and rec.bundled and listed == LISTED:
-            continue  # counted below
+            more += 1  # counted, not described
+            continue
         if rec is not None and rec.bundled:
             listed += 1
             where = _cell(rel, 80)  # in the bundle (the line above the table says so); a loose file is linked
@@ -220,8 +221,6 @@ def generate(run_dir: Path) -> str:
             where = f"[{_cell(rel, 80)}]({_cell(rel, 200)})"
         what = summarise(Path(rel), _text(rec)) if rec is not None else _other(run_dir / rel)
         lines.append(f"| {where} | {what} |")
-    more = sum(1 for rel in files if rel not in ("runs.jsonl", PROVENANCE) and recs.get(rel) is not None
-               and recs[rel].bundled) - listed
     if more:
         lines.append(f"| … | {more} more in {records.BUNDLE} |")
     return "\n".join(lines) + "\n"

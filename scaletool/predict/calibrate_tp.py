@@ -94,7 +94,7 @@ def unresolved(parts: dict[str, dict]) -> str | None:
     H200s every mode of mla-1b and mha-1b had one, and the parts then predicted pure TP=2 runs −38.7% … +12.0%
     against −14.3% … +12.0% with the fitted figures: benchmarks/results/host-dispatch)."""
     below = [f"{part} {v['value'] * 1e3:.3g} ms (p10 {v['p10'] * 1e3:.3g})" for part, v in parts.items()
-             if part in TP_STEP_PARTS and v["p10"] < 0]
+             if v["p10"] < 0]
     return f"not resolved from the noise: {', '.join(below)}" if below else None
 
 
@@ -181,6 +181,5 @@ def overheads_from(measured: dict) -> dict:
             # the step's parts, where every one was told apart from the noise (else the fitted figures stand)
             step = m.get("step", {})
             if "unresolved" not in step:
-                out |= {p["key"]: max(0.0, round(p["value"], 6)) for p in step.values() if isinstance(p, dict)
-                        and "key" in p}
+                out |= {p["key"]: max(0.0, round(p["value"], 6)) for p in step.values() if "key" in p}
     return out
